@@ -4,7 +4,7 @@ One fast attention core (:func:`scaled_dot_product_attention`), the blog's class
 and tools to see and measure every claim about attention. ``import attnkit`` needs only torch.
 """
 
-from attnkit import masks
+from attnkit import complexity, masks
 from attnkit.attention import (
     Attention,
     MultiHeadAttention,
@@ -29,6 +29,7 @@ __all__ = [
     "ScaleDotProductAttention",
     "SelfAttention",
     "__version__",
+    "complexity",
     "masks",
     "merge_heads",
     "scaled_dot_product_attention",

@@ -106,9 +106,16 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         kdim = embed_dim if kdim is None else kdim
         vdim = kdim if vdim is None else vdim
-        _check_positive(embed_dim=embed_dim, num_heads=num_heads, kdim=kdim, vdim=vdim,
-                        hidden_dim=hidden_dim, out_dim=out_dim, num_kv_heads=num_kv_heads,
-                        window=window)
+        _check_positive(
+            embed_dim=embed_dim,
+            num_heads=num_heads,
+            kdim=kdim,
+            vdim=vdim,
+            hidden_dim=hidden_dim,
+            out_dim=out_dim,
+            num_kv_heads=num_kv_heads,
+            window=window,
+        )
         if hidden_dim % num_heads:
             raise ValueError(
                 f"hidden_dim ({hidden_dim}) must be divisible by num_heads ({num_heads})"
@@ -134,7 +141,9 @@ class MultiHeadAttention(nn.Module):
         self.dropout, self.causal, self.window, self.scale = dropout, causal, window, scale
         kv_hidden = num_kv_heads * self.head_dim
         if fused_qkv:
-            setattr(self, self.qkv_name, nn.Linear(embed_dim, hidden_dim + 2 * kv_hidden, bias=bias))
+            setattr(
+                self, self.qkv_name, nn.Linear(embed_dim, hidden_dim + 2 * kv_hidden, bias=bias)
+            )
         else:
             setattr(self, self.q_name, nn.Linear(embed_dim, hidden_dim, bias=bias))
             setattr(self, self.k_name, nn.Linear(kdim, kv_hidden, bias=bias))
@@ -172,8 +181,10 @@ class MultiHeadAttention(nn.Module):
                     f"kdim={self.kdim}, vdim={self.vdim}"
                 )
             if key.shape[:-1] != value.shape[:-1]:
-                raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ "
-                                 "in batch or length")
+                raise ValueError(
+                    f"key {tuple(key.shape)} and value {tuple(value.shape)} differ "
+                    "in batch or length"
+                )
             q = getattr(self, self.q_name)(query)  # (..., L, H*E)
             k = getattr(self, self.k_name)(key)  # (..., S, K*E)
             v = getattr(self, self.v_name)(value)  # (..., S, K*E)
@@ -229,12 +240,25 @@ class MultiHeadAttention(nn.Module):
         out_proj = getattr(self, self.out_name)
         if return_weights:
             out, weights = F_attn.scaled_dot_product_attention(
-                q, k, v, mask, causal=self.causal, window=self.window, scale=self.scale,
-                dropout_p=dropout_p, return_weights=True,
+                q,
+                k,
+                v,
+                mask,
+                causal=self.causal,
+                window=self.window,
+                scale=self.scale,
+                dropout_p=dropout_p,
+                return_weights=True,
             )
             return out_proj(merge_heads(out)), weights  # (B, L, out_dim), (B, H, L, S)
         out = F_attn.scaled_dot_product_attention(
-            q, k, v, mask, causal=self.causal, window=self.window, scale=self.scale,
+            q,
+            k,
+            v,
+            mask,
+            causal=self.causal,
+            window=self.window,
+            scale=self.scale,
             dropout_p=dropout_p,
         )  # (B, H, L, E)
         return out_proj(merge_heads(out))  # (B, L, out_dim)
@@ -268,14 +292,20 @@ class ScaleDotProductAttention(nn.Module):
         self.d_k = d_k
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None = None,
+        *,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Shape: q ``(..., L, E)``, k ``(..., S, E)``, v ``(..., S, Ev)`` -> ``(..., L, Ev)``."""
         scale = 1.0 / math.sqrt(self.d_k)
         if return_weights:
-            return F_attn.scaled_dot_product_attention(q, k, v, mask, scale=scale,
-                                                       return_weights=True)
+            return F_attn.scaled_dot_product_attention(
+                q, k, v, mask, scale=scale, return_weights=True
+            )
         return F_attn.scaled_dot_product_attention(q, k, v, mask, scale=scale)
 
 
@@ -294,7 +324,12 @@ class Attention(MultiHeadAttention):
         super().__init__(dim_in, 1, hidden_dim=dim_hidden, out_dim=dim_out)
 
     def forward(  # type: ignore[override]
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None = None,
+        *,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Shape: q ``(B, L, dim_in)``, k/v ``(B, S, dim_in)`` -> ``(B, L, dim_out)``."""
@@ -316,7 +351,11 @@ class SelfAttention(MultiHeadAttention):
         super().__init__(dim_in, 1, hidden_dim=dim_hidden, out_dim=dim_out, fused_qkv=True)
 
     def forward(  # type: ignore[override]
-        self, x: Tensor, mask: Tensor | None = None, *, return_weights: bool = False,
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Shape: x ``(B, L, dim_in)`` -> ``(B, L, dim_out)``."""
         return super().forward(x, mask=mask, return_weights=return_weights)
@@ -347,7 +386,12 @@ class MultiheadCrossAttention(MultiHeadAttention):
         return split_heads(linear_layer(tokens), self.num_heads)
 
     def forward(  # type: ignore[override]
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None = None,
+        *,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Shape: q ``(B, L, dim_in)``, k/v ``(B, S, dim_in)`` -> ``(B, L, dim_out)``."""
@@ -370,8 +414,9 @@ class MultiHeadSelfAttention(MultiHeadAttention):
     def __init__(
         self, in_dim: int, hidden_dim: int, out_dim: int, num_heads: int, causal: bool = False
     ) -> None:
-        super().__init__(in_dim, num_heads, hidden_dim=hidden_dim, out_dim=out_dim,
-                         fused_qkv=True, causal=causal)
+        super().__init__(
+            in_dim, num_heads, hidden_dim=hidden_dim, out_dim=out_dim, fused_qkv=True, causal=causal
+        )
 
     @property
     def dim_per_head(self) -> int:
@@ -379,7 +424,12 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         return self.head_dim
 
     def forward(  # type: ignore[override]
-        self, x: Tensor, mask: Tensor | None = None, *, return_weights: bool = False,
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Shape: x ``(B, N, in_dim)``, mask broadcastable to ``(B, H, N, N)`` -> ``(B, N, out_dim)``."""
+        """Shape: x ``(B, N, in_dim)``, mask broadcastable to ``(B, H, N, N)`` -> output
+        ``(B, N, out_dim)``."""
         return super().forward(x, mask=mask, return_weights=return_weights)

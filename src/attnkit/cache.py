@@ -39,8 +39,12 @@ class KVCache(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        sizes = {"batch_size": batch_size, "num_kv_heads": num_kv_heads, "capacity": capacity,
-                 "head_dim": head_dim}
+        sizes = {
+            "batch_size": batch_size,
+            "num_kv_heads": num_kv_heads,
+            "capacity": capacity,
+            "head_dim": head_dim,
+        }
         bad = {name: n for name, n in sizes.items() if n < 1}
         if bad:
             raise ValueError(f"KVCache sizes must be positive, got {bad}")
@@ -60,7 +64,7 @@ class KVCache(nn.Module):
             ValueError: If the new positions exceed the capacity, or shapes do not match.
         """
         B, K, L, E = k.shape
-        if (B, K, E) != (self.k.shape[0], self.k.shape[1], self.k.shape[3]) or v.shape != k.shape:
+        if (self.k.shape[0], self.k.shape[1], self.k.shape[3]) != (B, K, E) or v.shape != k.shape:
             raise ValueError(
                 f"KVCache holds (B, K, *, E)={tuple(self.k.shape[:2])}+(E={self.k.shape[3]}), "
                 f"got k={tuple(k.shape)}, v={tuple(v.shape)}"

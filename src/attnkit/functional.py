@@ -34,15 +34,33 @@ __all__ = ["scaled_dot_product_attention"]
 
 @overload
 def scaled_dot_product_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = ..., *, causal: bool = ...,
-    window: int | None = ..., segment_ids: Tensor | None = ..., key_lengths: Tensor | None = ...,
-    scale: float | None = ..., dropout_p: float = ..., return_weights: Literal[False] = ...,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = ...,
+    *,
+    causal: bool = ...,
+    window: int | None = ...,
+    segment_ids: Tensor | None = ...,
+    key_lengths: Tensor | None = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    return_weights: Literal[False] = ...,
 ) -> Tensor: ...
 @overload
 def scaled_dot_product_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = ..., *, causal: bool = ...,
-    window: int | None = ..., segment_ids: Tensor | None = ..., key_lengths: Tensor | None = ...,
-    scale: float | None = ..., dropout_p: float = ..., return_weights: Literal[True],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = ...,
+    *,
+    causal: bool = ...,
+    window: int | None = ...,
+    segment_ids: Tensor | None = ...,
+    key_lengths: Tensor | None = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    return_weights: Literal[True],
 ) -> tuple[Tensor, Tensor]: ...
 def scaled_dot_product_attention(
     q: Tensor,
@@ -103,11 +121,19 @@ def scaled_dot_product_attention(
     if structured and mask is None and not return_weights and S > 0:
         from attnkit import sparse
 
-        if hasattr(sparse, "should_use_block_sparse") and sparse.should_use_block_sparse(L, S, window=window, segment_ids=segment_ids,
-                                          key_lengths=key_lengths):
+        if hasattr(sparse, "should_use_block_sparse") and sparse.should_use_block_sparse(
+            L, S, window=window, segment_ids=segment_ids, key_lengths=key_lengths
+        ):
             return sparse.block_sparse_attention(
-                q, k, v, causal=causal, window=window, segment_ids=segment_ids,
-                key_lengths=key_lengths, scale=scale, dropout_p=dropout_p,
+                q,
+                k,
+                v,
+                causal=causal,
+                window=window,
+                segment_ids=segment_ids,
+                key_lengths=key_lengths,
+                scale=scale,
+                dropout_p=dropout_p,
             )
 
     # Fold causal/window/documents/padding into one bool constraint, unless plain causal can be
@@ -115,20 +141,28 @@ def scaled_dot_product_attention(
     is_causal = causal and not structured and mask is None and L == S and not return_weights
     constraint = None
     if not is_causal:
-        constraint = _structural_mask(q, L, S, causal=causal, window=window,
-                                      segment_ids=segment_ids, key_lengths=key_lengths)
+        constraint = _structural_mask(
+            q, L, S, causal=causal, window=window, segment_ids=segment_ids, key_lengths=key_lengths
+        )
     mask = _merge(mask, constraint, q.dtype)
 
     if return_weights or S == 0:
         out, weights = _explicit_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
         return (out, weights) if return_weights else out
-    return _fused_attention(q, k, v, mask, is_causal=is_causal, scale=scale,
-                            dropout_p=dropout_p, gqa=gqa)
+    return _fused_attention(
+        q, k, v, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, gqa=gqa
+    )
 
 
 def _structural_mask(
-    q: Tensor, L: int, S: int, *, causal: bool, window: int | None,
-    segment_ids: Tensor | None, key_lengths: Tensor | None,
+    q: Tensor,
+    L: int,
+    S: int,
+    *,
+    causal: bool,
+    window: int | None,
+    segment_ids: Tensor | None,
+    key_lengths: Tensor | None,
 ) -> Tensor | None:
     """Dense bool mask for the structural constraints, or None if there are none."""
     device = q.device
@@ -139,9 +173,11 @@ def _structural_mask(
         parts.append(M.causal_mask(L, S, device=device))
     if segment_ids is not None:
         if segment_ids.dim() != 2 or segment_ids.shape[-1] != S or L > S:
-            raise ValueError(f"segment_ids must have shape (B, S={S}) with L={L} <= S, "
-                             f"got {tuple(segment_ids.shape)}")
-        parts.append(M.document_mask(segment_ids[:, S - L:], segment_ids))  # (B, 1, L, S)
+            raise ValueError(
+                f"segment_ids must have shape (B, S={S}) with L={L} <= S, "
+                f"got {tuple(segment_ids.shape)}"
+            )
+        parts.append(M.document_mask(segment_ids[:, S - L :], segment_ids))  # (B, 1, L, S)
     if key_lengths is not None:
         parts.append(M.padding_mask(key_lengths, S))  # (B, 1, 1, S)
     combined = M.combine_masks(*parts)
@@ -171,8 +207,15 @@ def _row_ok(mask: Tensor) -> Tensor:
 
 
 def _fused_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal: bool, scale: float,
-    dropout_p: float, gqa: bool,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float,
+    dropout_p: float,
+    gqa: bool,
 ) -> Tensor:
     row_ok = None
     if mask is not None:
@@ -184,16 +227,31 @@ def _fused_attention(
         else:
             mask = mask.to(q.dtype).masked_fill(~row_ok, 0.0)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
         enable_gqa=gqa,
     )
+    # torch's fused CPU kernel treats a query row containing NaN like a fully-masked row and
+    # returns zeros; attnkit propagates non-finite inputs instead of silently hiding them.
+    out = out.masked_fill(~torch.isfinite(q).all(dim=-1, keepdim=True), float("nan"))
     if row_ok is not None:
         out = out.masked_fill(~row_ok, 0.0)
     return out
 
 
 def _explicit_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float, dropout_p: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    *,
+    scale: float,
+    dropout_p: float,
 ) -> tuple[Tensor, Tensor]:
     """The textbook math, with the softmax in float32 and fully-masked rows defined as zero."""
     if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
@@ -209,7 +267,8 @@ def _explicit_attention(
             scores = scores + mask.to(scores.dtype)
         row_ok = _row_ok(mask)
         scores = scores.masked_fill(~row_ok, 0.0)  # finite softmax input, zeroed below
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    # Low-precision inputs get a float32 softmax; float64 stays float64.
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
     if row_ok is not None:
         weights = weights.masked_fill(~row_ok, 0.0)
     weights = weights.to(v.dtype)
@@ -219,20 +278,25 @@ def _explicit_attention(
 
 
 def _validate(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None,
-    dropout_p: float, window: int | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float | None,
+    dropout_p: float,
+    window: int | None,
 ) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
         raise TypeError(
-            "q, k, v must share one floating dtype, got "
-            f"q={q.dtype}, k={k.dtype}, v={v.dtype}"
+            f"q, k, v must share one floating dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}"
         )
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, "
-                         f"v={v.device}")
+        raise ValueError(
+            f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}"
+        )
     if not (q.dim() == k.dim() == v.dim()) or q.dim() < 2:
         raise ValueError(
             "q, k, v must have the same number (>= 2) of dims, got shapes "
@@ -282,6 +346,7 @@ def _validate(
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
         raise ValueError(f"window must be a positive int, got {window!r}")

@@ -107,7 +107,7 @@ def sliding_window_mask(
 
 
 def padding_mask(lengths: Tensor, S: int | None = None) -> Tensor:
-    """Key padding mask from sequence lengths: key ``j`` of batch ``b`` is real iff ``j < lengths[b]``.
+    """Key padding mask from lengths: key ``j`` of batch ``b`` is real iff ``j < lengths[b]``.
 
     Args:
         lengths: Integer tensor of shape ``(B,)``.
@@ -120,9 +120,15 @@ def padding_mask(lengths: Tensor, S: int | None = None) -> Tensor:
         TypeError: If ``lengths`` is not an integer tensor.
         ValueError: If ``lengths`` is not 1-D, is negative, or exceeds ``S``.
     """
-    if not isinstance(lengths, Tensor) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise TypeError(f"lengths must be an integer tensor, got {type(lengths).__name__}"
-                        f"{'' if not isinstance(lengths, Tensor) else ' of dtype ' + str(lengths.dtype)}")
+    if (
+        not isinstance(lengths, Tensor)
+        or lengths.dtype.is_floating_point
+        or lengths.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"lengths must be an integer tensor, got {type(lengths).__name__}"
+            f"{'' if not isinstance(lengths, Tensor) else ' of dtype ' + str(lengths.dtype)}"
+        )
     if lengths.dim() != 1:
         raise ValueError(f"lengths must have shape (B,), got {tuple(lengths.shape)}")
     max_len = int(lengths.max()) if lengths.numel() else 0

@@ -1,0 +1,225 @@
+"""MultiHeadAttention and the blog's presets: blog compatibility, torch parity, cache, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import attnkit
+from attnkit import masks as M
+from tests import blog_attention_reference as blog
+from tests.reference import reference_attention
+
+B, N, S, D = 2, 5, 7, 12
+
+
+def _load_from(blog_module: nn.Module, ours: nn.Module) -> None:
+    ours.load_state_dict(blog_module.state_dict(), strict=True)
+
+
+def test_scale_dot_product_attention_matches_blog():
+    q, k, v = torch.randn(B, 3, N, 8), torch.randn(B, 3, S, 8), torch.randn(B, 3, S, 6)
+    ours = attnkit.ScaleDotProductAttention(8)
+    assert_close(ours(q, k, v), blog.BlogScaleDotProductAttention(8)(q, k, v))
+    _, w = ours(q, k, v, return_weights=True)
+    assert w.shape == (B, 3, N, S)
+    assert_close(w.sum(-1), torch.ones(B, 3, N))
+
+
+def test_attention_blog_state_dict_loads_strictly_and_matches():
+    ref = blog.BlogAttention(D, 16, 10)
+    ours = attnkit.Attention(D, 16, 10)
+    _load_from(ref, ours)
+    q, k, v = torch.randn(B, N, D), torch.randn(B, S, D), torch.randn(B, S, D)
+    assert_close(ours(q, k, v), ref(q, k, v), atol=1e-5, rtol=1e-5)
+    assert set(ours.state_dict()) == set(ref.state_dict())
+
+
+def test_self_attention_blog_state_dict_loads_strictly_and_matches():
+    ref = blog.BlogSelfAttention(D, 16, 10)
+    ours = attnkit.SelfAttention(D, 16, 10)
+    _load_from(ref, ours)
+    x = torch.randn(B, N, D)
+    assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_multihead_cross_attention_blog_state_dict_loads_strictly_and_matches():
+    ref = blog.BlogMultiheadCrossAttention(D, 16, 10, 4)
+    ours = attnkit.MultiheadCrossAttention(D, 16, 10, 4)
+    _load_from(ref, ours)
+    q, kv = torch.randn(B, N, D), torch.randn(B, S, D)
+    assert_close(ours(q, kv, kv), ref(q, kv, kv), atol=1e-5, rtol=1e-5)
+    assert ours.dim_per_head == 4
+    assert ours.get_heads(q, ours.w_q).shape == (B, 4, N, 4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_multihead_self_attention_blog_state_dict_loads_strictly_and_matches(causal):
+    ref = blog.BlogMultiHeadSelfAttention(D, 16, 10, 4, causal=causal)
+    ours = attnkit.MultiHeadSelfAttention(D, 16, 10, 4, causal=causal)
+    _load_from(ref, ours)
+    x = torch.randn(B, N, D)
+    mask = torch.rand(B, 1, N, N) > 0.3
+    mask[..., 0] = True  # keep every row alive so the blog gives no NaN
+    assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
+    assert_close(ours(x, mask), ref(x, mask), atol=1e-5, rtol=1e-5)
+    out, w = ours(x, mask, return_weights=True)
+    assert_close(out, ref(x, mask), atol=1e-5, rtol=1e-5)
+    assert w.shape == (B, 4, N, N)
+
+
+def test_blog_nan_rows_are_zero_in_attnkit():
+    ref = blog.BlogMultiHeadSelfAttention(D, 16, 10, 4)
+    ours = attnkit.MultiHeadSelfAttention(D, 16, 10, 4)
+    _load_from(ref, ours)
+    x = torch.randn(B, N, D)
+    mask = torch.ones(N, N, dtype=torch.bool)
+    mask[2] = False
+    assert torch.isnan(ref(x, mask)[:, 2]).all()
+    out = ours(x, mask)
+    # A dead row contributes nothing but the output projection's bias.
+    assert_close(out[:, 2], ours.output_map.bias.expand(B, 10))
+    live = [0, 1, 3, 4]
+    assert_close(out[:, live], ref(x, mask)[:, live], atol=1e-5, rtol=1e-5)
+
+
+def _copy_to_torch_mha(ours: attnkit.MultiHeadAttention, heads: int) -> nn.MultiheadAttention:
+    ref = nn.MultiheadAttention(ours.embed_dim, heads, batch_first=True,
+                                kdim=ours.kdim, vdim=ours.vdim)
+    with torch.no_grad():
+        if ref._qkv_same_embed_dim:
+            ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight,
+                                                ours.v_proj.weight]))
+        else:
+            ref.q_proj_weight.copy_(ours.q_proj.weight)
+            ref.k_proj_weight.copy_(ours.k_proj.weight)
+            ref.v_proj_weight.copy_(ours.v_proj.weight)
+        ref.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+        ref.out_proj.weight.copy_(ours.out_proj.weight)
+        ref.out_proj.bias.copy_(ours.out_proj.bias)
+    return ref.eval()
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("masking", ["none", "causal", "padding", "both"])
+def test_matches_torch_multihead_attention(cross, masking):
+    kdim = 9 if cross else None
+    ours = attnkit.MultiHeadAttention(D, 3, kdim=kdim, vdim=kdim).eval()
+    ref = _copy_to_torch_mha(ours, 3)
+    x = torch.randn(B, N, D)
+    mem = torch.randn(B, S, 9) if cross else x
+    s = mem.shape[1]
+    lengths = torch.tensor([s, s - 2])
+    ours_mask, attn_mask, kpm = None, None, None
+    if masking in ("causal", "both"):
+        allowed = M.causal_mask(N, s)
+        ours_mask = allowed
+        attn_mask = ~allowed  # torch: True = NOT allowed
+    if masking in ("padding", "both"):
+        pad = M.padding_mask(lengths, s)  # (B, 1, 1, S)
+        ours_mask = pad if ours_mask is None else ours_mask & pad
+        kpm = ~pad[:, 0, 0]
+    expected, w_ref = ref(x, mem, mem, attn_mask=attn_mask, key_padding_mask=kpm,
+                          average_attn_weights=False)
+    out, w = ours(x, mem, mem, ours_mask, return_weights=True)
+    assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+    assert_close(ours(x, mem, mem, ours_mask), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_query_attention_equals_repeated_kv_weights():
+    H, K, E = 6, 2, 4
+    gqa = attnkit.MultiHeadAttention(D, H, hidden_dim=H * E, num_kv_heads=K, causal=True)
+    full = attnkit.MultiHeadAttention(D, H, hidden_dim=H * E, causal=True)
+    with torch.no_grad():
+        full.q_proj.load_state_dict(gqa.q_proj.state_dict())
+        full.out_proj.load_state_dict(gqa.out_proj.state_dict())
+        for name in ("k_proj", "v_proj"):
+            src, dst = getattr(gqa, name), getattr(full, name)
+            dst.weight.copy_(src.weight.view(K, E, D).repeat_interleave(H // K, 0).reshape(-1, D))
+            dst.bias.copy_(src.bias.view(K, E).repeat_interleave(H // K, 0).reshape(-1))
+    x = torch.randn(B, N, D)
+    assert_close(gqa(x), full(x), atol=1e-5, rtol=1e-5)
+    assert gqa.k_proj.weight.shape == (K * E, D)
+
+
+def test_fused_and_separate_projections_agree():
+    fused = attnkit.MultiHeadAttention(D, 4, fused_qkv=True, num_kv_heads=2)
+    sep = attnkit.MultiHeadAttention(D, 4, num_kv_heads=2)
+    wq, wk, wv = fused.qkv_proj.weight.split([12, 6, 6])
+    bq, bk, bv = fused.qkv_proj.bias.split([12, 6, 6])
+    with torch.no_grad():
+        for lin, w, b in ((sep.q_proj, wq, bq), (sep.k_proj, wk, bk), (sep.v_proj, wv, bv)):
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+        sep.out_proj.load_state_dict(fused.out_proj.state_dict())
+    x = torch.randn(B, N, D)
+    assert_close(fused(x), sep(x))
+
+
+def test_module_output_equals_float64_reference():
+    m = attnkit.MultiHeadAttention(D, 3, causal=True, bias=False)
+    x = torch.randn(B, N, D)
+    q = (x @ m.q_proj.weight.T).view(B, N, 3, 4).transpose(1, 2)
+    k = (x @ m.k_proj.weight.T).view(B, N, 3, 4).transpose(1, 2)
+    v = (x @ m.v_proj.weight.T).view(B, N, 3, 4).transpose(1, 2)
+    ref, _ = reference_attention(q, k, v, M.causal_mask(N))
+    expected = ref.transpose(1, 2).reshape(B, N, D) @ m.out_proj.weight.double().T
+    assert_close(m(x), expected.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_only_in_training():
+    m = attnkit.MultiHeadAttention(D, 4, dropout=0.5)
+    x = torch.randn(B, N, D)
+    m.eval()
+    assert_close(m(x), m(x))
+    m.train()
+    assert not torch.allclose(m(x), m(x))
+
+
+def test_kv_cache_decoding_equals_full_causal_pass():
+    m = attnkit.MultiHeadAttention(D, 4, num_kv_heads=2, causal=True).eval()
+    x = torch.randn(B, 6, D)
+    full = m(x)
+    cache = attnkit.KVCache(B, 2, 6, 3)
+    steps = [m(x[:, :3], kv_cache=cache)]
+    steps += [m(x[:, i : i + 1], kv_cache=cache) for i in range(3, 6)]
+    assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"capacity exceeded: 6 cached \+ 1 new = 7 > capacity 6"):
+        m(x[:, :1], kv_cache=cache)
+    cache.reset()
+    assert cache.length == 0
+
+
+def test_compile_fullgraph():
+    m = attnkit.MultiHeadAttention(D, 4, num_kv_heads=2, causal=True).eval()
+    x = torch.randn(B, N, D)
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
+    assert_close(compiled(x), m(x))
+    mask = torch.rand(B, 1, N, N) > 0.5
+    assert_close(compiled(x, mask=mask), m(x, mask=mask))
+
+
+def test_constructor_and_input_errors():
+    with pytest.raises(ValueError, match=r"hidden_dim \(10\) must be divisible by num_heads \(4\)"):
+        attnkit.MultiHeadAttention(10, 4)
+    with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads"):
+        attnkit.MultiHeadAttention(12, 4, num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"sizes must be positive ints, got \{'embed_dim': 0, "):
+        attnkit.MultiHeadAttention(0, 1)
+    with pytest.raises(ValueError, match="fused_qkv needs kdim == vdim == embed_dim"):
+        attnkit.MultiHeadAttention(12, 4, kdim=6, fused_qkv=True)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.5"):
+        attnkit.MultiHeadAttention(12, 4, dropout=1.5)
+    with pytest.raises(ValueError, match=r"hidden_dim \(16\) must be divisible by num_heads \(3\)"):
+        attnkit.MultiHeadSelfAttention(8, 16, 8, 3)
+    m = attnkit.MultiHeadAttention(12, 4)
+    with pytest.raises(ValueError, match=r"query has last dim 5, expected embed_dim=12"):
+        m(torch.randn(2, 3, 5))
+    with pytest.raises(ValueError, match="fused_qkv attention is self-attention"):
+        attnkit.MultiHeadAttention.forward(attnkit.MultiHeadSelfAttention(12, 12, 12, 4),
+                                           torch.randn(1, 2, 12), torch.randn(1, 3, 12))
+    with pytest.raises(ValueError, match=r"does not broadcast"):
+        m(torch.randn(2, 3, 12), mask=torch.ones(4, 4, dtype=torch.bool))

@@ -1,0 +1,319 @@
+"""The functional core: fused vs explicit vs float64 reference, masks, edge cases, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+import attnkit
+from attnkit import masks as M
+from attnkit.functional import scaled_dot_product_attention as sdpa
+from tests.reference import bottom_right_causal, reference_attention
+
+
+def _qkv(B=2, H=4, K=4, L=5, S=7, E=8, Ev=None, dtype=torch.float32, grad=False):
+    Ev = E if Ev is None else Ev
+    q = torch.randn(B, H, L, E, dtype=dtype, requires_grad=grad)
+    k = torch.randn(B, K, S, E, dtype=dtype, requires_grad=grad)
+    v = torch.randn(B, K, S, Ev, dtype=dtype, requires_grad=grad)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("L", "S"), [(5, 5), (3, 7), (1, 9), (6, 6)])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
+def test_fused_and_explicit_match_float64_reference(causal, L, S, heads):
+    H, K = heads
+    q, k, v = _qkv(H=H, K=K, L=L, S=S, Ev=6)
+    allowed = bottom_right_causal(L, S) if causal else None
+    ref, ref_w = reference_attention(q, k, v, allowed)
+    fused = sdpa(q, k, v, causal=causal)
+    explicit, weights = sdpa(q, k, v, causal=causal, return_weights=True)
+    assert_close(fused, ref.float(), atol=1e-5, rtol=1e-5)
+    assert_close(explicit, ref.float(), atol=1e-5, rtol=1e-5)
+    assert_close(weights, ref_w.float(), atol=1e-6, rtol=1e-5)
+    assert weights.shape == (2, H, L, S)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_user_mask_combines_with_causal(kind):
+    q, k, v = _qkv(L=6, S=6)
+    allowed = torch.rand(2, 1, 6, 6) > 0.3
+    mask = allowed if kind == "bool" else M.to_additive(allowed)
+    ref, _ = reference_attention(q, k, v, allowed & bottom_right_causal(6, 6))
+    assert_close(sdpa(q, k, v, mask, causal=True), ref.float(), atol=1e-5, rtol=1e-5)
+    out, _ = sdpa(q, k, v, mask, causal=True, return_weights=True)
+    assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_float_mask_is_additive():
+    q, k, v = _qkv(L=4, S=4)
+    bias = torch.randn(4, 4)
+    ref = torch.softmax((q.double() @ k.double().transpose(-2, -1)) / math.sqrt(8) + bias.double(),
+                        dim=-1) @ v.double()
+    assert_close(sdpa(q, k, v, bias), ref.float(), atol=1e-5, rtol=1e-5)
+    assert_close(sdpa(q, k, v, bias, return_weights=True)[0], ref.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_scale_argument():
+    q, k, v = _qkv()
+    ref, _ = reference_attention(q, k, v, scale=0.05)
+    assert_close(sdpa(q, k, v, scale=0.05), ref.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("kind", ["bool", "float", "causal_l_gt_s"])
+def test_fully_masked_rows_are_zero_with_zero_finite_grads(kind, return_weights):
+    q, k, v = _qkv(L=5, S=5 if kind != "causal_l_gt_s" else 3, grad=True)
+    mask = None
+    causal = kind == "causal_l_gt_s"
+    if kind != "causal_l_gt_s":
+        allowed = torch.ones(5, 5, dtype=torch.bool)
+        allowed[1] = False
+        allowed[3] = False
+        mask = allowed if kind == "bool" else M.to_additive(allowed)
+    res = sdpa(q, k, v, mask, causal=causal, return_weights=return_weights)
+    out = res[0] if return_weights else res
+    dead = [1, 3] if kind != "causal_l_gt_s" else [0, 1]  # L=5, S=3: queries 0, 1 see nothing
+    live = [i for i in range(5) if i not in dead]
+    assert torch.isfinite(out).all()
+    assert (out[:, :, dead] == 0).all()
+    if return_weights:
+        assert (res[1][:, :, dead] == 0).all()
+        assert_close(res[1][:, :, live].sum(-1), torch.ones(2, 4, len(live)))
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.isfinite(t.grad).all()
+    assert (q.grad[:, :, dead] == 0).all()
+    assert q.grad[:, :, live].abs().sum() > 0
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_no_keys_gives_zeros(return_weights):
+    q, k, v = _qkv(L=3, S=0, grad=True)
+    res = sdpa(q, k, v, return_weights=return_weights)
+    out = res[0] if return_weights else res
+    assert out.shape == (2, 4, 3, 8) and (out == 0).all()
+    out.sum().backward()
+    assert q.grad is not None and (q.grad == 0).all()
+
+
+def test_gqa_equals_repeated_heads():
+    q, k, v = _qkv(H=6, K=2)
+    expected = sdpa(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), causal=True)
+    assert_close(sdpa(q, k, v, causal=True), expected)
+    assert_close(sdpa(q, k, v, causal=True, return_weights=True)[0], expected)
+
+
+def test_unbatched_and_extra_leading_dims():
+    q, k, v = torch.randn(5, 8), torch.randn(7, 8), torch.randn(7, 3)
+    assert_close(sdpa(q, k, v), reference_attention(q, k, v)[0].float(), atol=1e-5, rtol=1e-5)
+    q, k, v = (torch.randn(2, 3, 4, 5, 8) for _ in range(3))
+    assert_close(sdpa(q, k, v, causal=True),
+                 reference_attention(q, k, v, bottom_right_causal(5, 5))[0].float(),
+                 atol=1e-5, rtol=1e-5)
+
+
+def test_plain_causal_dispatches_to_is_causal(monkeypatch):
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    q, k, v = _qkv(L=6, S=6)
+    sdpa(q, k, v, causal=True)
+    assert calls[-1] == (None, True)
+    q1 = q[:, :, -1:]
+    sdpa(q1, k, v, causal=True)  # one query at the end sees every key: no mask at all
+    assert calls[-1] == (None, False)
+    sdpa(q[:, :, :3], k, v, causal=True)  # L != S: bottom-right mask is materialized
+    assert calls[-1][0] is not None and calls[-1][1] is False
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_gradcheck_float64(return_weights):
+    q, k, v = _qkv(B=1, H=2, K=1, L=3, S=4, E=3, dtype=torch.float64, grad=True)
+    mask = torch.tensor([[True, True, False, True]] * 2 + [[False] * 4])
+
+    def fn(q, k, v):
+        res = sdpa(q, k, v, mask, return_weights=return_weights)
+        return res[0] if return_weights else res
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def _bf16_error_ratio(causal: bool) -> float:
+    q, k, v = _qkv(B=2, H=4, L=64, S=64, E=32)
+    allowed = bottom_right_causal(64, 64) if causal else None
+    ref, _ = reference_attention(q, k, v, allowed)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    scores = qb @ kb.transpose(-2, -1) / math.sqrt(32)
+    if causal:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    plain = torch.softmax(scores, dim=-1) @ vb  # plain PyTorch math in bf16
+    plain_err = (plain.double() - ref).abs().max().item()
+    ours = max((sdpa(qb, kb, vb, causal=causal).double() - ref).abs().max().item(),
+               (sdpa(qb, kb, vb, causal=causal, return_weights=True)[0].double() - ref)
+               .abs().max().item())
+    return ours / plain_err
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_error_at_most_twice_plain_torch_math(causal):
+    assert _bf16_error_ratio(causal) <= 2.0
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_in_unmasked_inputs_propagates(where):
+    q, k, v = _qkv()
+    {"q": q, "k": k, "v": v}[where][0, 0, 2, 0] = float("nan")
+    row = 2 if where == "q" else 0
+    assert torch.isnan(sdpa(q, k, v)[0, 0, row]).any()
+    assert torch.isnan(sdpa(q, k, v, return_weights=True)[0][0, 0, row]).any()
+    assert torch.isnan(sdpa(q, k, v, causal=True)[0, 0, 2]).any()
+    assert torch.isfinite(sdpa(q, k, v)[1]).all()  # other batches are untouched
+
+
+def test_dropout_scales_kept_weights():
+    torch.manual_seed(1)
+    q, k, v = _qkv()
+    _, w = sdpa(q, k, v, dropout_p=0.5, return_weights=True)
+    _, w0 = sdpa(q, k, v, return_weights=True)
+    kept = w != 0
+    assert 0.3 < kept.float().mean() < 0.7
+    assert_close(w[kept], 2 * w0[kept])
+    out = sdpa(q, k, v, dropout_p=0.5)
+    assert not torch.allclose(out, sdpa(q, k, v))
+
+
+# ---------------------------------------------------------------- structured masks (dense path)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("L", "S", "window"), [(8, 8, 3), (4, 9, 2), (8, 8, 1)])
+def test_window_equals_dense_mask(L, S, window, causal):
+    q, k, v = _qkv(L=L, S=S)
+    allowed = torch.zeros(L, S, dtype=torch.bool)
+    for i in range(L):
+        p = i + S - L
+        for j in range(S):
+            allowed[i, j] = abs(p - j) < window and (j <= p or not causal)
+    ref, _ = reference_attention(q, k, v, allowed)
+    assert_close(sdpa(q, k, v, causal=causal, window=window), ref.float(), atol=1e-5, rtol=1e-5)
+    assert_close(M.sliding_window_mask(L, S, window=window, causal=causal), allowed)
+
+
+def test_segments_and_key_lengths_equal_dense_masks():
+    q, k, v = _qkv(L=6, S=6)
+    seg = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1]])
+    lengths = torch.tensor([6, 4])
+    allowed = (seg[:, :, None] == seg[:, None, :])[:, None]
+    allowed = allowed & (torch.arange(6) < lengths[:, None])[:, None, None, :]
+    allowed = allowed & bottom_right_causal(6, 6)
+    ref, _ = reference_attention(q, k, v, allowed)
+    out = sdpa(q, k, v, causal=True, segment_ids=seg, key_lengths=lengths)
+    assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_mask_builders():
+    assert_close(M.causal_mask(3, 5), bottom_right_causal(3, 5))
+    assert_close(M.causal_mask(3, 5, align="top_left"), torch.ones(3, 5, dtype=torch.bool).tril())
+    pad = M.padding_mask(torch.tensor([2, 0, 3]), 4)
+    assert pad.shape == (3, 1, 1, 4)
+    assert pad[:, 0, 0].tolist() == [[True, True, False, False], [False] * 4,
+                                     [True, True, True, False]]
+    doc = M.document_mask(torch.tensor([[0, 0, 1]]))
+    assert doc[0, 0].tolist() == [[True, True, False], [True, True, False], [False, False, True]]
+    a, b = torch.rand(3, 3) > 0.5, torch.rand(3, 3) > 0.5
+    assert_close(M.combine_masks(a, None, b), a & b)
+    assert M.combine_masks(None) is None
+    assert_close(M.to_additive(a), torch.where(a, 0.0, float("-inf")))
+
+
+# ---------------------------------------------------------------- property tests
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    K=st.integers(1, 2),
+    groups=st.integers(1, 3),
+    L=st.integers(1, 6),
+    S=st.integers(1, 6),
+    E=st.integers(1, 5),
+    causal=st.booleans(),
+    mask_kind=st.sampled_from(["none", "bool", "float"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_all_paths_agree_with_reference(B, K, groups, L, S, E, causal, mask_kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    H = K * groups
+    q = torch.randn(B, H, L, E, generator=g)
+    k = torch.randn(B, K, S, E, generator=g)
+    v = torch.randn(B, K, S, E, generator=g)
+    allowed = torch.rand(B, 1, L, S, generator=g) > 0.4
+    mask = {"none": None, "bool": allowed, "float": M.to_additive(allowed)}[mask_kind]
+    full = torch.ones(L, S, dtype=torch.bool) if mask is None else allowed
+    if causal:
+        full = full & bottom_right_causal(L, S)
+    ref, ref_w = reference_attention(q, k, v, full)
+    fused = sdpa(q, k, v, mask, causal=causal)
+    explicit, w = sdpa(q, k, v, mask, causal=causal, return_weights=True)
+    assert torch.isfinite(fused).all() and torch.isfinite(explicit).all()
+    assert_close(fused, ref.float(), atol=2e-5, rtol=1e-4)
+    assert_close(explicit, ref.float(), atol=2e-5, rtol=1e-4)
+    assert_close(w, ref_w.float().expand_as(w), atol=2e-6, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _err(exc, match, *args, **kwargs):
+    with pytest.raises(exc, match=match):
+        sdpa(*args, **kwargs)
+
+
+def test_error_messages():
+    q, k, v = _qkv()
+    _err(TypeError, "q must be a torch.Tensor, got list", [1.0], k, v)
+    _err(TypeError, r"share one floating dtype, got q=torch.float32, k=torch.float64", q,
+         k.double(), v)
+    _err(TypeError, "floating dtype", q.long(), k.long(), v.long())
+    _err(ValueError, r"head dims differ: q=\(2, 4, 5, 8\) \(E=8\), k=\(2, 4, 7, 6\)", q,
+         k[..., :6], v)
+    _err(ValueError, r"k and v must agree.*k=\(2, 4, 7, 8\), v=\(2, 4, 6, 8\)", q, k,
+         v[:, :, :6])
+    _err(ValueError, r"query heads \(4\) must be a multiple of key/value heads \(3\)", q,
+         k[:, :3], v[:, :3])
+    _err(ValueError, r"mask of shape \(3, 7\) does not broadcast to the scores' shape "
+         r"\(2, 4, 5, 7\)", q, k, v, torch.ones(3, 7, dtype=torch.bool))
+    _err(TypeError, "mask must be bool .* got torch.int64", q, k, v, torch.ones(5, 7).long())
+    _err(ValueError, "scale must be a finite number, got nan", q, k, v, scale=float("nan"))
+    _err(ValueError, "scale must be a finite number, got inf", q, k, v, scale=math.inf)
+    _err(ValueError, r"dropout_p must be in \[0, 1\), got 1.0", q, k, v, dropout_p=1.0)
+    _err(ValueError, "window must be a positive int, got 0", q, k, v, window=0)
+    _err(ValueError, "same number", q[0], k, v)
+    _err(ValueError, r"batch dims differ", q, k[:1], v[:1])
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, S=7\], got \[9, 1\]"):
+        sdpa(q, k, v, key_lengths=torch.tensor([9, 1]))
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        M.sliding_window_mask(3, window=-1)
+    with pytest.raises(TypeError, match="integer tensor"):
+        M.padding_mask(torch.tensor([1.5]))
+    with pytest.raises(TypeError, match="bool masks"):
+        M.combine_masks(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="align must be"):
+        M.causal_mask(2, align="middle")  # type: ignore[arg-type]
+
+
+def test_top_level_export():
+    assert attnkit.scaled_dot_product_attention is sdpa
