@@ -12,3 +12,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several workers on a 2-core machine: one thread each avoids OpenMP barrier stalls that make
+    # tiny ops take milliseconds when threads are oversubscribed.
+    torch.set_num_threads(1)

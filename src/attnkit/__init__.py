@@ -15,23 +15,51 @@ from attnkit.attention import (
     merge_heads,
     split_heads,
 )
+from attnkit.blocks import FeedForward, PositionalTransformerBlock, TransformerBlock
 from attnkit.cache import KVCache
 from attnkit.functional import scaled_dot_product_attention
+from attnkit.models import TransformerEncoder, TransformerLM, attention_mask_from_padding
+from attnkit.positional import (
+    LearnedPositionalEmbedding,
+    PositionalMultiHeadSelfAttention,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    apply_rope,
+    convert_rotary_convention,
+    permute_rotary_weight,
+    rope_cos_sin,
+    sinusoidal_table,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Attention",
+    "FeedForward",
     "KVCache",
+    "LearnedPositionalEmbedding",
     "MultiHeadAttention",
     "MultiHeadSelfAttention",
     "MultiheadCrossAttention",
+    "PositionalMultiHeadSelfAttention",
+    "PositionalTransformerBlock",
+    "RotaryEmbedding",
     "ScaleDotProductAttention",
     "SelfAttention",
+    "SinusoidalPositionalEncoding",
+    "TransformerBlock",
+    "TransformerEncoder",
+    "TransformerLM",
     "__version__",
+    "apply_rope",
+    "attention_mask_from_padding",
     "complexity",
+    "convert_rotary_convention",
     "masks",
     "merge_heads",
+    "permute_rotary_weight",
+    "rope_cos_sin",
     "scaled_dot_product_attention",
+    "sinusoidal_table",
     "split_heads",
 ]

@@ -401,21 +401,53 @@ class MultiheadCrossAttention(MultiHeadAttention):
 class MultiHeadSelfAttention(MultiHeadAttention):
     """The blog's multi-head self-attention with a fused ``w_qkv`` and optional causal mask.
 
+    The keyword-only options are those of :class:`MultiHeadAttention`; at their defaults this is
+    exactly the blog's class.
+
     Args:
         in_dim: Input dim.
         hidden_dim: Total projected dim, split over ``num_heads``.
         out_dim: Output dim.
         num_heads: Number of heads.
         causal: Forbid attending to later tokens.
+        num_kv_heads: Key/value heads (grouped-query attention).
+        bias: Whether the projections have biases.
+        dropout: Dropout on the attention weights (training mode only).
+        window: Sliding-window size.
+        scale: Score multiplier (default ``1 / sqrt(E)``).
+        rotary: Rotary module applied to queries and keys.
     """
 
     qkv_name, out_name = "w_qkv", "output_map"
 
     def __init__(
-        self, in_dim: int, hidden_dim: int, out_dim: int, num_heads: int, causal: bool = False
+        self,
+        in_dim: int,
+        hidden_dim: int,
+        out_dim: int,
+        num_heads: int,
+        causal: bool = False,
+        *,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        window: int | None = None,
+        scale: float | None = None,
+        rotary: nn.Module | None = None,
     ) -> None:
         super().__init__(
-            in_dim, num_heads, hidden_dim=hidden_dim, out_dim=out_dim, fused_qkv=True, causal=causal
+            in_dim,
+            num_heads,
+            hidden_dim=hidden_dim,
+            out_dim=out_dim,
+            fused_qkv=True,
+            causal=causal,
+            num_kv_heads=num_kv_heads,
+            bias=bias,
+            dropout=dropout,
+            window=window,
+            scale=scale,
+            rotary=rotary,
         )
 
     @property
@@ -428,8 +460,15 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         x: Tensor,
         mask: Tensor | None = None,
         *,
+        positions: Tensor | None = None,
+        kv_cache: KVCache | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Shape: x ``(B, N, in_dim)``, mask broadcastable to ``(B, H, N, N)`` -> output
-        ``(B, N, out_dim)``."""
-        return super().forward(x, mask=mask, return_weights=return_weights)
+        """Self-attention over ``x`` (see :meth:`MultiHeadAttention.forward` for the keywords).
+
+        Shape:
+            x ``(B, N, in_dim)``, mask broadcastable to ``(B, H, N, N)`` -> ``(B, N, out_dim)``.
+        """
+        return super().forward(
+            x, mask=mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
+        )

@@ -1,0 +1,281 @@
+"""Transformer blocks: the blog's ``FeedForward``/``TransformerBlock`` and its positional variant.
+
+With default options every class here is the blog's class: same constructor, same parameter
+names (a blog state_dict loads with ``strict=True``) and the same outputs.
+:class:`TransformerBlock` at defaults also equals ``torch.nn.TransformerEncoderLayer``
+(post-norm, ReLU, ``dropout=0``, ``batch_first=True``) given the same weights. Keyword-only
+options generalise it: pre-norm, RMSNorm, GELU/SwiGLU, grouped-query attention, rotary positions,
+sliding windows, dropout, a KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnkit.attention import MultiHeadSelfAttention
+from attnkit.cache import KVCache
+from attnkit.positional import PositionalMultiHeadSelfAttention, SinusoidalPositionalEncoding
+
+__all__ = ["FeedForward", "PositionalTransformerBlock", "TransformerBlock", "make_norm"]
+
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu"]
+NormType = Literal["layernorm", "rmsnorm"]
+
+_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
+
+
+def make_norm(norm: str, dim: int, *, eps: float = 1e-5) -> nn.Module:
+    """``nn.LayerNorm`` (``"layernorm"``) or ``nn.RMSNorm`` (``"rmsnorm"``) over ``dim``.
+
+    Raises:
+        ValueError: For another ``norm``.
+    """
+    if norm == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    if norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=eps)
+    raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {norm!r}")
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP ``linear2(act(linear1(x)))`` (the blog's class at defaults).
+
+    With ``activation="swiglu"`` a ``gate`` projection is added and the hidden layer is
+    ``silu(gate(x)) * linear1(x)`` (the LLaMA MLP; ``linear1`` is the "up" projection).
+
+    Args:
+        in_dim: Input dim.
+        hidden_dim: Hidden dim.
+        out_dim: Output dim.
+        activation: ``"relu"`` (default), ``"gelu"`` (exact erf), ``"gelu_tanh"``, ``"silu"``
+            or ``"swiglu"``.
+        dropout: Dropout on the hidden layer (training mode only).
+        bias: Whether the projections have biases.
+
+    Raises:
+        ValueError: For an unknown activation or a bad dropout.
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        hidden_dim: int,
+        out_dim: int,
+        *,
+        activation: Activation = "relu",
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.linear1 = nn.Linear(in_dim, hidden_dim, bias=bias)
+        self.linear2 = nn.Linear(hidden_dim, out_dim, bias=bias)
+        self.gate = nn.Linear(in_dim, hidden_dim, bias=bias) if activation == "swiglu" else None
+        self.activation: nn.Module = {
+            "relu": nn.ReLU,
+            "gelu": nn.GELU,
+            "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+            "silu": nn.SiLU,
+            "swiglu": nn.SiLU,
+        }[activation]()
+        self.activation_name = activation
+        self.dropout = dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Shape: x ``(..., in_dim)`` -> ``(..., out_dim)``."""
+        if self.gate is not None:
+            h = self.activation(self.gate(x)) * self.linear1(x)  # (..., hidden)
+        else:
+            h = self.activation(self.linear1(x))  # (..., hidden)
+        h = F.dropout(h, p=self.dropout, training=self.training)
+        return self.linear2(h)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation_name!r}, dropout={self.dropout}"
+
+
+class TransformerBlock(nn.Module):
+    """Self-attention + feed-forward, each with a residual connection and a norm.
+
+    Post-norm (the blog and the original Transformer, default):
+    ``x = norm1(x + attn(x)); x = norm2(x + ff(x))``.
+    Pre-norm (``norm_first=True``, GPT-2/LLaMA): ``x = x + attn(norm1(x)); x = x + ff(norm2(x))``
+    (a pre-norm stack needs a final norm; the models in :mod:`attnkit.models` add it).
+
+    Args:
+        dim: Model dim ``D``.
+        hidden_dim: Feed-forward hidden dim.
+        num_heads: Query heads ``H``.
+        causal: Causal self-attention.
+        norm_first: Pre-norm instead of post-norm.
+        norm: ``"layernorm"`` or ``"rmsnorm"``.
+        activation: Feed-forward activation (see :class:`FeedForward`).
+        eps: Norm epsilon (``1e-5`` as torch; BERT uses ``1e-12``).
+        dropout: Dropout on the attention weights, the hidden layer of the feed-forward and
+            both residual branches (as ``nn.TransformerEncoderLayer``); training mode only.
+        num_kv_heads: Key/value heads for grouped-query attention (default ``num_heads``).
+        rotary: Rotary module applied to queries and keys (e.g.
+            :class:`attnkit.positional.RotaryEmbedding`; may be shared between blocks).
+        window: Sliding-window size of the attention.
+        bias: Biases in the attention and feed-forward projections.
+        attention: A prebuilt self-attention module to use instead (it must accept
+            ``(x, mask, *, positions, kv_cache, return_weights)``); the attention options above
+            are then ignored.
+
+    Raises:
+        ValueError: For bad sizes or option values.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_heads: int,
+        causal: bool = False,
+        *,
+        norm_first: bool = False,
+        norm: NormType = "layernorm",
+        activation: Activation = "relu",
+        eps: float = 1e-5,
+        dropout: float = 0.0,
+        num_kv_heads: int | None = None,
+        rotary: nn.Module | None = None,
+        window: int | None = None,
+        bias: bool = True,
+        attention: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if attention is None:
+            attention = MultiHeadSelfAttention(
+                dim,
+                dim,
+                dim,
+                num_heads,
+                causal,
+                num_kv_heads=num_kv_heads,
+                rotary=rotary,
+                window=window,
+                bias=bias,
+                dropout=dropout,
+            )
+        self.attention = attention
+        self.feed_forward = FeedForward(
+            dim, hidden_dim, dim, activation=activation, dropout=dropout, bias=bias
+        )
+        self.norm1 = make_norm(norm, dim, eps=eps)
+        self.norm2 = make_norm(norm, dim, eps=eps)
+        self.norm_first, self.dropout = norm_first, dropout
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        positions: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Apply the block.
+
+        Args:
+            x: Input tokens.
+            mask: Bool (``True`` = may attend) or additive float mask, broadcastable to
+                ``(B, H, L, S)``; a key-padding mask is ``(B, 1, 1, S)``.
+            positions: Positions for the rotary module (``(L,)`` or ``(B, L)``).
+            kv_cache: This block's cache for incremental decoding.
+            return_weights: Also return the attention weights.
+
+        Returns:
+            ``x`` of shape ``(B, L, D)``, or ``(x, weights)`` with weights ``(B, H, L, S)``.
+        """
+        attn_in = self.norm1(x) if self.norm_first else x
+        attn = self.attention(
+            attn_in, mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
+        )
+        attn_out, weights = attn if return_weights else (attn, None)
+        attn_out = F.dropout(attn_out, p=self.dropout, training=self.training)
+        if self.norm_first:
+            x = x + attn_out
+            ff_out = self.feed_forward(self.norm2(x))
+            x = x + F.dropout(ff_out, p=self.dropout, training=self.training)
+        else:
+            x = self.norm1(x + attn_out)
+            ff_out = self.feed_forward(x)
+            x = self.norm2(x + F.dropout(ff_out, p=self.dropout, training=self.training))
+        return (x, weights) if return_weights else x  # type: ignore[return-value]
+
+    def extra_repr(self) -> str:
+        return f"norm_first={self.norm_first}, dropout={self.dropout}"
+
+
+class PositionalTransformerBlock(TransformerBlock):
+    """The blog's post-norm block with sinusoidal or rotary positions.
+
+    Kept as in the blog: with ``position_type="sinusoidal"`` the table is added to the input of
+    *every* block (so stacking these blocks re-adds positions each time; the models in
+    :mod:`attnkit.models` add them once instead). With ``"rope"`` the block's attention rotates
+    queries and keys and ``position`` is ``nn.Identity``.
+
+    Args:
+        dim: Model dim.
+        hidden_dim: Feed-forward hidden dim.
+        num_heads: Number of heads.
+        position_type: ``"rope"`` or ``"sinusoidal"``.
+        max_seq_len: Rows of the sinusoidal table.
+        causal: Causal self-attention.
+
+    Raises:
+        ValueError: For an unknown ``position_type``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_heads: int,
+        position_type: str = "rope",
+        max_seq_len: int = 4096,
+        causal: bool = False,
+    ) -> None:
+        if position_type not in {"sinusoidal", "rope"}:
+            raise ValueError(f"position_type must be 'sinusoidal' or 'rope', got {position_type!r}")
+        attention = PositionalMultiHeadSelfAttention(
+            dim, num_heads, causal=causal, use_rope=position_type == "rope"
+        )
+        super().__init__(dim, hidden_dim, num_heads, causal, attention=attention)
+        self.position_type = position_type
+        self.position: nn.Module = (
+            SinusoidalPositionalEncoding(dim, max_seq_len)
+            if position_type == "sinusoidal"
+            else nn.Identity()
+        )
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        positions: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Add sinusoidal positions (if any), then apply the block (see
+        :meth:`TransformerBlock.forward`). With a ``kv_cache`` and no ``positions``, positions
+        continue after the cached ones."""
+        if isinstance(self.position, SinusoidalPositionalEncoding):
+            if positions is None and kv_cache is not None and kv_cache.length:
+                start = kv_cache.length
+                positions = torch.arange(start, start + x.shape[-2], device=x.device)
+            x = self.position(x, positions)
+        return super().forward(
+            x, mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
+        )

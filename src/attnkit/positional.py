@@ -1,0 +1,502 @@
+"""Position information: sinusoidal tables, learned embeddings and rotary embeddings (RoPE).
+
+Attention is permutation-equivariant; these modules give it a sense of order.
+
+* :class:`SinusoidalPositionalEncoding` and :class:`LearnedPositionalEmbedding` *add* a vector per
+  position to the token embeddings (usually once, before the first block).
+* Rotary embeddings rotate each query/key channel pair by a position-dependent angle inside every
+  attention layer, so that ``<R_p q, R_s k>`` depends only on ``s - p``. :class:`RotaryEmbedding`
+  is the module handed to :class:`attnkit.MultiHeadAttention` as ``rotary``; :func:`rope_cos_sin`
+  and :func:`apply_rope` are the blog's functions.
+
+Rotary pair conventions:
+
+* ``interleaved=True`` (the blog, the RoFormer paper, Meta's original LLaMA code): channel pairs
+  are adjacent, ``(x[2i], x[2i+1])``.
+* ``interleaved=False`` (GPT-NeoX, Hugging Face): pairs are the two halves,
+  ``(x[i], x[i + E/2])``.
+
+Both rotate pair ``i`` by ``p * base^(-2i/E)``. They are the same model up to a fixed permutation
+of each head's query/key channels; :func:`permute_rotary_weight` and
+:func:`convert_rotary_convention` convert weights between them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from attnkit.attention import MultiHeadAttention
+from attnkit.cache import KVCache
+
+__all__ = [
+    "LearnedPositionalEmbedding",
+    "PositionalMultiHeadSelfAttention",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "apply_rope",
+    "convert_rotary_convention",
+    "permute_rotary_weight",
+    "rope_cos_sin",
+    "sinusoidal_table",
+]
+
+RotaryConvention = Literal["interleaved", "split"]
+
+
+def _check_positions(positions: Tensor, length: int) -> None:
+    if (
+        not isinstance(positions, Tensor)
+        or positions.dtype.is_floating_point
+        or (positions.dtype == torch.bool)
+    ):
+        raise TypeError(f"positions must be an integer tensor, got {positions!r:.80}")
+    if positions.dim() not in (1, 2) or positions.shape[-1] != length:
+        raise ValueError(
+            f"positions must have shape (L,) or (B, L) with L={length}, got "
+            f"{tuple(positions.shape)}"
+        )
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"positions must be non-negative, got min {int(positions.min())}")
+
+
+def _default_positions(positions: Tensor | None, length: int, device: torch.device) -> Tensor:
+    if positions is None:
+        return torch.arange(length, device=device)
+    _check_positions(positions, length)
+    return positions
+
+
+# --------------------------------------------------------------------------------------------
+# Absolute positions, added to the input
+# --------------------------------------------------------------------------------------------
+
+
+def sinusoidal_table(
+    seq_len: int, dim: int, *, base: float = 10_000.0, device: torch.device | str | None = None
+) -> Tensor:
+    """The sinusoidal table of the original Transformer, in float32.
+
+    ``PE[p, 2i] = sin(p * w_i)`` and ``PE[p, 2i+1] = cos(p * w_i)`` with ``w_i = base^(-2i/dim)``.
+    For odd ``dim`` the last column is a sine (there is one more sine than cosine); every other
+    column is unchanged. Angles are computed in float32 exactly as in the blog, so tables match it
+    bit for bit.
+
+    Args:
+        seq_len: Number of positions.
+        dim: Embedding dim (any positive int).
+        base: Wavelength base.
+        device: Device of the result.
+
+    Returns:
+        Float32 tensor of shape ``(seq_len, dim)``.
+
+    Raises:
+        ValueError: If ``seq_len < 0`` or ``dim < 1``.
+    """
+    if seq_len < 0 or dim < 1:
+        raise ValueError(f"need seq_len >= 0 and dim >= 1, got seq_len={seq_len}, dim={dim}")
+    position = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None]  # (L, 1)
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    angles = position * inv_freq[None, :]  # (L, ceil(dim/2))
+    pe = torch.zeros(seq_len, dim, device=device)
+    pe[:, 0::2] = angles.sin()
+    pe[:, 1::2] = angles[:, : dim // 2].cos()
+    return pe
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Adds the sinusoidal table to the input (the blog's class).
+
+    Args:
+        dim: Embedding dim (odd dims work, see :func:`sinusoidal_table`).
+        max_seq_len: Rows of the table; longer sequences are an error.
+        base: Wavelength base.
+
+    Attributes:
+        pe: Float32 table of shape ``(max_seq_len, dim)`` (a non-persistent buffer, cast to the
+            input's dtype at use).
+    """
+
+    pe: Tensor
+
+    def __init__(self, dim: int, max_seq_len: int = 4096, base: float = 10_000.0) -> None:
+        super().__init__()
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        self.dim, self.max_seq_len, self.base = dim, max_seq_len, base
+        self.register_buffer("pe", sinusoidal_table(max_seq_len, dim, base=base), persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Return ``x + PE[positions]``.
+
+        Args:
+            x: Input tokens.
+            positions: Integer positions ``(L,)`` or ``(B, L)``; defaults to ``0 .. L-1``.
+
+        Raises:
+            ValueError: If a position does not fit in the table (the message names both
+                lengths), or ``x`` has the wrong last dim.
+
+        Shape:
+            x ``(B, L, dim)`` (or ``(L, dim)``) -> same.
+        """
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x has last dim {x.shape[-1]}, expected dim={self.dim}")
+        L = x.shape[-2]
+        if positions is None:
+            if self.pe.shape[0] < L:
+                raise ValueError(
+                    f"sequence length {L} exceeds max_seq_len {self.pe.shape[0]} of the "
+                    "sinusoidal table; build SinusoidalPositionalEncoding with a larger max_seq_len"
+                )
+            return x + self.pe[:L].to(dtype=x.dtype, device=x.device)
+        _check_positions(positions, L)
+        if positions.numel() and int(positions.max()) >= self.pe.shape[0]:
+            raise ValueError(
+                f"position {int(positions.max())} (needs length {int(positions.max()) + 1}) "
+                f"exceeds max_seq_len {self.pe.shape[0]} of the sinusoidal table"
+            )
+        return x + self.pe.to(device=x.device)[positions].to(x.dtype)  # (B?, L, dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, max_seq_len={self.max_seq_len}, base={self.base}"
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """Adds a trained vector per position (BERT/GPT-2 style).
+
+    Args:
+        max_seq_len: Number of positions.
+        dim: Embedding dim.
+
+    Attributes:
+        weight: Parameter of shape ``(max_seq_len, dim)``.
+    """
+
+    def __init__(self, max_seq_len: int, dim: int) -> None:
+        super().__init__()
+        if max_seq_len < 1 or dim < 1:
+            raise ValueError(f"sizes must be positive, got max_seq_len={max_seq_len}, dim={dim}")
+        self.max_seq_len, self.dim = max_seq_len, dim
+        self.weight = nn.Parameter(torch.empty(max_seq_len, dim))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Return ``x + weight[positions]`` (positions default to ``0 .. L-1``).
+
+        Raises:
+            ValueError: If a position is ``>= max_seq_len`` (naming both lengths).
+
+        Shape:
+            x ``(B, L, dim)`` -> same; positions ``(L,)`` or ``(B, L)``.
+        """
+        L = x.shape[-2]
+        positions = _default_positions(positions, L, x.device)
+        top = L if positions.numel() == 0 else int(positions.max()) + 1
+        if top > self.max_seq_len:
+            raise ValueError(
+                f"sequence needs {top} positions but max_seq_len is {self.max_seq_len}"
+            )
+        return x + self.weight[positions].to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"max_seq_len={self.max_seq_len}, dim={self.dim}"
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary embeddings
+# --------------------------------------------------------------------------------------------
+
+
+def rope_cos_sin(
+    seq_len: int, head_dim: int, device: torch.device | str | None, base: float = 10_000.0
+) -> tuple[Tensor, Tensor]:
+    """The blog's rotary tables for positions ``0 .. seq_len-1``, computed in float32.
+
+    Args:
+        seq_len: Number of positions.
+        head_dim: Head dim ``E`` (must be even).
+        device: Device of the tables.
+        base: Wavelength base.
+
+    Returns:
+        ``(cos, sin)``, each float32 of shape ``(seq_len, head_dim // 2)``.
+
+    Raises:
+        ValueError: If ``head_dim`` is odd or not positive.
+    """
+    _check_head_dim(head_dim)
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    positions = torch.arange(seq_len, device=device).float()
+    angles = positions[:, None] * inv_freq[None, :]  # (L, E/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = True) -> Tensor:
+    """Rotate channel pairs of ``x`` by the angles whose cosines/sines are given.
+
+    The rotation runs in float32 (float64 for float64 inputs) and the result is cast back to
+    ``x.dtype``, so half-precision inputs keep accurate phases.
+
+    Args:
+        x: Queries or keys.
+        cos: Cosines of the angles.
+        sin: Sines of the angles.
+        interleaved: Pair adjacent channels ``(2i, 2i+1)`` (the blog) instead of the halves
+            ``(i, i + E/2)`` (GPT-NeoX / Hugging Face).
+
+    Returns:
+        Rotated tensor, same shape and dtype as ``x``.
+
+    Shape:
+        x ``(B, H, L, E)``, cos/sin ``(L, E/2)`` or anything broadcastable to
+        ``(B, H, L, E/2)`` -> ``(B, H, L, E)``.
+
+    Raises:
+        ValueError: If the tables' last dim is not ``E / 2``.
+    """
+    E = x.shape[-1]
+    if E % 2 or cos.shape[-1] != E // 2 or sin.shape != cos.shape:
+        raise ValueError(
+            f"rotary tables must have last dim E/2 for E={E}, got cos {tuple(cos.shape)}, "
+            f"sin {tuple(sin.shape)}"
+        )
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    cos, sin = cos.to(compute), sin.to(compute)
+    if interleaved:
+        pairs = xf.unflatten(-1, (E // 2, 2))  # (..., L, E/2, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xf.chunk(2, dim=-1)  # (..., L, E/2) each
+        out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.to(x.dtype)
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim >= 2, got {head_dim!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding for :class:`attnkit.MultiHeadAttention` (``rotary=...``).
+
+    The cos/sin tables are float32, non-persistent buffers, computed from float64 angles (so
+    positions in the tens of thousands keep accurate phases) and recomputed when the device
+    changes, when a module-wide ``.half()``/``.to(dtype)`` cast them, or when a position beyond
+    the table is asked for (the table then grows to the next power of two).
+
+    Args:
+        head_dim: Head dim ``E`` (must be even).
+        base: Wavelength base.
+        interleaved: Pair adjacent channels (the blog) instead of halves (GPT-NeoX/HF).
+
+    Raises:
+        ValueError: If ``head_dim`` is odd or not positive.
+    """
+
+    cos: Tensor
+    sin: Tensor
+
+    def __init__(self, head_dim: int, *, base: float = 10_000.0, interleaved: bool = True) -> None:
+        super().__init__()
+        _check_head_dim(head_dim)
+        if not base > 1.0:
+            raise ValueError(f"base must be > 1, got {base}")
+        self.head_dim, self.base, self.interleaved = head_dim, float(base), interleaved
+        self.register_buffer("cos", torch.empty(0, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(0, head_dim // 2), persistent=False)
+
+    def tables(
+        self, length: int, device: torch.device | str | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Float32 ``(cos, sin)`` covering at least positions ``0 .. length-1``.
+
+        Shape:
+            ``(N, E/2)`` each, ``N >= length``.
+        """
+        device = torch.device(device) if device is not None else self.cos.device
+        stale = self.cos.dtype != torch.float32 or self.cos.device != device
+        if stale or self.cos.shape[0] < length:
+            n = max(16, 1 << max(length - 1, 0).bit_length())
+            # Tables built during inference_mode would be unusable in a later training step.
+            with torch.inference_mode(False):
+                inv_freq = self.base ** (
+                    -torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+                )
+                angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq  # (N, E/2)
+                self.cos = angles.cos().to(device=device, dtype=torch.float32)
+                self.sin = angles.sin().to(device=device, dtype=torch.float32)
+        return self.cos, self.sin
+
+    def forward(self, x: Tensor, positions: Tensor | None = None, *, offset: int = 0) -> Tensor:
+        """Rotate ``x`` by its positions.
+
+        Args:
+            x: Queries or keys.
+            positions: Integer positions ``(L,)`` or per-sequence ``(B, L)`` (packed sequences);
+                default ``offset .. offset+L-1``.
+            offset: First position when ``positions`` is omitted (cached decoding).
+
+        Shape:
+            x ``(..., heads, L, E)`` (or ``(L, E)``) -> same.
+
+        Raises:
+            ValueError: If ``x`` has the wrong head dim or ``positions`` the wrong shape.
+        """
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"x has head dim {x.shape[-1]}, expected {self.head_dim}")
+        L = x.shape[-2]
+        if positions is None:
+            if offset < 0:
+                raise ValueError(f"offset must be non-negative, got {offset}")
+            cos, sin = self.tables(offset + L, x.device)
+            return apply_rope(
+                x, cos[offset : offset + L], sin[offset : offset + L], interleaved=self.interleaved
+            )
+        _check_positions(positions, L)
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        cos, sin = self.tables(top, x.device)
+        positions = positions.to(x.device)
+        cos, sin = cos[positions], sin[positions]  # (L, E/2) or (B, L, E/2)
+        if positions.dim() == 2:
+            cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (B, 1, L, E/2): broadcast heads
+        return apply_rope(x, cos, sin, interleaved=self.interleaved)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}, interleaved={self.interleaved}"
+
+
+def permute_rotary_weight(weight: Tensor, num_heads: int, *, to: RotaryConvention) -> Tensor:
+    """Reorder a query or key projection's output channels between rotary conventions.
+
+    ``to="split"`` maps each head's channels ``[0, 1, 2, 3, ...]`` (interleaved pairs) to
+    ``[0, 2, 4, ..., 1, 3, 5, ...]`` (pairs in halves), as in Hugging Face's LLaMA conversion;
+    ``to="interleaved"`` is the inverse. Since queries and keys get the same permutation, scores
+    (hence outputs) are unchanged.
+
+    Args:
+        weight: A ``Linear`` weight ``(heads * E, in)`` or bias ``(heads * E,)``.
+        num_heads: Heads in ``weight`` (query heads for q, key/value heads for k).
+        to: Target convention, ``"split"`` or ``"interleaved"``.
+
+    Returns:
+        A new tensor of the same shape.
+
+    Raises:
+        ValueError: If the sizes do not fit or ``to`` is unknown.
+    """
+    if to not in ("split", "interleaved"):
+        raise ValueError(f"to must be 'split' or 'interleaved', got {to!r}")
+    rows = weight.shape[0]
+    if num_heads < 1 or rows % num_heads or (rows // num_heads) % 2:
+        raise ValueError(
+            f"weight with {rows} output channels does not split into {num_heads} heads of even "
+            "head dim"
+        )
+    E = rows // num_heads
+    rest = weight.shape[1:]
+    w = (
+        weight.reshape(num_heads, E // 2, 2, *rest)
+        if to == "split"
+        else (weight.reshape(num_heads, 2, E // 2, *rest))
+    )
+    return w.transpose(1, 2).reshape(weight.shape).clone()
+
+
+@torch.no_grad()
+def convert_rotary_convention(model: nn.Module, *, to: RotaryConvention) -> nn.Module:
+    """Switch every rotary attention in ``model`` to another pair convention, in place.
+
+    For each :class:`attnkit.MultiHeadAttention` whose ``rotary`` is a :class:`RotaryEmbedding`
+    in the other convention, the query and key projections are permuted with
+    :func:`permute_rotary_weight` and the rotary module's ``interleaved`` flag is flipped. The
+    model computes the same function afterwards.
+
+    Returns:
+        ``model``.
+    """
+    if to not in ("split", "interleaved"):
+        raise ValueError(f"to must be 'split' or 'interleaved', got {to!r}")
+    want = to == "interleaved"
+    # Collect first: a rotary module may be shared by several layers.
+    todo = [
+        m
+        for m in model.modules()
+        if isinstance(m, MultiHeadAttention)
+        and isinstance(m.rotary, RotaryEmbedding)
+        and m.rotary.interleaved != want
+    ]
+    for attn in todo:
+        H, K = attn.num_heads, attn.num_kv_heads
+        q_rows, k_rows = attn.hidden_dim, K * attn.head_dim
+        if attn.fused_qkv:
+            projs = [(getattr(attn, attn.qkv_name), [(0, q_rows, H), (q_rows, k_rows, K)])]
+        else:
+            projs = [
+                (getattr(attn, attn.q_name), [(0, q_rows, H)]),
+                (getattr(attn, attn.k_name), [(0, k_rows, K)]),
+            ]
+        for linear, slices in projs:
+            for start, n, heads in slices:
+                for p in (linear.weight, linear.bias):
+                    if p is not None:
+                        p[start : start + n] = permute_rotary_weight(
+                            p[start : start + n], heads, to=to
+                        )
+    for attn in todo:
+        attn.rotary.interleaved = want
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# The blog's positional attention, as a preset of MultiHeadAttention
+# --------------------------------------------------------------------------------------------
+
+
+class PositionalMultiHeadSelfAttention(MultiHeadAttention):
+    """The blog's self-attention with fused ``qkv``/``output`` projections and optional RoPE.
+
+    With ``use_rope`` the queries and keys are rotated with a :class:`RotaryEmbedding` in the
+    blog's interleaved convention (positions ``0 .. L-1`` unless ``positions`` is given, or
+    continuing after the cache).
+
+    Args:
+        dim: Model dim (input, hidden and output).
+        num_heads: Number of heads.
+        causal: Forbid attending to later tokens.
+        use_rope: Apply rotary embeddings to queries and keys.
+
+    Raises:
+        ValueError: If ``dim`` is not divisible by ``num_heads`` or, with ``use_rope``, the head
+            dim is odd.
+    """
+
+    qkv_name, out_name = "qkv", "output"
+
+    def __init__(
+        self, dim: int, num_heads: int, causal: bool = False, use_rope: bool = False
+    ) -> None:
+        if num_heads < 1 or dim % num_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        rotary = RotaryEmbedding(dim // num_heads, interleaved=True) if use_rope else None
+        super().__init__(dim, num_heads, fused_qkv=True, causal=causal, rotary=rotary)
+        self.use_rope = use_rope
+
+    def forward(  # type: ignore[override]
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        positions: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Shape: x ``(B, L, dim)``, mask broadcastable to ``(B, H, L, S)`` -> ``(B, L, dim)``."""
+        return super().forward(
+            x, mask=mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
+        )

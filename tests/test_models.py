@@ -1,0 +1,177 @@
+"""Encoder and decoder LM: order sensitivity, causality, cached decoding, GQA, conventions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+from attnkit.cache import KVCache
+from attnkit.models import TransformerEncoder, TransformerLM, attention_mask_from_padding
+from attnkit.positional import convert_rotary_convention
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+POSITIONS = ["none", "sinusoidal", "learned", "rope"]
+
+
+def _lm(position: str = "rope", **kw: object) -> TransformerLM:
+    options = {"num_kv_heads": 2, "max_seq_len": 32, "position": position, **kw}
+    return TransformerLM(40, 32, 2, 4, **options).eval()  # type: ignore[arg-type]
+
+
+# -------------------------------------------------------------------------- order and causality
+
+
+@settings(max_examples=10, deadline=None)
+@given(perm_seed=st.integers(0, 10_000))
+def test_encoder_without_positions_is_permutation_equivariant(perm_seed: int) -> None:
+    torch.manual_seed(0)
+    enc = TransformerEncoder(30, 16, 2, 4, position="none", num_kv_heads=2).eval()
+    ids = torch.randint(0, 30, (2, 7))
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(perm_seed))
+    assert_close(enc(ids[:, perm]), enc(ids)[:, perm], **TOL)
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "learned", "rope"])
+def test_encoder_with_positions_is_not_permutation_equivariant(position: str) -> None:
+    enc = TransformerEncoder(30, 16, 2, 4, position=position).eval()
+    ids = torch.arange(7)[None]
+    perm = torch.tensor([6, 5, 4, 3, 2, 1, 0])
+    assert not torch.allclose(enc(ids[:, perm]), enc(ids)[:, perm], atol=1e-3)
+
+
+@settings(max_examples=12, deadline=None)
+@given(cut=st.integers(1, 9), position=st.sampled_from(POSITIONS))
+def test_causal_outputs_ignore_future_tokens(cut: int, position: str) -> None:
+    torch.manual_seed(0)
+    lm = _lm(position)
+    ids = torch.randint(0, 40, (2, 10))
+    changed = ids.clone()
+    changed[:, cut:] = (changed[:, cut:] + 1) % 40
+    a, b = lm(ids), lm(changed)
+    assert_close(a[:, :cut], b[:, :cut], **TOL)
+    assert not torch.allclose(a[:, cut:], b[:, cut:])
+
+
+def test_causal_encoder_ignores_future_tokens() -> None:
+    enc = TransformerEncoder(30, 16, 2, 4, causal=True, position="rope").eval()
+    ids = torch.randint(0, 30, (1, 8))
+    changed = ids.clone()
+    changed[:, 5:] = (changed[:, 5:] + 3) % 30
+    assert_close(enc(ids)[:, :5], enc(changed)[:, :5], **TOL)
+
+
+# ----------------------------------------------------------------------------- padding, heads
+
+
+def test_encoder_padding_leaves_real_tokens_unchanged() -> None:
+    enc = TransformerEncoder(30, 16, 2, 4, position="rope", num_outputs=3, pool="mean").eval()
+    ids = torch.randint(1, 30, (2, 6))
+    lengths = torch.tensor([6, 4])
+    padded = torch.cat([ids, torch.zeros(2, 3, dtype=torch.long)], 1)  # junk padding
+    padded[1, 4:] = 7
+    alone = torch.stack([enc(ids[:1]), enc(ids[1:, :4])])[:, 0]
+    assert_close(enc(padded, lengths=lengths), alone, **TOL)
+    real = torch.arange(9)[None] < lengths[:, None]
+    assert_close(enc(padded, real), alone, **TOL)
+
+
+def test_encoder_weights_heads_and_vector_inputs() -> None:
+    enc = TransformerEncoder(None, 16, 3, 4, num_kv_heads=1, num_outputs=5).eval()
+    x = torch.randn(2, 6, 16)
+    out, weights = enc(x, return_weights=True)
+    assert out.shape == (2, 6, 5)
+    assert len(weights) == 3 and weights[0].shape == (2, 4, 6, 6)
+    assert_close(weights[2].sum(-1), torch.ones(2, 4, 6))
+    first = TransformerEncoder(30, 16, 1, 2, num_outputs=2, pool="first").eval()
+    ids = torch.randint(0, 30, (3, 5))
+    assert first(ids).shape == (3, 2)
+    with pytest.raises(ValueError, match="alibi"):
+        TransformerEncoder(30, 16, 1, 2, position="alibi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="both"):
+        attention_mask_from_padding(torch.ones(1, 2, dtype=torch.bool), torch.tensor([2]))
+
+
+def test_lm_head_is_tied_and_gqa_runs_through_the_stack() -> None:
+    lm = _lm()
+    assert not any("head" in k for k in lm.state_dict())
+    ids = torch.randint(0, 40, (2, 5))
+    h, _ = lm._hidden(ids, None, positions=None, kv_caches=None, return_weights=False)
+    assert_close(lm(ids), h @ lm.embedding.weight.T)
+    for block in lm.blocks:
+        assert block.attention.num_kv_heads == 2
+        assert block.attention.w_qkv.out_features == 32 + 2 * 2 * 8
+    caches = lm.make_kv_caches(2, 8)
+    assert caches[0].k.shape == (2, 2, 8, 8)
+
+
+# ------------------------------------------------------------------------------ cached decoding
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_cached_logits_equal_uncached(position: str, norm_first: bool) -> None:
+    lm = _lm(position, norm_first=norm_first, activation="swiglu", norm="rmsnorm")
+    ids = torch.randint(0, 40, (2, 12))
+    full = lm(ids)
+    caches = lm.make_kv_caches(2, 12)
+    steps = [lm(ids[:, :5], kv_caches=caches)]
+    steps += [lm(ids[:, t : t + 1], kv_caches=caches) for t in range(5, 12)]
+    assert_close(torch.cat(steps, 1), full, **TOL)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_generate_cached_equals_uncached_greedy(position: str) -> None:
+    lm = _lm(position)
+    prompt = torch.randint(0, 40, (2, 4))
+    cached = lm.generate(prompt, 10)
+    uncached = lm.generate(prompt, 10, use_cache=False)
+    assert cached.shape == (2, 14)
+    assert torch.equal(cached[:, :4], prompt)
+    assert torch.equal(cached, uncached)
+    # greedy = argmax of the full forward at each step
+    logits = lm(cached[:, :-1])
+    assert torch.equal(logits[:, 3:].argmax(-1), cached[:, 4:])
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy() -> None:
+    lm = _lm()
+    prompt = torch.randint(0, 40, (1, 3))
+    a = lm.generate(prompt, 6, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    b = lm.generate(prompt, 6, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    assert torch.equal(lm.generate(prompt, 6, temperature=0.7, top_k=1), lm.generate(prompt, 6))
+    lm.train()
+    lm.generate(prompt, 1)
+    assert lm.training  # the mode is restored
+
+
+def test_cache_capacity_and_max_seq_len_errors() -> None:
+    lm = _lm()
+    with pytest.raises(ValueError, match=r"\(30\).*\(5\) = 35 exceeds max_seq_len 32"):
+        lm.generate(torch.zeros(1, 30, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match=r"40.*32"):
+        lm.make_kv_caches(1, 40)
+    caches = lm.make_kv_caches(1, 4)
+    lm(torch.zeros(1, 3, dtype=torch.long), kv_caches=caches)
+    with pytest.raises(ValueError, match="capacity"):
+        lm(torch.zeros(1, 2, dtype=torch.long), kv_caches=caches)
+    with pytest.raises(ValueError, match="per layer"):
+        lm(torch.zeros(1, 2, dtype=torch.long), kv_caches=[KVCache(1, 2, 4, 8)])
+
+
+# --------------------------------------------------------------------------- rotary conventions
+
+
+def test_lm_convention_conversion_matches_split_halves_model() -> None:
+    inter = _lm(rope_interleaved=True)
+    ids = torch.randint(0, 40, (2, 9))
+    expected = inter(ids)
+    split = _lm(rope_interleaved=False)
+    assert not torch.allclose(split(ids), expected)
+    convert_rotary_convention(inter, to="split")  # permutes every layer's q/k weights
+    assert inter.rotary is not None and inter.rotary.interleaved is False
+    split.load_state_dict(inter.state_dict(), strict=True)
+    assert_close(split(ids), expected, **TOL)
