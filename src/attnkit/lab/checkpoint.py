@@ -1,0 +1,157 @@
+"""Atomic checkpoints: one safetensors file holds weights, optimizer state and RNG state.
+
+A checkpoint is written to a temporary file in the destination directory, flushed to disk and
+moved over the old one with ``os.replace`` (atomic on POSIX and Windows), so a crash leaves either
+the previous checkpoint or the new one, never half a file. Weights, optimizer moments and the RNG
+state travel in one file so they can never come from different steps; the JSON fields (config,
+step, history) go in the safetensors metadata. ``config.json`` and ``metrics.json`` beside it are
+written the same way.
+
+Keys: ``model.<parameter name>`` (load them into a fresh model with :func:`model_state`),
+``optim.<param index>.<state name>``, ``rng.torch``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "FORMAT",
+    "atomic_write",
+    "load_checkpoint",
+    "model_state",
+    "restore_optimizer",
+    "save_checkpoint",
+    "write_json",
+]
+
+CHECKPOINT_NAME = "checkpoint.safetensors"
+FORMAT = "attnkit-lab-1"
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
+    """Call ``write(tmp_path)`` then move the temporary file onto ``path`` atomically.
+
+    Args:
+        path: Destination file.
+        write: Writes the complete content to the path it is given.
+
+    Returns:
+        ``path``.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; give the usual mode
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Write ``data`` as indented JSON, atomically."""
+    text = json.dumps(data, indent=2, sort_keys=False) + "\n"
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def save_checkpoint(
+    path: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Write model weights, optimizer state and the torch RNG state to one safetensors file.
+
+    Args:
+        path: Destination file (its directory must exist).
+        model: The model (unwrapped, not the DistributedDataParallel wrapper).
+        optimizer: Its optimizer, for resuming.
+        metadata: JSON-serialisable fields stored in the file's header (config, step, ...).
+
+    Returns:
+        ``path``.
+    """
+    from safetensors.torch import save_file
+
+    # clone: tied weights share storage, which safetensors refuses; copies load back fine.
+    tensors: dict[str, Tensor] = {
+        f"model.{k}": v.detach().to("cpu").clone().contiguous()
+        for k, v in model.state_dict().items()
+    }
+    groups: list[dict[str, Any]] = []
+    if optimizer is not None:
+        state = optimizer.state_dict()
+        for idx, fields in state["state"].items():
+            for name, value in fields.items():
+                value = value if isinstance(value, Tensor) else torch.tensor(value)
+                tensors[f"optim.{idx}.{name}"] = value.detach().to("cpu").clone().contiguous()
+        groups = state["param_groups"]
+    tensors["rng.torch"] = torch.get_rng_state()
+    header = {
+        "format": FORMAT,
+        "optim_param_groups": json.dumps(groups),
+        **{k: json.dumps(v) for k, v in (metadata or {}).items()},
+    }
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Read a checkpoint written by :func:`save_checkpoint`.
+
+    Returns:
+        ``(tensors, metadata)`` with the metadata values decoded from JSON.
+
+    Raises:
+        FileNotFoundError: If there is no checkpoint at ``path``.
+        ValueError: If the file is not an attnkit lab checkpoint.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path} (nothing to resume)")
+    with safe_open(str(path), framework="pt") as f:
+        header = f.metadata() or {}
+    if header.get("format") != FORMAT:
+        raise ValueError(
+            f"{path} is not an attnkit lab checkpoint (format "
+            f"{header.get('format')!r}, expected {FORMAT!r})"
+        )
+    meta = {k: json.loads(v) for k, v in header.items() if k != "format"}
+    return load_file(str(path)), meta
+
+
+def model_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The model's ``state_dict`` from a checkpoint's tensors (``model.`` prefix removed)."""
+    return {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+
+
+def restore_optimizer(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], meta: dict[str, Any]
+) -> None:
+    """Load the optimizer state saved by :func:`save_checkpoint` into ``optimizer``."""
+    state: dict[int, dict[str, Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, idx, name = key.split(".", 2)
+            state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["optim_param_groups"]})
