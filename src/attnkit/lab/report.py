@@ -160,6 +160,7 @@ def _make_figures(data: ReportData, fig_dir: Path) -> list[Figure]:
         for name in (
             "projections (n·d²)",
             "feed-forward (n·d·F)",
+            "projections + feed-forward (all n·d² terms)",
             "scores + weighted sum (n²·d)",
             "softmax (n²)",
         )
@@ -173,6 +174,9 @@ def _make_figures(data: ReportData, fig_dir: Path) -> list[Figure]:
             sum(rows[k] for k in ("q_proj", "k_proj", "v_proj", "out_proj"))
         )
         cost["feed-forward (n·d·F)"].append(rows["ffn_up"] + rows["ffn_down"])
+        cost["projections + feed-forward (all n·d² terms)"].append(
+            cost["projections (n·d²)"][-1] + cost["feed-forward (n·d·F)"][-1]
+        )
         cost["scores + weighted sum (n²·d)"].append(rows["scores"] + rows["weighted_sum"])
         cost["softmax (n²)"].append(rows["softmax"])
     cross, _ = crossover_seq_len(cfg.dim, cfg.num_heads, ffn_dim=cfg.ffn_dim)
@@ -181,8 +185,9 @@ def _make_figures(data: ReportData, fig_dir: Path) -> list[Figure]:
             Figure(
                 "cost_curves.png",
                 f"FLOPs of one block of this model (D={cfg.dim}, "
-                f"H={cfg.num_heads}, F={cfg.ffn_dim}) against sequence length: the n² terms "
-                f"overtake the rest at n = {cross}; the model trains at n = {cfg.seq_len}.",
+                f"H={cfg.num_heads}, F={cfg.ffn_dim}) against sequence length: the n²·d matmuls "
+                f"overtake all n·d² matmuls together at n = {cross}; "
+                f"the model trains at n = {cfg.seq_len}.",
                 "cost",
             ),
             lambda: viz.complexity_curves(
