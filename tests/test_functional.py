@@ -317,3 +317,23 @@ def test_error_messages():
 
 def test_top_level_export():
     assert attnkit.scaled_dot_product_attention is sdpa
+
+
+def test_long_window_takes_block_sparse_path_and_matches_dense(monkeypatch):
+    from attnkit import sparse
+
+    calls = []
+    real = sparse.block_sparse_attention
+    monkeypatch.setattr(sparse, "block_sparse_attention",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    q, k, v = _qkv(B=1, H=2, K=1, L=1100, S=1100, E=16, grad=True)
+    out = sdpa(q, k, v, causal=True, window=48)
+    assert len(calls) == 1 and calls[0]["window"] == 48 and calls[0]["causal"] is True
+    dense = sdpa(q, k, v, M.sliding_window_mask(1100, window=48))
+    assert_close(out, dense, atol=1e-5, rtol=1e-5)
+    g_sparse = torch.autograd.grad(out.square().sum(), (q, k, v))
+    g_dense = torch.autograd.grad(dense.square().sum(), (q, k, v))
+    for a, b in zip(g_sparse, g_dense, strict=True):
+        assert_close(a, b, atol=1e-4, rtol=1e-4)
+    sdpa(q[:, :, :100], k[:, :, :100], v[:, :, :100], causal=True, window=48)
+    assert len(calls) == 1  # short sequences stay on the dense kernel

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import masks as M
+from attnkit import sparse
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -118,23 +119,21 @@ def scaled_dot_product_attention(
     gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
     structured = window is not None or segment_ids is not None or key_lengths is not None
 
-    if structured and mask is None and not return_weights and S > 0:
-        from attnkit import sparse
-
-        if hasattr(sparse, "should_use_block_sparse") and sparse.should_use_block_sparse(
-            L, S, window=window, segment_ids=segment_ids, key_lengths=key_lengths
-        ):
-            return sparse.block_sparse_attention(
-                q,
-                k,
-                v,
-                causal=causal,
-                window=window,
-                segment_ids=segment_ids,
-                key_lengths=key_lengths,
-                scale=scale,
-                dropout_p=dropout_p,
-            )
+    use_sparse = structured and mask is None and not return_weights and S > 0
+    if use_sparse and sparse.should_use_block_sparse(
+        L, S, causal=causal, window=window, segment_ids=segment_ids, key_lengths=key_lengths
+    ):
+        return sparse.block_sparse_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            window=window,
+            segment_ids=segment_ids,
+            key_lengths=key_lengths,
+            scale=scale,
+            dropout_p=dropout_p,
+        )
 
     # Fold causal/window/documents/padding into one bool constraint, unless plain causal can be
     # expressed as is_causal (L == S: top-left and bottom-right alignment coincide).
