@@ -26,3 +26,13 @@ def test_quickstart_has_exactly_two_commands_pinning_torch():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == _commands()[1]
+
+
+def test_python_examples_run():
+    """Every ```python block of the README runs, in order, in one namespace."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.+?)\n```", readme, flags=re.S)
+    assert len(blocks) >= 5
+    namespace: dict[str, object] = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
