@@ -142,8 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--textbook-backward-max", type=int, default=4096,
-                   help="skip the textbook forward+backward above this N (its memory is N^2)")
+    p.add_argument(
+        "--textbook-backward-max",
+        type=int,
+        default=4096,
+        help="skip the textbook forward+backward above this N (its memory is N^2)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/attention.json"))
     p.add_argument("--child", nargs=3, metavar=("IMPL", "N", "MODE"), help=argparse.SUPPRESS)
@@ -153,32 +157,46 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     rows = []
-    header = (f"{'N':>6} {'mode':<8} {'impl':<12} {'time ms':>9} {'vs direct':>9} "
-              f"{'textbook/x':>10} {'peak MiB':>9}")
-    print(f"causal MHSA, fp32, B={BATCH}, dim {DIM}, {HEADS} heads, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    header = (
+        f"{'N':>6} {'mode':<8} {'impl':<12} {'time ms':>9} {'vs direct':>9} "
+        f"{'textbook/x':>10} {'peak MiB':>9}"
+    )
+    print(
+        f"causal MHSA, fp32, B={BATCH}, dim {DIM}, {HEADS} heads, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
     print(header)
     print("-" * len(header))
     for n in args.seq_lens:
         for mode in ("forward", "fwd+bwd"):
-            impls = [i for i in IMPLS
-                     if not (i == "textbook" and mode == "fwd+bwd" and n > args.textbook_backward_max)]
+            impls = [
+                i
+                for i in IMPLS
+                if not (i == "textbook" and mode == "fwd+bwd" and n > args.textbook_backward_max)
+            ]
             times = time_side_by_side(n, mode, impls, args.repeats)
             for impl in impls:
                 peak = None if args.no_memory else measure_peak(impl, n, mode)
                 row = {
-                    "N": n, "mode": mode, "impl": impl, "time_s": times[impl],
+                    "N": n,
+                    "mode": mode,
+                    "impl": impl,
+                    "time_s": times[impl],
                     "ratio_vs_direct_sdpa": times[impl] / times["direct_sdpa"],
-                    "speedup_vs_textbook": (times["textbook"] / times[impl]
-                                            if "textbook" in times else None),
+                    "speedup_vs_textbook": (
+                        times["textbook"] / times[impl] if "textbook" in times else None
+                    ),
                     "peak_bytes": peak,
                 }
                 rows.append(row)
                 speed = row["speedup_vs_textbook"]
-                print(f"{n:>6} {mode:<8} {impl:<12} {times[impl] * 1e3:>9.1f} "
-                      f"{row['ratio_vs_direct_sdpa']:>9.2f} "
-                      f"{'' if speed is None else f'{speed:.1f}x':>10} "
-                      f"{'' if peak is None else f'{peak / 2**20:.0f}':>9}", flush=True)
+                print(
+                    f"{n:>6} {mode:<8} {impl:<12} {times[impl] * 1e3:>9.1f} "
+                    f"{row['ratio_vs_direct_sdpa']:>9.2f} "
+                    f"{'' if speed is None else f'{speed:.1f}x':>10} "
+                    f"{'' if peak is None else f'{peak / 2**20:.0f}':>9}",
+                    flush=True,
+                )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2))
     print(f"wrote {args.out}")

@@ -46,6 +46,7 @@ __all__ = [
     "RotaryEmbedding",
     "ScaleDotProductAttention",
     "SelfAttention",
+    "SentenceEncoder",
     "SinusoidalPositionalEncoding",
     "TransformerBlock",
     "TransformerEncoder",
@@ -63,3 +64,13 @@ __all__ = [
     "sinusoidal_table",
     "split_heads",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # SentenceEncoder needs the ``models`` extra (tokenizers, safetensors, the bundled model):
+    # import it on first use so that ``import attnkit`` keeps needing only torch.
+    if name == "SentenceEncoder":
+        from attnkit.interop.sentence import SentenceEncoder
+
+        return SentenceEncoder
+    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")

