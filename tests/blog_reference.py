@@ -11,31 +11,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-
-class BlogMultiHeadSelfAttention(nn.Module):
-    def __init__(
-        self, in_dim: int, hidden_dim: int, out_dim: int, num_heads: int, causal: bool = False
-    ) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.dim_per_head = hidden_dim // num_heads
-        self.w_qkv = nn.Linear(in_dim, 3 * hidden_dim)
-        self.output_map = nn.Linear(hidden_dim, out_dim)
-        self.causal = causal
-
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        b, n, _ = x.shape
-        # "b n (3 h d) -> b h n d 3": the 3 is the outermost factor, so [q | k | v] chunks.
-        qkv = self.w_qkv(x).reshape(b, n, 3, self.num_heads, self.dim_per_head)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-        score = q @ k.transpose(-2, -1) / math.sqrt(self.dim_per_head)
-        if self.causal:
-            future = torch.ones(n, n, dtype=torch.bool).triu(1)
-            score = score.masked_fill(future, float("-inf"))
-        if mask is not None:
-            score = score.masked_fill(~mask.bool(), float("-inf"))
-        out = (score.softmax(-1) @ v).transpose(1, 2).reshape(b, n, -1)
-        return self.output_map(out)
+from tests.blog_attention_reference import BlogMultiHeadSelfAttention
 
 
 class BlogFeedForward(nn.Module):
