@@ -161,6 +161,8 @@ def test_fallback_decision():
     assert not should_use_block_sparse(8192, 8192)  # no structure
     assert not should_use_block_sparse(8192, 8192, key_lengths=torch.tensor([8000]))
     assert should_use_block_sparse(8192, 8192, key_lengths=torch.tensor([1000]))
+    assert should_use_block_sparse(8192, 8192, key_lengths=torch.tensor([4096]))  # long: half
+    assert not should_use_block_sparse(2048, 2048, key_lengths=torch.tensor([1024]))  # short: no
     assert sparse.MIN_KEYS > 256
 
 

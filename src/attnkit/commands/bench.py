@@ -27,7 +27,6 @@ backward on CPU); its first call, which compiles, is reported separately.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import statistics
@@ -204,6 +203,7 @@ def _bench_point(
     import torch
     import torch.nn.functional as F
 
+    from attnkit.profiling import peak_memory
     from attnkit.sparse import block_sparse_attention, structured_mask
 
     gen = torch.Generator().manual_seed(n)
@@ -253,7 +253,7 @@ def _bench_point(
         for _ in range(repeats):
             for name, fn in fns.items():
                 times[name].append(_timed(lambda fn=fn: step(fn), device))
-        mems = {name: _peak_memory(lambda fn=fn: step(fn), device) for name, fn in fns.items()}
+        mems = {name: peak_memory(lambda fn=fn: step(fn), device) for name, fn in fns.items()}
 
     print(
         f"  N={n} {case} {mode}: "
@@ -325,34 +325,6 @@ def _timed(fn: Callable[[], Any], device: Any) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
-
-
-def _peak_memory(fn: Callable[[], Any], device: Any) -> int | None:
-    """Extra peak memory of one call in bytes (``None`` where it cannot be measured)."""
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        base = _proc_status_kib("VmRSS")
-        fn()
-        return (_proc_status_kib("VmHWM") - base) * 1024
-    except OSError:  # not Linux, or /proc not writable
-        return None
-
-
-def _proc_status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise OSError(f"{field} not in /proc/self/status")
 
 
 def _matmul_tflops(device: Any, dtype: Any) -> float | None:

@@ -10,12 +10,9 @@ prints both counts so the gap is visible.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import functools
 import json
 import math
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -294,24 +291,6 @@ def plot(cost: Any, path: str, *, kv_len_given: bool) -> list[Path]:
 
 
 # --- measure ---------------------------------------------------------------------------------
-def _rss_peak_reset() -> bool:
-    # Freed small blocks stay in glibc's heap, so a warm forward would not grow RSS at all:
-    # hand them back to the OS first, then reset the high-water mark to the current RSS.
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: measure as is
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
-
-
-def _rss_peak() -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024  # type: ignore[union-attr]
-
-
 def _timeit(fn: Any, sync: Any, *, budget_s: float = 1.0) -> float:
     fn()
     sync()
@@ -348,6 +327,8 @@ def measure(cost: Any, *, device: str = "cpu") -> dict[str, Any]:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
+
+    from attnkit.profiling import peak_memory
 
     dev = torch.device(device)
     dtype = getattr(torch, cost.dtype)
@@ -387,17 +368,8 @@ def measure(cost: Any, *, device: str = "cpu") -> dict[str, Any]:
     del a, b
     peak_gflops = 2 * n**3 / mm_seconds / 1e9
 
-    peak: int | None = None
     forward()  # warm the allocator's caches out of the measurement as far as possible
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        forward()
-        peak = torch.cuda.max_memory_allocated(dev) - base
-    elif _rss_peak_reset():
-        base = _rss_peak()
-        forward()
-        peak = _rss_peak() - base
+    peak = peak_memory(forward, dev)
     achieved = cost.matmul_flops / seconds / 1e9
     return {
         "device": str(dev),
