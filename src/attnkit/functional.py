@@ -237,15 +237,13 @@ def _fused_attention(
     )
     # torch's fused CPU kernel treats a query row containing NaN like a fully-masked row and
     # returns zeros; attnkit propagates non-finite inputs instead of silently hiding them. One
-    # float32 sum per row finds them (inf or NaN anywhere makes the sum non-finite), and a single
-    # where() over the output applies both this and the fully-masked rule.
+    # float32 sum per row finds them (inf or NaN anywhere makes the sum non-finite). Adding the
+    # (..., L, 1) poison costs one pass and its backward passes the gradient through untouched.
     finite = torch.isfinite(q.sum(dim=-1, keepdim=True, dtype=torch.float32))  # (..., L, 1)
-    fill = torch.where(finite, 0.0, float("nan")).to(out.dtype)  # (..., L, 1)
-    keep = finite
+    out = out + torch.where(finite, 0.0, float("nan")).to(out.dtype)
     if row_ok is not None:
-        keep = finite & row_ok
-        fill = fill.masked_fill(~row_ok, 0.0)  # no key to attend: zero, even for a NaN query
-    return torch.where(keep, out, fill)
+        out = torch.where(row_ok, out, 0.0)  # no key to attend: zero, even for a NaN query
+    return out
 
 
 def _explicit_attention(
