@@ -2,8 +2,9 @@
 
 Times are medians measured side by side in this process (interleaved rounds, so machine noise
 hits every implementation alike); peak memory is the growth of the resident high-water mark in a
-fresh child process per measurement (``/proc/self/clear_refs`` + ``VmHWM``), so allocator caches
-of one measurement never hide another's peak.
+fresh child process per measurement (:func:`attnkit.profiling.peak_memory`: ``malloc_trim``, then
+``/proc/self/clear_refs`` + ``VmHWM``), so allocator caches of one measurement never hide another's
+peak.
 
 Usage:
     python benchmarks/bench_attention.py                     # N = 1024 .. 8192
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnkit
+from attnkit.profiling import peak_memory
 
 DIM, HEADS, BATCH = 512, 8, 1
 IMPLS = ("textbook", "torch_mha", "direct_sdpa", "attnkit")
@@ -99,23 +101,13 @@ def step_fn(model: nn.Module, x: Tensor, mode: str) -> Callable[[], None]:
     return run_backward
 
 
-def _vm(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
 def peak_memory_child(impl: str, n: int, mode: str) -> None:
     """Run once in this (fresh) process and print the peak RSS growth in bytes."""
     model = make(impl)
     x = torch.randn(BATCH, n, DIM, requires_grad=mode != "forward")
     run = step_fn(model, x, mode)
     run()  # warm-up: one-time allocations (thread pools, kernels) are not the op's memory
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _vm("VmRSS")
-    run()
-    print(_vm("VmHWM") - base)
+    print(peak_memory(run))
 
 
 def measure_peak(impl: str, n: int, mode: str) -> int | None:
