@@ -210,6 +210,8 @@ def test_window_equals_dense_mask(L, S, window, causal):
     ref, _ = reference_attention(q, k, v, allowed)
     assert_close(sdpa(q, k, v, causal=causal, window=window), ref.float(), atol=1e-5, rtol=1e-5)
     assert_close(M.sliding_window_mask(L, S, window=window, causal=causal), allowed)
+    unbatched = sdpa(q[0, 0], k[0, 0], v[0, 0], causal=causal, window=window)  # (L, E)
+    assert_close(unbatched, ref[0, 0].float(), atol=1e-5, rtol=1e-5)
 
 
 def test_segments_and_key_lengths_equal_dense_masks():
@@ -303,8 +305,10 @@ def test_error_messages():
     _err(ValueError, "window must be a positive int, got 0", q, k, v, window=0)
     _err(ValueError, "same number", q[0], k, v)
     _err(ValueError, r"batch dims differ", q, k[:1], v[:1])
-    with pytest.raises(ValueError, match=r"lengths must lie in \[0, S=7\], got \[9, 1\]"):
+    with pytest.raises(ValueError, match=r"key_lengths must be in \[0, S=7\], got \[9, 1\]"):
         sdpa(q, k, v, key_lengths=torch.tensor([9, 1]))
+    with pytest.raises(ValueError, match=r"segment_ids must have shape \(B, S\) with S=7"):
+        sdpa(q, k, v, segment_ids=torch.zeros(2, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="window must be a positive int"):
         M.sliding_window_mask(3, window=-1)
     with pytest.raises(TypeError, match="integer tensor"):

@@ -164,28 +164,25 @@ def _structural_mask(
     key_lengths: Tensor | None,
 ) -> Tensor | None:
     """Dense bool mask for the structural constraints, or None if there are none."""
-    device = q.device
-    parts: list[Tensor | None] = []
-    if window is not None:
-        parts.append(M.sliding_window_mask(L, S, window=window, causal=causal, device=device))
-    elif causal and L > 1:  # a single query at the end sees every key
-        parts.append(M.causal_mask(L, S, device=device))
-    if segment_ids is not None:
-        if segment_ids.dim() != 2 or segment_ids.shape[-1] != S or L > S:
-            raise ValueError(
-                f"segment_ids must have shape (B, S={S}) with L={L} <= S, "
-                f"got {tuple(segment_ids.shape)}"
-            )
-        parts.append(M.document_mask(segment_ids[:, S - L :], segment_ids))  # (B, 1, L, S)
-    if key_lengths is not None:
-        parts.append(M.padding_mask(key_lengths, S))  # (B, 1, 1, S)
-    combined = M.combine_masks(*parts)
-    if combined is not None and q.dim() < combined.dim():
+    if window is None and segment_ids is None and key_lengths is None:
+        # Plain causal; a single query at the end sees every key.
+        return M.causal_mask(L, S, device=q.device) if causal and L > 1 else None
+    batched = segment_ids is not None or key_lengths is not None
+    if batched and q.dim() < 4:
         raise ValueError(
             f"segment_ids/key_lengths need q with batch and head dims (B, H, L, E), got "
             f"{tuple(q.shape)}"
         )
-    return combined
+    mask = sparse.structured_mask(
+        L,
+        S,
+        causal=causal,
+        window=window,
+        segment_ids=segment_ids,
+        key_lengths=key_lengths,
+        device=q.device,
+    )  # (B or 1, 1, L, S)
+    return mask if batched else mask[0, 0]  # window only: (L, S) broadcasts against any q
 
 
 def _merge(mask: Tensor | None, constraint: Tensor | None, dtype: torch.dtype) -> Tensor | None:
