@@ -10,6 +10,7 @@ sliding windows, dropout, a KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -78,13 +79,14 @@ class FeedForward(nn.Module):
         self.linear1 = nn.Linear(in_dim, hidden_dim, bias=bias)
         self.linear2 = nn.Linear(hidden_dim, out_dim, bias=bias)
         self.gate = nn.Linear(in_dim, hidden_dim, bias=bias) if activation == "swiglu" else None
-        self.activation: nn.Module = {
+        factories: dict[str, Callable[[], nn.Module]] = {
             "relu": nn.ReLU,
             "gelu": nn.GELU,
             "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
             "silu": nn.SiLU,
             "swiglu": nn.SiLU,
-        }[activation]()
+        }
+        self.activation: nn.Module = factories[activation]()
         self.activation_name = activation
         self.dropout = dropout
 

@@ -28,6 +28,9 @@ class KVCache(nn.Module):
         ValueError: If a size is not positive.
     """
 
+    k: Tensor  # buffers registered in __init__
+    v: Tensor
+
     def __init__(
         self,
         batch_size: int,

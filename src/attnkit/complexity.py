@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import ast
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -76,7 +76,12 @@ _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
 }
 
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: None}
+_BINOPS: dict[type[ast.operator], Callable[[Fraction, Fraction], Fraction]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
 
 
 def evaluate_formula(formula: str, symbols: Mapping[str, int]) -> int:
@@ -106,10 +111,7 @@ def evaluate_formula(formula: str, symbols: Mapping[str, int]) -> int:
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -ev(node.operand)
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Div):
-                return left / right
-            return _BINOPS[type(node.op)](left, right)
+            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
         raise ValueError(f"unsupported element {ast.dump(node)} in formula {formula!r}")
 
     value = ev(ast.parse(formula, mode="eval"))

@@ -424,14 +424,14 @@ def convert_rotary_convention(model: nn.Module, *, to: RotaryConvention) -> nn.M
         raise ValueError(f"to must be 'split' or 'interleaved', got {to!r}")
     want = to == "interleaved"
     # Collect first: a rotary module may be shared by several layers.
-    todo = [
-        m
+    todo: list[tuple[MultiHeadAttention, RotaryEmbedding]] = [
+        (m, m.rotary)
         for m in model.modules()
         if isinstance(m, MultiHeadAttention)
         and isinstance(m.rotary, RotaryEmbedding)
         and m.rotary.interleaved != want
     ]
-    for attn in todo:
+    for attn, _ in todo:
         H, K = attn.num_heads, attn.num_kv_heads
         q_rows, k_rows = attn.hidden_dim, K * attn.head_dim
         if attn.fused_qkv:
@@ -448,8 +448,8 @@ def convert_rotary_convention(model: nn.Module, *, to: RotaryConvention) -> nn.M
                         p[start : start + n] = permute_rotary_weight(
                             p[start : start + n], heads, to=to
                         )
-    for attn in todo:
-        attn.rotary.interleaved = want
+    for _, rotary in todo:
+        rotary.interleaved = want
     return model
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -150,7 +150,8 @@ def attention_map(
         fig = _new_figure(2.6 + cell * S, 1.6 + cell * L)
         ax = fig.add_subplot()
     else:
-        fig = ax.get_figure()
+        # The caller's axes: its figure (a SubFigure behaves the same here) gets the colorbar.
+        fig = cast(Figure, ax.get_figure())
     vmax = max(float(np.nanmax(w)), 1e-12) if w.size else 1.0
     image = ax.imshow(
         w, cmap=_ATTN_CMAP, vmin=0.0, vmax=vmax, aspect="equal", interpolation="nearest"
@@ -228,6 +229,7 @@ def attention_grid(
             _set_token_ticks(ax, "x", labels, S, max_labels=12)
             _set_token_ticks(ax, "y", labels, L, max_labels=12)
             ax.tick_params(labelsize=7)
+    assert image is not None  # the weights are not empty
     fig.colorbar(image, ax=axes, label="attention weight", shrink=0.8)
     fig.suptitle(title if title is not None else "Attention weights per layer and head")
     return fig
@@ -413,7 +415,7 @@ def rotary_relative_scores(
     for p in positions:
         rq = _rotate(q, p, inv_freq)
         scores = [
-            float(rq @ _rotate(k, p + d, inv_freq)) if p + d >= 0 else np.nan for d in offsets
+            float(rq @ _rotate(k, p + int(d), inv_freq)) if p + d >= 0 else np.nan for d in offsets
         ]
         curves.append(np.array(scores))
     stacked = np.vstack(curves)
@@ -485,6 +487,7 @@ def rotary_table(cos: Any, sin: Any, *, title: str | None = None) -> Figure:
         ax.set_title(f"{name}(position x speed of pair i)")
         ax.set_xlabel("pair index i")
     axes[0].set_ylabel("position")
+    assert image is not None  # two tables were drawn
     fig.colorbar(image, ax=axes, label="value")
     fig.suptitle(
         title

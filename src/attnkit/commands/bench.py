@@ -27,6 +27,7 @@ backward on CPU); its first call, which compiles, is reported separately.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -252,8 +253,8 @@ def _bench_point(
         times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(repeats):
             for name, fn in fns.items():
-                times[name].append(_timed(lambda fn=fn: step(fn), device))
-        mems = {name: peak_memory(lambda fn=fn: step(fn), device) for name, fn in fns.items()}
+                times[name].append(_timed(functools.partial(step, fn), device))
+        mems = {name: peak_memory(functools.partial(step, fn), device) for name, fn in fns.items()}
 
     print(
         f"  N={n} {case} {mode}: "

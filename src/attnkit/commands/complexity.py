@@ -294,7 +294,7 @@ def plot(cost: Any, path: str, *, kv_len_given: bool) -> list[Path]:
 def _timeit(fn: Any, sync: Any, *, budget_s: float = 1.0) -> float:
     fn()
     sync()
-    times = []
+    times: list[float] = []
     start = time.perf_counter()
     while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 50):
         t0 = time.perf_counter()

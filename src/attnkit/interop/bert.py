@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit.blocks import TransformerBlock
+from attnkit.blocks import Activation, TransformerBlock
 
 __all__ = ["BertConfig", "BertEmbeddings", "BertEncoder", "bert_state_dict"]
 
-_ACTIVATIONS = {"gelu": "gelu", "relu": "relu"}
+_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "relu": "relu"}
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ attnkit modules are batch-first: a module imported from ``batch_first=False`` to
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -92,7 +94,7 @@ def from_torch_multihead_attention(
     return new.train(m.training)
 
 
-def _activation_name(layer: nn.TransformerEncoderLayer) -> str:
+def _activation_name(layer: nn.TransformerEncoderLayer) -> Literal["relu", "gelu"]:
     act = layer.activation
     if act is F.relu or isinstance(act, nn.ReLU):
         return "relu"
@@ -142,6 +144,7 @@ def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> TransformerBl
     )
     block = block.to(device=layer.linear1.weight.device, dtype=layer.linear1.weight.dtype)
     mha = block.attention
+    assert isinstance(mha, MultiHeadAttention)  # the block built its own (attention=None)
     _copy_linear(getattr(mha, mha.qkv_name), attn.in_proj_weight, attn.in_proj_bias)
     _copy_linear(getattr(mha, mha.out_name), attn.out_proj.weight, attn.out_proj.bias)
     _copy_linear(block.feed_forward.linear1, layer.linear1.weight, layer.linear1.bias)
@@ -149,6 +152,7 @@ def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> TransformerBl
     for ours, theirs in ((block.norm1, layer.norm1), (block.norm2, layer.norm2)):
         if not isinstance(theirs, nn.LayerNorm):
             raise ValueError(f"only LayerNorm norms can be imported, got {type(theirs).__name__}")
+        assert isinstance(ours, nn.LayerNorm)  # built with norm="layernorm"
         ours.weight.copy_(theirs.weight)
         ours.bias.copy_(theirs.bias if theirs.bias is not None else torch.zeros_like(ours.bias))
     return block.train(layer.training)

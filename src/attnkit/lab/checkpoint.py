@@ -38,7 +38,7 @@ CHECKPOINT_NAME = "checkpoint.safetensors"
 FORMAT = "attnkit-lab-1"
 
 
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
+def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:
     """Call ``write(tmp_path)`` then move the temporary file onto ``path`` atomically.
 
     Args:

@@ -155,7 +155,7 @@ def _make_figures(data: ReportData, fig_dir: Path) -> list[Figure]:
     ]
 
     seq_lens = [2**k for k in range(3, 15)]
-    cost = {
+    cost: dict[str, list[int]] = {
         name: []
         for name in (
             "projections (n·d²)",

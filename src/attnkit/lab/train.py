@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,8 @@ __all__ = [
     "with_overrides",
 ]
 
-POSITIONS = ("none", "sinusoidal", "rope")
+LabPositions = Literal["none", "sinusoidal", "rope"]
+POSITIONS: tuple[LabPositions, ...] = ("none", "sinusoidal", "rope")
 # Options that may change when a run is resumed; the rest must match the checkpoint.
 RESUMABLE = frozenset({"steps", "eval_every", "save_every", "eval_size"})
 _EVAL_SEED_OFFSET = 1 << 40  # the evaluation stream never meets a training step's stream
@@ -78,7 +79,7 @@ class LabConfig:
     task: str = "reverse"
     seq_len: int = 16
     num_symbols: int = 10
-    positions: str = "sinusoidal"
+    positions: LabPositions = "sinusoidal"
     dim: int = 64
     num_layers: int = 2
     num_heads: int = 4
