@@ -225,10 +225,11 @@ def attention_grid(
                 ax.set_ylabel(f"layer {i}\nquery", fontsize=10)
             if i == n_layers - 1:
                 ax.set_xlabel("key", fontsize=9)
-            # sharex/sharey: only the outer axes show their tick labels
-            _set_token_ticks(ax, "x", labels, S, max_labels=12)
-            _set_token_ticks(ax, "y", labels, L, max_labels=12)
-            ax.tick_params(labelsize=7)
+    # The axes share x and y, so one call sets the ticks of all; only the outer axes show labels.
+    _set_token_ticks(axes[-1, 0], "x", labels, S, max_labels=12)
+    _set_token_ticks(axes[-1, 0], "y", labels, L, max_labels=12)
+    for ax in axes.flat:
+        ax.tick_params(labelsize=7)
     assert image is not None  # the weights are not empty
     fig.colorbar(image, ax=axes, label="attention weight", shrink=0.8)
     fig.suptitle(title if title is not None else "Attention weights per layer and head")
