@@ -28,8 +28,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from attnkit.attention import MultiHeadAttention
-from attnkit.cache import KVCache
+from attnkit.attention import MultiHeadAttention, MultiHeadSelfAttention
 
 __all__ = [
     "LearnedPositionalEmbedding",
@@ -458,8 +457,11 @@ def convert_rotary_convention(model: nn.Module, *, to: RotaryConvention) -> nn.M
 # --------------------------------------------------------------------------------------------
 
 
-class PositionalMultiHeadSelfAttention(MultiHeadAttention):
+class PositionalMultiHeadSelfAttention(MultiHeadSelfAttention):
     """The blog's self-attention with fused ``qkv``/``output`` projections and optional RoPE.
+
+    A :class:`attnkit.MultiHeadSelfAttention` whose projections carry the blog's names for this
+    class; its forward is ``(x, mask=None, *, positions, kv_cache, return_weights)``.
 
     With ``use_rope`` the queries and keys are rotated with a :class:`RotaryEmbedding` in the
     blog's interleaved convention (positions ``0 .. L-1`` unless ``positions`` is given, or
@@ -484,19 +486,5 @@ class PositionalMultiHeadSelfAttention(MultiHeadAttention):
         if num_heads < 1 or dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
         rotary = RotaryEmbedding(dim // num_heads, interleaved=True) if use_rope else None
-        super().__init__(dim, num_heads, fused_qkv=True, causal=causal, rotary=rotary)
+        super().__init__(dim, dim, dim, num_heads, causal, rotary=rotary)
         self.use_rope = use_rope
-
-    def forward(  # type: ignore[override]
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
-        positions: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        return_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Shape: x ``(B, L, dim)``, mask broadcastable to ``(B, H, L, S)`` -> ``(B, L, dim)``."""
-        return super().forward(
-            x, mask=mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
-        )
