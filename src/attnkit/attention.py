@@ -61,7 +61,8 @@ class MultiHeadAttention(nn.Module):
         hidden_dim: Total projected dim ``H * E``; defaults to ``embed_dim``.
         out_dim: Output dim; defaults to ``embed_dim``.
         num_kv_heads: Key/value heads ``K`` (grouped-query attention); defaults to ``num_heads``.
-        bias: Whether the projections have biases.
+        bias: Whether the query/key/value projections have biases.
+        out_bias: Whether the output projection has a bias (default ``bias``).
         fused_qkv: One ``Linear`` producing ``[q | k | v]`` (self-attention only).
         dropout: Dropout on the attention weights, active only in training mode.
         causal: Causal masking (bottom-right aligned, see the functional core).
@@ -93,6 +94,7 @@ class MultiHeadAttention(nn.Module):
         out_dim: int | None = None,
         num_kv_heads: int | None = None,
         bias: bool = True,
+        out_bias: bool | None = None,
         fused_qkv: bool = False,
         dropout: float = 0.0,
         causal: bool = False,
@@ -148,7 +150,8 @@ class MultiHeadAttention(nn.Module):
             setattr(self, self.q_name, nn.Linear(embed_dim, hidden_dim, bias=bias))
             setattr(self, self.k_name, nn.Linear(kdim, kv_hidden, bias=bias))
             setattr(self, self.v_name, nn.Linear(vdim, kv_hidden, bias=bias))
-        setattr(self, self.out_name, nn.Linear(hidden_dim, out_dim, bias=bias))
+        out_bias = bias if out_bias is None else out_bias
+        setattr(self, self.out_name, nn.Linear(hidden_dim, out_dim, bias=out_bias))
         self.rotary = rotary
 
     def project_qkv(
@@ -412,6 +415,7 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         causal: Forbid attending to later tokens.
         num_kv_heads: Key/value heads (grouped-query attention).
         bias: Whether the projections have biases.
+        out_bias: Whether the output projection has a bias (default ``bias``).
         dropout: Dropout on the attention weights (training mode only).
         window: Sliding-window size.
         scale: Score multiplier (default ``1 / sqrt(E)``).
@@ -430,6 +434,7 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         *,
         num_kv_heads: int | None = None,
         bias: bool = True,
+        out_bias: bool | None = None,
         dropout: float = 0.0,
         window: int | None = None,
         scale: float | None = None,
@@ -444,6 +449,7 @@ class MultiHeadSelfAttention(MultiHeadAttention):
             causal=causal,
             num_kv_heads=num_kv_heads,
             bias=bias,
+            out_bias=out_bias,
             dropout=dropout,
             window=window,
             scale=scale,

@@ -17,15 +17,17 @@ Positions (``position=``):
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import fields
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit import masks as M
-from attnkit.blocks import Activation, NormType, TransformerBlock, make_norm
+from attnkit.blocks import TransformerBlock, make_norm
 from attnkit.cache import KVCache
+from attnkit.config import TransformerConfig
 from attnkit.positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -34,8 +36,6 @@ from attnkit.positional import (
 
 __all__ = ["TransformerEncoder", "TransformerLM", "attention_mask_from_padding"]
 
-PositionType = Literal["none", "sinusoidal", "learned", "rope"]
-_POSITIONS = ("none", "sinusoidal", "learned", "rope")
 Pooling = Literal["none", "mean", "first"]
 
 
@@ -71,87 +71,116 @@ def attention_mask_from_padding(
     raise ValueError(f"mask must be (B, S), (B, L, S) or (B, H, L, S), got {tuple(mask.shape)}")
 
 
-class _TransformerStack(nn.Module):
-    """Embedding + positions + blocks + final norm, shared by the encoder and the LM."""
+# Keyword defaults of TransformerEncoder where they differ from TransformerConfig's (the LM's).
+_ENCODER_DEFAULTS: dict[str, Any] = {
+    "max_seq_len": 512,
+    "position": "sinusoidal",
+    "causal": False,
+    "norm_first": False,
+    "activation": "relu",
+}
 
-    def __init__(
-        self,
-        vocab_size: int | None,
-        dim: int,
-        num_layers: int,
-        num_heads: int,
-        *,
-        hidden_dim: int | None,
-        num_kv_heads: int | None,
-        max_seq_len: int,
-        position: PositionType,
-        causal: bool,
-        norm_first: bool,
-        norm: NormType,
-        activation: Activation,
-        eps: float,
-        dropout: float,
-        bias: bool,
-        window: int | None,
-        rope_base: float,
-        rope_interleaved: bool,
-    ) -> None:
+
+def _make_config(
+    cls_name: str,
+    config: TransformerConfig | int | None,
+    sizes: dict[str, int | None],
+    options: dict[str, Any],
+    defaults: dict[str, Any],
+) -> TransformerConfig:
+    """The config of ``Model(config)`` or of the keyword form ``Model(vocab, dim, ..., **opts)``."""
+    if isinstance(config, TransformerConfig):
+        extra = {k: v for k, v in sizes.items() if v is not None} | options
+        if extra:
+            raise TypeError(
+                f"{cls_name}(config) takes no other options; got {sorted(extra)} "
+                "(use config.replace(...))"
+            )
+        return config
+    if config is None and "vocab_size" in options:  # vocab_size passed by name
+        options = dict(options)
+        config = options.pop("vocab_size")
+    known = {f.name for f in fields(TransformerConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"{cls_name} got unknown options {unknown}")
+    missing = [k for k, v in sizes.items() if v is None]
+    if missing:
+        raise TypeError(f"{cls_name} needs a TransformerConfig or the sizes {missing}")
+    return TransformerConfig(config, **sizes, **(defaults | options))  # type: ignore[arg-type]
+
+
+class _TransformerStack(nn.Module):
+    """Positions + blocks + final norm, shared by the encoder and the LM.
+
+    The subclass builds the token embedding first (parameter creation order fixes the
+    initialisation from a seed) and hands it in.
+    """
+
+    def __init__(self, config: TransformerConfig, embedding: nn.Embedding | None) -> None:
         super().__init__()
-        if position not in _POSITIONS:
-            raise ValueError(f"position must be one of {_POSITIONS}, got {position!r}")
-        bad = {
-            n: v
-            for n, v in {
-                "dim": dim,
-                "num_layers": num_layers,
-                "num_heads": num_heads,
-                "max_seq_len": max_seq_len,
-            }.items()
-            if v < 1
-        }
-        if vocab_size is not None and vocab_size < 1:
-            bad["vocab_size"] = vocab_size
-        if bad:
-            raise ValueError(f"sizes must be positive, got {bad}")
-        if dim % num_heads:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
-        self.vocab_size, self.dim, self.num_layers = vocab_size, dim, num_layers
-        self.num_heads = num_heads
-        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.head_dim = dim // num_heads
-        self.max_seq_len, self.position_type = max_seq_len, position
-        self.embedding = nn.Embedding(vocab_size, dim) if vocab_size is not None else None
+        self.config = config
+        self.vocab_size, self.dim, self.num_layers = (
+            config.vocab_size,
+            config.dim,
+            config.num_layers,
+        )
+        self.num_heads, self.num_kv_heads = config.num_heads, config.kv_heads
+        self.head_dim = config.attn_head_dim
+        self.max_seq_len, self.position_type = config.max_seq_len, config.position
+        self.embedding = embedding
         self.position: nn.Module | None = None
-        if position == "sinusoidal":
-            self.position = SinusoidalPositionalEncoding(dim, max_seq_len)
-        elif position == "learned":
-            self.position = LearnedPositionalEmbedding(max_seq_len, dim)
+        if config.position == "sinusoidal":
+            self.position = SinusoidalPositionalEncoding(config.dim, config.max_seq_len)
+        elif config.position == "learned":
+            self.position = LearnedPositionalEmbedding(config.max_seq_len, config.dim)
         self.rotary = (
-            RotaryEmbedding(self.head_dim, base=rope_base, interleaved=rope_interleaved)
-            if position == "rope"
+            RotaryEmbedding(
+                self.head_dim,
+                base=config.rope_base,
+                interleaved=config.rope_interleaved,
+                scaling=config.rope_scaling,
+            )
+            if config.position == "rope"
             else None
         )
-        self.dropout = nn.Dropout(dropout)
-        hidden_dim = 4 * dim if hidden_dim is None else hidden_dim
+        self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(
-                dim,
-                hidden_dim,
-                num_heads,
-                causal,
-                norm_first=norm_first,
-                norm=norm,
-                activation=activation,
-                eps=eps,
-                dropout=dropout,
-                num_kv_heads=num_kv_heads,
+                config.dim,
+                config.ffn_dim,
+                config.num_heads,
+                config.causal,
+                norm_first=config.norm_first,
+                norm=config.norm,
+                activation=config.activation,
+                eps=config.eps,
+                dropout=config.dropout,
+                num_kv_heads=config.num_kv_heads,
                 rotary=self.rotary,
-                window=window,
-                bias=bias,
+                window=config.window,
+                bias=config.bias,
+                qkv_bias=config.qkv_bias,
+                out_bias=config.out_bias,
+                mlp_bias=config.mlp_bias,
+                head_dim=config.head_dim,
             )
-            for _ in range(num_layers)
+            for _ in range(config.num_layers)
         )
-        self.norm = make_norm(norm, dim, eps=eps) if norm_first else nn.Identity()
+        self.norm = (
+            make_norm(config.norm, config.dim, eps=config.eps)
+            if config.norm_first
+            else nn.Identity()
+        )
+
+    def _embed(self, x: Tensor) -> Tensor:
+        if self.embedding is None:
+            if x.shape[-1] != self.dim:
+                raise ValueError(f"inputs must have last dim {self.dim}, got {tuple(x.shape)}")
+            return x
+        if x.dtype.is_floating_point:
+            raise TypeError(f"expected integer token ids, got {x.dtype}")
+        return self.embedding(x)  # (B, L, D)
 
     def _hidden(
         self,
@@ -162,14 +191,7 @@ class _TransformerStack(nn.Module):
         kv_caches: list[KVCache] | None,
         return_weights: bool,
     ) -> tuple[Tensor, list[Tensor]]:
-        if self.embedding is not None:
-            if x.dtype.is_floating_point:
-                raise TypeError(f"expected integer token ids, got {x.dtype}")
-            h = self.embedding(x)  # (B, L, D)
-        else:
-            if x.shape[-1] != self.dim:
-                raise ValueError(f"inputs must have last dim {self.dim}, got {tuple(x.shape)}")
-            h = x
+        h = self._embed(x)  # (B, L, D)
         L = h.shape[-2]
         if kv_caches is not None and len(kv_caches) != self.num_layers:
             raise ValueError(
@@ -195,86 +217,51 @@ class _TransformerStack(nn.Module):
 class TransformerEncoder(_TransformerStack):
     """Bidirectional transformer encoder over token ids (or over vectors if ``vocab_size=None``).
 
-    Defaults follow the blog's block (post-norm, ReLU, LayerNorm) with sinusoidal positions
-    added once at the input. An optional linear head turns it into a classifier or tagger:
+    Built from a :class:`attnkit.TransformerConfig`, or in the keyword form
+    ``TransformerEncoder(vocab_size, dim, num_layers, num_heads, **options)`` whose options are
+    the config's fields with the encoder's defaults: the blog's block (post-norm, ReLU,
+    LayerNorm, ``causal=False``) with sinusoidal positions added once at the input and
+    ``max_seq_len=512``. An optional linear head turns it into a classifier or tagger:
     ``num_outputs`` with ``pool="none"`` gives per-token logits (tagging, masked-LM-style
     targets), ``pool="mean"`` (mean over real tokens) or ``"first"`` (a CLS token) gives one
     output per sequence.
 
     Args:
-        vocab_size: Token vocabulary; ``None`` to feed ``(B, L, dim)`` vectors directly.
-        dim: Model dim ``D``.
-        num_layers: Number of blocks.
-        num_heads: Query heads per block.
-        hidden_dim: Feed-forward hidden dim (default ``4 * dim``).
-        num_kv_heads: Key/value heads (grouped-query attention).
-        max_seq_len: Positions of the sinusoidal/learned tables.
-        position: ``"sinusoidal"`` (default), ``"learned"``, ``"rope"`` or ``"none"``.
-        causal: Causal attention in every block.
-        norm_first: Pre-norm blocks plus a final norm.
-        norm: ``"layernorm"`` or ``"rmsnorm"``.
-        activation: Feed-forward activation.
-        eps: Norm epsilon.
-        dropout: Dropout after the embeddings and inside the blocks.
-        bias: Biases in the projections.
-        window: Sliding-window attention size.
-        rope_base: Rotary wavelength base.
-        rope_interleaved: Rotary pair convention (see :mod:`attnkit.positional`).
+        config: The stack's config, or (keyword form) the token vocabulary (``None`` to feed
+            ``(B, L, dim)`` vectors directly).
+        dim: Model dim ``D`` (keyword form).
+        num_layers: Number of blocks (keyword form).
+        num_heads: Query heads per block (keyword form).
         num_outputs: Size of an output head; ``None`` returns hidden states.
         pool: ``"none"``, ``"mean"`` or ``"first"`` (applied before the head).
+        **options: Keyword form: any other :class:`attnkit.TransformerConfig` field
+            (``hidden_dim``, ``num_kv_heads``, ``position``, ``causal``, ``norm_first``, ``norm``,
+            ``activation``, ``eps``, ``dropout``, ``bias``, ``window``, ``rope_base``, ...).
 
     Raises:
+        TypeError: For unknown options, or options besides a config.
         ValueError: For bad sizes or option values.
     """
 
     def __init__(
         self,
-        vocab_size: int | None,
-        dim: int,
-        num_layers: int,
-        num_heads: int,
+        config: TransformerConfig | int | None = None,
+        dim: int | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
         *,
-        hidden_dim: int | None = None,
-        num_kv_heads: int | None = None,
-        max_seq_len: int = 512,
-        position: PositionType = "sinusoidal",
-        causal: bool = False,
-        norm_first: bool = False,
-        norm: NormType = "layernorm",
-        activation: Activation = "relu",
-        eps: float = 1e-5,
-        dropout: float = 0.0,
-        bias: bool = True,
-        window: int | None = None,
-        rope_base: float = 10_000.0,
-        rope_interleaved: bool = True,
         num_outputs: int | None = None,
         pool: Pooling = "none",
+        **options: Any,
     ) -> None:
-        super().__init__(
-            vocab_size,
-            dim,
-            num_layers,
-            num_heads,
-            hidden_dim=hidden_dim,
-            num_kv_heads=num_kv_heads,
-            max_seq_len=max_seq_len,
-            position=position,
-            causal=causal,
-            norm_first=norm_first,
-            norm=norm,
-            activation=activation,
-            eps=eps,
-            dropout=dropout,
-            bias=bias,
-            window=window,
-            rope_base=rope_base,
-            rope_interleaved=rope_interleaved,
-        )
+        sizes = {"dim": dim, "num_layers": num_layers, "num_heads": num_heads}
+        cfg = _make_config("TransformerEncoder", config, sizes, options, _ENCODER_DEFAULTS)
+        embedding = nn.Embedding(cfg.vocab_size, cfg.dim) if cfg.vocab_size is not None else None
+        super().__init__(cfg, embedding)
         if pool not in ("none", "mean", "first"):
             raise ValueError(f"pool must be 'none', 'mean' or 'first', got {pool!r}")
         self.pool = pool
-        self.head = nn.Linear(dim, num_outputs) if num_outputs is not None else None
+        self.head = nn.Linear(cfg.dim, num_outputs) if num_outputs is not None else None
 
     def forward(
         self,
@@ -331,82 +318,62 @@ def _token_mask(
 
 
 class TransformerLM(_TransformerStack):
-    """Decoder-only language model with a tied output head.
+    """Decoder-only language model.
 
-    Defaults are GPT-2-like: pre-norm LayerNorm blocks, GELU, rotary positions; the logits are
-    ``h @ embedding.weight.T`` (no separate head parameters).
+    Built from a :class:`attnkit.TransformerConfig` (``TransformerLM(config)``), or in the
+    keyword form ``TransformerLM(vocab_size, dim, num_layers, num_heads, **options)`` whose
+    options are the config's fields with its defaults: GPT-2-like pre-norm LayerNorm blocks,
+    GELU, rotary positions, ``max_seq_len=1024`` and a tied output head (the logits are
+    ``h @ embedding.weight.T``). With ``tie_embeddings=False`` the head is a separate
+    ``lm_head`` ``Linear`` without bias.
 
     Args:
-        vocab_size: Token vocabulary ``V``.
-        dim: Model dim ``D``.
-        num_layers: Number of blocks.
-        num_heads: Query heads per block.
-        num_kv_heads: Key/value heads (grouped-query attention; default ``num_heads``).
-        hidden_dim: Feed-forward hidden dim (default ``4 * dim``).
-        max_seq_len: Longest sequence (prompt + generated) :meth:`generate` accepts, and rows of
-            the sinusoidal/learned tables.
-        position: ``"rope"`` (default), ``"sinusoidal"``, ``"learned"`` or ``"none"``.
-        norm_first: Pre-norm blocks plus a final norm (default) or post-norm.
-        norm: ``"layernorm"`` or ``"rmsnorm"``.
-        activation: Feed-forward activation.
-        eps: Norm epsilon.
-        dropout: Dropout after the embeddings and inside the blocks.
-        bias: Biases in the projections.
-        window: Sliding-window attention size.
-        rope_base: Rotary wavelength base.
-        rope_interleaved: Rotary pair convention.
+        config: The model's config, or (keyword form) the token vocabulary ``V``.
+        dim: Model dim ``D`` (keyword form).
+        num_layers: Number of blocks (keyword form).
+        num_heads: Query heads per block (keyword form).
+        **options: Keyword form: any other :class:`attnkit.TransformerConfig` field
+            (``num_kv_heads``, ``head_dim``, ``hidden_dim``, ``max_seq_len``, ``position``,
+            ``norm_first``, ``norm``, ``activation``, ``eps``, ``dropout``, ``bias``,
+            ``qkv_bias``, ``out_bias``, ``mlp_bias``, ``window``, ``rope_base``,
+            ``rope_interleaved``, ``rope_scaling``, ``tie_embeddings``).
 
     Raises:
-        ValueError: For bad sizes or option values.
+        TypeError: For unknown options, or options besides a config.
+        ValueError: For bad sizes or option values, a config without ``vocab_size`` or with
+            ``causal=False``.
     """
+
+    embedding: nn.Embedding
 
     def __init__(
         self,
-        vocab_size: int,
-        dim: int,
-        num_layers: int,
-        num_heads: int,
-        *,
-        num_kv_heads: int | None = None,
-        hidden_dim: int | None = None,
-        max_seq_len: int = 1024,
-        position: PositionType = "rope",
-        norm_first: bool = True,
-        norm: NormType = "layernorm",
-        activation: Activation = "gelu",
-        eps: float = 1e-5,
-        dropout: float = 0.0,
-        bias: bool = True,
-        window: int | None = None,
-        rope_base: float = 10_000.0,
-        rope_interleaved: bool = True,
+        config: TransformerConfig | int | None = None,
+        dim: int | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            vocab_size,
-            dim,
-            num_layers,
-            num_heads,
-            hidden_dim=hidden_dim,
-            num_kv_heads=num_kv_heads,
-            max_seq_len=max_seq_len,
-            position=position,
-            causal=True,
-            norm_first=norm_first,
-            norm=norm,
-            activation=activation,
-            eps=eps,
-            dropout=dropout,
-            bias=bias,
-            window=window,
-            rope_base=rope_base,
-            rope_interleaved=rope_interleaved,
-        )
+        sizes = {"dim": dim, "num_layers": num_layers, "num_heads": num_heads}
+        cfg = _make_config("TransformerLM", config, sizes, options, {})
+        if cfg.vocab_size is None or not cfg.causal:
+            raise ValueError(
+                "TransformerLM needs a vocab_size and causal=True, got "
+                f"vocab_size={cfg.vocab_size}, causal={cfg.causal}"
+            )
+        embedding = nn.Embedding(cfg.vocab_size, cfg.dim)
+        super().__init__(cfg, embedding)
         # Tied head: unit-variance logits at init need embeddings of variance 1/dim.
-        nn.init.normal_(self.embedding.weight, std=dim**-0.5)  # type: ignore[union-attr]
+        nn.init.normal_(self.embedding.weight, std=cfg.dim**-0.5)
+        self.lm_head = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        )
 
     def logits(self, h: Tensor) -> Tensor:
-        """Tied output head. Shape: ``(..., D) -> (..., V)``."""
-        return F.linear(h, self.embedding.weight)  # type: ignore[union-attr]
+        """Output head (tied to the embedding, or ``lm_head``). Shape: ``(..., D) -> (..., V)``."""
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        return F.linear(h, self.embedding.weight)
 
     def forward(
         self,
@@ -458,7 +425,7 @@ class TransformerLM(_TransformerStack):
         """
         if capacity > self.max_seq_len:
             raise ValueError(f"KV cache capacity {capacity} exceeds max_seq_len {self.max_seq_len}")
-        ref = self.embedding.weight  # type: ignore[union-attr]
+        ref = self.embedding.weight
         return [
             KVCache(
                 batch_size,
