@@ -444,6 +444,7 @@ def train(
         out.mkdir(parents=True, exist_ok=True)
         meta = {
             "config": config.to_dict(),
+            "model": config.model_config().to_dict(),  # for loaders that lack the lab
             "step": step,
             "train_time_s": train_time,
             "history": history,
@@ -541,6 +542,11 @@ def load_trained(out_dir: str | Path) -> tuple[TransformerEncoder, LabConfig, di
     tensors, meta = ckpt.load_checkpoint(Path(out_dir) / ckpt.CHECKPOINT_NAME)
     config = LabConfig.from_dict(meta["config"])
     model = build_model(config)
+    if "model" in meta and TransformerConfig.from_dict(meta["model"]) != model.config:
+        raise ValueError(
+            f"checkpoint's model config {meta['model']} does not match its lab config's "
+            f"{model.config.to_dict()}"
+        )
     model.load_state_dict(ckpt.model_state(tensors))
     return model.eval(), config, meta
 
