@@ -448,6 +448,7 @@ class TransformerLM(_TransformerStack):
         top_k: int | None = None,
         use_cache: bool = True,
         generator: torch.Generator | None = None,
+        compile: bool = False,
     ) -> Tensor:
         """Extend each prompt by ``max_new_tokens`` tokens (runs in eval mode).
 
@@ -460,6 +461,8 @@ class TransformerLM(_TransformerStack):
             use_cache: Decode with a KV cache (prefill once, then one token per step) instead
                 of re-running the whole prefix every step. Both give the same tokens.
             generator: Random generator for sampling.
+            compile: With the cache, run each step as one compiled graph (see
+                :class:`attnkit.decoding.Decoder`; compiled once per batch size and length).
 
         Returns:
             ``(B, P + max_new_tokens)`` token ids, prompt included.
@@ -475,7 +478,7 @@ class TransformerLM(_TransformerStack):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be positive, got {top_k}")
-        B, P = input_ids.shape
+        P = input_ids.shape[1]
         total = P + max_new_tokens
         if total > self.max_seq_len:
             raise ValueError(
@@ -486,21 +489,23 @@ class TransformerLM(_TransformerStack):
         self.eval()
         try:
             ids = input_ids
-            caches = self.make_kv_caches(B, total) if use_cache else None
-            step_input = ids
+            if use_cache and max_new_tokens:
+                from attnkit.decoding import decoder_for  # decoding imports this module
+
+                decoder = decoder_for(self, compile=compile)
+                logits = decoder.prefill(ids, capacity=total)  # (B, V)
+                new = []
+                for i in range(max_new_tokens):
+                    next_id = _pick(logits, temperature, top_k, generator)  # (B, 1)
+                    new.append(next_id)
+                    if i + 1 < max_new_tokens:
+                        logits = decoder.step(next_id)
+                return torch.cat([ids, *new], dim=1)
             for _ in range(max_new_tokens):
-                if use_cache:
-                    h, _ = self._hidden(
-                        step_input, None, positions=None, kv_caches=caches, return_weights=False
-                    )
-                else:
-                    h, _ = self._hidden(
-                        ids, None, positions=None, kv_caches=None, return_weights=False
-                    )
+                h, _ = self._hidden(ids, None, positions=None, kv_caches=None, return_weights=False)
                 logits = self.logits(h[:, -1])  # (B, V)
                 next_id = _pick(logits, temperature, top_k, generator)  # (B, 1)
                 ids = torch.cat([ids, next_id], dim=1)
-                step_input = next_id
             return ids
         finally:
             self.train(was_training)

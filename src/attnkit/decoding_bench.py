@@ -1,0 +1,325 @@
+"""Decoding benchmark rows: attnkit's cached decoding against transformers' ``LlamaForCausalLM``.
+
+Used by ``benchmarks/bench_decode.py`` and ``attnkit bench --vs``. Everything is measured side by
+side in one process, runs interleaved, medians reported; what matters are the ratios (the machine
+may be shared). transformers is imported only inside :func:`decode_rows`; without it the rows
+against it are skipped with a note.
+
+Rows (issue 13):
+
+* ``llama-3m``: dim 256, 4 layers, 8/4 heads, SwiGLU 688, RMSNorm, vocab 1024, tied head;
+  prompt 512, 128 new tokens, greedy. Target: >= 2x transformers end to end.
+* ``llama-100m``: dim 768, 12 layers, 12/4 heads, SwiGLU 2048, vocab 32000, tied; prompt 128.
+  Targets: decode steps at >= 85% of the read-bandwidth bound (every weight read once per token,
+  :func:`read_bandwidth`), >= 1.3x transformers; bf16 weights >= 1.6x the fp32 tokens/s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnkit.config import TransformerConfig
+from attnkit.decoding import _attention_linears, _block_parts
+from attnkit.models import TransformerLM
+from attnkit.positional import LearnedPositionalEmbedding
+
+__all__ = ["DECODE_MODELS", "decode_rows", "llama_config", "read_bandwidth", "to_transformers"]
+
+#: name -> (config, prompt length, new tokens)
+DECODE_MODELS: dict[str, tuple[TransformerConfig, int, int]] = {
+    "llama-3m": (
+        TransformerConfig(
+            1024, 256, 4, 8, num_kv_heads=4, hidden_dim=688, max_seq_len=1024, norm="rmsnorm",
+            activation="swiglu", bias=False, rope_interleaved=False,
+        ),
+        512,
+        128,
+    ),
+    "llama-100m": (
+        TransformerConfig(
+            32000, 768, 12, 12, num_kv_heads=4, hidden_dim=2048, max_seq_len=1024,
+            norm="rmsnorm", activation="swiglu", bias=False, rope_interleaved=False,
+        ),
+        128,
+        64,
+    ),
+}  # fmt: skip
+
+
+def llama_config(name: str) -> TransformerConfig:
+    """The config of a benchmark model (see :data:`DECODE_MODELS`).
+
+    Raises:
+        ValueError: For an unknown name.
+    """
+    if name not in DECODE_MODELS:
+        raise ValueError(f"unknown decode model {name!r}; known: {sorted(DECODE_MODELS)}")
+    return DECODE_MODELS[name][0]
+
+
+def to_transformers(model: TransformerLM) -> Any:
+    """A transformers ``LlamaForCausalLM`` computing the same function as a Llama-shaped ``model``.
+
+    The weights are copied (q/k/v rows of the fused projection split apart); ``model`` must be
+    pre-norm RMSNorm, SwiGLU, half-split rotary, without biases or a window.
+
+    Raises:
+        ImportError: Without transformers.
+        ValueError: If ``model`` is not Llama-shaped.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = model.config
+    llama_like = (
+        cfg.norm == "rmsnorm"
+        and cfg.activation == "swiglu"
+        and cfg.norm_first
+        and cfg.position == "rope"
+        and not cfg.rope_interleaved
+        and cfg.window is None
+        and cfg.rope_scaling is None
+        and not any(m.bias is not None for m in model.modules() if isinstance(m, torch.nn.Linear))
+    )
+    if not llama_like:
+        raise ValueError(f"model is not Llama-shaped: {cfg}")
+    rope: dict[str, Any] = {  # transformers 5 nests the base; 4.x reads rope_theta
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "rope_theta": cfg.rope_base,
+    }
+    hf_cfg = LlamaConfig(
+        **rope,
+        vocab_size=model.embedding.num_embeddings,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.attn_head_dim,
+        rms_norm_eps=cfg.eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        max_position_embeddings=cfg.max_seq_len,
+    )
+    hf = LlamaForCausalLM(hf_cfg).eval()
+    H, K, E = cfg.num_heads, cfg.kv_heads, cfg.attn_head_dim
+    state: dict[str, Tensor] = {
+        "model.embed_tokens.weight": model.embedding.weight,
+        "model.norm.weight": _weight(model.norm),
+    }
+    if model.lm_head is not None:
+        state["lm_head.weight"] = model.lm_head.weight
+    for i, (block, attn, ff) in enumerate(_block_parts(model)):
+        p = f"model.layers.{i}."
+        linears, out = _attention_linears(attn)
+        assert ff.gate is not None  # SwiGLU, checked above
+        q, k, v = torch.cat([m.weight for m in linears]).split([H * E, K * E, K * E])
+        state |= {
+            p + "self_attn.q_proj.weight": q,
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": out.weight,
+            p + "mlp.gate_proj.weight": ff.gate.weight,
+            p + "mlp.up_proj.weight": ff.linear1.weight,
+            p + "mlp.down_proj.weight": ff.linear2.weight,
+            p + "input_layernorm.weight": _weight(block.norm1),
+            p + "post_attention_layernorm.weight": _weight(block.norm2),
+        }
+    missing, unexpected = hf.load_state_dict(
+        {k: t.detach().clone() for k, t in state.items()}, strict=False
+    )
+    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"weight mapping incomplete: missing {missing}, unexpected {unexpected}")
+    return hf.to(model.embedding.weight.dtype)
+
+
+def _weight(module: nn.Module) -> Tensor:
+    weight = module.weight
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{type(module).__name__} has no weight tensor")
+    return weight
+
+
+def read_bandwidth(nbytes: int = 1 << 30, *, repeats: int = 5) -> float:
+    """Memory read bandwidth in bytes/s: the faster of a ``sum`` and a matrix-vector product
+    over ``nbytes`` of float32 (median of ``repeats`` each)."""
+    n = nbytes // 4
+    cols = 4096
+    a = torch.randn(n // cols, cols)
+    x = torch.randn(cols)
+    best = 0.0
+    for fn in (lambda: a.sum(), lambda: a @ x):
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        best = max(best, a.numel() * 4 / statistics.median(times))
+    return best
+
+
+def _weight_bytes(model: TransformerLM) -> int:
+    """Bytes of weights a decode step reads: every parameter once (a tied head counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    pos = model.position
+    if isinstance(pos, LearnedPositionalEmbedding):  # one row per token is read
+        total -= pos.weight.numel() * pos.weight.element_size()
+    return total
+
+
+def _runner(
+    model: TransformerLM, prompt: Tensor, *, compile: bool = False
+) -> Callable[[int], Tensor]:
+    def run(new: int) -> Tensor:
+        return model.generate(prompt, new, compile=compile)
+
+    return run
+
+
+def _seconds(run: Callable[[int], Any], new: int) -> float:
+    start = time.perf_counter()
+    run(new)
+    return time.perf_counter() - start
+
+
+def decode_rows(
+    names: tuple[str, ...] = ("llama-3m", "llama-100m"),
+    *,
+    repeats: int = 3,
+    bf16: bool = True,
+    compile: bool = False,
+    progress: Callable[[str], None] | None = None,
+    models: dict[str, tuple[TransformerConfig, int, int]] | None = None,
+) -> dict[str, Any]:
+    """Measure the decoding rows; returns ``{"rows": [...], "notes": [...], ...}``.
+
+    Each row has ``model``, ``variant``, ``seconds`` (median end-to-end ``generate``),
+    ``tokens_per_s`` (new tokens / seconds), ``step_tokens_per_s`` (decode phase only: the
+    median of ``(t(new) - t(1)) / (new - 1)``) and ratios against the transformers row of the
+    same model (``vs_transformers``) and, for ``llama-100m``, against the bandwidth bound.
+
+    Args:
+        names: Models of :data:`DECODE_MODELS` to run.
+        repeats: Interleaved runs per variant (median).
+        bf16: Add a bf16-weights attnkit row for models above 50M parameters.
+        compile: Add an attnkit ``compile=True`` row (compiles once per model; the compile time
+            is reported, not counted in the timings).
+        progress: Called with a short message before each measurement.
+        models: Table to take the names from instead of :data:`DECODE_MODELS`.
+
+    Raises:
+        ValueError: For unknown model names.
+    """
+    table = DECODE_MODELS if models is None else models
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"unknown decode model(s) {unknown}; known: {sorted(table)}")
+    say = progress or (lambda _msg: None)
+    notes: list[str] = []
+    try:
+        import transformers  # noqa: F401
+
+        have_hf = True
+    except ImportError:
+        have_hf = False
+        notes.append("transformers is not installed: rows against it skipped")
+    rows: list[dict[str, Any]] = []
+    bandwidth = None
+    for name in names:
+        config, P, new = table[name]
+        torch.manual_seed(0)
+        model = TransformerLM(config).eval()
+        prompt = torch.randint(0, model.embedding.num_embeddings, (1, P))
+        runners: dict[str, Callable[[int], Tensor]] = {}
+        if have_hf:
+            hf = to_transformers(model)
+
+            def run_hf(n: int, hf: Any = hf, prompt: Tensor = prompt) -> Tensor:
+                return hf.generate(
+                    prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    pad_token_id=0, eos_token_id=None,
+                )  # fmt: skip
+
+            runners["transformers"] = run_hf
+        runners["attnkit"] = _runner(model, prompt)
+        if compile:
+            runners["attnkit compile"] = _runner(model, prompt, compile=True)
+        big = sum(p.numel() for p in model.parameters()) > 50e6
+        if bf16 and big:
+            model16 = TransformerLM(config).eval()
+            model16.load_state_dict(model.state_dict())
+            model16.to(torch.bfloat16)
+            runners["attnkit bf16"] = _runner(model16, prompt)
+        # Warm up (and compile), check greedy agreement.
+        outputs: dict[str, Tensor] = {}
+        compile_s: dict[str, float] = {}
+        for variant, run in runners.items():
+            say(f"{name}: warm-up {variant}")
+            start = time.perf_counter()
+            outputs[variant] = run(new)
+            compile_s[variant] = time.perf_counter() - start
+        times: dict[str, list[float]] = {v: [] for v in runners}
+        first: dict[str, list[float]] = {v: [] for v in runners}
+        for r in range(repeats):
+            for variant, run in runners.items():
+                say(f"{name}: run {r + 1}/{repeats} {variant}")
+                times[variant].append(_seconds(run, new))
+                first[variant].append(_seconds(run, 1))
+        bytes_per_token = _weight_bytes(model)
+        if big and bandwidth is None:
+            say("read bandwidth")
+            bandwidth = read_bandwidth()
+        ref = outputs.get("transformers")
+        base = None
+        for variant in runners:
+            t = statistics.median(times[variant])
+            t1 = statistics.median(first[variant])
+            step = max(t - t1, 1e-9) / (new - 1)
+            row: dict[str, Any] = {
+                "model": name,
+                "variant": variant,
+                "prompt": P,
+                "new_tokens": new,
+                "seconds": t,
+                "tokens_per_s": new / t,
+                "step_tokens_per_s": 1 / step,
+                "same_tokens_as_transformers": None
+                if ref is None or variant.endswith("bf16")
+                else bool(torch.equal(outputs[variant], ref)),
+            }
+            if variant == "attnkit compile":
+                row["first_call_seconds"] = compile_s[variant]
+            if variant == "transformers":
+                base = row
+            if big and bandwidth is not None:
+                weights = bytes_per_token // (2 if variant.endswith("bf16") else 1)
+                row["bound_tokens_per_s"] = bandwidth / bytes_per_token
+                row["of_fp32_bound"] = row["step_tokens_per_s"] * bytes_per_token / bandwidth
+                row["weight_bytes"] = weights
+            rows.append(row)
+        for row in rows:
+            if row["model"] == name and base is not None:
+                row["vs_transformers"] = row["tokens_per_s"] / base["tokens_per_s"]
+                row["step_vs_transformers"] = row["step_tokens_per_s"] / base["step_tokens_per_s"]
+        fp32 = next(r for r in rows if r["model"] == name and r["variant"] == "attnkit")
+        for row in rows:
+            if row["model"] == name and row["variant"] == "attnkit bf16":
+                row["vs_fp32"] = row["step_tokens_per_s"] / fp32["step_tokens_per_s"]
+    return {
+        "rows": rows,
+        "notes": notes,
+        "bandwidth_bytes_per_s": bandwidth,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
