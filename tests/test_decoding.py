@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from attnkit import decoding
 from attnkit.config import TransformerConfig
 from attnkit.decoding import Decoder, decoder_for
 from attnkit.decoding_bench import decode_rows, read_bandwidth, to_transformers
@@ -65,6 +66,29 @@ def test_prefill_and_steps_equal_the_full_forward(name: str) -> None:
     ids = torch.randint(0, 50, (3, 13))
     got = _decode(Decoder(lm), ids, 5, capacity=20)
     assert_close(got, lm(ids)[:, 4:], **TOL)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt-default", "learned-postnorm-relu"])
+def test_prepacked_weights_equal_the_full_forward(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(decoding, "PACK_MIN_BYTES_FP32", 0)  # pack every fp32 weight
+    lm = _lm(**CONFIGS[name])
+    dec = Decoder(lm)
+    if torch.backends.mkldnn.is_available():
+        assert dec.layers[0].qkv.packed is not None and dec.head.packed is not None
+    ids = torch.randint(0, 50, (3, 11))
+    mask = torch.ones(3, 11, dtype=torch.bool)
+    mask[1, :3] = False
+    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    want = lm(ids, mask, positions=positions)[:, 4:]
+    got = _decode(dec, ids, 5, mask=mask[:, :5], capacity=12)
+    assert_close(got, want, **TOL)
+
+
+def test_small_fp32_weights_stay_unpacked() -> None:
+    dec = Decoder(_lm(**LLAMA))
+    assert dec.layers[0].qkv.packed is None and dec.layers[0].qkv.weight is not None
 
 
 @pytest.mark.parametrize("name", ["llama", "mqa-window-sinusoidal", "learned-postnorm-relu"])
