@@ -68,27 +68,36 @@ def test_prefill_and_steps_equal_the_full_forward(name: str) -> None:
     assert_close(got, lm(ids)[:, 4:], **TOL)
 
 
+@pytest.mark.parametrize("layout", ["linear", "transposed", "packed"])
 @pytest.mark.parametrize("name", ["llama", "gpt-default", "learned-postnorm-relu"])
-def test_prepacked_weights_equal_the_full_forward(
-    name: str, monkeypatch: pytest.MonkeyPatch
+def test_every_weight_layout_equals_the_full_forward(
+    name: str, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(decoding, "PACK_MIN_BYTES_FP32", 0)  # pack every fp32 weight
+    if layout == "packed" and not torch.backends.mkldnn.is_available():
+        layout = "linear"  # the packed layout falls back to it; still checked below
+    monkeypatch.setattr(decoding, "_layout", lambda weight, allow_packed: layout)
     lm = _lm(**CONFIGS[name])
     dec = Decoder(lm)
-    if torch.backends.mkldnn.is_available():
-        assert dec.layers[0].qkv.packed is not None and dec.head.packed is not None
+    assert {dec.layers[0].qkv.layout, dec.layers[1].down.layout, dec.head.layout} == {layout}
     ids = torch.randint(0, 50, (3, 11))
     mask = torch.ones(3, 11, dtype=torch.bool)
     mask[1, :3] = False
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     want = lm(ids, mask, positions=positions)[:, 4:]
     got = _decode(dec, ids, 5, mask=mask[:, :5], capacity=12)
-    assert_close(got, want, **TOL)
+    real = mask[:, 4:]
+    assert_close(got[real], want[real], **TOL)
 
 
-def test_small_fp32_weights_stay_unpacked() -> None:
+def test_layouts_follow_the_measured_rule() -> None:
     dec = Decoder(_lm(**LLAMA))
-    assert dec.layers[0].qkv.packed is None and dec.layers[0].qkv.weight is not None
+    assert dec.layers[0].qkv.layout == "transposed" and dec.head.layout == "transposed"
+    assert dec.layers[0].qkv.weight.shape == (24, 4 * 6 + 2 * 2 * 6)  # (in, out)
+    dec16 = Decoder(_lm(**LLAMA).to(torch.bfloat16))
+    want = "packed" if torch.backends.mkldnn.is_available() else "linear"
+    assert dec16.layers[0].up.layout == want
+    assert Decoder(_lm(**LLAMA).double()).layers[0].out.layout == "linear"
+    assert Decoder(_lm(**LLAMA).to(torch.bfloat16), compile=True).head.layout == "linear"
 
 
 @pytest.mark.parametrize("name", ["llama", "mqa-window-sinusoidal", "learned-postnorm-relu"])

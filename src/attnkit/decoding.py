@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -86,56 +86,66 @@ class _Norm:
         )
 
 
-# Weights at least this large (bytes) are read through oneDNN with a prepacked layout in fp32;
-# smaller ones through F.linear (MKL), whose per-call overhead is lower. bf16 weights are always
-# prepacked. Measured on the 2-core AMD EPYC (Zen 4, AVX-512 BF16) this project runs on, one
-# thread, single-row inputs (benchmarks/bench_decode.py --kernels prints the same table):
-# fp32 512x256 F.linear 18 us vs packed 26 us; 1376x256 42 vs 42 us; the 100M model's weights
-# (12 layers + head, 400 MB) 165 ms vs 127 ms (1.3x); bf16: F.linear 141 ms, packed 65 ms
-# (torch's bf16 F.linear converts the weight on every call; the packed weight is read as is).
-PACK_MIN_BYTES_FP32 = 2 << 20
+# How a single row reads each weight fastest, measured on the 2-core AMD EPYC (Zen 4, AVX-512
+# BF16) this project runs on, one thread, the 100M model's 49 matrices (400 MB fp32) per pass,
+# interleaved medians (``benchmarks/bench_decode.py --kernels`` prints the same table):
+#   fp32  sum (pure read) 1.48x | x @ W^T-contiguous 1.35x | oneDNN prepacked 1.19x | F.linear 1x
+#   bf16  oneDNN prepacked 2.22x | F.linear 1.21x | x @ W^T 1.16x
+# So fp32 weights are stored transposed, (in, out) contiguous, and applied with ``addmm``
+# (MKL streams the rows; also as fast or faster than F.linear on the 3M model's small, cached
+# matrices); bf16 weights are reordered once into oneDNN's blocked layout (torch's bf16
+# F.linear converts the weight on every call instead). Other dtypes/devices use F.linear.
+Layout = Literal["linear", "transposed", "packed"]
 
 
-def _can_pack(weight: Tensor) -> bool:
-    """Whether oneDNN's prepacked linear is worth it (and available) for ``weight``."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.bfloat16:
-        return True
-    return weight.dtype == torch.float32 and weight.numel() * 4 >= PACK_MIN_BYTES_FP32
+def _layout(weight: Tensor, *, allow_packed: bool) -> Layout:
+    """The measured-fastest layout for single-row products with ``weight`` (see above)."""
+    if weight.device.type != "cpu":
+        return "linear"
+    if weight.dtype == torch.float32:
+        return "transposed"
+    if weight.dtype == torch.bfloat16 and allow_packed and torch.backends.mkldnn.is_available():
+        return "packed"
+    return "linear"
 
 
 class _Linear:
-    """``F.linear(x, weight, bias)`` with the weight in the layout that a single row reads fastest.
+    """``F.linear(x, weight, bias)`` with the weight prepared once in a faster layout.
 
-    With ``pack`` (and when :func:`_can_pack` says so) the weight is reordered once into
-    oneDNN's blocked layout (a copy) and applied with ``torch.ops.mkldnn._linear_pointwise``
-    (the kernel inductor uses for frozen CPU linears); otherwise the tensor is used as is.
+    ``"transposed"`` keeps a contiguous ``(in, out)`` copy used with ``addmm``; ``"packed"``
+    reorders it into oneDNN's blocked layout (a copy) applied with
+    ``torch.ops.mkldnn._linear_pointwise`` (the kernel inductor uses for frozen CPU linears);
+    ``"linear"`` uses the tensor as is. A torch build without the oneDNN op falls back to
+    ``"linear"``.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, *, pack: bool) -> None:
-        self.bias = bias
+    def __init__(self, weight: Tensor, bias: Tensor | None, layout: Layout) -> None:
+        weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
-        self.packed: Tensor | None = None
-        if pack and _can_pack(weight):
+        self.layout: Layout = layout
+        self.weight = weight  # (out, in), or (in, out) when transposed, or oneDNN's layout
+        if layout == "transposed":
+            self.weight = weight.t().contiguous()
+        elif layout == "packed":
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             except (AttributeError, RuntimeError):  # a torch build without the op
-                self.packed = None
-        # Packed: the plain tensor is not kept (a fused copy would only cost memory).
-        self.weight: Tensor | None = weight if self.packed is None else None
+                self.layout = "linear"
 
     def __call__(self, x: Tensor) -> Tensor:
         """Shape: ``(*, in) -> (*, out)``."""
-        if self.packed is None:
-            assert self.weight is not None
+        if self.layout == "linear":
             return F.linear(x, self.weight, self.bias)
-        if x.dim() == 2:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], ""
-        )
-        return y.view(*x.shape[:-1], self.out_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (N, in)
+        if self.layout == "transposed":
+            if self.bias is None:
+                y = torch.mm(rows, self.weight)
+            else:
+                y = torch.addmm(self.bias, rows, self.weight)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
 
 @dataclass
@@ -265,7 +275,7 @@ class Decoder:
         if rotary is not None and not isinstance(rotary, RotaryEmbedding):
             raise TypeError(f"Decoder supports RotaryEmbedding, got {type(rotary).__name__}")
         split = rotary is not None and not rotary.interleaved
-        pack = not self.compile  # the compiled step lets inductor pick its kernels
+        pack = not self.compile  # oneDNN's opaque packed tensors stay out of compiled graphs
         layers: list[_Layer] = []
         for block, attn, ff in _block_parts(model):
             linears, out = _attention_linears(attn)
@@ -292,10 +302,14 @@ class Decoder:
                 _Layer(
                     norm1=_norm(block.norm1),
                     norm2=_norm(block.norm2),
-                    qkv=_Linear(w.contiguous(), b, pack=pack),
-                    out=_Linear(out.weight, out.bias, pack=pack),
-                    up=_Linear(up_w.contiguous(), up_b, pack=pack),
-                    down=_Linear(ff.linear2.weight, ff.linear2.bias, pack=pack),
+                    qkv=_Linear(w, b, _layout(w, allow_packed=pack)),
+                    out=_Linear(out.weight, out.bias, _layout(out.weight, allow_packed=pack)),
+                    up=_Linear(up_w, up_b, _layout(up_w, allow_packed=pack)),
+                    down=_Linear(
+                        ff.linear2.weight,
+                        ff.linear2.bias,
+                        _layout(ff.linear2.weight, allow_packed=pack),
+                    ),
                     activation=ff.activation,
                     gated=ff.gate is not None,
                 )
@@ -304,7 +318,7 @@ class Decoder:
         self.final_norm = _norm(model.norm) if self.norm_first else None
         self.embedding = model.embedding.weight
         head = model.lm_head.weight if model.lm_head is not None else model.embedding.weight
-        self.head = _Linear(head, None, pack=pack)
+        self.head = _Linear(head, None, _layout(head, allow_packed=pack))
         self.position_table: Tensor | None = None
         if isinstance(model.position, SinusoidalPositionalEncoding):
             self.position_table = model.position.pe
