@@ -12,7 +12,13 @@ from torch.testing import assert_close
 from attnkit import decoding
 from attnkit.config import TransformerConfig
 from attnkit.decoding import Decoder, decoder_for
-from attnkit.decoding_bench import decode_rows, read_bandwidth, to_transformers
+from attnkit.decoding_bench import (
+    _targets,
+    decode_rows,
+    layout_table,
+    read_bandwidth,
+    to_transformers,
+)
 from attnkit.models import TransformerLM
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -253,3 +259,26 @@ def test_decode_rows_measure_a_tiny_model() -> None:
 
 def test_read_bandwidth_is_positive() -> None:
     assert read_bandwidth(1 << 20, repeats=1) > 0
+
+
+def test_layout_table_times_every_kernel() -> None:
+    rows = layout_table(dim=16, hidden=32, layers=1, vocab=64, kv_dim=8, repeats=1)
+    assert [r["kernel"] for r in rows] == [
+        "f32 sum (read only)",
+        "f32 F.linear",
+        "f32 transposed (addmm)",
+        "f32 oneDNN packed",
+        "bf16 F.linear",
+        "bf16 oneDNN packed",
+    ]
+    assert all(r["bytes_per_s"] > 0 for r in rows)
+    assert next(r for r in rows if r["kernel"] == "f32 F.linear")["vs_f32_linear"] == 1.0
+
+
+def test_targets_report_the_shortfall() -> None:
+    rows = {"attnkit": {"of_fp32_bound": 0.5, "vs_transformers": 1.3}}
+    got = {t["what"]: t for t in _targets("llama-100m", rows)}
+    assert set(got) == {"fp32 decode steps / read-bandwidth bound", "fp32 vs transformers"}
+    bound = got["fp32 decode steps / read-bandwidth bound"]
+    assert bound["met"] is False and bound["shortfall"] == pytest.approx(1 - 0.5 / 0.85)
+    assert got["fp32 vs transformers"]["met"] is True

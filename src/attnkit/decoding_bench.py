@@ -29,7 +29,14 @@ from attnkit.decoding import _attention_linears, _block_parts
 from attnkit.models import TransformerLM
 from attnkit.positional import LearnedPositionalEmbedding
 
-__all__ = ["DECODE_MODELS", "decode_rows", "llama_config", "read_bandwidth", "to_transformers"]
+__all__ = [
+    "DECODE_MODELS",
+    "decode_rows",
+    "layout_table",
+    "llama_config",
+    "read_bandwidth",
+    "to_transformers",
+]
 
 #: name -> (config, prompt length, new tokens)
 DECODE_MODELS: dict[str, tuple[TransformerConfig, int, int]] = {
@@ -145,23 +152,30 @@ def _weight(module: nn.Module) -> Tensor:
     return weight
 
 
-def read_bandwidth(nbytes: int = 1 << 30, *, repeats: int = 5) -> float:
-    """Memory read bandwidth in bytes/s: the faster of a ``sum`` and a matrix-vector product
-    over ``nbytes`` of float32 (median of ``repeats`` each)."""
-    n = nbytes // 4
-    cols = 4096
-    a = torch.randn(n // cols, cols)
-    x = torch.randn(cols)
-    best = 0.0
-    for fn in (lambda: a.sum(), lambda: a @ x):
-        fn()
-        times = []
-        for _ in range(repeats):
+class _ReadBandwidth:
+    """Memory read bandwidth in bytes/s over ``nbytes`` of float32: the faster of a ``sum`` and a
+    matrix-vector product (one pass each per :meth:`measure`)."""
+
+    def __init__(self, nbytes: int = 1 << 30) -> None:
+        cols = 4096
+        self.a = torch.ones(max(nbytes // 4 // cols, 1), cols)
+        self.x = torch.ones(cols)
+        self.a.sum()  # fault the pages in
+
+    def measure(self) -> float:
+        best = 0.0
+        for fn in (self.a.sum, lambda: self.a @ self.x):
             start = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - start)
-        best = max(best, a.numel() * 4 / statistics.median(times))
-    return best
+            best = max(best, self.a.numel() * 4 / (time.perf_counter() - start))
+        return best
+
+
+def read_bandwidth(nbytes: int = 1 << 30, *, repeats: int = 5) -> float:
+    """Memory read bandwidth in bytes/s: the faster of a ``sum`` and a matrix-vector product over
+    ``nbytes`` of float32, median of ``repeats`` passes (the bound of :func:`decode_rows`)."""
+    probe = _ReadBandwidth(nbytes)
+    return statistics.median(probe.measure() for _ in range(repeats))
 
 
 def _weight_bytes(model: TransformerLM) -> int:
@@ -185,6 +199,36 @@ def _runner(
         return model.generate(prompt, new, compile=compile)
 
     return run
+
+
+# Issue 13's targets: (model, what, row, key, at least).
+TARGETS: list[tuple[str, str, str, str, float]] = [
+    ("llama-3m", "eager vs transformers", "attnkit", "vs_transformers", 1.3),
+    ("llama-3m", "compiled vs transformers", "attnkit compile", "vs_transformers", 2.0),
+    ("llama-100m", "fp32 decode steps / read-bandwidth bound", "attnkit", "of_fp32_bound", 0.85),
+    ("llama-100m", "fp32 vs transformers", "attnkit", "vs_transformers", 1.3),
+    ("llama-100m", "bf16 decode steps vs fp32", "attnkit bf16", "vs_fp32", 1.6),
+]
+
+
+def _targets(name: str, rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The targets of ``name`` whose rows were measured, with the shortfall when missed."""
+    out = []
+    for model, what, variant, key, goal in TARGETS:
+        if model != name or key not in rows.get(variant, {}):
+            continue
+        value = rows[variant][key]
+        out.append(
+            {
+                "model": model,
+                "what": what,
+                "target": goal,
+                "measured": value,
+                "met": value >= goal,
+                "shortfall": max(0.0, 1 - value / goal),
+            }
+        )
+    return out
 
 
 def _seconds(run: Callable[[int], Any], new: int) -> float:
@@ -235,7 +279,7 @@ def decode_rows(
         have_hf = False
         notes.append("transformers is not installed: rows against it skipped")
     rows: list[dict[str, Any]] = []
-    bandwidth = None
+    targets: list[dict[str, Any]] = []
     for name in names:
         config, P, new = table[name]
         torch.manual_seed(0)
@@ -269,23 +313,29 @@ def decode_rows(
             start = time.perf_counter()
             outputs[variant] = run(new)
             compile_s[variant] = time.perf_counter() - start
+        # Interleaved: every repeat runs each variant for `new` tokens and for 1 (the prefill);
+        # the decode phase of a repeat is their difference. The bandwidth is probed in the same
+        # rounds, so the bound sees the machine's load of the moment too.
         times: dict[str, list[float]] = {v: [] for v in runners}
-        first: dict[str, list[float]] = {v: [] for v in runners}
+        steps: dict[str, list[float]] = {v: [] for v in runners}
+        probe = _ReadBandwidth() if big else None
+        bandwidths: list[float] = []
         for r in range(repeats):
             for variant, run in runners.items():
                 say(f"{name}: run {r + 1}/{repeats} {variant}")
-                times[variant].append(_seconds(run, new))
-                first[variant].append(_seconds(run, 1))
+                t = _seconds(run, new)
+                times[variant].append(t)
+                steps[variant].append(max(t - _seconds(run, 1), 1e-9) / (new - 1))
+            if probe is not None:
+                say(f"{name}: read bandwidth {r + 1}/{repeats}")
+                bandwidths.append(probe.measure())
+        del probe
+        bandwidth = statistics.median(bandwidths) if bandwidths else None
         bytes_per_token = _weight_bytes(model)
-        if big and bandwidth is None:
-            say("read bandwidth")
-            bandwidth = read_bandwidth()
         ref = outputs.get("transformers")
-        base = None
+        model_rows: dict[str, dict[str, Any]] = {}
         for variant in runners:
             t = statistics.median(times[variant])
-            t1 = statistics.median(first[variant])
-            step = max(t - t1, 1e-9) / (new - 1)
             row: dict[str, Any] = {
                 "model": name,
                 "variant": variant,
@@ -293,33 +343,101 @@ def decode_rows(
                 "new_tokens": new,
                 "seconds": t,
                 "tokens_per_s": new / t,
-                "step_tokens_per_s": 1 / step,
+                "step_tokens_per_s": 1 / statistics.median(steps[variant]),
                 "same_tokens_as_transformers": None
                 if ref is None or variant.endswith("bf16")
                 else bool(torch.equal(outputs[variant], ref)),
             }
             if variant == "attnkit compile":
                 row["first_call_seconds"] = compile_s[variant]
-            if variant == "transformers":
-                base = row
-            if big and bandwidth is not None:
-                weights = bytes_per_token // (2 if variant.endswith("bf16") else 1)
-                row["bound_tokens_per_s"] = bandwidth / bytes_per_token
+            if bandwidth is not None:
+                row["bandwidth_bytes_per_s"] = bandwidth
+                row["fp32_weight_bytes"] = bytes_per_token
                 row["of_fp32_bound"] = row["step_tokens_per_s"] * bytes_per_token / bandwidth
-                row["weight_bytes"] = weights
-            rows.append(row)
-        for row in rows:
-            if row["model"] == name and base is not None:
+            model_rows[variant] = row
+        base = model_rows.get("transformers")
+        for row in model_rows.values():
+            if base is not None:
                 row["vs_transformers"] = row["tokens_per_s"] / base["tokens_per_s"]
                 row["step_vs_transformers"] = row["step_tokens_per_s"] / base["step_tokens_per_s"]
-        fp32 = next(r for r in rows if r["model"] == name and r["variant"] == "attnkit")
-        for row in rows:
-            if row["model"] == name and row["variant"] == "attnkit bf16":
-                row["vs_fp32"] = row["step_tokens_per_s"] / fp32["step_tokens_per_s"]
+        if "attnkit bf16" in model_rows:
+            model_rows["attnkit bf16"]["vs_fp32"] = (
+                model_rows["attnkit bf16"]["step_tokens_per_s"]
+                / model_rows["attnkit"]["step_tokens_per_s"]
+            )
+        rows.extend(model_rows.values())
+        targets.extend(_targets(name, model_rows))
     return {
         "rows": rows,
+        "targets": targets,
         "notes": notes,
-        "bandwidth_bytes_per_s": bandwidth,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+
+
+def layout_table(
+    *,
+    dim: int = 768,
+    hidden: int = 2048,
+    layers: int = 12,
+    vocab: int = 32000,
+    kv_dim: int = 256,
+    repeats: int = 7,
+) -> list[dict[str, Any]]:
+    """Single-row products through every weight of a Llama-shaped model, per kernel and layout.
+
+    The measurement behind :mod:`attnkit.decoding`'s layout rule: one pass multiplies a row by
+    each matrix of ``layers`` blocks (fused q/k/v, output, fused gate/up, down) and the head;
+    passes of every variant are interleaved ``repeats`` times (medians). A ``sum`` over the fp32
+    weights gives the pure read for reference.
+
+    Returns:
+        Rows with ``kernel``, ``seconds``, ``bytes_per_s`` and ``vs_f32_linear`` (speed ratio).
+    """
+    from attnkit.decoding import _Linear
+
+    shapes = [(dim + 2 * kv_dim, dim), (dim, dim), (2 * hidden, dim), (dim, hidden)] * layers
+    shapes.append((vocab, dim))
+    weights = [torch.randn(n, d) * 0.02 for n, d in shapes]
+    rows32 = {d: torch.randn(1, d) for d in (dim, hidden)}
+    rows16 = {d: x.bfloat16() for d, x in rows32.items()}
+    variants: dict[str, tuple[list[_Linear], dict[int, Tensor]]] = {}
+    for name, dtype, layout in (
+        ("f32 F.linear", torch.float32, "linear"),
+        ("f32 transposed (addmm)", torch.float32, "transposed"),
+        ("f32 oneDNN packed", torch.float32, "packed"),
+        ("bf16 F.linear", torch.bfloat16, "linear"),
+        ("bf16 oneDNN packed", torch.bfloat16, "packed"),
+    ):
+        linears = [_Linear(w.to(dtype), None, layout) for w in weights]  # type: ignore[arg-type]
+        variants[name] = (linears, rows16 if dtype == torch.bfloat16 else rows32)
+    fp32_bytes = sum(w.numel() * 4 for w in weights)
+
+    def run(name: str) -> None:
+        if name == "f32 sum (read only)":
+            for w in weights:
+                w.sum()
+            return
+        linears, xs = variants[name]
+        for w, lin in zip(weights, linears, strict=True):
+            lin(xs[w.shape[1]])
+
+    names = ["f32 sum (read only)", *variants]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for n in names:
+        run(n)
+    for _ in range(repeats):
+        for n in names:
+            start = time.perf_counter()
+            run(n)
+            times[n].append(time.perf_counter() - start)
+    base = statistics.median(times["f32 F.linear"])
+    out = []
+    for n in names:
+        t = statistics.median(times[n])
+        nbytes = fp32_bytes // 2 if n.startswith("bf16") else fp32_bytes
+        out.append(
+            {"kernel": n, "seconds": t, "bytes_per_s": nbytes / t, "vs_f32_linear": base / t}
+        )
+    return out
