@@ -74,14 +74,14 @@ def test_prefill_and_steps_equal_the_full_forward(name: str) -> None:
     assert_close(got, lm(ids)[:, 4:], **TOL)
 
 
-@pytest.mark.parametrize("layout", ["linear", "transposed", "packed"])
+@pytest.mark.parametrize("layout", ["linear", "transposed", "packed", "reduce"])
 @pytest.mark.parametrize("name", ["llama", "gpt-default", "learned-postnorm-relu"])
 def test_every_weight_layout_equals_the_full_forward(
     name: str, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if layout == "packed" and not torch.backends.mkldnn.is_available():
         layout = "linear"  # the packed layout falls back to it; still checked below
-    monkeypatch.setattr(decoding, "_layout", lambda weight, allow_packed: layout)
+    monkeypatch.setattr(decoding, "_layout", lambda weight, compiled: layout)
     lm = _lm(**CONFIGS[name])
     dec = Decoder(lm)
     assert {dec.layers[0].qkv.layout, dec.layers[1].down.layout, dec.head.layout} == {layout}
@@ -103,7 +103,8 @@ def test_layouts_follow_the_measured_rule() -> None:
     want = "packed" if torch.backends.mkldnn.is_available() else "linear"
     assert dec16.layers[0].up.layout == want
     assert Decoder(_lm(**LLAMA).double()).layers[0].out.layout == "linear"
-    assert Decoder(_lm(**LLAMA).to(torch.bfloat16), compile=True).head.layout == "linear"
+    assert Decoder(_lm(**LLAMA).to(torch.bfloat16), compile=True).head.layout == "reduce"
+    assert Decoder(_lm(**LLAMA).double(), compile=True).head.layout == "linear"
 
 
 @pytest.mark.parametrize("name", ["llama", "mqa-window-sinusoidal", "learned-postnorm-relu"])
@@ -215,22 +216,22 @@ def test_errors_name_the_offending_values() -> None:
 
 @pytest.mark.slow
 def test_compiled_step_equals_eager() -> None:
+    # One row: the compiled step's products are inductor's fused multiply-sums.
     lm = _lm(**LLAMA, window=5)
-    ids = torch.randint(0, 50, (2, 11))
-    mask = torch.ones(2, 11, dtype=torch.bool)
-    mask[1, :2] = False
+    ids = torch.randint(0, 50, (1, 11))
     dec = Decoder(lm, compile=True)
-    got = _decode(dec, ids, 6, mask=mask[:, :6], capacity=12)
-    want = _decode(Decoder(lm), ids, 6, mask=mask[:, :6], capacity=12)
+    assert dec.head.layout == "reduce"
+    got = _decode(dec, ids, 6, capacity=12)
+    want = _decode(Decoder(lm), ids, 6, capacity=12)
     assert_close(got, want, **TOL)
-    assert list(dec.compile_seconds) == [(2, 12)]
+    assert_close(got, lm(ids)[:, 5:], **TOL)
+    assert list(dec.compile_seconds) == [(1, 12)]
     # Same shape again: no new compilation, same results.
-    assert_close(_decode(dec, ids, 6, mask=mask[:, :6], capacity=12), want, **TOL)
-    assert list(dec.compile_seconds) == [(2, 12)]
-    prompt = ids[:, :4]
-    assert torch.equal(
-        lm.generate(prompt, 6, compile=True), lm.generate(prompt, 6, use_cache=False)
-    )
+    assert_close(_decode(dec, ids, 6, capacity=12), want, **TOL)
+    assert list(dec.compile_seconds) == [(1, 12)]
+    # A left-padded batch through generate (the batched products are F.linear).
+    prompt = torch.randint(0, 50, (2, 4))
+    assert torch.equal(lm.generate(prompt, 6, compile=True), lm.generate(prompt, 6, use_cache=False))
 
 
 # ---------------------------------------------------------------------------- benchmark helpers

@@ -88,23 +88,29 @@ class _Norm:
 
 # How a single row reads each weight fastest, measured on the 2-core AMD EPYC (Zen 4, AVX-512
 # BF16) this project runs on, one thread, the 100M model's 49 matrices (400 MB fp32) per pass,
-# interleaved medians (``benchmarks/bench_decode.py --kernels`` prints the same table):
-#   fp32  sum (pure read) 1.48x | x @ W^T-contiguous 1.35x | oneDNN prepacked 1.19x | F.linear 1x
-#   bf16  oneDNN prepacked 2.22x | F.linear 1.21x | x @ W^T 1.16x
-# So fp32 weights are stored transposed, (in, out) contiguous, and applied with ``addmm``
-# (MKL streams the rows; also as fast or faster than F.linear on the 3M model's small, cached
-# matrices); bf16 weights are reordered once into oneDNN's blocked layout (torch's bf16
-# F.linear converts the weight on every call instead). Other dtypes/devices use F.linear.
-Layout = Literal["linear", "transposed", "packed"]
+# interleaved medians (:func:`attnkit.decoding_bench.layout_table` prints this table):
+#   eager fp32  sum (pure read) 1.48x | x @ W^T-contiguous 1.35x | oneDNN packed 1.19x | F.linear 1x
+#   eager bf16  oneDNN packed 2.22x | F.linear 1.21x | x @ W^T 1.16x
+#   compiled    inductor's fused multiply-sum over W: fp32 as fast as the pure-read sum (1.19x
+#               x @ W^T); bf16 2.15x the fp32 sum's speed (1.8x oneDNN packed)
+# So, eagerly, fp32 weights are stored transposed, (in, out) contiguous, and applied with addmm
+# (MKL streams the rows; as fast or faster than F.linear on the 3M model's small, cached
+# matrices too), and bf16 weights are reordered once into oneDNN's blocked layout (torch's bf16
+# F.linear converts the weight on every call instead). In the compiled step a single row's
+# product is written as ``(W * x).sum(-1)``, which inductor turns into one streaming reduction.
+# Other dtypes/devices use F.linear.
+Layout = Literal["linear", "transposed", "packed", "reduce"]
 
 
-def _layout(weight: Tensor, *, allow_packed: bool) -> Layout:
+def _layout(weight: Tensor, *, compiled: bool) -> Layout:
     """The measured-fastest layout for single-row products with ``weight`` (see above)."""
     if weight.device.type != "cpu":
         return "linear"
+    if compiled:
+        return "reduce" if weight.dtype in (torch.float32, torch.bfloat16) else "linear"
     if weight.dtype == torch.float32:
         return "transposed"
-    if weight.dtype == torch.bfloat16 and allow_packed and torch.backends.mkldnn.is_available():
+    if weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         return "packed"
     return "linear"
 
@@ -116,6 +122,8 @@ class _Linear:
     reorders it into oneDNN's blocked layout (a copy) applied with
     ``torch.ops.mkldnn._linear_pointwise`` (the kernel inductor uses for frozen CPU linears);
     ``"linear"`` uses the tensor as is. A torch build without the oneDNN op falls back to
+    ``"linear"``. ``"reduce"`` keeps the tensor as is and, inside a compiled graph and for one
+    row, computes ``(W * x).sum(-1)`` in float32 (inductor's fused reduction); elsewhere it is
     ``"linear"``.
     """
 
@@ -135,6 +143,12 @@ class _Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         """Shape: ``(*, in) -> (*, out)``."""
+        if self.layout == "reduce":
+            if x.dim() == 2 and x.shape[0] == 1 and torch.compiler.is_compiling():
+                y = (x.unsqueeze(1) * self.weight).sum(-1, dtype=torch.float32)  # (1, out)
+                y = y if self.bias is None else y + self.bias
+                return y.to(x.dtype)
+            return F.linear(x, self.weight, self.bias)
         if self.layout == "linear":
             return F.linear(x, self.weight, self.bias)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (N, in)
@@ -275,7 +289,7 @@ class Decoder:
         if rotary is not None and not isinstance(rotary, RotaryEmbedding):
             raise TypeError(f"Decoder supports RotaryEmbedding, got {type(rotary).__name__}")
         split = rotary is not None and not rotary.interleaved
-        pack = not self.compile  # oneDNN's opaque packed tensors stay out of compiled graphs
+        compiled = self.compile
         layers: list[_Layer] = []
         for block, attn, ff in _block_parts(model):
             linears, out = _attention_linears(attn)
@@ -302,13 +316,13 @@ class Decoder:
                 _Layer(
                     norm1=_norm(block.norm1),
                     norm2=_norm(block.norm2),
-                    qkv=_Linear(w, b, _layout(w, allow_packed=pack)),
-                    out=_Linear(out.weight, out.bias, _layout(out.weight, allow_packed=pack)),
-                    up=_Linear(up_w, up_b, _layout(up_w, allow_packed=pack)),
+                    qkv=_Linear(w, b, _layout(w, compiled=compiled)),
+                    out=_Linear(out.weight, out.bias, _layout(out.weight, compiled=compiled)),
+                    up=_Linear(up_w, up_b, _layout(up_w, compiled=compiled)),
                     down=_Linear(
                         ff.linear2.weight,
                         ff.linear2.bias,
-                        _layout(ff.linear2.weight, allow_packed=pack),
+                        _layout(ff.linear2.weight, compiled=compiled),
                     ),
                     activation=ff.activation,
                     gated=ff.gate is not None,
@@ -318,7 +332,7 @@ class Decoder:
         self.final_norm = _norm(model.norm) if self.norm_first else None
         self.embedding = model.embedding.weight
         head = model.lm_head.weight if model.lm_head is not None else model.embedding.weight
-        self.head = _Linear(head, None, _layout(head, allow_packed=pack))
+        self.head = _Linear(head, None, _layout(head, compiled=compiled))
         self.position_table: Tensor | None = None
         if isinstance(model.position, SinusoidalPositionalEncoding):
             self.position_table = model.position.pe
