@@ -69,8 +69,9 @@ class BlogMultiheadCrossAttention(nn.Module):
 
 
 class BlogMultiHeadSelfAttention(nn.Module):
-    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, num_heads: int,
-                 causal: bool = False) -> None:
+    def __init__(
+        self, in_dim: int, hidden_dim: int, out_dim: int, num_heads: int, causal: bool = False
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.dim_per_head = hidden_dim // num_heads

@@ -86,12 +86,14 @@ def test_blog_nan_rows_are_zero_in_attnkit():
 
 
 def _copy_to_torch_mha(ours: attnkit.MultiHeadAttention, heads: int) -> nn.MultiheadAttention:
-    ref = nn.MultiheadAttention(ours.embed_dim, heads, batch_first=True,
-                                kdim=ours.kdim, vdim=ours.vdim)
+    ref = nn.MultiheadAttention(
+        ours.embed_dim, heads, batch_first=True, kdim=ours.kdim, vdim=ours.vdim
+    )
     with torch.no_grad():
         if ref._qkv_same_embed_dim:
-            ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight,
-                                                ours.v_proj.weight]))
+            ref.in_proj_weight.copy_(
+                torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight])
+            )
         else:
             ref.q_proj_weight.copy_(ours.q_proj.weight)
             ref.k_proj_weight.copy_(ours.k_proj.weight)
@@ -121,8 +123,9 @@ def test_matches_torch_multihead_attention(cross, masking):
         pad = M.padding_mask(lengths, s)  # (B, 1, 1, S)
         ours_mask = pad if ours_mask is None else ours_mask & pad
         kpm = ~pad[:, 0, 0]
-    expected, w_ref = ref(x, mem, mem, attn_mask=attn_mask, key_padding_mask=kpm,
-                          average_attn_weights=False)
+    expected, w_ref = ref(
+        x, mem, mem, attn_mask=attn_mask, key_padding_mask=kpm, average_attn_weights=False
+    )
     out, w = ours(x, mem, mem, ours_mask, return_weights=True)
     assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
@@ -219,7 +222,10 @@ def test_constructor_and_input_errors():
     with pytest.raises(ValueError, match=r"query has last dim 5, expected embed_dim=12"):
         m(torch.randn(2, 3, 5))
     with pytest.raises(ValueError, match="fused_qkv attention is self-attention"):
-        attnkit.MultiHeadAttention.forward(attnkit.MultiHeadSelfAttention(12, 12, 12, 4),
-                                           torch.randn(1, 2, 12), torch.randn(1, 3, 12))
+        attnkit.MultiHeadAttention.forward(
+            attnkit.MultiHeadSelfAttention(12, 12, 12, 4),
+            torch.randn(1, 2, 12),
+            torch.randn(1, 3, 12),
+        )
     with pytest.raises(ValueError, match=r"does not broadcast"):
         m(torch.randn(2, 3, 12), mask=torch.ones(4, 4, dtype=torch.bool))
