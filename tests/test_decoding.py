@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Any
 
 import pytest
@@ -140,6 +141,19 @@ def test_greedy_generate_equals_uncached_generate() -> None:
     # The decoder is reused across calls and reset by prefill.
     assert decoder_for(lm) is decoder_for(lm)
     assert torch.equal(lm.generate(prompt, 12), cached)
+
+
+def test_decoders_do_not_keep_their_model_alive() -> None:
+    lm = _lm(**LLAMA)
+    lm.generate(torch.zeros(1, 2, dtype=torch.long), 2)
+    dec = decoder_for(lm)
+    assert dec.model is lm and len(decoding._DECODERS) >= 1
+    n = len(decoding._DECODERS)
+    del lm
+    gc.collect()
+    assert len(decoding._DECODERS) == n - 1
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        dec.prefill(torch.zeros(1, 2, dtype=torch.long))
 
 
 def test_sampling_with_a_generator_equals_uncached() -> None:

@@ -250,7 +250,9 @@ class Decoder:
     def __init__(self, model: TransformerLM, *, compile: bool = False) -> None:
         if not isinstance(model, TransformerLM):
             raise TypeError(f"Decoder needs a TransformerLM, got {type(model).__name__}")
-        self.model = model
+        # A weak reference: decoder_for() keeps decoders in a WeakKeyDictionary keyed by the model.
+        self._model = weakref.ref(model)
+        self.max_seq_len = model.max_seq_len
         self.compile = bool(compile)
         cfg = model.config
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -273,6 +275,18 @@ class Decoder:
         self._next_positions = torch.zeros(0, dtype=torch.long)
 
     # ------------------------------------------------------------------ preparation
+
+    @property
+    def model(self) -> TransformerLM:
+        """The decoded model.
+
+        Raises:
+            RuntimeError: If the model no longer exists.
+        """
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model of this Decoder no longer exists")
+        return model
 
     def _sources(self) -> list[Tensor]:
         return [p for p in self.model.parameters()] + [b for b in self.model.buffers()]
@@ -452,13 +466,13 @@ class Decoder:
         self._check_ids(input_ids, "input_ids")
         B, P = input_ids.shape
         device = self.embedding.device
-        capacity = self.model.max_seq_len if capacity is None else capacity
+        capacity = self.max_seq_len if capacity is None else capacity
         if not isinstance(capacity, int) or isinstance(capacity, bool):
             raise TypeError(f"capacity must be an int, got {capacity!r}")
-        if not P <= capacity <= self.model.max_seq_len:
+        if not P <= capacity <= self.max_seq_len:
             raise ValueError(
                 f"capacity ({capacity}) must hold the prompt ({P}) and be at most "
-                f"max_seq_len ({self.model.max_seq_len})"
+                f"max_seq_len ({self.max_seq_len})"
             )
         if mask is not None:
             if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
