@@ -27,6 +27,8 @@ steps. Dropout is not applied.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -162,6 +164,48 @@ class _Linear:
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _huge_page_empty(numel: int, dtype: torch.dtype) -> Tensor:
+    """An uninitialised 1-D tensor whose memory asks Linux for transparent huge pages.
+
+    Streaming hundreds of MB of weights per token through 4 KiB pages costs TLB misses: a sum
+    over the 100M model's 49 matrices read 11.5 GB/s from ordinary allocations and 14.4 GB/s
+    from one huge-page block (same machine, interleaved). ``madvise`` must come before the pages
+    are first touched; it is a no-op where unsupported.
+    """
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    slack = _HUGE_PAGE // itemsize
+    buf = torch.empty(numel + slack, dtype=dtype)
+    start = (-buf.data_ptr() % _HUGE_PAGE) // itemsize
+    out = buf[start : start + numel]  # 2 MiB aligned; keeps `buf` alive
+    length = numel * itemsize // _HUGE_PAGE * _HUGE_PAGE
+    if sys.platform.startswith("linux") and length:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(out.data_ptr()), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+        except (OSError, AttributeError):  # no libc symbol: ordinary pages
+            pass
+    return out
+
+
+def _gather_on_huge_pages(linears: list[_Linear]) -> None:
+    """Copy the plain CPU weights of ``linears`` into one huge-page block per dtype."""
+    groups: dict[torch.dtype, list[_Linear]] = {}
+    for lin in linears:
+        if lin.layout in ("transposed", "reduce") and lin.weight.device.type == "cpu":
+            groups.setdefault(lin.weight.dtype, []).append(lin)
+    for dtype, members in groups.items():
+        block = _huge_page_empty(sum(m.weight.numel() for m in members), dtype)
+        offset = 0
+        for m in members:
+            n = m.weight.numel()
+            m.weight = block[offset : offset + n].view(m.weight.shape).copy_(m.weight)
+            offset += n
+
+
 @dataclass
 class _Layer:
     """One block's prepared weights."""
@@ -174,6 +218,9 @@ class _Layer:
     down: _Linear  # (D, F)
     activation: nn.Module
     gated: bool
+
+    def linears(self) -> list[_Linear]:
+        return [self.qkv, self.out, self.up, self.down]
 
 
 def _norm(module: nn.Module) -> _Norm:
@@ -347,6 +394,7 @@ class Decoder:
         self.embedding = model.embedding.weight
         head = model.lm_head.weight if model.lm_head is not None else model.embedding.weight
         self.head = _Linear(head, None, _layout(head, compiled=compiled))
+        _gather_on_huge_pages([lin for layer in layers for lin in layer.linears()] + [self.head])
         self.position_table: Tensor | None = None
         if isinstance(model.position, SinusoidalPositionalEncoding):
             self.position_table = model.position.pe
