@@ -66,7 +66,9 @@ def decoder_for(model: TransformerLM, *, compile: bool = False) -> Decoder:
     """
     per_model = _DECODERS.setdefault(model, {})
     if compile not in per_model:
-        per_model[compile] = Decoder(model, compile=compile)
+        decoder = Decoder(model, compile=compile)
+        decoder._owner = None
+        per_model[compile] = decoder
     return per_model[compile]
 
 
@@ -297,8 +299,10 @@ class Decoder:
     def __init__(self, model: TransformerLM, *, compile: bool = False) -> None:
         if not isinstance(model, TransformerLM):
             raise TypeError(f"Decoder needs a TransformerLM, got {type(model).__name__}")
-        # A weak reference: decoder_for() keeps decoders in a WeakKeyDictionary keyed by the model.
         self._model = weakref.ref(model)
+        # decoder_for() drops this strong reference: it keeps decoders in a WeakKeyDictionary
+        # keyed by their model, which a strong reference from the value would keep alive.
+        self._owner: TransformerLM | None = model
         self.max_seq_len = model.max_seq_len
         self.compile = bool(compile)
         cfg = model.config
