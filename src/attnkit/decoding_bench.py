@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit.config import TransformerConfig
-from attnkit.decoding import _attention_linears, _block_parts
+from attnkit.decoding import _attention_linears, _block_parts, _huge_page_empty
 from attnkit.models import TransformerLM
 from attnkit.positional import LearnedPositionalEmbedding
 
@@ -154,13 +154,18 @@ def _weight(module: nn.Module) -> Tensor:
 
 class _ReadBandwidth:
     """Memory read bandwidth in bytes/s over ``nbytes`` of float32: the faster of a ``sum`` and a
-    matrix-vector product (one pass each per :meth:`measure`)."""
+    matrix-vector product (one pass each per :meth:`measure`), over an ordinary allocation (the
+    issue's bound) and, with ``huge_pages``, over a transparent-huge-page one (what the decoder's
+    prepared weights use; a stricter bound)."""
 
-    def __init__(self, nbytes: int = 1 << 30) -> None:
+    def __init__(self, nbytes: int = 1 << 30, *, huge_pages: bool = False) -> None:
         cols = 4096
-        self.a = torch.ones(max(nbytes // 4 // cols, 1), cols)
+        rows = max(nbytes // 4 // cols, 1)
+        if huge_pages:
+            self.a = _huge_page_empty(rows * cols, torch.float32).view(rows, cols).fill_(1.0)
+        else:
+            self.a = torch.ones(rows, cols)
         self.x = torch.ones(cols)
-        self.a.sum()  # fault the pages in
 
     def measure(self) -> float:
         best = 0.0
@@ -330,18 +335,22 @@ def decode_rows(
         times: dict[str, list[float]] = {v: [] for v in runners}
         steps: dict[str, list[float]] = {v: [] for v in runners}
         probe = _ReadBandwidth() if big else None
+        probe_huge = _ReadBandwidth(huge_pages=True) if big else None
         bandwidths: list[float] = []
+        bandwidths_huge: list[float] = []
         for r in range(repeats):
             for variant, run in runners.items():
                 say(f"{name}: run {r + 1}/{repeats} {variant}")
                 t = _seconds(run, new)
                 times[variant].append(t)
                 steps[variant].append(max(t - _seconds(run, 1), 1e-9) / (new - 1))
-            if probe is not None:
+            if probe is not None and probe_huge is not None:
                 say(f"{name}: read bandwidth {r + 1}/{repeats}")
                 bandwidths.append(probe.measure())
-        del probe
+                bandwidths_huge.append(probe_huge.measure())
+        del probe, probe_huge
         bandwidth = statistics.median(bandwidths) if bandwidths else None
+        bandwidth_huge = statistics.median(bandwidths_huge) if bandwidths_huge else None
         bytes_per_token = _weight_bytes(model)
         ref = outputs.get("transformers")
         model_rows: dict[str, dict[str, Any]] = {}
@@ -365,6 +374,11 @@ def decode_rows(
                 row["bandwidth_bytes_per_s"] = bandwidth
                 row["fp32_weight_bytes"] = bytes_per_token
                 row["of_fp32_bound"] = row["step_tokens_per_s"] * bytes_per_token / bandwidth
+            if bandwidth_huge is not None:
+                row["bandwidth_huge_pages_bytes_per_s"] = bandwidth_huge
+                row["of_fp32_bound_huge_pages"] = (
+                    row["step_tokens_per_s"] * bytes_per_token / bandwidth_huge
+                )
             model_rows[variant] = row
         base = model_rows.get("transformers")
         for row in model_rows.values():
