@@ -19,6 +19,7 @@ from attnkit.decoding_bench import (
     layout_table,
     read_bandwidth,
     to_transformers,
+    vs_rows,
 )
 from attnkit.models import TransformerLM
 
@@ -254,6 +255,7 @@ def test_compiled_step_equals_eager() -> None:
 
 
 def test_transformers_copy_has_equal_logits() -> None:
+    pytest.importorskip("transformers")
     lm = _lm(**LLAMA)
     hf = to_transformers(lm)
     ids = torch.randint(0, 50, (2, 9))
@@ -263,6 +265,7 @@ def test_transformers_copy_has_equal_logits() -> None:
 
 
 def test_decode_rows_measure_a_tiny_model() -> None:
+    pytest.importorskip("transformers")
     models = {"tiny": (TransformerConfig(50, 24, 2, 4, max_seq_len=32, **LLAMA), 6, 4)}
     report = decode_rows(("tiny",), repeats=1, models=models)
     rows = {r["variant"]: r for r in report["rows"]}
@@ -272,6 +275,16 @@ def test_decode_rows_measure_a_tiny_model() -> None:
     assert rows["attnkit"]["tokens_per_s"] > 0
     with pytest.raises(ValueError, match="unknown decode model"):
         decode_rows(("nope",))
+
+
+def test_vs_rows_compare_with_transformers() -> None:
+    pytest.importorskip("transformers")
+    models = {"tiny": (TransformerConfig(50, 24, 2, 4, max_seq_len=32, **LLAMA), 6, 4)}
+    rows = vs_rows(repeats=1, compile=False, names=("tiny",), models=models)
+    assert [r["job"] for r in rows] == ["decode tiny"]
+    assert rows[0]["peer"] == "transformers LlamaForCausalLM"
+    assert rows[0]["attnkit_s"] > 0 and rows[0]["peer_s"] > 0
+    assert "same tokens: True" in rows[0]["note"]
 
 
 def test_read_bandwidth_is_positive() -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "llama_config",
     "read_bandwidth",
     "to_transformers",
+    "vs_rows",
 ]
 
 #: name -> (config, prompt length, new tokens)
@@ -466,4 +467,73 @@ def layout_table(
         out.append(
             {"kernel": n, "seconds": t, "bytes_per_s": nbytes / t, "vs_f32_linear": base / t}
         )
+    return out
+
+
+def vs_rows(
+    *,
+    repeats: int = 3,
+    compile: bool = True,
+    names: tuple[str, ...] = ("llama-3m", "llama-100m"),
+    progress: Callable[[str], None] | None = None,
+    models: dict[str, tuple[TransformerConfig, int, int]] | None = None,
+) -> list[dict[str, Any]]:
+    """The decoding rows of ``attnkit bench --vs``: one dict per (job, peer).
+
+    Keys: ``job``, ``peer``, ``attnkit_s`` and ``peer_s`` (median seconds of the same work:
+    end-to-end generate against transformers, decode-phase seconds per token against attnkit
+    fp32 for the bf16 rows), ``note`` and ``target`` (issue 13). Without transformers, its rows
+    carry ``peer_s=None`` and a note.
+
+    Args:
+        repeats: Interleaved runs per variant.
+        compile: Also measure ``generate(..., compile=True)``.
+        names: Models of :data:`DECODE_MODELS`.
+        progress: Called with a short message before each measurement.
+        models: Table to take the names from instead of :data:`DECODE_MODELS`.
+    """
+    report = decode_rows(names, repeats=repeats, compile=compile, progress=progress, models=models)
+    table = DECODE_MODELS if models is None else models
+    goals = {(t[0], t[2]): t for t in TARGETS}
+    out: list[dict[str, Any]] = []
+    for name in names:
+        rows = {r["variant"]: r for r in report["rows"] if r["model"] == name}
+        _config, P, new = table[name]
+        size = f"prompt {P}, {new} new, greedy, batch 1, {report['threads']} threads"
+        hf = rows.get("transformers")
+        for variant, row in rows.items():
+            if variant == "transformers":
+                continue
+            notes = [size, f"{row['tokens_per_s']:.1f} tok/s"]
+            if "of_fp32_bound" in row:
+                notes.append(f"{row['of_fp32_bound']:.0%} of the read-bandwidth bound")
+            if row.get("first_call_seconds") is not None:
+                notes.append(f"first call incl. compile {row['first_call_seconds']:.0f} s")
+            if row.get("same_tokens_as_transformers") is not None:
+                notes.append(f"same tokens: {row['same_tokens_as_transformers']}")
+            goal = goals.get((name, variant))
+            target = f">= {goal[4]}x" if goal is not None and goal[3] != "of_fp32_bound" else ""
+            if "bf16" in variant:
+                fp32 = rows[variant.replace(" bf16", "")]
+                out.append(
+                    {
+                        "job": f"decode {name} bf16 weights{variant.replace('attnkit bf16', '')}",
+                        "peer": "attnkit fp32 weights",
+                        "attnkit_s": 1 / row["step_tokens_per_s"],
+                        "peer_s": 1 / fp32["step_tokens_per_s"],
+                        "note": "; ".join([notes[0], "seconds per decoded token"]),
+                        "target": target,
+                    }
+                )
+                continue
+            out.append(
+                {
+                    "job": f"decode {name}{variant.replace('attnkit', '')}",
+                    "peer": "transformers LlamaForCausalLM",
+                    "attnkit_s": row["seconds"],
+                    "peer_s": None if hf is None else hf["seconds"],
+                    "note": "; ".join(notes if hf is not None else [*notes, *report["notes"]]),
+                    "target": target,
+                }
+            )
     return out
