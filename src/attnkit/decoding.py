@@ -149,6 +149,10 @@ class _Linear:
         """Shape: ``(*, in) -> (*, out)``."""
         if self.layout == "reduce":
             if x.dim() == 2 and x.shape[0] == 1 and torch.compiler.is_compiling():
+                # An identity view that makes inductor store x first: otherwise it inlines the
+                # producer (a norm, SwiGLU's silu) into the reduction and recomputes it for
+                # every output row (measured: 1.6x slower on a bf16 4096x768 product).
+                x = torch.as_strided(x, x.shape, x.stride())
                 y = (x.unsqueeze(1) * self.weight).sum(-1, dtype=torch.float32)  # (1, out)
                 y = y if self.bias is None else y + self.bias
                 return y.to(x.dtype)
