@@ -96,7 +96,8 @@ class _Norm:
 #   eager fp32  sum (pure read) 1.48x | x @ W^T-contiguous 1.35x | oneDNN packed 1.19x | F.linear 1x
 #   eager bf16  oneDNN packed 2.22x | F.linear 1.21x | x @ W^T 1.16x
 #   compiled    inductor's fused multiply-sum over W: fp32 as fast as the pure-read sum (1.19x
-#               x @ W^T); bf16 2.15x the fp32 sum's speed (1.8x oneDNN packed)
+#               x @ W^T); bf16 2.15x the fp32 sum's speed (1.8x oneDNN packed), and 1.2x faster
+#               again when the sum runs over 16 lanes first
 # So, eagerly, fp32 weights are stored transposed, (in, out) contiguous, and applied with addmm
 # (MKL streams the rows; as fast or faster than F.linear on the 3M model's small, cached
 # matrices too), and bf16 weights are reordered once into oneDNN's blocked layout (torch's bf16
@@ -153,7 +154,16 @@ class _Linear:
                 # producer (a norm, SwiGLU's silu) into the reduction and recomputes it for
                 # every output row (measured: 1.6x slower on a bf16 4096x768 product).
                 x = torch.as_strided(x, x.shape, x.stride())
-                y = (x.unsqueeze(1) * self.weight).sum(-1, dtype=torch.float32)  # (1, out)
+                n_in = x.shape[1]
+                if x.dtype == torch.bfloat16 and n_in % 16 == 0:
+                    # bf16: partial sums over 16 lanes first, then across them (measured on the
+                    # 100M model's matrices: 1.2x the one-pass row sum, 86% of a pure read).
+                    w = self.weight.view(1, self.out_features, n_in // 16, 16)
+                    part = (x.view(1, 1, n_in // 16, 16) * w).sum(-2, dtype=torch.float32)
+                    part = torch.as_strided(part, part.shape, part.stride())  # (1, out, 16)
+                    y = part.sum(-1)  # (1, out)
+                else:
+                    y = (x.unsqueeze(1) * self.weight).sum(-1, dtype=torch.float32)  # (1, out)
                 y = y if self.bias is None else y + self.bias
                 return y.to(x.dtype)
             return F.linear(x, self.weight, self.bias)
