@@ -39,8 +39,16 @@ __all__ = [
     "vs_rows",
 ]
 
-#: name -> (config, prompt length, new tokens)
+#: name -> (config, prompt length, new tokens); "llama-tiny" is for quick smoke runs.
 DECODE_MODELS: dict[str, tuple[TransformerConfig, int, int]] = {
+    "llama-tiny": (
+        TransformerConfig(
+            256, 64, 2, 4, num_kv_heads=2, hidden_dim=172, max_seq_len=64, norm="rmsnorm",
+            activation="swiglu", bias=False, rope_interleaved=False,
+        ),
+        32,
+        8,
+    ),
     "llama-3m": (
         TransformerConfig(
             1024, 256, 4, 8, num_kv_heads=4, hidden_dim=688, max_seq_len=1024, norm="rmsnorm",
