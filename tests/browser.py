@@ -72,15 +72,22 @@ def browser() -> Iterator[Any]:
         driver.quit()
 
 
-def open_page(driver: Any, path: Path, ready: str = "ready", timeout: float = 30.0) -> None:
-    """Load a local file, wait for ``document.body.dataset[ready]``; drain the old console log."""
+def open_page(driver: Any, path: Path, ready: str | None = "ready", timeout: float = 30.0) -> None:
+    """Load a local file and drain the old console log.
+
+    Waits for ``document.body.dataset[ready] == "1"`` (the page's scripts have finished), or for
+    the document to be loaded when ``ready`` is None (pages without scripts).
+    """
     from selenium.webdriver.support.ui import WebDriverWait
 
     driver.get_log("browser")
     driver.get(Path(path).resolve().as_uri())
-    WebDriverWait(driver, timeout).until(
-        lambda d: d.execute_script(f"return document.body && document.body.dataset.{ready}") == "1"
+    check = (
+        "return document.readyState === 'complete' ? '1' : ''"
+        if ready is None
+        else f"return document.body && document.body.dataset.{ready}"
     )
+    WebDriverWait(driver, timeout).until(lambda d: d.execute_script(check) == "1")
 
 
 def console_errors(driver: Any) -> list[str]:

@@ -348,7 +348,7 @@
     });
     detail.hidden = false;
     document.getElementById("detail-title").textContent = D.layerNames[l] + ", head " + h;
-    const cell = Math.max(1, Math.min(40, Math.floor(640 / big)));
+    const cell = Math.max(2, Math.min(40, Math.floor(640 / big))); // >= 2 px: hoverable
     const step = labelStep(cell);
     const ctx0 = detailCanvas.getContext("2d");
     ctx0.font = "12px sans-serif";
