@@ -50,7 +50,7 @@ _SIZE = "\x00size\x00"  # placeholder: JSON escapes NUL, so no token can contain
 
 
 def _asset(name: str) -> str:
-    return resources.files("attnkit").joinpath("assets", name).read_text(encoding="utf-8")
+    return resources.files("attnkit").joinpath("assets").joinpath(name).read_text(encoding="utf-8")
 
 
 def stack_weights(weights: Tensor | Sequence[Tensor]) -> Tensor:
