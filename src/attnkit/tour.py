@@ -237,7 +237,7 @@ def check_scaled_scores(
     ax.axhline(1.0, color="#1f77b4", ls=":", alpha=0.6)
     ax.set(xscale="log", yscale="log", xlabel="head dim d", ylabel="std of the scores")
     ax.set_xticks(ds, [str(d) for d in ds])
-    ax.set_title("Scores of random unit-variance vectors, read from the module's weights")
+    ax.set_title("Std of random scores, read from the module's weights")
     ax.legend()
     verdict = (
         f"scaled std within {tolerance:.0%} of 1 for every d: {ok_scaled}; unscaled std within "
@@ -739,9 +739,7 @@ def check_rope_relative(
     ax1.set_title("rope(q, p) · rope(k, s): constant along diagonals")
     ax2.plot(range(-(length - 1), length), by_offset, "-", lw=1.2)
     ax2.set(xlabel="offset s − p", ylabel="score")
-    ax2.set_title(
-        f"score by offset (spread on a diagonal {spread:.1e}, shift by {far}: {move:.1e})"
-    )
+    ax2.set_title(f"Score by offset (diagonal spread {spread:.0e})")
     verdict = (
         f"largest spread along a diagonal {spread:.2e}, change when both positions move by "
         f"{far}: {move:.2e} (tolerance {tolerance:.0e} x scale {scale:.2f}); varies with the "
