@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
+from attnkit import masks as M
 from attnkit.cache import KVCache
 from attnkit.config import TransformerConfig
 from attnkit.models import TransformerEncoder, TransformerLM, attention_mask_from_padding
@@ -93,6 +94,25 @@ def test_encoder_weights_heads_and_vector_inputs() -> None:
         TransformerEncoder(30, 16, 1, 2, position="alibi")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="both"):
         attention_mask_from_padding(torch.ones(1, 2, dtype=torch.bool), torch.tensor([2]))
+
+
+def test_padding_helpers_live_in_masks() -> None:
+    assert attention_mask_from_padding is M.attention_mask_from_padding
+    lengths = torch.tensor([2, 4])
+    expected = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    assert torch.equal(M.token_mask(None, lengths, 4, torch.device("cpu")), expected)
+    assert torch.equal(M.token_mask(expected, None, 4, torch.device("cpu")), expected)
+    assert M.token_mask(expected.float(), None, 4, torch.device("cpu")) is None
+    assert M.token_mask(None, None, 4, torch.device("cpu")) is None
+    padding = M.attention_mask_from_padding(None, lengths, seq_len=4)
+    assert torch.equal(padding, M.attention_mask_from_padding(expected))
+    assert padding.shape == (2, 1, 1, 4)
+    # The encoder's mean pool uses the token mask: padded positions do not count.
+    enc = TransformerEncoder(30, 16, 1, 2, num_outputs=3, pool="mean").eval()
+    ids = torch.randint(0, 30, (2, 4))
+    short = TransformerEncoder(30, 16, 1, 2, num_outputs=3, pool="mean").eval()
+    short.load_state_dict(enc.state_dict())
+    assert_close(enc(ids, lengths=lengths)[0], short(ids[:1, :2])[0], **TOL)
 
 
 def test_lm_head_is_tied_and_gqa_runs_through_the_stack() -> None:
