@@ -404,7 +404,21 @@ class ScaleDotProductAttention(nn.Module):
         return with_weights(*attend(q, k, v, mask, scale=scale, return_weights=return_weights))
 
 
-class MultiheadCrossAttention(MultiHeadAttention):
+class _BlogNames(MultiHeadAttention):
+    """Names the blog's multi-head classes share: ``output_map`` and ``dim_per_head``."""
+
+    @property
+    def output_map(self) -> nn.Linear:
+        """The blog's name for ``out_proj``."""
+        return self.out_proj
+
+    @property
+    def dim_per_head(self) -> int:
+        """The blog's name for the head dim."""
+        return self.head_dim
+
+
+class MultiheadCrossAttention(_BlogNames):
     """The blog's multi-head attention with separate ``w_q``, ``w_k``, ``w_v`` projections.
 
     Its state_dict uses the blog's names ``w_q``, ``w_k``, ``w_v``, ``output_map`` (also
@@ -442,16 +456,6 @@ class MultiheadCrossAttention(MultiHeadAttention):
         """The blog's name for ``v_proj``."""
         return self.v_proj
 
-    @property
-    def output_map(self) -> nn.Linear:
-        """The blog's name for ``out_proj``."""
-        return self.out_proj
-
-    @property
-    def dim_per_head(self) -> int:
-        """The blog's name for the head dim."""
-        return self.head_dim
-
     def get_heads(self, tokens: Tensor, linear_layer: nn.Module) -> Tensor:
         """Project ``tokens`` and split heads: ``(B, N, dim_in) -> (B, H, N, E)``."""
         return split_heads(linear_layer(tokens), self.num_heads)
@@ -484,7 +488,7 @@ class Attention(MultiheadCrossAttention):
         super().__init__(dim_in, dim_hidden, dim_out, 1)
 
 
-class MultiHeadSelfAttention(MultiHeadAttention):
+class MultiHeadSelfAttention(_BlogNames):
     """The blog's multi-head self-attention with a fused ``w_qkv`` and optional causal mask.
 
     The keyword-only options are those of :class:`MultiHeadAttention`; at their defaults this is
@@ -544,16 +548,6 @@ class MultiHeadSelfAttention(MultiHeadAttention):
     def w_qkv(self) -> nn.Linear:
         """The blog's name for ``qkv_proj``."""
         return self.qkv_proj
-
-    @property
-    def output_map(self) -> nn.Linear:
-        """The blog's name for ``out_proj``."""
-        return self.out_proj
-
-    @property
-    def dim_per_head(self) -> int:
-        """The blog's name for the head dim."""
-        return self.head_dim
 
     def forward(  # type: ignore[override]
         self,
