@@ -82,3 +82,23 @@ def test_kv_cache_decoding_equals_full_causal_pass() -> None:
     cache.reset()
     assert cache.length == 0
     assert_close(m(x, kv_cache=cache), full)
+
+
+def test_update_validates_shape_and_dtype() -> None:
+    cache = KVCache(B, K, 4, E)
+    k3 = torch.randn(B, 1, E)
+    with pytest.raises(ValueError, match=r"same shape \(B, K, L, E\), got k=\(2, 1, 3\)"):
+        cache.update(k3, k3)
+    with pytest.raises(TypeError, match=r"KVCache stores torch.float32, got k torch.float64"):
+        cache.update(*_kv(1, torch.float64))  # never cast silently
+    k, v = _kv(1)
+    with pytest.raises(TypeError, match=r"got k torch.float32 and v torch.float16"):
+        cache.update(k, v.half())
+    with pytest.raises(TypeError, match=r"takes tensors, got k=list"):
+        cache.update([1.0], v)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"sizes must be ints, got \{'capacity': 2.5\}"):
+        KVCache(B, K, 2.5, E)  # type: ignore[arg-type]
+    assert cache.length == 0  # rejected updates store nothing
+    half = KVCache(B, K, 4, E, dtype=torch.float64)
+    k, v = _kv(2, torch.float64)
+    assert torch.equal(half.update(k, v)[0], k)  # float64 storage keeps float64 exactly

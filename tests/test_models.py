@@ -183,6 +183,37 @@ def test_cache_capacity_and_max_seq_len_errors() -> None:
         lm(torch.zeros(1, 2, dtype=torch.long), kv_caches=[KVCache(1, 2, 4, 8)])
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_new_tokens": 2.5}, TypeError, r"max_new_tokens must be an int, got 2.5"),
+        ({"max_new_tokens": True}, TypeError, r"max_new_tokens must be an int, got True"),
+        ({"max_new_tokens": -1}, ValueError, r"max_new_tokens must be >= 0, got -1"),
+        ({"temperature": "hot"}, TypeError, r"temperature must be a number, got 'hot'"),
+        ({"temperature": float("nan")}, ValueError, r"finite number >= 0, got nan"),
+        ({"temperature": -0.5}, ValueError, r"finite number >= 0, got -0.5"),
+        ({"top_k": 2.0}, TypeError, r"top_k must be an int or None, got 2.0"),
+        ({"top_k": 0}, ValueError, r"top_k must be positive, got 0"),
+        ({"use_cache": "yes"}, TypeError, r"use_cache must be a bool, got 'yes'"),
+        ({"generator": 3}, TypeError, r"generator must be a torch.Generator or None, got 3"),
+        ({"input_ids": [[1, 2]]}, TypeError, r"input_ids must be a tensor of token ids, got list"),
+        ({"input_ids": torch.ones(1, 2)}, TypeError, r"integer token ids, got dtype torch.float32"),
+        ({"input_ids": torch.ones(3, dtype=torch.long)}, ValueError, r"\(B, P\) .* got \(3,\)"),
+    ],
+)
+def test_generate_validates_its_arguments(kwargs: dict, error: type, match: str) -> None:
+    args = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "max_new_tokens": 2} | kwargs
+    with pytest.raises(error, match=match):
+        _lm().generate(**args)
+
+
+def test_generate_accepts_numpy_style_integers() -> None:
+    np = pytest.importorskip("numpy")
+    lm = _lm()
+    prompt = torch.zeros(1, 2, dtype=torch.long)
+    assert torch.equal(lm.generate(prompt, np.int64(3), top_k=np.int32(1)), lm.generate(prompt, 3))
+
+
 # --------------------------------------------------------------------------- rotary conventions
 
 

@@ -17,6 +17,8 @@ Positions (``position=``):
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -424,16 +426,12 @@ class TransformerLM(_TransformerStack):
             ``(B, P + max_new_tokens)`` token ids, prompt included.
 
         Raises:
-            ValueError: If ``P + max_new_tokens > max_seq_len``, or bad options.
+            TypeError: If an argument has the wrong type (float ``max_new_tokens``, float
+                ``input_ids``, ...).
+            ValueError: If ``P + max_new_tokens > max_seq_len``, or bad option values.
         """
-        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-            raise ValueError(f"input_ids must be (B, P) with P >= 1, got {tuple(input_ids.shape)}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be positive, got {top_k}")
+        _check_generate_args(input_ids, max_new_tokens, temperature, top_k, use_cache, generator)
+        max_new_tokens, top_k = int(max_new_tokens), None if top_k is None else int(top_k)
         B, P = input_ids.shape
         total = P + max_new_tokens
         if total > self.max_seq_len:
@@ -463,6 +461,47 @@ class TransformerLM(_TransformerStack):
             return ids
         finally:
             self.train(was_training)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_generate_args(
+    input_ids: Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    use_cache: bool,
+    generator: torch.Generator | None,
+) -> None:
+    """Validate :meth:`TransformerLM.generate`'s arguments, naming the offending values."""
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+    if (
+        input_ids.dtype.is_floating_point
+        or input_ids.dtype.is_complex
+        or input_ids.dtype == torch.bool
+    ):
+        raise TypeError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be (B, P) with P >= 1, got {tuple(input_ids.shape)}")
+    if not _is_int(max_new_tokens):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {temperature!r}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_k is not None and not _is_int(top_k):
+        raise TypeError(f"top_k must be an int or None, got {top_k!r}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be positive, got {top_k}")
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
 
 
 def _pick(
