@@ -17,6 +17,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tqdm")
 
 from attnkit.cli import main  # noqa: E402
+from attnkit.config import TransformerConfig  # noqa: E402
 from attnkit.lab import checkpoint as ckpt  # noqa: E402
 from attnkit.lab.runner import run_lab  # noqa: E402
 from attnkit.lab.tasks import IGNORE, TASKS, get_task, is_held_out  # noqa: E402
@@ -26,6 +27,7 @@ from attnkit.lab.train import (  # noqa: E402
     build_model,
     eval_set,
     head_alignment,
+    load_trained,
     train,
     train_batch,
 )
@@ -196,6 +198,19 @@ def test_checkpoint_write_is_atomic(tmp_path: Path) -> None:
     assert ckpt.load_checkpoint(path)[1]["step"] == 1
 
 
+def test_load_trained_checks_the_saved_model_config(tmp_path: Path) -> None:
+    model = build_model(TINY)
+    meta = {"config": TINY.to_dict(), "model": TINY.model_config().to_dict()}
+    ckpt.save_checkpoint(tmp_path / ckpt.CHECKPOINT_NAME, model=model, metadata=meta)
+    loaded, config, _ = load_trained(tmp_path)
+    assert config == TINY and loaded.config == TINY.model_config()
+    wrong = TINY.model_config().replace(max_seq_len=TINY.table_len + 1)
+    meta["model"] = wrong.to_dict()
+    ckpt.save_checkpoint(tmp_path / ckpt.CHECKPOINT_NAME, model=model, metadata=meta)
+    with pytest.raises(ValueError, match=r"does not match its lab config"):
+        load_trained(tmp_path)
+
+
 def test_load_checkpoint_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nothing to resume"):
         ckpt.load_checkpoint(tmp_path / "missing.safetensors")
@@ -267,6 +282,9 @@ def test_run_writes_metrics_checkpoint_and_config(tiny_run) -> None:
     assert sizes["num_params"] == sum(p.numel() for p in build_model(TINY).parameters())
     assert sizes["checkpoint_bytes"] == (out / "checkpoint.safetensors").stat().st_size
     assert LabConfig.from_dict(json.loads((out / "config.json").read_text())) == TINY
+    _, meta = ckpt.load_checkpoint(out / "checkpoint.safetensors")
+    assert TransformerConfig.from_dict(meta["model"]) == TINY.model_config()
+    assert load_trained(out)[0].config == TINY.model_config()
     assert set(on_disk["length_generalization"]["sinusoidal"]) >= {"6", "12"}
 
 
