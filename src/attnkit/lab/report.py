@@ -22,6 +22,7 @@ from attnkit.lab.checkpoint import atomic_write
 from attnkit.lab.page import PE_LABELS
 from attnkit.lab.tasks import IGNORE
 from attnkit.lab.train import (
+    LabConfig,
     TrainResult,
     attention_weights,
     eval_set,
@@ -30,6 +31,8 @@ from attnkit.lab.train import (
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure as MplFigure
+
+    from attnkit.complexity import CostBreakdown
 
 __all__ = ["FigureSpec", "ReportData", "write_report"]
 
@@ -101,7 +104,7 @@ def _best_head(result: TrainResult) -> tuple[int, int, torch.Tensor]:
 
 def _make_figures(data: ReportData, fig_dir: Path) -> list[FigureSpec]:
     from attnkit import viz
-    from attnkit.complexity import crossover_seq_len, transformer_cost
+    from attnkit.complexity import crossover_seq_len
     from attnkit.positional import SinusoidalPositionalEncoding
 
     r = data.result
@@ -179,10 +182,7 @@ def _make_figures(data: ReportData, fig_dir: Path) -> list[FigureSpec]:
         )
     }
     for n in seq_lens:
-        rows = {
-            c["name"]: c["flops"]
-            for c in transformer_cost(n, cfg.dim, cfg.num_heads, ffn_dim=cfg.ffn_dim).rows()
-        }
+        rows = {c["name"]: c["flops"] for c in _model_cost(cfg, n).rows()}
         cost["projections (n·d²)"].append(
             sum(rows[k] for k in ("q_proj", "k_proj", "v_proj", "out_proj"))
         )
@@ -352,9 +352,15 @@ def write_report(out_dir: str | Path, data: ReportData) -> Path:
     return atomic_write(out / "report.html", lambda tmp: Path(tmp).write_text(text, "utf-8"))
 
 
-def _render(data: ReportData) -> str:
+def _model_cost(cfg: LabConfig, seq_len: int, *, batch: int = 1, layers: int = 1) -> CostBreakdown:
+    """The cost of ``layers`` blocks of the lab's model on ``batch`` sequences of ``seq_len``."""
     from attnkit.complexity import transformer_cost
 
+    dim, heads, ffn = cfg.dim, cfg.num_heads, cfg.ffn_dim
+    return transformer_cost(seq_len, dim, heads, ffn_dim=ffn, num_layers=layers, batch=batch)
+
+
+def _render(data: ReportData) -> str:
     cfg = data.result.config
     task = cfg.make_task()
     return page.render(
@@ -362,14 +368,7 @@ def _render(data: ReportData) -> str:
         description=task.description,
         attention=data.metrics.get("attention", {}),
         examples=_examples(data.result),
-        cost=transformer_cost(
-            cfg.seq_len,
-            cfg.dim,
-            cfg.num_heads,
-            ffn_dim=cfg.ffn_dim,
-            num_layers=cfg.num_layers,
-            batch=cfg.batch_size,
-        ),
+        cost=_model_cost(cfg, cfg.seq_len, batch=cfg.batch_size, layers=cfg.num_layers),
         vocab_size=task.vocab_size,
         figures=data.figures,
         lengths_table=data.length_table,
