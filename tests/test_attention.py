@@ -193,6 +193,7 @@ def test_kv_cache_decoding_equals_full_causal_pass():
     assert cache.length == 0
 
 
+@pytest.mark.slow
 def test_compile_fullgraph():
     m = attnkit.MultiHeadAttention(D, 4, num_kv_heads=2, causal=True).eval()
     x = torch.randn(B, N, D)

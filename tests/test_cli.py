@@ -70,6 +70,7 @@ def test_bad_argument_is_one_line_and_status_2(
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_bad_argument_exits_2_from_a_real_process() -> None:
     argv = ["complexity", "--seq-len", "8", "--dim", "30", "--heads", "4"]
     proc = subprocess.run(

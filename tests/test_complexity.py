@@ -411,6 +411,7 @@ def test_cli_plot(main, capsys, tmp_path):
     assert "wrote" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_measure(main, capsys):
     assert main("--seq-len", "64", "--dim", "32", "--heads", "4", "--measure", "--json") == 0
     out = json.loads(capsys.readouterr().out)
