@@ -296,7 +296,7 @@ return out;
 
 
 def _viridis(values: torch.Tensor) -> torch.Tensor:
-    from matplotlib import colormaps
+    colormaps = pytest.importorskip("matplotlib").colormaps
 
     rgba = colormaps["viridis"](values.numpy())
     return torch.tensor(rgba[..., :3] * 255)
@@ -447,3 +447,54 @@ def test_explain_pages_in_the_browser(browser, tmp_path: Path) -> None:
     links = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "td.text a")]
     assert links[0].endswith("text-0/explorer.html") and links[2].endswith("text-1/explorer.html")
     assert console_errors(browser) == []
+
+
+@pytest.mark.slow
+def test_lab_report_links_the_explorer_of_the_trained_model(browser, tmp_path: Path) -> None:
+    """``attnkit lab --compare-pe``: report.html links explorer.html (the main run) and one
+    explorer per compared encoder; the pages show the trained models' weights on the input."""
+    from selenium.webdriver.common.by import By
+
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tqdm")
+    from attnkit.lab.runner import run_lab
+    from attnkit.lab.train import LabConfig, attention_weights, load_trained
+
+    config = LabConfig(seq_len=8, dim=16, ffn_dim=32, steps=30, eval_size=50, eval_every=0)
+    metrics = run_lab(config, out_dir=tmp_path, compare_pe=True, progress=False)
+    assert metrics["explorers"] == {
+        "sinusoidal": "explorer.html",
+        "none": "explorer-none.html",
+        "rope": "explorer-rope.html",
+    }
+    open_page(browser, tmp_path / "report.html", ready=None)
+    links = browser.find_elements(By.CSS_SELECTOR, "p.explorer a")
+    assert [a.get_attribute("href").rsplit("/", 1)[-1] for a in links] == [
+        "explorer.html",
+        "explorer-none.html",
+        "explorer-rope.html",
+    ]
+    task = config.make_task()
+    ids_of = {label: i for i, label in enumerate(task.labels(range(task.vocab_size)))}
+    for name, file in metrics["explorers"].items():
+        open_page(browser, tmp_path / file)
+        tokens = browser.execute_script(
+            "return JSON.parse(document.getElementById('attn-data').textContent).queryTokens"
+        )
+        ids = torch.tensor([[ids_of[t] for t in tokens]])  # the held-out input, from its labels
+        model, _, _ = load_trained(tmp_path / f"pe-{name}")
+        want = attention_weights(model, ids)[0]  # (layers, H, L, L), live from the checkpoint
+        got = torch.tensor(
+            browser.execute_script(
+                "const e = window.attnExplorer, out = [];"
+                "for (let l = 0; l < e.layers; l++) { const a = []; out.push(a);"
+                " for (let h = 0; h < e.heads; h++) { const b = []; a.push(b);"
+                "  for (let i = 0; i < e.L; i++) { const r = []; b.push(r);"
+                "   for (let j = 0; j < e.S; j++) r.push(e.weight(l, h, i, j)); } } }"
+                "return out;"
+            )
+        )
+        torch.testing.assert_close(got, want, atol=FLOAT16_ATOL, rtol=0)
+        _hover(browser, "q", 3)
+        _check_focus_lines(browser, want, 0, "q", 3, list(range(want.shape[1])))
+        assert console_errors(browser) == []

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest.importorskip("matplotlib")  # the figures
+pytest.importorskip("tqdm")  # the lab's training (claim 10)
+
 from attnkit import (
     LearnedPositionalEmbedding,
     PositionalTransformerBlock,

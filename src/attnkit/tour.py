@@ -16,6 +16,7 @@ Needs matplotlib (the ``viz`` extra) for the figures and tqdm (``lab``) for the 
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import itertools
 import json
@@ -31,7 +32,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from attnkit import complexity
+from attnkit import complexity, profiling
 from attnkit.attention import MultiHeadAttention, ScaleDotProductAttention
 from attnkit.blocks import PositionalTransformerBlock, TransformerBlock
 from attnkit.models import TransformerEncoder, TransformerLM
@@ -381,17 +382,15 @@ def check_cost(
     over = [r["n"] for r in rows if r["counted_quadratic"] >= r["counted_linear"]]
     measured_n = min(over) if over else None
     crossover_ok = measured_n == predicted_n
-    # time: interleave the lengths so that load changes hit them alike
+    # time: interleaved rounds, so that load changes of a shared machine hit every length alike
     xs = {n: torch.randn(1, n, dim) for n in timed_lengths}
-    times: dict[int, list[float]] = {n: [] for n in timed_lengths}
     with torch.inference_mode():
         for n in timed_lengths:
             mha(xs[n])  # warm-up
-        for _ in range(repeats):
-            for n in timed_lengths:
-                t0 = time.perf_counter()
-                mha(xs[n])
-                times[n].append(time.perf_counter() - t0)
+        samples = profiling.time_interleaved(
+            {str(n): functools.partial(mha, xs[n]) for n in timed_lengths}, repeats=repeats
+        )
+    times = {n: samples[str(n)] for n in timed_lengths}
     median = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
     flops = {n: complexity.attention_cost(n, dim, num_heads).flops for n in timed_lengths}
     a, b = timed_lengths[-2], timed_lengths[-1]

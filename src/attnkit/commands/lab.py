@@ -182,4 +182,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"metrics: {out / 'metrics.json'}")
         if "report" in metrics:
             print(f"report:  {out / metrics['report']}")
+        if metrics.get("explorers"):
+            print(f"explorer: {out / next(iter(metrics['explorers'].values()))}")
     return 0
