@@ -264,13 +264,23 @@ def _compare(compare: Mapping[str, TrainResult] | None, figures: Sequence[Figure
         for name, res in compare.items()
     ]
     header = ["positions", "held-out accuracy", "sequences all right", "held-out loss"]
+    cfg = next(iter(compare.values())).config
     return (
         "<h3>Does the encoder need positions? (--compare-pe)</h3>"
-        "<p>The same encoder, trained the same way, with no positions, sinusoidal positions "
-        "added to the input, and rotary positions in every attention layer. Without "
-        "positions attention is permutation-equivariant: the output at a position depends "
-        "only on its own token and the <i>set</i> of tokens, so an order-dependent task "
-        "cannot be learned.</p>"
+        "<p>The same encoder with no positions, sinusoidal positions added to the input, and "
+        "rotary positions in every attention layer. Without positions attention is "
+        "permutation-equivariant: the output at a position depends only on its own token and "
+        "the <i>set</i> of tokens, so an order-dependent task cannot be learned.</p>"
+        f"<p class=training>All three were trained the same way: {cfg.steps:,} steps of "
+        f"{cfg.batch_size} sequences of {cfg.seq_len} tokens (the same batches, drawn from seed "
+        f"{cfg.seed}, and the same initialisation seed), AdamW at a peak learning rate of "
+        f"{cfg.lr:g} ({cfg.warmup_steps}-step warmup, cosine decay), weight decay "
+        f"{cfg.weight_decay:g}, dropout {cfg.dropout:g}. Rotary base {cfg.rope_base:g}: "
+        "rotary scores depend only on offsets, so a rotary encoder must infer absolute "
+        "positions (which <code>reverse</code> needs) from the sequence's edges; with the "
+        "10,000 of language models, 5 of the 8 frequency pairs of a 16-dim head barely turn "
+        "over the lab's lengths, and it learned more slowly and less reliably across seeds "
+        "(0.84 held-out accuracy after 400 steps on reverse).</p>"
         + table([*header, "train time (s)"], rows)
         + _figures(figures, "compare")
     )
