@@ -105,6 +105,14 @@ def test_accepts_what_attnkit_models_return() -> None:
     torch.testing.assert_close(_decode(payload), stacked, atol=FLOAT16_ATOL, rtol=0)
 
 
+def test_initial_layer() -> None:
+    w = _weights(3, 1, 4)
+    assert _payload(explorer_html(list("abcd"), w))["initialLayer"] == 0
+    assert _payload(explorer_html(list("abcd"), w, layer=-1))["initialLayer"] == 2
+    with pytest.raises(ValueError, match=r"layer must be an int in \[-3, 2\], got 3"):
+        explorer_html(list("abcd"), w, layer=3)
+
+
 def test_cross_attention_takes_key_tokens() -> None:
     w = _weights(1, 2, 3, 5)
     payload = _payload(explorer_html(["a", "b", "c"], w, key_tokens=list("vwxyz")))
@@ -481,7 +489,8 @@ def test_lab_report_links_the_explorer_of_the_trained_model(browser, tmp_path: P
         tokens = browser.execute_script(
             "return JSON.parse(document.getElementById('attn-data').textContent).queryTokens"
         )
-        ids = torch.tensor([[ids_of[t] for t in tokens]])  # the held-out input, from its labels
+        assert [int(t.split(":")[0]) for t in tokens] == list(range(len(tokens)))
+        ids = torch.tensor([[ids_of[t.split(":")[1]] for t in tokens]])  # the held-out input
         model, _, _ = load_trained(tmp_path / f"pe-{name}")
         want = attention_weights(model, ids)[0]  # (layers, H, L, L), live from the checkpoint
         got = torch.tensor(
@@ -495,6 +504,9 @@ def test_lab_report_links_the_explorer_of_the_trained_model(browser, tmp_path: P
             )
         )
         torch.testing.assert_close(got, want, atol=FLOAT16_ATOL, rtol=0)
+        layer = int(browser.find_element(By.ID, "layer-select").get_attribute("value"))
+        if file == "explorer.html":  # the main run opens on its best head's layer
+            assert layer == metrics["attention"]["best_layer"]
         _hover(browser, "q", 3)
-        _check_focus_lines(browser, want, 0, "q", 3, list(range(want.shape[1])))
+        _check_focus_lines(browser, want, layer, "q", 3, list(range(want.shape[1])))
         assert console_errors(browser) == []

@@ -146,6 +146,7 @@ def explorer_html(
     title: str = "Attention explorer",
     description: str = "",
     layer_names: Sequence[str] | None = None,
+    layer: int = 0,
     precision: Precision = "auto",
 ) -> str:
     """The explorer page as one self-contained HTML string.
@@ -160,6 +161,7 @@ def explorer_html(
         title: Page title and heading.
         description: A sentence shown under the heading (plain text).
         layer_names: One label per layer; defaults to ``"layer 0"``, ``"layer 1"``, ...
+        layer: The layer the head view opens on (negative counts from the end).
         precision: ``"float16"``, ``"uint8"`` or ``"auto"`` (float16 up to 4M weights, else
             uint8); see the module docstring for their errors.
 
@@ -190,6 +192,8 @@ def explorer_html(
     names = [f"layer {i}" for i in range(n_layers)] if layer_names is None else list(layer_names)
     if len(names) != n_layers:
         raise ValueError(f"layer_names has {len(names)} names for {n_layers} layers")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not -n_layers <= layer < n_layers:
+        raise ValueError(f"layer must be an int in [{-n_layers}, {n_layers - 1}], got {layer!r}")
     if not bool(torch.isfinite(w).all()):
         raise ValueError("weights contain NaN or inf")
     low, high = float(w.min()), float(w.max())
@@ -209,6 +213,7 @@ def explorer_html(
         "queryTokens": q_labels,
         "keyTokens": k_labels,
         "layerNames": names,
+        "initialLayer": layer % n_layers,
         "layers": n_layers,
         "heads": n_heads,
         "L": L,
@@ -264,6 +269,7 @@ def write_explorer(
     title: str = "Attention explorer",
     description: str = "",
     layer_names: Sequence[str] | None = None,
+    layer: int = 0,
     precision: Precision = "auto",
 ) -> Path:
     """Write the explorer page (see :func:`explorer_html`) to ``path``; parents are created.
@@ -276,6 +282,7 @@ def write_explorer(
         title: Page title.
         description: A sentence under the heading.
         layer_names: One label per layer.
+        layer: The layer the head view opens on.
         precision: ``"auto"``, ``"float16"`` or ``"uint8"``.
 
     Returns:
@@ -295,6 +302,7 @@ def write_explorer(
         title=title,
         description=description,
         layer_names=layer_names,
+        layer=layer,
         precision=precision,
     )
     out = Path(path)

@@ -87,7 +87,7 @@
 
   // ------------------------------------------------------------------ state
   const state = {
-    layer: 0,
+    layer: D.initialLayer || 0,
     heads: new Set(Array.from({ length: NH }, (_, h) => h)),
     hover: null, // {side: "q" | "k", index}
     pinned: null,
@@ -245,6 +245,7 @@
     option.textContent = name;
     layerSelect.appendChild(option);
   });
+  layerSelect.value = String(state.layer);
   layerSelect.addEventListener("change", () => { state.layer = Number(layerSelect.value); drawLines(); });
   const toggles = document.getElementById("head-toggles");
   const toggleButtons = [];

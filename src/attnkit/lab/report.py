@@ -351,12 +351,16 @@ def _write_explorers(out: Path, data: ReportData) -> dict[str, tuple[str, int]]:
         cfg = res.config
         task = cfg.make_task()
         file = "explorer.html" if index == 0 else f"explorer-{name}.html"
+        layer, _, _ = _best_head(res)
+        what = task.description[:1].upper() + task.description[1:]
         path = write_explorer(
             out / file,
-            task.labels(x[0]),
+            [f"{i}:{t}" for i, t in enumerate(task.labels(x[0]))],  # positions matter here
             attention_weights(res.model, x[:1])[0],  # (layers, H, L, L)
             title=f"attnkit lab: {cfg.task}, {PE_LABELS.get(name, name)} positions",
-            description=f"{task.description}. A held-out input the model never saw in training.",
+            description=f"{what}. A held-out input the model never saw in training; it opens "
+            f"on layer {layer}, which holds the head that learned the task best.",
+            layer=layer,
         )
         written[name] = (file, path.stat().st_size)
     return written
