@@ -92,6 +92,18 @@ def test_claim_2_fails_when_the_unscaled_module_scales_anyway() -> None:
     assert blog["[10.0, 20.0]"][1] > 0.9999
 
 
+def test_claim_3_fails_when_the_counted_flops_differ_from_the_formula() -> None:
+    from attnkit import MultiHeadAttention
+
+    quick = {"timed_lengths": (256, 512), "repeats": 1}
+    wide = MultiHeadAttention(64, 4, hidden_dim=128)  # twice the head dim of the formula's layer
+    result = T.check_cost(wide, **quick)
+    assert not result.passed
+    row = result.measured["flops"][0]
+    assert row["counted_quadratic"] == 2 * row["predicted_quadratic"]
+    assert T.check_cost(**quick).measured["flops"][0]["counted_linear"] == row["predicted_linear"]
+
+
 def test_claim_4_fails_with_positions() -> None:
     block = PositionalTransformerBlock(32, 64, 4, position_type="sinusoidal")
     result = T.check_permutation(block)

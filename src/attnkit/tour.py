@@ -331,6 +331,7 @@ def _counted_flops(module: nn.Module, x: Tensor) -> tuple[int, int]:
 
 
 def check_cost(
+    module: nn.Module | None = None,
     *,
     dim: int = 64,
     num_heads: int = 4,
@@ -347,6 +348,9 @@ def check_cost(
     with the slope of the predicted FLOPs there.
 
     Args:
+        module: The attention under test, called as ``module(x, return_weights=True)`` on
+            ``(1, n, dim)``; default ``MultiHeadAttention(dim, num_heads)``. The prediction is
+            always that of ``MultiHeadAttention(dim, num_heads)``.
         dim: Model dim D.
         num_heads: Heads H.
         lengths: Sequence lengths whose FLOPs are counted (include ``2*dim`` and its neighbours).
@@ -357,7 +361,7 @@ def check_cost(
         The claim's result.
     """
     torch.manual_seed(0)
-    mha = MultiHeadAttention(dim, num_heads).eval()
+    mha = (module if module is not None else MultiHeadAttention(dim, num_heads)).eval()
     predicted_n, _ = complexity.crossover_seq_len(dim, num_heads)
     rows = []
     for n in lengths:
