@@ -142,6 +142,7 @@ def _explain_one(encoder: Any, text: str, out: Path, layer_arg: int, head_arg: i
         weights,
         title="Attention of all-MiniLM-L6-v2",
         description=f"Sentence: {text}",
+        layer=layer,  # opens on the --layer of the static map
     )
     page = out / "index.html"
     _write_html(
