@@ -508,3 +508,23 @@ def test_structure_of_another_batch_size_is_an_error(arg, return_weights, S):
     one = value[:1]  # a batch of 1 broadcasts
     out = sdpa(torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]), window=4, **{arg: one})
     assert_close(out[0], out[1])
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_nan_in_every_attended_key_propagates(return_weights, grad):
+    # torch's fused kernel returns zeros for a row whose every score is NaN; attnkit gives NaN.
+    q, k, v = _qkv(B=1, H=2, K=2, L=3, S=4)
+    k[:, 0] = float("nan")  # head 0: every key
+    k[:, 1, :2] = float("nan")  # head 1: the keys that query 0 may attend
+    allowed = torch.tensor([[True, True, False, False], [True] * 4, [False, False, True, True]])
+    for mask in (None, allowed):
+        qq, kk, vv = (t.clone().requires_grad_(grad) for t in (q, k, v))
+        res = sdpa(qq, kk, vv, mask, return_weights=return_weights)
+        out = res[0] if return_weights else res
+        assert torch.isnan(out[0, 0]).all()
+        seen = [0, 1, 2] if mask is None else [0, 1]  # query 2 sees only keys 2, 3 (finite)
+        assert torch.isnan(out[0, 1, seen]).all()
+        if mask is not None:
+            ref, _ = reference_attention(q, k, v, allowed)
+            assert_close(out[0, 1, 2], ref[0, 1, 2].float(), atol=1e-5, rtol=1e-5)

@@ -269,3 +269,15 @@ def test_nan_in_masked_keys_on_the_long_dispatch_path():
     assert torch.isfinite(out[0, :, ~sees]).all()
     want = sdpa(q, k.nan_to_num(0.0), v.nan_to_num(0.0), causal=True, window=16)
     torch.testing.assert_close(out[0, :, ~sees], want[0, :, ~sees])
+
+
+def test_nan_query_propagates_and_fully_masked_rows_stay_zero():
+    q, k, v = (t.detach() for t in qkv(1, 2, 1, 12, 12))
+    q[0, 1, 5, 0] = float("nan")
+    out = block_sparse_attention(q, k, v, causal=True, window=3, block_size=4)
+    assert torch.isnan(out[0, 1, 5]).all()
+    out[0, 1, 5] = 0.0
+    assert torch.isfinite(out).all()
+    q[0, 0, 0, 0] = float("nan")  # batch 0 with key_lengths 0: no key, so zero
+    out = block_sparse_attention(q, k, v, key_lengths=torch.tensor([0]), block_size=4)
+    assert (out == 0).all()

@@ -168,7 +168,7 @@ def scaled_dot_product_attention(
             return M.causal_mask(L, S, device=q.device)
         return None if mask is None else _allowed(mask)
 
-    out, weights = _without_leaks(run, q, k, v, allowed, masked=mask is not None or is_causal)
+    out, weights = _without_leaks(run, q, k, v, allowed)
     return (out, weights) if weights is not None and return_weights else out
 
 
@@ -199,7 +199,7 @@ def attend_tiles(
             return mask[0, 0]  # (L, S)
         return mask.expand(plan.B, 1, plan.L, plan.S).reshape(*q.shape[:-3], 1, plan.L, plan.S)
 
-    return _without_leaks(run, q, k, v, allowed, masked=True)[0]
+    return _without_leaks(run, q, k, v, allowed)[0]
 
 
 def _without_leaks(
@@ -208,19 +208,19 @@ def _without_leaks(
     k: Tensor,
     v: Tensor,
     allowed: Callable[[], Tensor | None],
-    *,
-    masked: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """``run(k, v)`` so that a non-finite query, key or value reaches exactly the queries that
     may attend it: their rows become NaN, and no other row changes.
 
-    A NaN or inf at a masked position leaks through the kernels (``0 * NaN``, ``NaN - inf``), so
-    non-finite key/value rows are zeroed and the rows that attend them set to NaN afterwards.
-    Finding them reads ``k`` and ``v`` once, which at ``L = 1`` (decoding) costs as much as the
-    attention itself. So without gradients the output is checked instead (``L`` rows): a leak
-    always shows there as NaN, and only then are ``k`` and ``v`` searched and the kernel rerun.
-    With gradients they are searched first, since the backward would leak ``0 * NaN`` into the
-    other gradients even when the output is clean.
+    A NaN or inf at a masked position leaks through the kernels (``0 * NaN``, ``NaN - inf``),
+    and torch's fused kernel returns zeros for a row whose every score is NaN. So non-finite
+    key/value rows are zeroed and the rows that attend them set to NaN afterwards. Finding them
+    reads ``k`` and ``v`` once, which at ``L = 1`` (decoding) costs as much as the attention
+    itself, so without gradients the output is checked first (``L`` rows): a leak shows there
+    as NaN and a hidden NaN as an all-zero row; only then are ``k`` and ``v`` searched and the
+    kernel rerun. With gradients they are searched first, since the backward would leak
+    ``0 * NaN`` into the other gradients even when the output is clean. Under ``torch.compile``
+    and on the meta device (no data-dependent branches) the kernel runs as it is.
 
     Args:
         run: Attention on given keys and values, returning ``(out, weights or None)``.
@@ -229,21 +229,29 @@ def _without_leaks(
         v: The values.
         allowed: Builds the bool mask (``True`` = may attend) broadcastable to the scores, or
             ``None`` when every key may be attended; called only for non-finite inputs.
-        masked: Whether some key is masked for some query (else nothing can leak).
 
     Returns:
         ``(out, weights or None)``.
     """
+    if q.device.type == "meta" or torch.compiler.is_compiling():
+        return run(k, v)  # no data to look at, or no data-dependent branch allowed
     bad_k = bad_v = None
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if masked and grads:
+    if grads:
         k, v, bad_k, bad_v = _zero_non_finite(k, v)
     out, weights = run(k, v)
-    if masked and not grads and not (_is_finite(out) and (weights is None or _is_finite(weights))):
+    if not grads and _may_hide_non_finite(out, weights):
         k, v, bad_k, bad_v = _zero_non_finite(k, v)
         if bad_k is not None or bad_v is not None:
             out, weights = run(k, v)
     return _propagate_non_finite(out, weights, q, bad_k, bad_v, allowed)
+
+
+def _may_hide_non_finite(out: Tensor, weights: Tensor | None) -> bool:
+    """Whether a non-finite key or value may have leaked into ``out`` or been hidden by it."""
+    if not _is_finite(out) or (weights is not None and not _is_finite(weights)):
+        return True
+    return bool((out == 0).all(dim=-1).any())  # a row of zeros: no key, or every score NaN
 
 
 def resolve_scale(scale: float | None, E: int) -> float:
@@ -334,11 +342,10 @@ def _propagate_non_finite(
     bad_v: Tensor | None,
     allowed: Callable[[], Tensor | None],
 ) -> tuple[Tensor, Tensor | None]:
-    """Set to NaN the output rows whose query, or an attended key or value, is not finite.
+    """Set to NaN the output rows that attend a non-finite key or value.
 
-    torch's fused CPU kernel returns zeros for a query row holding NaN, and the keys and values
-    were zeroed by :func:`_zero_non_finite`: attnkit propagates non-finite inputs instead of
-    hiding them, but only to the queries that may attend them. Rows with no key stay zero.
+    The keys and values were zeroed by :func:`_zero_non_finite`: attnkit propagates non-finite
+    inputs instead of hiding them, but only to the queries that may attend them.
 
     Args:
         out: Attention output ``(..., H, L, Ev)``.
@@ -353,8 +360,7 @@ def _propagate_non_finite(
     Returns:
         ``(out, weights)``.
     """
-    bad_q = _non_finite_rows(q)  # (..., H, L)
-    if bad_q is None and bad_k is None and bad_v is None:
+    if bad_k is None and bad_v is None:
         return out, weights
     mask = allowed()
     if mask is None:  # every key may be attended
@@ -366,8 +372,6 @@ def _propagate_non_finite(
         return (mask & bad.unsqueeze(-2)).any(dim=-1, keepdim=True)
 
     rows = torch.zeros((), dtype=torch.bool, device=q.device)
-    if bad_q is not None:  # a query with no key to attend stays zero
-        rows = rows | (bad_q.unsqueeze(-1) & mask.any(dim=-1, keepdim=True))
     if bad_k is not None:
         hit = attends(bad_k)
         rows = rows | hit
@@ -413,9 +417,19 @@ def _fused_attention(
         scale=scale,
         enable_gqa=gqa,
     )
+    out = _nan_where(out, _non_finite_queries(q))
     if row_ok is not None:
-        out = torch.where(row_ok, out, 0.0)  # no key to attend: zero
+        out = torch.where(row_ok, out, 0.0)  # no key to attend: zero, even for a NaN query
     return out
+
+
+def _non_finite_queries(q: Tensor) -> Tensor:
+    """Bool ``(..., L, 1)``: query rows holding a NaN or inf (tested per element, no sum).
+
+    torch's fused CPU kernel treats such a row like a fully-masked one and returns zeros;
+    attnkit propagates non-finite inputs instead of silently hiding them.
+    """
+    return ~torch.isfinite(q).all(dim=-1, keepdim=True)
 
 
 def _explicit_attention(

@@ -321,11 +321,12 @@ def _run_tiles(
         k_t = k_flat.index_select(0, rows).view(-1, w, K, E).transpose(1, 2)  # (U, K, w, E)
         v_t = v_flat.index_select(0, rows).view(-1, w, K, Ev).transpose(1, 2)  # (U, K, w, Ev)
         q_u = q_t.index_select(0, tiles).view(U, m, H, bq, E).transpose(1, 2)
+        q_u = q_u.reshape(U, H, m * bq, E)
         o = F.scaled_dot_product_attention(
-            q_u.reshape(U, H, m * bq, E), k_t, v_t, attn_mask=ok,
-            dropout_p=dropout_p, scale=scale, enable_gqa=H != K,
-        )  # fmt: skip  # (U, H, m * bq, Ev)
-        o = torch.where(row_ok.unsqueeze(1), o, 0.0).view(U, H, m, bq, Ev).transpose(1, 2)
+            q_u, k_t, v_t, attn_mask=ok, dropout_p=dropout_p, scale=scale, enable_gqa=H != K
+        )  # (U, H, m * bq, Ev)
+        o = torch.where(row_ok.unsqueeze(1), o, 0.0)
+        o = o.view(U, H, m, bq, Ev).transpose(1, 2)
         outs.append(o.reshape(U * m, H, bq, Ev))
 
     out = torch.cat(outs).index_select(0, torch.cat(order).argsort())  # (B * n_blk, H, bq, Ev)
