@@ -233,8 +233,8 @@ def _without_leaks(
     Returns:
         ``(out, weights or None)``.
     """
-    if q.device.type == "meta" or torch.compiler.is_compiling():
-        return run(k, v)  # no data to look at, or no data-dependent branch allowed
+    if _no_data_branches(q):
+        return run(k, v)
     bad_k = bad_v = None
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if grads:
@@ -245,6 +245,11 @@ def _without_leaks(
         if bad_k is not None or bad_v is not None:
             out, weights = run(k, v)
     return _propagate_non_finite(out, weights, q, bad_k, bad_v, allowed)
+
+
+def _no_data_branches(t: Tensor) -> bool:
+    """Whether branching on tensor values is impossible: meta tensors, or torch.compile."""
+    return t.device.type == "meta" or torch.compiler.is_compiling()
 
 
 def _may_hide_non_finite(out: Tensor, weights: Tensor | None) -> bool:
@@ -419,7 +424,8 @@ def _fused_attention(
         scale=scale,
         enable_gqa=gqa,
     )
-    out = out + _nan_rows(q)
+    if _no_data_branches(q) or not _is_finite(q):  # the add costs ~10% of a forward on CPU
+        out = out + _nan_rows(q)
     if row_ok is not None:
         out = torch.where(row_ok, out, 0.0)  # no key to attend: zero, even for a NaN query
     return out
