@@ -178,7 +178,8 @@ def block_sparse_attention(
             :class:`~attnkit.masks.Structure`.
 
     Returns:
-        The attention output; rows with no allowed key are exactly zero.
+        The attention output; rows with no allowed key are exactly zero. A non-finite query,
+        key or value makes NaN the rows that may attend it, and only those.
 
     Shape:
         q ``(..., H, L, E)``, k ``(..., K, S, E)``, v ``(..., K, S, Ev)`` (or ``(L, E)``,
@@ -191,7 +192,7 @@ def block_sparse_attention(
             out-of-range ``segment_ids``/``key_lengths``, bad ``scale``/``dropout_p``/
             ``block_size``.
     """
-    from attnkit.functional import check_inputs  # functional imports this module
+    from attnkit.functional import attend_tiles, check_inputs, resolve_scale  # (import cycle)
 
     check_inputs(q, k, v, None, scale, dropout_p)
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
@@ -201,8 +202,7 @@ def block_sparse_attention(
     rules = Structure(**structure)
     rules.check(L, S, batch=B)
     plan = _plan_tiles(L, S, rules, B, q.device, _block_size(block_size, rules.window, L))
-    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
-    return tiled_attention(q, k, v, plan, scale=scale, dropout_p=dropout_p)
+    return attend_tiles(q, k, v, plan, scale=resolve_scale(scale, E), dropout_p=dropout_p)
 
 
 def _plan_tiles(
@@ -321,11 +321,12 @@ def _run_tiles(
         k_t = k_flat.index_select(0, rows).view(-1, w, K, E).transpose(1, 2)  # (U, K, w, E)
         v_t = v_flat.index_select(0, rows).view(-1, w, K, Ev).transpose(1, 2)  # (U, K, w, Ev)
         q_u = q_t.index_select(0, tiles).view(U, m, H, bq, E).transpose(1, 2)
+        q_u = q_u.reshape(U, H, m * bq, E)
         o = F.scaled_dot_product_attention(
-            q_u.reshape(U, H, m * bq, E), k_t, v_t, attn_mask=ok,
-            dropout_p=dropout_p, scale=scale, enable_gqa=H != K,
-        )  # fmt: skip  # (U, H, m * bq, Ev)
-        o = torch.where(row_ok.unsqueeze(1), o, 0.0).view(U, H, m, bq, Ev).transpose(1, 2)
+            q_u, k_t, v_t, attn_mask=ok, dropout_p=dropout_p, scale=scale, enable_gqa=H != K
+        )  # (U, H, m * bq, Ev)
+        o = torch.where(row_ok.unsqueeze(1), o, 0.0)
+        o = o.view(U, H, m, bq, Ev).transpose(1, 2)
         outs.append(o.reshape(U * m, H, bq, Ev))
 
     out = torch.cat(outs).index_select(0, torch.cat(order).argsort())  # (B * n_blk, H, bq, Ev)
