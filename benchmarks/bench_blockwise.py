@@ -42,23 +42,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--docs", type=int, default=8, help="documents packed in the sequence")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rows", default="64", help="comma-separated blockwise tile heights")
+    p.add_argument(
+        "--rows", default="auto", help="comma-separated blockwise tile heights (auto: default)"
+    )
     p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
     p.add_argument("--variants", action="store_true", help="also time the two-piece LSE design")
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument("--json", type=Path, help="write the rows here")
     a = p.parse_args(argv)
-    rows = [int(r) for r in a.rows.split(",")]
+    rows = [None if r == "auto" else int(r) for r in a.rows.split(",")]
     results: list[dict[str, Any]] = []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, N={a.n}, "
           f"H={a.heads}, E={a.dim}; median of {a.repeats} interleaved rounds")  # fmt: skip
     for case in ("window", "documents"):
         fns, compile_s = _implementations(case, a, rows)
         for mode in a.modes.split(","):
-            results += _time_case(case, mode, fns, a, compile_s, default=f"blockwise/{rows[0]}")
+            results += _time_case(case, mode, fns, a, compile_s, default=_name(rows[0]))
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def _name(rows: int | None) -> str:
+    return "blockwise" if rows is None else f"blockwise/{rows}"
 
 
 def _structure(case: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -69,13 +75,13 @@ def _structure(case: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _implementations(
-    case: str, a: argparse.Namespace, rows: list[int]
+    case: str, a: argparse.Namespace, rows: list[int | None]
 ) -> tuple[dict[str, Fn], float | None]:
     kw = _structure(case, a)
     mask = structured_mask(a.n, a.n, **kw)  # (1, 1, N, N)
     fns: dict[str, Fn] = {}
     for r in rows:
-        fns[f"blockwise/{r}"] = lambda q, k, v, r=r: blockwise_attention(q, k, v, rows=r, **kw)
+        fns[_name(r)] = lambda q, k, v, r=r: blockwise_attention(q, k, v, rows=r, **kw)
     fns["dense-mask SDPA"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     try:  # the tiled gather path this module replaces, while it still exists
         from attnkit.sparse import block_sparse_attention
