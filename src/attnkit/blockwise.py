@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["TileRun", "blockwise_attention", "plan_runs", "tile_rows"]
+__all__ = ["TileRun", "attend_runs", "blockwise_attention", "plan_runs", "tile_rows"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -263,25 +263,50 @@ def blockwise_attention(
         ``(B or 1, S)``, key_lengths ``(B or 1,)`` -> ``(B, H, L, Ev)``.
     """
     B, _, L, E = q.shape
-    S, Ev = k.shape[2], v.shape[3]
-    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     runs = plan_runs(
-        B, L, S, causal=causal, window=window, segment_ids=segment_ids,
+        B, L, k.shape[2], causal=causal, window=window, segment_ids=segment_ids,
         key_lengths=key_lengths, rows=rows,
     )  # fmt: skip
-    flash = dropout_p == 0.0 and Ev == E and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     finite = bool(torch.isfinite(q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32)
                                  + v.sum(dtype=torch.float32)))  # fmt: skip
-    if not finite:  # rare: attend on cleaned inputs, then mark the rows NaN must reach
-        poison = _poisoned_rows(q, k, v, runs)  # (B, H, L)
-        q, k, v = (torch.where(torch.isfinite(t), t, 0.0) for t in (q, k, v))
-    if flash:
-        out = _FlashRuns.apply(q, k, v, runs, scale)
-    else:
-        out = _sdpa_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
-    if not finite:
-        out = out + torch.where(poison, float("nan"), 0.0).to(out.dtype).unsqueeze(-1)
-    return out
+    if finite:
+        return attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
+    # Rare: attend on cleaned inputs, then set NaN the rows that may attend a non-finite input.
+    poison = _poisoned_rows(q, k, v, runs)  # (B, H, L)
+    q, k, v = (torch.where(torch.isfinite(t), t, 0.0) for t in (q, k, v))
+    out = attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
+    return out + torch.where(poison, float("nan"), 0.0).to(out.dtype).unsqueeze(-1)
+
+
+def attend_runs(
+    q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], *, scale: float, dropout_p: float
+) -> Tensor:
+    """Run a plan of :func:`plan_runs` on finite inputs.
+
+    Torch's CPU flash kernel on strided views with a custom backward where it applies (CPU,
+    no dropout, ``Ev == E``, a dtype it takes), else ``torch.nn.functional.
+    scaled_dot_product_attention`` on gathered tiles with autograd.
+
+    Args:
+        q: Queries.
+        k: Keys.
+        v: Values.
+        runs: The plan for these inputs' ``B``, ``L`` and ``S``.
+        scale: Multiplier of the scores.
+        dropout_p: Dropout on the attention weights.
+
+    Returns:
+        The attention output; rows with no allowed key are exactly zero.
+
+    Shape:
+        q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
+    """
+    E, Ev = q.shape[3], v.shape[3]
+    if dropout_p == 0.0 and Ev == E and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
+        out: Tensor = _FlashRuns.apply(q, k, v, runs, scale)
+        return out
+    return _sdpa_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
 
 
 # --------------------------------------------------------------------------------------------
