@@ -47,16 +47,27 @@ if TYPE_CHECKING:
 
 __all__ = ["block_sparse_attention", "should_use_block_sparse", "structured_mask"]
 
-#: Below this many keys the dense fused kernel wins: tiling overhead (gather, per-tile masks)
-#: outweighs the skipped work. Measured on CPU, see ``should_use_block_sparse``.
-MIN_KEYS = 1024
+# The rule below comes from ``benchmarks/bench_sparse.py --crossover`` (causal windows, 8 heads,
+# E=64, fp32, ratios dense-mask SDPA time / blockwise time, medians of interleaved runs on the
+# loaded 2-core CPU of the session that wrote it, torch 2.13), with the covered fraction of the
+# scores in brackets:
+#   N=1024: fwd 1.49 (0.12), 0.67 (0.31), 0.37 (0.81); fwd+bwd 0.91 (0.12), 0.68, 0.23
+#   N=2048: fwd 3.05 (0.09), 1.74 (0.28), 0.87 (0.53); fwd+bwd 3.14, 0.98 (0.28), 0.35
+#   N=4096: fwd 6.29 (0.08), 2.33 (0.27), 1.50 (0.52); fwd+bwd 2.88, 1.24 (0.27), 0.53 (0.52)
+# and at N=8192, W=256 (0.04): fwd 14.9, fwd+bwd 10.5 (``benchmarks/bench_blockwise.py``).
+
+#: Below this many keys the dense fused kernel wins: planning and per-call overhead outweigh the
+#: skipped work (at N=1024 the forward+backward lost even at 12% of the scores).
+MIN_KEYS = 2048
 #: Use the block-sparse path only when it computes at most this fraction of the dense scores.
 MAX_DENSITY = 0.25
-#: From this many keys on, the tiled path wins even at half density (causal + padding, padding
-#: of half the keys: 1.4-1.9x at N=4096 and 8192 on a quiet 2-core CPU, ``attnkit bench``).
+#: From this many keys on, the forward wins up to about half the scores (1.5x at 0.52).
 LONG_KEYS = 4096
-#: The density bound for ``S >= LONG_KEYS``.
+#: The density bound for ``S >= LONG_KEYS`` without a backward.
 LONG_MAX_DENSITY = 0.5
+#: ... and with one: the flash kernel's backward costs ~3x its forward, the dense one less
+#: (fwd+bwd 1.24x at 0.27 of the scores, 0.53x at 0.52).
+LONG_BACKWARD_MAX_DENSITY = 0.35
 
 
 @dataclass(frozen=True)
@@ -85,20 +96,26 @@ class TilePlan:
 
 
 def should_use_block_sparse(
-    L: int, S: int, *, block_size: int | None = None, **structure: Unpack[StructureArgs]
+    L: int,
+    S: int,
+    *,
+    block_size: int | None = None,
+    backward: bool = False,
+    **structure: Unpack[StructureArgs],
 ) -> bool:
     """Whether :func:`block_sparse_attention` should beat the dense fused kernel.
 
     The rule is measured, not derived: on CPU the tiled path wins once there are at least
     ``MIN_KEYS`` keys and the tiles cover at most ``MAX_DENSITY`` of the ``L * S`` scores
-    (``LONG_MAX_DENSITY`` from ``LONG_KEYS`` keys on)
-    (``benchmarks/bench_sparse.py`` prints the numbers). Below that the gather and per-tile
-    masks cost more than the skipped blocks save.
+    (from ``LONG_KEYS`` keys on: ``LONG_MAX_DENSITY``, or ``LONG_BACKWARD_MAX_DENSITY`` when a
+    backward follows); the numbers are in this module's source, from
+    ``benchmarks/bench_sparse.py --crossover``.
 
     Args:
         L: Query length.
         S: Key length.
         block_size: As in :func:`block_sparse_attention`.
+        backward: Whether gradients will be computed.
         **structure: ``causal``, ``window``, ``segment_ids``, ``key_lengths``, as in
             :class:`~attnkit.masks.Structure`.
 
@@ -112,7 +129,10 @@ def should_use_block_sparse(
     rules = Structure(**structure)
     B = rules.check(L, S)
     device = next((t.device for t in (rules.segment_ids, rules.key_lengths) if t is not None), None)
-    return faster_plan(L, S, rules, batch=B, device=device, block_size=block_size) is not None
+    plan = faster_plan(
+        L, S, rules, batch=B, device=device, block_size=block_size, backward=backward
+    )
+    return plan is not None
 
 
 def faster_plan(
@@ -123,6 +143,7 @@ def faster_plan(
     batch: int,
     device: torch.device | str | None,
     block_size: int | None = None,
+    backward: bool = False,
 ) -> TilePlan | None:
     """The tile plan when it should beat the dense kernel (see :func:`should_use_block_sparse`).
 
@@ -132,7 +153,8 @@ def faster_plan(
         structure: Constraints already validated by :meth:`~attnkit.masks.Structure.check`.
         batch: Batch size, the product of the inputs' leading dims.
         device: Device of the inputs.
-        block_size: Query rows per tile; defaults to a value picked from the window.
+        block_size: Query rows per tile; defaults to :func:`attnkit.blockwise.tile_rows`.
+        backward: Whether gradients will be computed.
 
     Returns:
         The plan, or ``None`` when the dense kernel should be used.
@@ -140,7 +162,9 @@ def faster_plan(
     if S < MIN_KEYS or L < 1 or not (structure.sparse or structure.causal):
         return None
     plan = _plan(L, S, structure, batch, device, block_size)
-    max_density = LONG_MAX_DENSITY if S >= LONG_KEYS else MAX_DENSITY
+    max_density = MAX_DENSITY
+    if S >= LONG_KEYS:
+        max_density = LONG_BACKWARD_MAX_DENSITY if backward else LONG_MAX_DENSITY
     return plan if plan.covered <= max_density * batch * L * S else None
 
 
