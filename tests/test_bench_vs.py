@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from attnkit.cli import main
 from attnkit.commands import bench_vs
 
 
+@pytest.mark.slow
 def test_vs_quick_table_and_json(tmp_path, capsys):
     path = tmp_path / "vs.json"
     assert main(["bench", "--vs", "--quick", "--json", str(path)]) == 0
@@ -27,6 +30,7 @@ def test_vs_quick_table_and_json(tmp_path, capsys):
     assert "x = peer time / attnkit time" in out
 
 
+@pytest.mark.slow
 def test_missing_peer_is_a_row_with_a_note(monkeypatch):
     monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # import fails
     config = bench_vs.VsConfig(texts=2, long_words=5, repeats=1)
@@ -44,6 +48,7 @@ def test_registered_rows_join_the_table(monkeypatch):
     assert "decode" in table and "2.00" in table
 
 
+@pytest.mark.slow
 def test_default_bench_shows_a_progress_bar(capsys):
     argv = ["bench", "--seq-len", "64", "--cases", "window", "--heads", "1", "--head-dim", "8"]
     assert main([*argv, "--window", "8", "--repeats", "1", "--no-backward"]) == 0
