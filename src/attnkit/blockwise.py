@@ -342,6 +342,7 @@ class _FlashRuns(torch.autograd.Function):
             lses.append(lse)
         ctx.save_for_backward(q, k, v)
         ctx.runs, ctx.scale, ctx.masks, ctx.outs, ctx.lses = runs, scale, masks, outs, lses
+        ctx.covered = covered
         return out
 
     @staticmethod
@@ -349,7 +350,7 @@ class _FlashRuns(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         # Overlapping spans add into dk/dv; accumulate low precision in float32.
         acc = torch.promote_types(q.dtype, torch.float32)
-        dq = torch.zeros_like(q)
+        dq = torch.empty_like(q) if ctx.covered else torch.zeros_like(q)  # every row written
         dk = torch.zeros_like(k, dtype=acc)
         dv = torch.zeros_like(v, dtype=acc)
         for r, mask, o, lse in zip(ctx.runs, ctx.masks, ctx.outs, ctx.lses, strict=True):
