@@ -308,10 +308,10 @@ def test_long_window_takes_block_sparse_path_and_matches_dense(monkeypatch):
     monkeypatch.setattr(
         sparse, "tiled_attention", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw)
     )
-    q, k, v = _qkv(B=1, H=2, K=1, L=1100, S=1100, E=16, grad=True)
+    q, k, v = _qkv(B=1, H=2, K=1, L=2100, S=2100, E=16, grad=True)
     out = sdpa(q, k, v, causal=True, window=48)
     assert len(calls) == 1 and calls[0].structure.window == 48 and calls[0].structure.causal
-    dense = sdpa(q, k, v, M.sliding_window_mask(1100, window=48))
+    dense = sdpa(q, k, v, M.sliding_window_mask(2100, window=48))
     assert_close(out, dense, atol=1e-5, rtol=1e-5)
     g_sparse = torch.autograd.grad(out.square().sum(), (q, k, v))
     g_dense = torch.autograd.grad(dense.square().sum(), (q, k, v))

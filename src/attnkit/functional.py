@@ -139,7 +139,11 @@ def scaled_dot_product_attention(
         mask = _additive(mask, q.dtype)
 
     if structure.sparse and mask is None and not return_weights and S > 0:
-        plan = sparse.faster_plan(L, S, structure, batch=math.prod(q.shape[:-3]), device=q.device)
+        grads = q.requires_grad or k.requires_grad or v.requires_grad
+        backward = torch.is_grad_enabled() and grads
+        plan = sparse.faster_plan(
+            L, S, structure, batch=math.prod(q.shape[:-3]), device=q.device, backward=backward
+        )
         if plan is not None:
             return attend_tiles(q, k, v, plan, scale=scale, dropout_p=dropout_p)
 
