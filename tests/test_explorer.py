@@ -510,3 +510,16 @@ def test_lab_report_links_the_explorer_of_the_trained_model(browser, tmp_path: P
         _hover(browser, "q", 3)
         _check_focus_lines(browser, want, layer, "q", 3, list(range(want.shape[1])))
         assert console_errors(browser) == []
+
+
+@pytest.mark.parametrize(("ci", "outcome"), [("true", "Failed"), ("", "Skipped")])
+def test_a_missing_browser_skips_except_in_ci(monkeypatch, ci: str, outcome: str) -> None:
+    from tests import browser as helper
+
+    monkeypatch.setenv("CI", ci)
+    monkeypatch.setattr(helper, "CHROMIUM_CANDIDATES", ("/nonexistent/chromium",))
+    monkeypatch.setattr(helper.shutil, "which", lambda name: None)
+    with pytest.raises(BaseException) as caught:  # pytest's Failed/Skipped outcomes
+        helper.start_browser()
+    assert type(caught.value).__name__ == outcome
+    assert "chromium or chromedriver is missing" in str(caught.value)
