@@ -16,14 +16,16 @@ state_dict saved from the blog's code loads with ``strict=True`` and gives the s
 
 Every layer makes one attention call and passes the weights through: :func:`with_weights` and
 :func:`split_weights` convert between the public ``out`` / ``(out, weights)`` return and the
-``(out, weights_or_None)`` pair.
+``(out, weights_or_None)`` pair. The keywords every self-attention layer and block forward takes
+(``positions``, ``kv_cache``, ``return_weights``) are typed once, as :class:`LayerOptions`; a
+layer that only hands them on takes ``**options: Unpack[LayerOptions]``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -31,8 +33,12 @@ from torch import Tensor, nn
 from attnkit import functional as F_attn
 from attnkit.cache import KVCache
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = [
     "Attention",
+    "LayerOptions",
     "MultiHeadAttention",
     "MultiHeadSelfAttention",
     "MultiheadCrossAttention",
@@ -65,32 +71,40 @@ def split_weights(result: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tenso
     return result if isinstance(result, tuple) else (result, None)
 
 
+class LayerOptions(TypedDict, total=False):
+    """The keyword options of every self-attention layer's and block's forward.
+
+    Attributes:
+        positions: Integer positions of the query tokens for rotary (or sinusoidal) positions,
+            shape ``(L,)`` or ``(B, L)``; defaults to ``cache length + arange(L)``.
+        kv_cache: The layer's :class:`attnkit.KVCache` for incremental decoding; the new
+            keys/values are appended and attention runs over all cached positions.
+        return_weights: Also return the attention weights ``(B, H, L, S)`` (default ``False``).
+    """
+
+    positions: Tensor | None
+    kv_cache: KVCache | None
+    return_weights: bool
+
+
 def attend(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     mask: Tensor | None = None,
     *,
-    causal: bool = False,
-    window: int | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
     return_weights: bool = False,
+    **options: Unpack[F_attn.Options],
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`attnkit.functional.scaled_dot_product_attention` as an ``(out, weights)`` pair.
 
-    ``weights`` is ``None`` unless ``return_weights`` (the fused kernel is used then).
+    ``weights`` is ``None`` unless ``return_weights`` (the fused kernel is used then); the other
+    keywords (``causal``, ``window``, ``scale``, ``dropout_p``, ...) are the kernel's.
 
     Shape:
         q ``(B, H, L, E)``, k/v ``(B, K, S, E)`` -> out ``(B, H, L, E)``,
         weights ``(B, H, L, S)``.
     """
-    options: dict[str, Any] = {
-        "causal": causal,
-        "window": window,
-        "scale": scale,
-        "dropout_p": dropout_p,
-    }
     if return_weights:
         return F_attn.scaled_dot_product_attention(q, k, v, mask, return_weights=True, **options)
     return F_attn.scaled_dot_product_attention(q, k, v, mask, **options), None
@@ -550,22 +564,14 @@ class MultiHeadSelfAttention(_BlogNames):
         return self.qkv_proj
 
     def forward(  # type: ignore[override]
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
-        positions: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        return_weights: bool = False,
+        self, x: Tensor, mask: Tensor | None = None, **options: Unpack[LayerOptions]
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Self-attention over ``x`` (see :meth:`MultiHeadAttention.forward` for the keywords).
+        """Self-attention over ``x`` (the keywords are :class:`LayerOptions`).
 
         Shape:
             x ``(B, N, in_dim)``, mask broadcastable to ``(B, H, N, N)`` -> ``(B, N, out_dim)``.
         """
-        return super().forward(
-            x, mask=mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
-        )
+        return super().forward(x, mask=mask, **options)
 
 
 class SelfAttention(MultiHeadSelfAttention):
