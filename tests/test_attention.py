@@ -366,3 +366,18 @@ def test_with_and_split_weights_are_inverse():
     ref_out, ref_w = reference_attention(q, q, q, M.causal_mask(4, 4))
     assert_close(o2, ref_out.float(), atol=1e-5, rtol=1e-5)
     assert_close(weights, ref_w.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: attnkit.MultiHeadAttention(8, 2),
+        lambda: attnkit.MultiHeadSelfAttention(8, 8, 8, 2),
+        lambda: attnkit.TransformerBlock(8, 16, 2),
+        lambda: attnkit.PositionalTransformerBlock(8, 16, 2, "sinusoidal"),
+    ],
+)
+def test_layer_keywords_are_checked(make):
+    layer, x = make(), torch.randn(1, 3, 8)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['postions'\]"):
+        layer(x, positions=None, postions=torch.arange(3))

@@ -282,10 +282,7 @@ class MultiHeadAttention(nn.Module):
         key: Tensor | None = None,
         value: Tensor | None = None,
         mask: Tensor | None = None,
-        *,
-        positions: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        return_weights: bool = False,
+        **options: Unpack[LayerOptions],
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
 
@@ -295,19 +292,27 @@ class MultiHeadAttention(nn.Module):
             value: Value tokens (defaults to ``key``).
             mask: Bool (``True`` = may attend) or additive float mask, broadcastable to
                 ``(B, H, L, S)``.
-            positions: Integer positions of the query tokens for the rotary module, shape
-                ``(L,)`` or ``(B, L)``; defaults to ``cache length + arange(L)``.
-            kv_cache: Cache of this layer's keys/values for incremental decoding; the new
-                keys/values are appended and attention runs over all cached positions.
-            return_weights: Also return the attention weights ``(B, H, L, S)``.
+            **options: ``positions`` (of the query tokens, for the rotary module),
+                ``kv_cache`` (this layer's cache for incremental decoding) and
+                ``return_weights``: see :class:`LayerOptions`.
 
         Returns:
             ``out`` of shape ``(B, L, out_dim)``, or ``(out, weights)``.
+
+        Raises:
+            TypeError: For a keyword that is not a :class:`LayerOptions` key.
 
         Shape:
             query ``(B, L, D)``, key ``(B, S, kdim)``, value ``(B, S, vdim)`` ->
             ``(B, L, out_dim)``. Leading dims other than ``B`` also work (``(L, D)`` too).
         """
+        unknown = sorted(set(options) - LayerOptions.__optional_keys__)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}.forward got unexpected keyword arguments {unknown}; "
+                f"it takes {sorted(LayerOptions.__optional_keys__)}"
+            )
+        positions, kv_cache = options.get("positions"), options.get("kv_cache")
         q, k, v = self.project_qkv(query, key, value)
         if self.rotary is not None:
             if k.shape[-2] != q.shape[-2] and kv_cache is None:
@@ -328,7 +333,7 @@ class MultiHeadAttention(nn.Module):
             window=self.window,
             scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
-            return_weights=return_weights,
+            return_weights=options.get("return_weights", False),
         )  # (B, H, L, E), (B, H, L, S) or None
         return with_weights(self.out_proj(merge_heads(out)), weights)  # (B, L, out_dim)
 
