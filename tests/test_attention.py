@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 import pytest
 import torch
 from torch import nn
@@ -306,6 +309,19 @@ def test_blog_attribute_names_are_read_only_aliases():
     cross.out_proj = replacement  # the attribute itself may be replaced
     assert cross.output_map is replacement and "output_map.weight" in cross.state_dict()
 
+
+def test_every_checkpoint_name_is_a_read_only_alias():
+    class Renamed(attnkit.MultiHeadAttention):
+        checkpoint_names: ClassVar[Mapping[str, str]] = {"q_proj": "query", "out_proj": "dense"}
+
+    m = Renamed(8, 2)
+    assert m.query is m.q_proj and m.dense is m.out_proj
+    assert "query.weight" in m.state_dict() and "q_proj.weight" not in m.state_dict()
+    with pytest.raises(AttributeError, match=r"'dense' is a read-only alias of 'out_proj'"):
+        m.dense = nn.Linear(8, 8)
+    for cls in (attnkit.Attention, attnkit.SelfAttention, attnkit.PositionalMultiHeadSelfAttention):
+        for alias in cls.checkpoint_names.values():
+            assert isinstance(getattr(cls, alias), property), (cls, alias)
 
 def test_blog_presets_share_one_forward():
     assert isinstance(attnkit.Attention(D, 16, 10), attnkit.MultiheadCrossAttention)

@@ -24,6 +24,7 @@ layer that only hands them on takes ``**options: Unpack[LayerOptions]``.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
@@ -143,7 +144,8 @@ class MultiHeadAttention(nn.Module):
 
     #: Checkpoint key map, attribute -> name in state_dicts (e.g. ``{"qkv_proj": "w_qkv"}``).
     #: ``state_dict()`` writes these names and ``load_state_dict`` reads them (and the
-    #: attribute names); each mapped name is also a read-only alias of its attribute.
+    #: attribute names); each mapped name is also a read-only alias of its attribute (a
+    #: property that ``__init_subclass__`` installs unless the subclass defines one).
     checkpoint_names: ClassVar[Mapping[str, str]] = {}
 
     q_proj: nn.Linear  # separate projections (fused_qkv=False)
@@ -224,6 +226,14 @@ class MultiHeadAttention(nn.Module):
             self.register_state_dict_post_hook(_save_with_checkpoint_names)
             self.register_load_state_dict_pre_hook(_load_checkpoint_names)
             self.register_load_state_dict_post_hook(_report_checkpoint_names)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give a subclass a read-only alias property for each of its checkpoint names."""
+        super().__init_subclass__(**kwargs)
+        for attr, alias in cls.checkpoint_names.items():
+            if not hasattr(cls, alias):
+                doc = f"The checkpoint name of ``{attr}`` (read-only)."
+                setattr(cls, alias, property(operator.attrgetter(attr), doc=doc))
 
     def __setattr__(self, name: str, value: Any) -> None:
         for attr, alias in self.checkpoint_names.items():
@@ -426,10 +436,7 @@ class ScaleDotProductAttention(nn.Module):
 class _BlogNames(MultiHeadAttention):
     """Names the blog's multi-head classes share: ``output_map`` and ``dim_per_head``."""
 
-    @property
-    def output_map(self) -> nn.Linear:
-        """The blog's name for ``out_proj``."""
-        return self.out_proj
+    output_map: nn.Linear  # read-only aliases, installed from checkpoint_names
 
     @property
     def dim_per_head(self) -> int:
@@ -457,23 +464,12 @@ class MultiheadCrossAttention(_BlogNames):
         "out_proj": "output_map",
     }
 
+    w_q: nn.Linear  # read-only aliases, installed from checkpoint_names
+    w_k: nn.Linear
+    w_v: nn.Linear
+
     def __init__(self, dim_in: int, dim_hidden: int, dim_out: int, num_heads: int) -> None:
         super().__init__(dim_in, num_heads, hidden_dim=dim_hidden, out_dim=dim_out)
-
-    @property
-    def w_q(self) -> nn.Linear:
-        """The blog's name for ``q_proj``."""
-        return self.q_proj
-
-    @property
-    def w_k(self) -> nn.Linear:
-        """The blog's name for ``k_proj``."""
-        return self.k_proj
-
-    @property
-    def w_v(self) -> nn.Linear:
-        """The blog's name for ``v_proj``."""
-        return self.v_proj
 
     def get_heads(self, tokens: Tensor, linear_layer: nn.Module) -> Tensor:
         """Project ``tokens`` and split heads: ``(B, N, dim_in) -> (B, H, N, E)``."""
@@ -530,6 +526,7 @@ class MultiHeadSelfAttention(_BlogNames):
     """
 
     checkpoint_names: ClassVar[Mapping[str, str]] = {"qkv_proj": "w_qkv", "out_proj": "output_map"}
+    w_qkv: nn.Linear  # read-only alias, installed from checkpoint_names
 
     def __init__(
         self,
@@ -562,11 +559,6 @@ class MultiHeadSelfAttention(_BlogNames):
             scale=scale,
             rotary=rotary,
         )
-
-    @property
-    def w_qkv(self) -> nn.Linear:
-        """The blog's name for ``qkv_proj``."""
-        return self.qkv_proj
 
     def forward(  # type: ignore[override]
         self, x: Tensor, mask: Tensor | None = None, **options: Unpack[LayerOptions]
