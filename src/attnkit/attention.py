@@ -316,11 +316,11 @@ class MultiHeadAttention(nn.Module):
             query ``(B, L, D)``, key ``(B, S, kdim)``, value ``(B, S, vdim)`` ->
             ``(B, L, out_dim)``. Leading dims other than ``B`` also work (``(L, D)`` too).
         """
-        unknown = sorted(set(options) - LayerOptions.__optional_keys__)
-        if unknown:
+        known = LayerOptions.__optional_keys__
+        if not options.keys() <= known:
             raise TypeError(
-                f"{type(self).__name__}.forward got unexpected keyword arguments {unknown}; "
-                f"it takes {sorted(LayerOptions.__optional_keys__)}"
+                f"{type(self).__name__}.forward got unexpected keyword arguments "
+                f"{sorted(options.keys() - known)}; it takes {sorted(known)}"
             )
         positions, kv_cache = options.get("positions"), options.get("kv_cache")
         q, k, v = self.project_qkv(query, key, value)
