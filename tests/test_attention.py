@@ -397,3 +397,16 @@ def test_layer_keywords_are_checked(make):
     layer, x = make(), torch.randn(1, 3, 8)
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['postions'\]"):
         layer(x, positions=None, postions=torch.arange(3))
+
+
+def test_blog_cross_attention_takes_the_layer_keywords():
+    # Decoding one token at a time through a KV cache equals attending with a causal mask.
+    torch.manual_seed(0)
+    attn = attnkit.MultiheadCrossAttention(D, 16, 10, 4).eval()
+    x = torch.randn(B, N, D)
+    full = attn(x, x, x, torch.ones(N, N, dtype=torch.bool).tril())
+    cache = attnkit.KVCache(B, 4, N, 4)
+    steps = [attn(t, t, t, kv_cache=cache) for t in x.split(1, dim=1)]  # each (B, 1, 10)
+    assert_close(torch.cat(steps, dim=1), full)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['cache'\]"):
+        attn(x, x, x, cache=cache)

@@ -448,7 +448,9 @@ class MultiheadCrossAttention(_BlogNames):
     """The blog's multi-head attention with separate ``w_q``, ``w_k``, ``w_v`` projections.
 
     Its state_dict uses the blog's names ``w_q``, ``w_k``, ``w_v``, ``output_map`` (also
-    read-only aliases of ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``).
+    read-only aliases of ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``). Its forward is
+    :meth:`MultiHeadAttention.forward` with the blog's argument names ``(q, k, v, mask)`` and the
+    same keywords (:class:`LayerOptions`).
 
     Args:
         dim_in: Input dim of queries, keys and values.
@@ -481,11 +483,10 @@ class MultiheadCrossAttention(_BlogNames):
         k: Tensor,
         v: Tensor,
         mask: Tensor | None = None,
-        *,
-        return_weights: bool = False,
+        **options: Unpack[LayerOptions],
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Shape: q ``(B, L, dim_in)``, k/v ``(B, S, dim_in)`` -> ``(B, L, dim_out)``."""
-        return super().forward(q, k, v, mask, return_weights=return_weights)
+        return super().forward(q, k, v, mask, **options)
 
 
 class Attention(MultiheadCrossAttention):
