@@ -134,9 +134,10 @@ class TransformerBlock(nn.Module):
         mlp_bias: Biases of the feed-forward projections (default ``bias``).
         head_dim: Attention head dim ``E`` (default ``dim // num_heads``); the attention's
             projected width is ``num_heads * head_dim``.
-        attention: A prebuilt self-attention module to use instead (it must accept
-            ``(x, mask, *, positions, kv_cache, return_weights)``); the attention options above
-            are then ignored.
+        attention: A prebuilt self-attention module to use instead; it is called as
+            ``attention(x, mask, **options)`` with the keywords the block's caller gave (those
+            of :class:`attnkit.attention.LayerOptions`, each optional). The attention options
+            above are then ignored.
 
     Raises:
         ValueError: For bad sizes or option values.
