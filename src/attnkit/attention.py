@@ -73,7 +73,7 @@ def split_weights(result: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tenso
 
 
 class LayerOptions(TypedDict, total=False):
-    """The keyword options of every self-attention layer's and block's forward.
+    """The keyword options of every attention layer's and block's forward.
 
     Attributes:
         positions: Integer positions of the query tokens for rotary (or sinusoidal) positions,
