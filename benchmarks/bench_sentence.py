@@ -25,7 +25,6 @@ import os
 import platform
 import random
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.interop import bert
+from attnkit.profiling import time_interleaved
 
 _VOCABULARY = (
     "attention model token query key value head layer softmax weight matrix vector sentence "
@@ -55,12 +55,6 @@ def make_texts(n: int, *, long_words: int = 400, seed: int = 0) -> list[str]:
     if long_words > 0 and texts:
         texts[n // 2] = " ".join(rng.choices(WORDS, k=long_words))
     return texts
-
-
-def _seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -126,10 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     reference = variants["sentence-transformers"]()  # doubles as the warm-up
     diffs = {name: float((fn() - reference).abs().max()) for name, fn in variants.items()}
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):  # interleaved, so that load changes hit every variant alike
-        for name, fn in variants.items():
-            times[name].append(_seconds(fn))
+    times = time_interleaved(variants, repeats=args.repeats)  # load changes hit all alike
     med = {name: statistics.median(t) for name, t in times.items()}
     base = times["sentence-transformers"]
     ratio = {

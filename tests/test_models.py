@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
+from attnkit import masks as M
 from attnkit.cache import KVCache
+from attnkit.config import TransformerConfig
 from attnkit.models import TransformerEncoder, TransformerLM, attention_mask_from_padding
 from attnkit.positional import convert_rotary_convention
 
@@ -94,6 +96,25 @@ def test_encoder_weights_heads_and_vector_inputs() -> None:
         attention_mask_from_padding(torch.ones(1, 2, dtype=torch.bool), torch.tensor([2]))
 
 
+def test_padding_helpers_live_in_masks() -> None:
+    assert attention_mask_from_padding is M.attention_mask_from_padding
+    lengths = torch.tensor([2, 4])
+    expected = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    assert torch.equal(M.token_mask(None, lengths, 4, torch.device("cpu")), expected)
+    assert torch.equal(M.token_mask(expected, None, 4, torch.device("cpu")), expected)
+    assert M.token_mask(expected.float(), None, 4, torch.device("cpu")) is None
+    assert M.token_mask(None, None, 4, torch.device("cpu")) is None
+    padding = M.attention_mask_from_padding(None, lengths, seq_len=4)
+    assert torch.equal(padding, M.attention_mask_from_padding(expected))
+    assert padding.shape == (2, 1, 1, 4)
+    # The encoder's mean pool uses the token mask: padded positions do not count.
+    enc = TransformerEncoder(30, 16, 1, 2, num_outputs=3, pool="mean").eval()
+    ids = torch.randint(0, 30, (2, 4))
+    short = TransformerEncoder(30, 16, 1, 2, num_outputs=3, pool="mean").eval()
+    short.load_state_dict(enc.state_dict())
+    assert_close(enc(ids, lengths=lengths)[0], short(ids[:1, :2])[0], **TOL)
+
+
 def test_lm_head_is_tied_and_gqa_runs_through_the_stack() -> None:
     lm = _lm()
     assert not any("head" in k for k in lm.state_dict())
@@ -162,6 +183,37 @@ def test_cache_capacity_and_max_seq_len_errors() -> None:
         lm(torch.zeros(1, 2, dtype=torch.long), kv_caches=[KVCache(1, 2, 4, 8)])
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_new_tokens": 2.5}, TypeError, r"max_new_tokens must be an int, got 2.5"),
+        ({"max_new_tokens": True}, TypeError, r"max_new_tokens must be an int, got True"),
+        ({"max_new_tokens": -1}, ValueError, r"max_new_tokens must be >= 0, got -1"),
+        ({"temperature": "hot"}, TypeError, r"temperature must be a number, got 'hot'"),
+        ({"temperature": float("nan")}, ValueError, r"finite number >= 0, got nan"),
+        ({"temperature": -0.5}, ValueError, r"finite number >= 0, got -0.5"),
+        ({"top_k": 2.0}, TypeError, r"top_k must be an int or None, got 2.0"),
+        ({"top_k": 0}, ValueError, r"top_k must be positive, got 0"),
+        ({"use_cache": "yes"}, TypeError, r"use_cache must be a bool, got 'yes'"),
+        ({"generator": 3}, TypeError, r"generator must be a torch.Generator or None, got 3"),
+        ({"input_ids": [[1, 2]]}, TypeError, r"input_ids must be a tensor of token ids, got list"),
+        ({"input_ids": torch.ones(1, 2)}, TypeError, r"integer token ids, got dtype torch.float32"),
+        ({"input_ids": torch.ones(3, dtype=torch.long)}, ValueError, r"\(B, P\) .* got \(3,\)"),
+    ],
+)
+def test_generate_validates_its_arguments(kwargs: dict, error: type, match: str) -> None:
+    args = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "max_new_tokens": 2} | kwargs
+    with pytest.raises(error, match=match):
+        _lm().generate(**args)
+
+
+def test_generate_accepts_numpy_style_integers() -> None:
+    np = pytest.importorskip("numpy")
+    lm = _lm()
+    prompt = torch.zeros(1, 2, dtype=torch.long)
+    assert torch.equal(lm.generate(prompt, np.int64(3), top_k=np.int32(1)), lm.generate(prompt, 3))
+
+
 # --------------------------------------------------------------------------- rotary conventions
 
 
@@ -175,3 +227,151 @@ def test_lm_convention_conversion_matches_split_halves_model() -> None:
     assert inter.rotary is not None and inter.rotary.interleaved is False
     split.load_state_dict(inter.state_dict(), strict=True)
     assert_close(split(ids), expected, **TOL)
+
+
+# ----------------------------------------------- checkpoint options against transformers' models
+
+
+def _hf_causal_lm(kind: str, cfg: TransformerConfig) -> torch.nn.Module:
+    """A transformers Llama/Qwen2 model with the same options as ``cfg`` (random weights)."""
+    transformers = pytest.importorskip("transformers")
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if cfg.rope_scaling is not None:
+        rope = {**cfg.rope_scaling, "rope_theta": cfg.rope_base}
+    common = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": rope,
+    }
+    if kind == "llama":
+        hf_cfg = transformers.LlamaConfig(
+            **common, head_dim=cfg.attn_head_dim, attention_bias=cfg.bias, mlp_bias=cfg.bias
+        )
+        model = transformers.LlamaForCausalLM(hf_cfg)
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+@torch.no_grad()
+def _copy_hf_weights(hf: torch.nn.Module, lm: TransformerLM) -> None:
+    """Copy a Llama-family checkpoint's weights (split rotary halves) into ``lm``."""
+    sd = hf.state_dict()
+    lm.embedding.weight.copy_(sd["model.embed_tokens.weight"])
+    lm.norm.weight.copy_(sd["model.norm.weight"])
+    if lm.lm_head is not None:
+        lm.lm_head.weight.copy_(sd["lm_head.weight"])
+    for i, block in enumerate(lm.blocks):
+        p = f"model.layers.{i}."
+        attn, ff = block.attention, block.feed_forward
+        for suffix in ("weight", "bias"):
+            parts = [sd.get(f"{p}self_attn.{n}_proj.{suffix}") for n in "qkv"]
+            target = getattr(attn.w_qkv, suffix)
+            assert (target is None) == (parts[0] is None), f"{suffix} of q/k/v"
+            if target is not None:
+                target.copy_(torch.cat(parts))  # type: ignore[arg-type]
+            for ours, theirs in [
+                (attn.output_map, "self_attn.o_proj"),
+                (ff.gate, "mlp.gate_proj"),
+                (ff.linear1, "mlp.up_proj"),
+                (ff.linear2, "mlp.down_proj"),
+            ]:
+                target = getattr(ours, suffix)
+                assert (target is None) == (f"{p}{theirs}.{suffix}" not in sd), theirs
+                if target is not None:
+                    target.copy_(sd[f"{p}{theirs}.{suffix}"])
+        block.norm1.weight.copy_(sd[f"{p}input_layernorm.weight"])
+        block.norm2.weight.copy_(sd[f"{p}post_attention_layernorm.weight"])
+
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("llama", {}),
+        ("llama", {"head_dim": 12, "tie_embeddings": False}),  # E != D / H, untied head
+        ("llama", {"rope_scaling": {"type": "linear", "factor": 4.0}, "bias": True}),
+        ("llama", {"rope_scaling": LLAMA3, "head_dim": 12}),
+        ("qwen2", {"qkv_bias": True, "tie_embeddings": False}),  # biases on q/k/v only
+    ],
+)
+def test_llama_family_options_equal_transformers(kind: str, options: dict[str, object]) -> None:
+    llama_like: dict[str, object] = {
+        "num_kv_heads": 2,
+        "hidden_dim": 40,
+        "max_seq_len": 256,
+        "norm": "rmsnorm",
+        "activation": "swiglu",
+        "eps": 1e-6,
+        "bias": False,
+        "rope_interleaved": False,
+        "rope_base": 500.0,
+    }
+    cfg = TransformerConfig(50, 32, 2, 4, **(llama_like | options))  # type: ignore[arg-type]
+    hf = _hf_causal_lm(kind, cfg)
+    lm = TransformerLM(cfg).eval()
+    _copy_hf_weights(hf, lm)
+    # Long enough for the low rotary frequencies (and hence the scaling) to matter.
+    ids = torch.randint(0, 50, (2, 150))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    assert_close(lm(ids), expected, atol=1e-4, rtol=1e-4)
+    cached = lm.generate(ids[:, :5], 6)
+    assert_close(cached, lm.generate(ids[:, :5], 6, use_cache=False))
+
+
+def test_untied_head_is_a_separate_linear() -> None:
+    lm = _lm(tie_embeddings=False)
+    assert isinstance(lm.lm_head, torch.nn.Linear) and lm.lm_head.bias is None
+    assert "lm_head.weight" in lm.state_dict() and "lm_head.weight" not in _lm().state_dict()
+    ids = torch.randint(0, 40, (2, 5))
+    h, _ = lm._hidden(ids, None, positions=None, kv_caches=None, return_weights=False)
+    assert_close(lm(ids), h @ lm.lm_head.weight.T)
+    assert not torch.equal(lm.lm_head.weight, lm.embedding.weight)
+
+
+def test_head_dim_different_from_dim_over_heads() -> None:
+    lm = _lm(head_dim=6)  # H * E = 24 != D = 32
+    attn = lm.blocks[0].attention
+    assert attn.w_qkv.weight.shape == (24 + 2 * 2 * 6, 32)
+    assert attn.output_map.weight.shape == (32, 24)
+    ids = torch.randint(0, 40, (2, 7))
+    assert lm(ids).shape == (2, 7, 40)
+    caches = lm.make_kv_caches(2, 8)
+    assert caches[0].k.shape[-1] == 6
+    # Cached decoding of the new shape equals the full forward.
+    full = lm(ids)
+    step = torch.cat([lm(ids[:, :4], kv_caches=caches), lm(ids[:, 4:], kv_caches=caches)], 1)
+    assert_close(step, full, **TOL)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"bias": False, "qkv_bias": True}, (True, False, False)),
+        ({"out_bias": False}, (True, False, True)),
+        ({"bias": False, "mlp_bias": True}, (False, False, True)),
+    ],
+)
+def test_per_projection_biases(options: dict[str, bool], expected: tuple[bool, ...]) -> None:
+    for block in _lm(**options).blocks:
+        attn, ff = block.attention, block.feed_forward
+        has = (attn.w_qkv.bias is not None, attn.output_map.bias is not None)
+        assert has == expected[:2]
+        assert all((lin.bias is not None) == expected[2] for lin in (ff.linear1, ff.linear2))

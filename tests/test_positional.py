@@ -20,6 +20,7 @@ from attnkit.positional import (
     convert_rotary_convention,
     permute_rotary_weight,
     rope_cos_sin,
+    rope_inv_freq,
     sinusoidal_table,
 )
 from tests.blog_reference import (
@@ -274,3 +275,88 @@ def test_positional_attention_loads_blog_state_dict(use_rope: bool, causal: bool
     mask[..., 0] = True  # the blog gives NaN on fully masked rows; keep one key per row
     assert_close(ours(x), blog(x), atol=1e-5, rtol=1e-5)
     assert_close(ours(x, mask), blog(x, mask), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ rotary scaling
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def _scaled_inv_freq_by_hand(head_dim: int, base: float, scaling: dict[str, object]) -> list[float]:
+    """Per-frequency float64 formulas of linear and Llama 3.1 scaling (Meta's reference code)."""
+    out = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / base ** (i / head_dim)
+        factor = float(scaling["factor"])  # type: ignore[arg-type]
+        if scaling["rope_type"] == "linear":
+            out.append(freq / factor)
+            continue
+        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])  # type: ignore[arg-type]
+        old = float(scaling["original_max_position_embeddings"])  # type: ignore[arg-type]
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / hi:
+            out.append(freq)
+        elif wavelen > old / lo:
+            out.append(freq / factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return out
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 4.0}, LLAMA3])
+def test_rope_scaling_inverse_frequencies_by_hand(scaling: dict[str, object]) -> None:
+    expected = torch.tensor(_scaled_inv_freq_by_hand(12, 10_000.0, scaling), dtype=torch.float64)
+    got = rope_inv_freq(12, 10_000.0, scaling)
+    assert_close(got, expected, rtol=1e-12, atol=0)
+    unscaled = rope_inv_freq(12, 10_000.0)
+    if scaling is LLAMA3:  # the three regimes all occur for these sizes
+        ratio = unscaled / got
+        assert ratio[0] == 1 and ratio[-1] == 8 and 1 < ratio[1] < 8
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 2.5},
+        LLAMA3,
+        {**LLAMA3, "original_max_position_embeddings": 8192, "factor": 32.0},
+    ],
+)
+def test_rope_scaling_equals_transformers(scaling: dict[str, object]) -> None:
+    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        head_dim=64,
+        rope_parameters={**scaling, "rope_theta": 500_000.0},
+    )
+    kind = str(scaling["rope_type"])
+    inv_freq, attention_factor = rope_utils.ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    assert attention_factor == 1.0
+    ours = rope_inv_freq(64, 500_000.0, scaling)
+    assert_close(ours.float(), inv_freq, rtol=2e-6, atol=0)
+    # The module's tables are the cos/sin of positions times these frequencies.
+    rot = RotaryEmbedding(64, base=500_000.0, interleaved=False, scaling=scaling)
+    cos, sin = rot.tables(300)
+    angles = torch.arange(cos.shape[0], dtype=torch.float64)[:, None] * ours
+    assert_close(cos, angles.cos().float())
+    assert_close(sin, angles.sin().float())
+    x = torch.randn(1, 2, 300, 64)
+    theta = angles[:300]  # (L, E/2), float64
+    a, b = x.double().chunk(2, dim=-1)  # split halves (interleaved=False)
+    rotated = torch.cat((a * theta.cos() - b * theta.sin(), a * theta.sin() + b * theta.cos()), -1)
+    assert_close(rot(x), rotated.float())
+
+
+def test_rope_scaling_is_validated_by_the_module() -> None:
+    with pytest.raises(ValueError, match=r"missing \['factor'\]"):
+        RotaryEmbedding(8, scaling={"rope_type": "linear"})
+    assert "scaling" in repr(RotaryEmbedding(8, scaling={"type": "linear", "factor": 2.0}))

@@ -17,8 +17,10 @@ from attnkit.attention import (
 )
 from attnkit.blocks import FeedForward, PositionalTransformerBlock, TransformerBlock
 from attnkit.cache import KVCache
+from attnkit.config import PRESETS, TransformerConfig
 from attnkit.functional import scaled_dot_product_attention
-from attnkit.models import TransformerEncoder, TransformerLM, attention_mask_from_padding
+from attnkit.masks import attention_mask_from_padding
+from attnkit.models import TransformerEncoder, TransformerLM
 from attnkit.positional import (
     LearnedPositionalEmbedding,
     PositionalMultiHeadSelfAttention,
@@ -28,12 +30,14 @@ from attnkit.positional import (
     convert_rotary_convention,
     permute_rotary_weight,
     rope_cos_sin,
+    rope_inv_freq,
     sinusoidal_table,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PRESETS",
     "Attention",
     "FeedForward",
     "KVCache",
@@ -49,6 +53,7 @@ __all__ = [
     "SentenceEncoder",
     "SinusoidalPositionalEncoding",
     "TransformerBlock",
+    "TransformerConfig",
     "TransformerEncoder",
     "TransformerLM",
     "__version__",
@@ -60,6 +65,7 @@ __all__ = [
     "merge_heads",
     "permute_rotary_weight",
     "rope_cos_sin",
+    "rope_inv_freq",
     "scaled_dot_product_attention",
     "sinusoidal_table",
     "split_heads",

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.attention import MultiHeadSelfAttention
+from attnkit.attention import MultiHeadSelfAttention, split_weights, with_weights
 from attnkit.cache import KVCache
 from attnkit.positional import PositionalMultiHeadSelfAttention, SinusoidalPositionalEncoding
 
@@ -126,7 +126,12 @@ class TransformerBlock(nn.Module):
         rotary: Rotary module applied to queries and keys (e.g.
             :class:`attnkit.positional.RotaryEmbedding`; may be shared between blocks).
         window: Sliding-window size of the attention.
-        bias: Biases in the attention and feed-forward projections.
+        bias: Biases in the attention and feed-forward projections (default of the three below).
+        qkv_bias: Biases of the query/key/value projections (default ``bias``).
+        out_bias: Bias of the attention output projection (default ``bias``).
+        mlp_bias: Biases of the feed-forward projections (default ``bias``).
+        head_dim: Attention head dim ``E`` (default ``dim // num_heads``); the attention's
+            projected width is ``num_heads * head_dim``.
         attention: A prebuilt self-attention module to use instead (it must accept
             ``(x, mask, *, positions, kv_cache, return_weights)``); the attention options above
             are then ignored.
@@ -151,27 +156,39 @@ class TransformerBlock(nn.Module):
         rotary: nn.Module | None = None,
         window: int | None = None,
         bias: bool = True,
+        qkv_bias: bool | None = None,
+        out_bias: bool | None = None,
+        mlp_bias: bool | None = None,
+        head_dim: int | None = None,
         attention: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
+            raise TypeError(f"head_dim must be an int, got {head_dim!r}")
         if attention is None:
             attention = MultiHeadSelfAttention(
                 dim,
-                dim,
+                dim if head_dim is None else num_heads * head_dim,
                 dim,
                 num_heads,
                 causal,
                 num_kv_heads=num_kv_heads,
                 rotary=rotary,
                 window=window,
-                bias=bias,
+                bias=bias if qkv_bias is None else qkv_bias,
+                out_bias=bias if out_bias is None else out_bias,
                 dropout=dropout,
             )
         self.attention = attention
         self.feed_forward = FeedForward(
-            dim, hidden_dim, dim, activation=activation, dropout=dropout, bias=bias
+            dim,
+            hidden_dim,
+            dim,
+            activation=activation,
+            dropout=dropout,
+            bias=bias if mlp_bias is None else mlp_bias,
         )
         self.norm1 = make_norm(norm, dim, eps=eps)
         self.norm2 = make_norm(norm, dim, eps=eps)
@@ -200,10 +217,11 @@ class TransformerBlock(nn.Module):
             ``x`` of shape ``(B, L, D)``, or ``(x, weights)`` with weights ``(B, H, L, S)``.
         """
         attn_in = self.norm1(x) if self.norm_first else x
-        attn = self.attention(
-            attn_in, mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
+        attn_out, weights = split_weights(
+            self.attention(
+                attn_in, mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
+            )
         )
-        attn_out, weights = attn if return_weights else (attn, None)
         attn_out = F.dropout(attn_out, p=self.dropout, training=self.training)
         if self.norm_first:
             x = x + attn_out
@@ -213,7 +231,7 @@ class TransformerBlock(nn.Module):
             x = self.norm1(x + attn_out)
             ff_out = self.feed_forward(x)
             x = self.norm2(x + F.dropout(ff_out, p=self.dropout, training=self.training))
-        return (x, weights) if return_weights else x  # type: ignore[return-value]
+        return with_weights(x, weights)
 
     def extra_repr(self) -> str:
         return f"norm_first={self.norm_first}, dropout={self.dropout}"

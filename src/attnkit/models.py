@@ -17,15 +17,21 @@ Positions (``position=``):
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+import numbers
+from dataclasses import fields
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit import masks as M
-from attnkit.blocks import Activation, NormType, TransformerBlock, make_norm
+from attnkit.attention import split_weights
+from attnkit.blocks import TransformerBlock, make_norm
 from attnkit.cache import KVCache
+from attnkit.config import TransformerConfig
+from attnkit.masks import attention_mask_from_padding
 from attnkit.positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -34,124 +40,119 @@ from attnkit.positional import (
 
 __all__ = ["TransformerEncoder", "TransformerLM", "attention_mask_from_padding"]
 
-PositionType = Literal["none", "sinusoidal", "learned", "rope"]
-_POSITIONS = ("none", "sinusoidal", "learned", "rope")
 Pooling = Literal["none", "mean", "first"]
 
 
-def attention_mask_from_padding(
-    mask: Tensor | None = None, lengths: Tensor | None = None, *, seq_len: int | None = None
-) -> Tensor | None:
-    """Turn a key-padding mask or lengths into a mask for attention scores ``(B, H, L, S)``.
+# Keyword defaults of TransformerEncoder where they differ from TransformerConfig's (the LM's).
+_ENCODER_DEFAULTS: dict[str, Any] = {
+    "max_seq_len": 512,
+    "position": "sinusoidal",
+    "causal": False,
+    "norm_first": False,
+    "activation": "relu",
+}
 
-    Args:
-        mask: ``(B, S)`` bool (``True`` = real token) -> ``(B, 1, 1, S)``; ``(B, L, S)`` ->
-            ``(B, 1, L, S)``; a 4-D bool or additive float mask is returned unchanged.
-        lengths: Integer ``(B,)`` real lengths (alternative to ``mask``), padded to ``seq_len``.
-        seq_len: Key length for ``lengths``.
 
-    Returns:
-        A mask broadcastable to ``(B, H, L, S)``, or ``None``.
-
-    Raises:
-        ValueError: If both ``mask`` and ``lengths`` are given, or ``mask`` has 1 dim.
-    """
-    if mask is not None and lengths is not None:
-        raise ValueError("pass either mask or lengths, not both")
-    if lengths is not None:
-        return M.padding_mask(lengths, seq_len)
-    if mask is None:
-        return None
-    if mask.dim() == 2:
-        return mask[:, None, None, :]  # (B, 1, 1, S)
-    if mask.dim() == 3:
-        return mask[:, None]  # (B, 1, L, S)
-    if mask.dim() == 4:
-        return mask
-    raise ValueError(f"mask must be (B, S), (B, L, S) or (B, H, L, S), got {tuple(mask.shape)}")
+def _make_config(
+    cls_name: str,
+    config: TransformerConfig | int | None,
+    sizes: dict[str, int | None],
+    options: dict[str, Any],
+    defaults: dict[str, Any],
+) -> TransformerConfig:
+    """The config of ``Model(config)`` or of the keyword form ``Model(vocab, dim, ..., **opts)``."""
+    if isinstance(config, TransformerConfig):
+        extra = {k: v for k, v in sizes.items() if v is not None} | options
+        if extra:
+            raise TypeError(
+                f"{cls_name}(config) takes no other options; got {sorted(extra)} "
+                "(use config.replace(...))"
+            )
+        return config
+    if config is None and "vocab_size" in options:  # vocab_size passed by name
+        options = dict(options)
+        config = options.pop("vocab_size")
+    known = {f.name for f in fields(TransformerConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"{cls_name} got unknown options {unknown}")
+    missing = [k for k, v in sizes.items() if v is None]
+    if missing:
+        raise TypeError(f"{cls_name} needs a TransformerConfig or the sizes {missing}")
+    return TransformerConfig(config, **sizes, **(defaults | options))  # type: ignore[arg-type]
 
 
 class _TransformerStack(nn.Module):
-    """Embedding + positions + blocks + final norm, shared by the encoder and the LM."""
+    """Positions + blocks + final norm, shared by the encoder and the LM.
 
-    def __init__(
-        self,
-        vocab_size: int | None,
-        dim: int,
-        num_layers: int,
-        num_heads: int,
-        *,
-        hidden_dim: int | None,
-        num_kv_heads: int | None,
-        max_seq_len: int,
-        position: PositionType,
-        causal: bool,
-        norm_first: bool,
-        norm: NormType,
-        activation: Activation,
-        eps: float,
-        dropout: float,
-        bias: bool,
-        window: int | None,
-        rope_base: float,
-        rope_interleaved: bool,
-    ) -> None:
+    The subclass builds the token embedding first (parameter creation order fixes the
+    initialisation from a seed) and hands it in.
+    """
+
+    def __init__(self, config: TransformerConfig, embedding: nn.Embedding | None) -> None:
         super().__init__()
-        if position not in _POSITIONS:
-            raise ValueError(f"position must be one of {_POSITIONS}, got {position!r}")
-        bad = {
-            n: v
-            for n, v in {
-                "dim": dim,
-                "num_layers": num_layers,
-                "num_heads": num_heads,
-                "max_seq_len": max_seq_len,
-            }.items()
-            if v < 1
-        }
-        if vocab_size is not None and vocab_size < 1:
-            bad["vocab_size"] = vocab_size
-        if bad:
-            raise ValueError(f"sizes must be positive, got {bad}")
-        if dim % num_heads:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
-        self.vocab_size, self.dim, self.num_layers = vocab_size, dim, num_layers
-        self.num_heads = num_heads
-        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.head_dim = dim // num_heads
-        self.max_seq_len, self.position_type = max_seq_len, position
-        self.embedding = nn.Embedding(vocab_size, dim) if vocab_size is not None else None
+        self.config = config
+        self.vocab_size, self.dim, self.num_layers = (
+            config.vocab_size,
+            config.dim,
+            config.num_layers,
+        )
+        self.num_heads, self.num_kv_heads = config.num_heads, config.kv_heads
+        self.head_dim = config.attn_head_dim
+        self.max_seq_len, self.position_type = config.max_seq_len, config.position
+        self.embedding = embedding
         self.position: nn.Module | None = None
-        if position == "sinusoidal":
-            self.position = SinusoidalPositionalEncoding(dim, max_seq_len)
-        elif position == "learned":
-            self.position = LearnedPositionalEmbedding(max_seq_len, dim)
+        if config.position == "sinusoidal":
+            self.position = SinusoidalPositionalEncoding(config.dim, config.max_seq_len)
+        elif config.position == "learned":
+            self.position = LearnedPositionalEmbedding(config.max_seq_len, config.dim)
         self.rotary = (
-            RotaryEmbedding(self.head_dim, base=rope_base, interleaved=rope_interleaved)
-            if position == "rope"
+            RotaryEmbedding(
+                self.head_dim,
+                base=config.rope_base,
+                interleaved=config.rope_interleaved,
+                scaling=config.rope_scaling,
+            )
+            if config.position == "rope"
             else None
         )
-        self.dropout = nn.Dropout(dropout)
-        hidden_dim = 4 * dim if hidden_dim is None else hidden_dim
+        self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(
-                dim,
-                hidden_dim,
-                num_heads,
-                causal,
-                norm_first=norm_first,
-                norm=norm,
-                activation=activation,
-                eps=eps,
-                dropout=dropout,
-                num_kv_heads=num_kv_heads,
+                config.dim,
+                config.ffn_dim,
+                config.num_heads,
+                config.causal,
+                norm_first=config.norm_first,
+                norm=config.norm,
+                activation=config.activation,
+                eps=config.eps,
+                dropout=config.dropout,
+                num_kv_heads=config.num_kv_heads,
                 rotary=self.rotary,
-                window=window,
-                bias=bias,
+                window=config.window,
+                bias=config.bias,
+                qkv_bias=config.qkv_bias,
+                out_bias=config.out_bias,
+                mlp_bias=config.mlp_bias,
+                head_dim=config.head_dim,
             )
-            for _ in range(num_layers)
+            for _ in range(config.num_layers)
         )
-        self.norm = make_norm(norm, dim, eps=eps) if norm_first else nn.Identity()
+        self.norm = (
+            make_norm(config.norm, config.dim, eps=config.eps)
+            if config.norm_first
+            else nn.Identity()
+        )
+
+    def _embed(self, x: Tensor) -> Tensor:
+        if self.embedding is None:
+            if x.shape[-1] != self.dim:
+                raise ValueError(f"inputs must have last dim {self.dim}, got {tuple(x.shape)}")
+            return x
+        if x.dtype.is_floating_point:
+            raise TypeError(f"expected integer token ids, got {x.dtype}")
+        return self.embedding(x)  # (B, L, D)
 
     def _hidden(
         self,
@@ -162,14 +163,7 @@ class _TransformerStack(nn.Module):
         kv_caches: list[KVCache] | None,
         return_weights: bool,
     ) -> tuple[Tensor, list[Tensor]]:
-        if self.embedding is not None:
-            if x.dtype.is_floating_point:
-                raise TypeError(f"expected integer token ids, got {x.dtype}")
-            h = self.embedding(x)  # (B, L, D)
-        else:
-            if x.shape[-1] != self.dim:
-                raise ValueError(f"inputs must have last dim {self.dim}, got {tuple(x.shape)}")
-            h = x
+        h = self._embed(x)  # (B, L, D)
         L = h.shape[-2]
         if kv_caches is not None and len(kv_caches) != self.num_layers:
             raise ValueError(
@@ -184,97 +178,62 @@ class _TransformerStack(nn.Module):
         weights: list[Tensor] = []
         for i, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[i]
-            if return_weights:
-                h, w = block(h, mask, positions=positions, kv_cache=cache, return_weights=True)
+            h, w = split_weights(
+                block(h, mask, positions=positions, kv_cache=cache, return_weights=return_weights)
+            )
+            if w is not None:
                 weights.append(w)
-            else:
-                h = block(h, mask, positions=positions, kv_cache=cache)
         return self.norm(h), weights
 
 
 class TransformerEncoder(_TransformerStack):
     """Bidirectional transformer encoder over token ids (or over vectors if ``vocab_size=None``).
 
-    Defaults follow the blog's block (post-norm, ReLU, LayerNorm) with sinusoidal positions
-    added once at the input. An optional linear head turns it into a classifier or tagger:
+    Built from a :class:`attnkit.TransformerConfig`, or in the keyword form
+    ``TransformerEncoder(vocab_size, dim, num_layers, num_heads, **options)`` whose options are
+    the config's fields with the encoder's defaults: the blog's block (post-norm, ReLU,
+    LayerNorm, ``causal=False``) with sinusoidal positions added once at the input and
+    ``max_seq_len=512``. An optional linear head turns it into a classifier or tagger:
     ``num_outputs`` with ``pool="none"`` gives per-token logits (tagging, masked-LM-style
     targets), ``pool="mean"`` (mean over real tokens) or ``"first"`` (a CLS token) gives one
     output per sequence.
 
     Args:
-        vocab_size: Token vocabulary; ``None`` to feed ``(B, L, dim)`` vectors directly.
-        dim: Model dim ``D``.
-        num_layers: Number of blocks.
-        num_heads: Query heads per block.
-        hidden_dim: Feed-forward hidden dim (default ``4 * dim``).
-        num_kv_heads: Key/value heads (grouped-query attention).
-        max_seq_len: Positions of the sinusoidal/learned tables.
-        position: ``"sinusoidal"`` (default), ``"learned"``, ``"rope"`` or ``"none"``.
-        causal: Causal attention in every block.
-        norm_first: Pre-norm blocks plus a final norm.
-        norm: ``"layernorm"`` or ``"rmsnorm"``.
-        activation: Feed-forward activation.
-        eps: Norm epsilon.
-        dropout: Dropout after the embeddings and inside the blocks.
-        bias: Biases in the projections.
-        window: Sliding-window attention size.
-        rope_base: Rotary wavelength base.
-        rope_interleaved: Rotary pair convention (see :mod:`attnkit.positional`).
+        config: The stack's config, or (keyword form) the token vocabulary (``None`` to feed
+            ``(B, L, dim)`` vectors directly).
+        dim: Model dim ``D`` (keyword form).
+        num_layers: Number of blocks (keyword form).
+        num_heads: Query heads per block (keyword form).
         num_outputs: Size of an output head; ``None`` returns hidden states.
         pool: ``"none"``, ``"mean"`` or ``"first"`` (applied before the head).
+        **options: Keyword form: any other :class:`attnkit.TransformerConfig` field
+            (``hidden_dim``, ``num_kv_heads``, ``position``, ``causal``, ``norm_first``, ``norm``,
+            ``activation``, ``eps``, ``dropout``, ``bias``, ``window``, ``rope_base``, ...).
 
     Raises:
+        TypeError: For unknown options, or options besides a config.
         ValueError: For bad sizes or option values.
     """
 
     def __init__(
         self,
-        vocab_size: int | None,
-        dim: int,
-        num_layers: int,
-        num_heads: int,
+        config: TransformerConfig | int | None = None,
+        dim: int | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
         *,
-        hidden_dim: int | None = None,
-        num_kv_heads: int | None = None,
-        max_seq_len: int = 512,
-        position: PositionType = "sinusoidal",
-        causal: bool = False,
-        norm_first: bool = False,
-        norm: NormType = "layernorm",
-        activation: Activation = "relu",
-        eps: float = 1e-5,
-        dropout: float = 0.0,
-        bias: bool = True,
-        window: int | None = None,
-        rope_base: float = 10_000.0,
-        rope_interleaved: bool = True,
         num_outputs: int | None = None,
         pool: Pooling = "none",
+        **options: Any,
     ) -> None:
-        super().__init__(
-            vocab_size,
-            dim,
-            num_layers,
-            num_heads,
-            hidden_dim=hidden_dim,
-            num_kv_heads=num_kv_heads,
-            max_seq_len=max_seq_len,
-            position=position,
-            causal=causal,
-            norm_first=norm_first,
-            norm=norm,
-            activation=activation,
-            eps=eps,
-            dropout=dropout,
-            bias=bias,
-            window=window,
-            rope_base=rope_base,
-            rope_interleaved=rope_interleaved,
-        )
+        sizes = {"dim": dim, "num_layers": num_layers, "num_heads": num_heads}
+        cfg = _make_config("TransformerEncoder", config, sizes, options, _ENCODER_DEFAULTS)
+        embedding = nn.Embedding(cfg.vocab_size, cfg.dim) if cfg.vocab_size is not None else None
+        super().__init__(cfg, embedding)
         if pool not in ("none", "mean", "first"):
             raise ValueError(f"pool must be 'none', 'mean' or 'first', got {pool!r}")
         self.pool = pool
-        self.head = nn.Linear(dim, num_outputs) if num_outputs is not None else None
+        self.head = nn.Linear(cfg.dim, num_outputs) if num_outputs is not None else None
 
     def forward(
         self,
@@ -302,14 +261,14 @@ class TransformerEncoder(_TransformerStack):
             ``(B, L, num_outputs)`` (``pool="none"``) / ``(B, num_outputs)`` (pooled).
         """
         L = x.shape[1]
-        attn_mask = attention_mask_from_padding(mask, lengths, seq_len=L)
+        attn_mask = M.attention_mask_from_padding(mask, lengths, seq_len=L)
         h, weights = self._hidden(
             x, attn_mask, positions=positions, kv_caches=None, return_weights=return_weights
         )
         if self.pool == "first":
             h = h[:, 0]  # (B, D)
         elif self.pool == "mean":
-            real = _token_mask(mask, lengths, L, h.device)
+            real = M.token_mask(mask, lengths, L, h.device)
             if real is None:
                 h = h.mean(dim=1)
             else:
@@ -319,94 +278,63 @@ class TransformerEncoder(_TransformerStack):
         return (out, weights) if return_weights else out
 
 
-def _token_mask(
-    mask: Tensor | None, lengths: Tensor | None, L: int, device: torch.device
-) -> Tensor | None:
-    """``(B, L)`` bool of real tokens, if the padding is known per token."""
-    if lengths is not None:
-        return torch.arange(L, device=device)[None, :] < lengths.to(device)[:, None]
-    if mask is not None and mask.dim() == 2 and mask.dtype == torch.bool:
-        return mask
-    return None
-
-
 class TransformerLM(_TransformerStack):
-    """Decoder-only language model with a tied output head.
+    """Decoder-only language model.
 
-    Defaults are GPT-2-like: pre-norm LayerNorm blocks, GELU, rotary positions; the logits are
-    ``h @ embedding.weight.T`` (no separate head parameters).
+    Built from a :class:`attnkit.TransformerConfig` (``TransformerLM(config)``), or in the
+    keyword form ``TransformerLM(vocab_size, dim, num_layers, num_heads, **options)`` whose
+    options are the config's fields with its defaults: GPT-2-like pre-norm LayerNorm blocks,
+    GELU, rotary positions, ``max_seq_len=1024`` and a tied output head (the logits are
+    ``h @ embedding.weight.T``). With ``tie_embeddings=False`` the head is a separate
+    ``lm_head`` ``Linear`` without bias.
 
     Args:
-        vocab_size: Token vocabulary ``V``.
-        dim: Model dim ``D``.
-        num_layers: Number of blocks.
-        num_heads: Query heads per block.
-        num_kv_heads: Key/value heads (grouped-query attention; default ``num_heads``).
-        hidden_dim: Feed-forward hidden dim (default ``4 * dim``).
-        max_seq_len: Longest sequence (prompt + generated) :meth:`generate` accepts, and rows of
-            the sinusoidal/learned tables.
-        position: ``"rope"`` (default), ``"sinusoidal"``, ``"learned"`` or ``"none"``.
-        norm_first: Pre-norm blocks plus a final norm (default) or post-norm.
-        norm: ``"layernorm"`` or ``"rmsnorm"``.
-        activation: Feed-forward activation.
-        eps: Norm epsilon.
-        dropout: Dropout after the embeddings and inside the blocks.
-        bias: Biases in the projections.
-        window: Sliding-window attention size.
-        rope_base: Rotary wavelength base.
-        rope_interleaved: Rotary pair convention.
+        config: The model's config, or (keyword form) the token vocabulary ``V``.
+        dim: Model dim ``D`` (keyword form).
+        num_layers: Number of blocks (keyword form).
+        num_heads: Query heads per block (keyword form).
+        **options: Keyword form: any other :class:`attnkit.TransformerConfig` field
+            (``num_kv_heads``, ``head_dim``, ``hidden_dim``, ``max_seq_len``, ``position``,
+            ``norm_first``, ``norm``, ``activation``, ``eps``, ``dropout``, ``bias``,
+            ``qkv_bias``, ``out_bias``, ``mlp_bias``, ``window``, ``rope_base``,
+            ``rope_interleaved``, ``rope_scaling``, ``tie_embeddings``).
 
     Raises:
-        ValueError: For bad sizes or option values.
+        TypeError: For unknown options, or options besides a config.
+        ValueError: For bad sizes or option values, a config without ``vocab_size`` or with
+            ``causal=False``.
     """
+
+    embedding: nn.Embedding
 
     def __init__(
         self,
-        vocab_size: int,
-        dim: int,
-        num_layers: int,
-        num_heads: int,
-        *,
-        num_kv_heads: int | None = None,
-        hidden_dim: int | None = None,
-        max_seq_len: int = 1024,
-        position: PositionType = "rope",
-        norm_first: bool = True,
-        norm: NormType = "layernorm",
-        activation: Activation = "gelu",
-        eps: float = 1e-5,
-        dropout: float = 0.0,
-        bias: bool = True,
-        window: int | None = None,
-        rope_base: float = 10_000.0,
-        rope_interleaved: bool = True,
+        config: TransformerConfig | int | None = None,
+        dim: int | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            vocab_size,
-            dim,
-            num_layers,
-            num_heads,
-            hidden_dim=hidden_dim,
-            num_kv_heads=num_kv_heads,
-            max_seq_len=max_seq_len,
-            position=position,
-            causal=True,
-            norm_first=norm_first,
-            norm=norm,
-            activation=activation,
-            eps=eps,
-            dropout=dropout,
-            bias=bias,
-            window=window,
-            rope_base=rope_base,
-            rope_interleaved=rope_interleaved,
-        )
+        sizes = {"dim": dim, "num_layers": num_layers, "num_heads": num_heads}
+        cfg = _make_config("TransformerLM", config, sizes, options, {})
+        if cfg.vocab_size is None or not cfg.causal:
+            raise ValueError(
+                "TransformerLM needs a vocab_size and causal=True, got "
+                f"vocab_size={cfg.vocab_size}, causal={cfg.causal}"
+            )
+        embedding = nn.Embedding(cfg.vocab_size, cfg.dim)
+        super().__init__(cfg, embedding)
         # Tied head: unit-variance logits at init need embeddings of variance 1/dim.
-        nn.init.normal_(self.embedding.weight, std=dim**-0.5)  # type: ignore[union-attr]
+        nn.init.normal_(self.embedding.weight, std=cfg.dim**-0.5)
+        self.lm_head = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        )
 
     def logits(self, h: Tensor) -> Tensor:
-        """Tied output head. Shape: ``(..., D) -> (..., V)``."""
-        return F.linear(h, self.embedding.weight)  # type: ignore[union-attr]
+        """Output head (tied to the embedding, or ``lm_head``). Shape: ``(..., D) -> (..., V)``."""
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        return F.linear(h, self.embedding.weight)
 
     def forward(
         self,
@@ -432,7 +360,7 @@ class TransformerLM(_TransformerStack):
         Returns:
             Logits ``(B, L, V)``, or ``(logits, weights)``.
         """
-        attn_mask = attention_mask_from_padding(mask)
+        attn_mask = M.attention_mask_from_padding(mask)
         h, weights = self._hidden(
             input_ids,
             attn_mask,
@@ -458,7 +386,7 @@ class TransformerLM(_TransformerStack):
         """
         if capacity > self.max_seq_len:
             raise ValueError(f"KV cache capacity {capacity} exceeds max_seq_len {self.max_seq_len}")
-        ref = self.embedding.weight  # type: ignore[union-attr]
+        ref = self.embedding.weight
         return [
             KVCache(
                 batch_size,
@@ -498,16 +426,12 @@ class TransformerLM(_TransformerStack):
             ``(B, P + max_new_tokens)`` token ids, prompt included.
 
         Raises:
-            ValueError: If ``P + max_new_tokens > max_seq_len``, or bad options.
+            TypeError: If an argument has the wrong type (float ``max_new_tokens``, float
+                ``input_ids``, ...).
+            ValueError: If ``P + max_new_tokens > max_seq_len``, or bad option values.
         """
-        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-            raise ValueError(f"input_ids must be (B, P) with P >= 1, got {tuple(input_ids.shape)}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be positive, got {top_k}")
+        _check_generate_args(input_ids, max_new_tokens, temperature, top_k, use_cache, generator)
+        max_new_tokens, top_k = int(max_new_tokens), None if top_k is None else int(top_k)
         B, P = input_ids.shape
         total = P + max_new_tokens
         if total > self.max_seq_len:
@@ -537,6 +461,47 @@ class TransformerLM(_TransformerStack):
             return ids
         finally:
             self.train(was_training)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_generate_args(
+    input_ids: Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    use_cache: bool,
+    generator: torch.Generator | None,
+) -> None:
+    """Validate :meth:`TransformerLM.generate`'s arguments, naming the offending values."""
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+    if (
+        input_ids.dtype.is_floating_point
+        or input_ids.dtype.is_complex
+        or input_ids.dtype == torch.bool
+    ):
+        raise TypeError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be (B, P) with P >= 1, got {tuple(input_ids.shape)}")
+    if not _is_int(max_new_tokens):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {temperature!r}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_k is not None and not _is_int(top_k):
+        raise TypeError(f"top_k must be an int or None, got {top_k!r}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be positive, got {top_k}")
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
 
 
 def _pick(

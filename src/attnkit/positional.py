@@ -23,12 +23,15 @@ of each head's query/key channels; :func:`permute_rotary_weight` and
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
 from attnkit.attention import MultiHeadAttention, MultiHeadSelfAttention
+from attnkit.config import check_rope_scaling
 
 __all__ = [
     "LearnedPositionalEmbedding",
@@ -39,6 +42,7 @@ __all__ = [
     "convert_rotary_convention",
     "permute_rotary_weight",
     "rope_cos_sin",
+    "rope_inv_freq",
     "sinusoidal_table",
 ]
 
@@ -281,6 +285,46 @@ def _check_head_dim(head_dim: int) -> None:
         raise ValueError(f"rotary embeddings need an even head_dim >= 2, got {head_dim!r}")
 
 
+def rope_inv_freq(
+    head_dim: int, base: float = 10_000.0, scaling: dict[str, Any] | None = None
+) -> Tensor:
+    """Rotary inverse frequencies ``base^(-2i/E)``, optionally rescaled, in float64.
+
+    ``scaling`` follows Hugging Face's ``rope_scaling``: ``"linear"`` divides every frequency by
+    ``factor``; ``"llama3"`` (Llama 3.1) divides the low frequencies (wavelength above
+    ``original_max_position_embeddings / low_freq_factor``) by ``factor``, keeps the high ones
+    (wavelength below ``original_max_position_embeddings / high_freq_factor``) and interpolates
+    smoothly in between.
+
+    Args:
+        head_dim: Head dim ``E`` (even).
+        base: Wavelength base.
+        scaling: ``None`` or a ``rope_scaling`` dict (see :class:`attnkit.TransformerConfig`).
+
+    Returns:
+        Float64 tensor of shape ``(E/2,)``.
+
+    Raises:
+        ValueError: For an odd ``head_dim`` or a bad ``scaling``.
+    """
+    _check_head_dim(head_dim)
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    scaling = check_rope_scaling(scaling)
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding for :class:`attnkit.MultiHeadAttention` (``rotary=...``).
 
@@ -293,20 +337,30 @@ class RotaryEmbedding(nn.Module):
         head_dim: Head dim ``E`` (must be even).
         base: Wavelength base.
         interleaved: Pair adjacent channels (the blog) instead of halves (GPT-NeoX/HF).
+        scaling: Frequency rescaling, Hugging Face's ``rope_scaling`` (see
+            :func:`rope_inv_freq`).
 
     Raises:
-        ValueError: If ``head_dim`` is odd or not positive.
+        ValueError: If ``head_dim`` is odd or not positive, or ``scaling`` is bad.
     """
 
     cos: Tensor
     sin: Tensor
 
-    def __init__(self, head_dim: int, *, base: float = 10_000.0, interleaved: bool = True) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        base: float = 10_000.0,
+        interleaved: bool = True,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         _check_head_dim(head_dim)
         if not base > 1.0:
             raise ValueError(f"base must be > 1, got {base}")
         self.head_dim, self.base, self.interleaved = head_dim, float(base), interleaved
+        self.scaling = check_rope_scaling(scaling)
         self.register_buffer("cos", torch.empty(0, head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(0, head_dim // 2), persistent=False)
 
@@ -324,9 +378,7 @@ class RotaryEmbedding(nn.Module):
             n = max(16, 1 << max(length - 1, 0).bit_length())
             # Tables built during inference_mode would be unusable in a later training step.
             with torch.inference_mode(False):
-                inv_freq = self.base ** (
-                    -torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-                )
+                inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling)
                 angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq  # (N, E/2)
                 self.cos = angles.cos().to(device=device, dtype=torch.float32)
                 self.sin = angles.sin().to(device=device, dtype=torch.float32)
@@ -367,7 +419,8 @@ class RotaryEmbedding(nn.Module):
         return apply_rope(x, cos, sin, interleaved=self.interleaved)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}, interleaved={self.interleaved}"
+        text = f"head_dim={self.head_dim}, base={self.base}, interleaved={self.interleaved}"
+        return text if self.scaling is None else f"{text}, scaling={self.scaling}"
 
 
 def permute_rotary_weight(weight: Tensor, num_heads: int, *, to: RotaryConvention) -> Tensor:
@@ -434,12 +487,9 @@ def convert_rotary_convention(model: nn.Module, *, to: RotaryConvention) -> nn.M
         H, K = attn.num_heads, attn.num_kv_heads
         q_rows, k_rows = attn.hidden_dim, K * attn.head_dim
         if attn.fused_qkv:
-            projs = [(getattr(attn, attn.qkv_name), [(0, q_rows, H), (q_rows, k_rows, K)])]
+            projs = [(attn.qkv_proj, [(0, q_rows, H), (q_rows, k_rows, K)])]
         else:
-            projs = [
-                (getattr(attn, attn.q_name), [(0, q_rows, H)]),
-                (getattr(attn, attn.k_name), [(0, k_rows, K)]),
-            ]
+            projs = [(attn.q_proj, [(0, q_rows, H)]), (attn.k_proj, [(0, k_rows, K)])]
         for linear, slices in projs:
             for start, n, heads in slices:
                 for p in (linear.weight, linear.bias):
@@ -460,8 +510,9 @@ def convert_rotary_convention(model: nn.Module, *, to: RotaryConvention) -> nn.M
 class PositionalMultiHeadSelfAttention(MultiHeadSelfAttention):
     """The blog's self-attention with fused ``qkv``/``output`` projections and optional RoPE.
 
-    A :class:`attnkit.MultiHeadSelfAttention` whose projections carry the blog's names for this
-    class; its forward is ``(x, mask=None, *, positions, kv_cache, return_weights)``.
+    A :class:`attnkit.MultiHeadSelfAttention` whose state_dict uses the blog's names for this
+    class, ``qkv`` and ``output`` (also read-only aliases of ``qkv_proj`` and ``out_proj``); its
+    forward is ``(x, mask=None, *, positions, kv_cache, return_weights)``.
 
     With ``use_rope`` the queries and keys are rotated with a :class:`RotaryEmbedding` in the
     blog's interleaved convention (positions ``0 .. L-1`` unless ``positions`` is given, or
@@ -478,7 +529,7 @@ class PositionalMultiHeadSelfAttention(MultiHeadSelfAttention):
             dim is odd.
     """
 
-    qkv_name, out_name = "qkv", "output"
+    checkpoint_names: ClassVar[Mapping[str, str]] = {"qkv_proj": "qkv", "out_proj": "output"}
 
     def __init__(
         self, dim: int, num_heads: int, causal: bool = False, use_rope: bool = False
@@ -488,3 +539,13 @@ class PositionalMultiHeadSelfAttention(MultiHeadSelfAttention):
         rotary = RotaryEmbedding(dim // num_heads, interleaved=True) if use_rope else None
         super().__init__(dim, dim, dim, num_heads, causal, rotary=rotary)
         self.use_rope = use_rope
+
+    @property
+    def qkv(self) -> nn.Linear:
+        """The blog's name for ``qkv_proj``."""
+        return self.qkv_proj
+
+    @property
+    def output(self) -> nn.Linear:
+        """The blog's name for ``out_proj``."""
+        return self.out_proj

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit.config import TransformerConfig
 from attnkit.lab import checkpoint as ckpt
 from attnkit.lab.distributed import DistContext
 from attnkit.lab.tasks import IGNORE, Task, get_task
@@ -155,6 +156,23 @@ class LabConfig:
         """The task this config trains on."""
         return get_task(self.task, seq_len=self.seq_len, num_symbols=self.num_symbols)
 
+    def model_config(self) -> TransformerConfig:
+        """The encoder this run trains: the blog's post-norm ReLU blocks over the task's
+        vocabulary, positions covering :attr:`table_len`."""
+        return TransformerConfig(
+            vocab_size=self.make_task().vocab_size,
+            dim=self.dim,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            hidden_dim=self.ffn_dim,
+            max_seq_len=self.table_len,
+            position=self.positions,
+            causal=False,
+            norm_first=False,
+            activation="relu",
+            dropout=self.dropout,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable dict."""
         return asdict(self)
@@ -170,22 +188,13 @@ class LabConfig:
 
 
 def build_model(config: LabConfig) -> TransformerEncoder:
-    """The tagger for ``config``: an attnkit encoder with a per-token linear head.
+    """The tagger for ``config``: an attnkit encoder (:meth:`LabConfig.model_config`) with a
+    per-token linear head over the task's vocabulary.
 
     It is initialised from the current torch RNG state.
     """
-    vocab = config.make_task().vocab_size
-    return TransformerEncoder(
-        vocab,
-        config.dim,
-        config.num_layers,
-        config.num_heads,
-        hidden_dim=config.ffn_dim,
-        max_seq_len=config.table_len,
-        position=config.positions,
-        dropout=config.dropout,
-        num_outputs=vocab,
-    )
+    model_config = config.model_config()
+    return TransformerEncoder(model_config, num_outputs=model_config.vocab_size)
 
 
 @dataclass
@@ -435,6 +444,7 @@ def train(
         out.mkdir(parents=True, exist_ok=True)
         meta = {
             "config": config.to_dict(),
+            "model": config.model_config().to_dict(),  # for loaders that lack the lab
             "step": step,
             "train_time_s": train_time,
             "history": history,
@@ -532,6 +542,11 @@ def load_trained(out_dir: str | Path) -> tuple[TransformerEncoder, LabConfig, di
     tensors, meta = ckpt.load_checkpoint(Path(out_dir) / ckpt.CHECKPOINT_NAME)
     config = LabConfig.from_dict(meta["config"])
     model = build_model(config)
+    if "model" in meta and TransformerConfig.from_dict(meta["model"]) != model.config:
+        raise ValueError(
+            f"checkpoint's model config {meta['model']} does not match its lab config's "
+            f"{model.config.to_dict()}"
+        )
     model.load_state_dict(ckpt.model_state(tensors))
     return model.eval(), config, meta
 

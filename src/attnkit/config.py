@@ -1,0 +1,281 @@
+"""One frozen description of a transformer stack: :class:`TransformerConfig` and named presets.
+
+:class:`attnkit.TransformerLM` and :class:`attnkit.TransformerEncoder` are built from a
+:class:`TransformerConfig` (their keyword form builds one); the lab, checkpoints' ``config.json``
+and checkpoint loaders read and write it with :meth:`TransformerConfig.to_dict` /
+:meth:`TransformerConfig.from_dict`. The defaults are those of :class:`attnkit.TransformerLM`
+(GPT-2-like: pre-norm LayerNorm, GELU, rotary positions, a tied output head).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
+
+__all__ = ["PRESETS", "ROPE_SCALING_KEYS", "TransformerConfig"]
+
+PositionType = Literal["none", "sinusoidal", "learned", "rope"]
+POSITIONS: tuple[str, ...] = ("none", "sinusoidal", "learned", "rope")
+NORMS: tuple[str, ...] = ("layernorm", "rmsnorm")
+ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
+
+# Required keys of each rotary scaling type (Hugging Face's ``rope_scaling`` semantics).
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Validate a ``rope_scaling`` dict and return a normalised copy (``rope_type`` key).
+
+    Accepts Hugging Face's forms: ``{"rope_type": "llama3", "factor": 8.0, ...}`` or the legacy
+    ``{"type": "linear", "factor": 2.0}``. ``None`` and type ``"default"`` mean no scaling.
+
+    Raises:
+        TypeError: If ``scaling`` is not a dict or a value is not a number.
+        ValueError: For an unknown type, missing or unknown keys, or out-of-range values.
+    """
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise TypeError(f"rope_scaling must be a dict or None, got {scaling!r}")
+    data = dict(scaling)
+    kind = data.pop("rope_type", None)
+    legacy = data.pop("type", None)
+    if kind is not None and legacy is not None and kind != legacy:
+        raise ValueError(f"rope_scaling has rope_type {kind!r} and type {legacy!r}")
+    kind = kind if kind is not None else legacy
+    if kind == "default" and not data:
+        return None
+    if kind not in ROPE_SCALING_KEYS:
+        raise ValueError(
+            f"rope_scaling type must be one of {sorted(ROPE_SCALING_KEYS)} (or 'default'), "
+            f"got {kind!r}"
+        )
+    need = ROPE_SCALING_KEYS[kind]
+    missing = [k for k in need if k not in data]
+    unknown = sorted(set(data) - set(need))
+    if missing or unknown:
+        raise ValueError(
+            f"rope_scaling type {kind!r} needs keys {list(need)}; missing {missing}, "
+            f"unsupported {unknown}"
+        )
+    bad = {
+        k: v
+        for k, v in data.items()
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+    }
+    if bad:
+        raise TypeError(f"rope_scaling values must be finite numbers, got {bad}")
+    if data["factor"] <= 0:
+        raise ValueError(f"rope_scaling factor must be > 0, got {data['factor']}")
+    if kind == "llama3":
+        lo, hi = data["low_freq_factor"], data["high_freq_factor"]
+        if not 0 < lo < hi or data["original_max_position_embeddings"] <= 0:
+            raise ValueError(
+                "llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor and "
+                f"original_max_position_embeddings > 0, got {data}"
+            )
+    return {"rope_type": kind, **data}
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """The shape and options of a transformer stack (encoder or decoder LM).
+
+    Attributes:
+        vocab_size: Token vocabulary ``V``; ``None`` only for an encoder fed vectors.
+        dim: Model dim ``D``.
+        num_layers: Number of blocks.
+        num_heads: Query heads ``H``.
+        num_kv_heads: Key/value heads ``K`` (grouped-query attention); ``None`` = ``num_heads``.
+        head_dim: Head dim ``E``; ``None`` = ``dim // num_heads`` (which must then divide).
+        hidden_dim: Feed-forward hidden dim; ``None`` = ``4 * dim``.
+        max_seq_len: Rows of the sinusoidal/learned tables; longest sequence an LM generates.
+        position: ``"rope"``, ``"sinusoidal"``, ``"learned"`` or ``"none"``.
+        causal: Causal attention (a :class:`attnkit.TransformerLM` needs ``True``).
+        norm_first: Pre-norm blocks plus a final norm, or post-norm blocks.
+        norm: ``"layernorm"`` or ``"rmsnorm"``.
+        activation: ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``.
+        eps: Norm epsilon.
+        dropout: Dropout after the embeddings and inside the blocks.
+        bias: Default for every projection bias below.
+        qkv_bias: Biases of the query/key/value projections (``None`` = ``bias``).
+        out_bias: Bias of the attention output projection (``None`` = ``bias``).
+        mlp_bias: Biases of the feed-forward projections (``None`` = ``bias``).
+        window: Sliding-window attention size (``None``: full attention).
+        rope_base: Rotary wavelength base (Hugging Face's ``rope_theta``).
+        rope_interleaved: Rotary pairs are adjacent channels (the blog) instead of halves
+            (Hugging Face: ``False``).
+        rope_scaling: ``None`` or a Hugging Face ``rope_scaling`` dict of type ``"linear"``
+            (``factor``) or ``"llama3"`` (``factor``, ``low_freq_factor``, ``high_freq_factor``,
+            ``original_max_position_embeddings``).
+        tie_embeddings: The LM's output head is the token embedding (``False``: a separate
+            ``lm_head`` ``Linear`` without bias).
+
+    Raises:
+        TypeError: If a size is not an int or ``rope_scaling`` not a dict.
+        ValueError: Naming the offending values, for bad sizes or option values.
+    """
+
+    vocab_size: int | None
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    hidden_dim: int | None = None
+    max_seq_len: int = 1024
+    position: PositionType = "rope"
+    causal: bool = True
+    norm_first: bool = True
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    activation: Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu"] = "gelu"
+    eps: float = 1e-5
+    dropout: float = 0.0
+    bias: bool = True
+    qkv_bias: bool | None = None
+    out_bias: bool | None = None
+    mlp_bias: bool | None = None
+    window: int | None = None
+    rope_base: float = 10_000.0
+    rope_interleaved: bool = True
+    rope_scaling: dict[str, Any] | None = None
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        given: dict[str, int | None] = {
+            "vocab_size": self.vocab_size,
+            "dim": self.dim,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_dim": self.hidden_dim,
+            "max_seq_len": self.max_seq_len,
+            "window": self.window,
+        }
+        sizes = {k: v for k, v in given.items() if v is not None}
+        not_int = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int)}
+        if not_int:
+            raise TypeError(f"sizes must be ints, got {not_int}")
+        bad = {k: v for k, v in sizes.items() if v < 1}
+        if bad:
+            raise ValueError(f"sizes must be positive, got {bad}")
+        flags = ("causal", "norm_first", "bias", "rope_interleaved", "tie_embeddings")
+        opt_flags = ("qkv_bias", "out_bias", "mlp_bias")
+        not_bool = {k: getattr(self, k) for k in flags if not isinstance(getattr(self, k), bool)}
+        not_bool |= {
+            k: getattr(self, k)
+            for k in opt_flags
+            if getattr(self, k) is not None and not isinstance(getattr(self, k), bool)
+        }
+        if not_bool:
+            raise TypeError(f"these options must be bools, got {not_bool}")
+        choices = {"position": POSITIONS, "norm": NORMS, "activation": ACTIVATIONS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.head_dim is None and self.dim % self.num_heads:
+            raise ValueError(
+                f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads}) "
+                "unless head_dim is given"
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.position == "rope" and self.attn_head_dim % 2:
+            raise ValueError(f"rope needs an even head dim, got {self.attn_head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"eps must be a positive number, got {self.eps}")
+        if not (math.isfinite(self.rope_base) and self.rope_base > 1.0):
+            raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+        # Frozen: normalise through object.__setattr__ (a private copy, HF keys).
+        object.__setattr__(self, "rope_scaling", check_rope_scaling(self.rope_scaling))
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads ``K`` (``num_kv_heads`` or ``num_heads``)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def attn_head_dim(self) -> int:
+        """Head dim ``E`` (``head_dim`` or ``dim // num_heads``)."""
+        return self.dim // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def ffn_dim(self) -> int:
+        """Feed-forward hidden dim (``hidden_dim`` or ``4 * dim``)."""
+        return 4 * self.dim if self.hidden_dim is None else self.hidden_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-serialisable dict of every field (inverse: :meth:`from_dict`)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
+        """Build a config from :meth:`to_dict`'s output (missing fields take their defaults).
+
+        Raises:
+            ValueError: If ``data`` has keys that are not fields (naming them).
+        """
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown TransformerConfig fields {unknown}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> TransformerConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+# What Llama-family checkpoints share: GQA with 4 key/value heads, RMSNorm, SwiGLU, no biases,
+# rotary pairs in halves (Hugging Face's layout).
+_LLAMA: dict[str, Any] = {
+    "num_kv_heads": 4,
+    "max_seq_len": 2048,
+    "norm": "rmsnorm",
+    "activation": "swiglu",
+    "bias": False,
+    "rope_interleaved": False,
+}
+
+PRESETS: dict[str, TransformerConfig] = {
+    # The lab's tagger at its defaults (LabConfig().model_config(), reversal task vocabulary).
+    "lab-default": TransformerConfig(
+        vocab_size=12,
+        dim=64,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=128,
+        max_seq_len=64,
+        position="sinusoidal",
+        causal=False,
+        norm_first=False,
+        activation="relu",
+    ),
+    # A GPT-2-small-shaped LM at attnkit's defaults.
+    "gpt2-small": TransformerConfig(
+        vocab_size=50257,
+        dim=768,
+        num_layers=12,
+        num_heads=12,
+        max_seq_len=1024,
+        position="learned",
+        activation="gelu_tanh",
+    ),
+    "llama-tiny": TransformerConfig(
+        vocab_size=32000, dim=256, num_layers=4, num_heads=8, hidden_dim=688, **_LLAMA
+    ),
+    # Llama-shaped, about 100M parameters with tied embeddings.
+    "llama-100m": TransformerConfig(
+        vocab_size=32000, dim=768, num_layers=12, num_heads=12, hidden_dim=2048, **_LLAMA
+    ),
+}
