@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import functional as F_attn
-from attnkit.attention import MultiHeadSelfAttention
+from attnkit.attention import MultiHeadSelfAttention, split_weights, with_weights
 from attnkit.blocks import Activation, TransformerBlock
 
 __all__ = [
@@ -332,8 +332,8 @@ class BertLayer(TransformerBlock):
             x ``(N, D)`` -> ``(N, D)``.
         """
         attn = self.attention
-        mixed = batch.attend(attn.w_qkv(x), num_heads=attn.num_heads, scale=attn.scale)  # (N, D)
-        x = self.norm1(x + attn.output_map(mixed))
+        mixed = batch.attend(attn.qkv_proj(x), num_heads=attn.num_heads, scale=attn.scale)  # (N, D)
+        x = self.norm1(x + attn.out_proj(mixed))
         return self.norm2(x + self.feed_forward(x))
 
 
@@ -377,15 +377,13 @@ class BertEncoder(nn.Module):
         if attention_mask is not None and not bool(attention_mask.all()):  # no padding: no mask
             mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, L): padded keys are hidden
         x = self.embeddings(input_ids, token_type_ids)  # (B, L, D)
-        if not return_weights:
-            for layer in self.layers:
-                x = layer(x, mask)
-            return x
         weights = []
         for layer in self.layers:
-            x, w = layer(x, mask, return_weights=True)  # w (B, H, L, L)
-            weights.append(w)
-        return x, torch.stack(weights)  # (B, L, D), (layers, B, H, L, L)
+            x, w = split_weights(layer(x, mask, return_weights=return_weights))  # w (B, H, L, L)
+            if w is not None:
+                weights.append(w)
+        stacked = torch.stack(weights) if weights else None  # (layers, B, H, L, L)
+        return with_weights(x, stacked)  # (B, L, D)
 
     def forward_packed(
         self, input_ids: Tensor, batch: PackedBatch, token_type_ids: Tensor | None = None
