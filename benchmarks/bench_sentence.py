@@ -57,6 +57,39 @@ def make_texts(n: int, *, long_words: int = 400, seed: int = 0) -> list[str]:
     return texts
 
 
+def _attention_sweep(lengths: list[int], batch_size: int, repeats: int) -> dict[str, float]:
+    """Median ms of one layer's packed attention over every batch, per ``GROUP_RATIO``.
+
+    The attention part alone (random q/k/v of MiniLM's 12 heads x 32), where the group ratio
+    trades padded work (large ratios) against calls (small ratios); prints and returns it.
+    """
+    ordered = sorted(lengths, reverse=True)
+    batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+    qkvs = [torch.randn(sum(b), 3 * 384) for b in batches]
+    ratios = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, float("inf"))
+    pack = bert.PackedBatch.from_lengths
+    layouts = {r: [pack(b, group_ratio=r) for b in batches] for r in ratios}
+
+    def attend(r: float) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode():
+                for layout, qkv in zip(layouts[r], qkvs, strict=True):
+                    layout.attend(qkv, num_heads=12)
+
+        return run
+
+    fns = {f"{r:g}": attend(r) for r in ratios}
+    for fn in fns.values():
+        fn()  # warm-up
+    times = time_interleaved(fns, repeats=max(repeats, 9))
+    out = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    print("packed attention of one layer, all batches (median ms) by group ratio:")
+    for r in ratios:
+        calls = sum(len(layout.groups) for layout in layouts[r])
+        print(f"  ratio {r:>4g}: {calls:3d} calls {out[f'{r:g}']:8.1f} ms")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--texts", type=int, default=128)
@@ -152,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
         row = f"{name:<24}{m:>10.3f}{len(texts) / m:>10.1f}{ratio[name]:>8.2f}x"
         print(f"{row}{diffs[name]:>12.1e}")
     print(f"throughput ratio attnkit / sentence-transformers: {result['throughput_ratio']:.2f}")
+    if args.sweep:
+        result["attention_only_ms"] = _attention_sweep(lengths, bs, args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")

@@ -40,9 +40,13 @@ _ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "relu": "relu"}
 
 #: A packed batch's texts (longest first) share one attention call while the longest of the group
 #: is at most this factor longer than the shortest; a shorter text opens the next group. Each group
-#: pads to its own longest text, so no query/key pair costs more than 2x^2 of its real work, and a
-#: batch of 32 texts of 5..256 tokens needs at most ~6 calls per layer. Measured with
-#: ``benchmarks/bench_sentence.py --group-ratio`` (2-core CPU, torch 2.13; see the README there).
+#: pads to its own longest text, so a text's attention costs at most ratio^2 times its real work.
+#: Measured with ``benchmarks/bench_sentence.py --sweep`` (issue 13's 128 texts, batch 32; 2-core
+#: CPU shared with other jobs, torch 2.13): one layer's attention over the 4 batches took 18.5 /
+#: 27.5 / 100 ms at ratio 1 / 2 / inf on 1 thread (55 / 7 / 4 calls), 209 / 298 / 404 ms on 2
+#: loaded threads, where every extra call waits on OpenMP; whole-encode ratios to
+#: sentence-transformers for ratios 1 to 3 were within the noise (2.8-3.2x on 1 thread, 1.2-1.6x on
+#: 2), with inf clearly behind (2.2x, 1.0x). 2 keeps the call count low at a small padding cost.
 GROUP_RATIO = 2.0
 
 
@@ -326,7 +330,15 @@ class BertLayer(TransformerBlock):
         )
 
     def forward_packed(self, x: Tensor, batch: PackedBatch) -> Tensor:
-        """The layer on packed tokens (inference: BERT layers have no dropout here).
+        """The layer on packed tokens: each text attends over its own tokens, then the post-norm
+        residual steps of :meth:`TransformerBlock.forward` (BERT's blocks have no dropout).
+
+        Args:
+            x: Hidden states of the packed tokens.
+            batch: Where each text lies.
+
+        Returns:
+            The layer's output for every token, in packed order.
 
         Shape:
             x ``(N, D)`` -> ``(N, D)``.
