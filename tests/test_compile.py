@@ -64,6 +64,25 @@ def test_fullgraph_encoder_with_padding_and_positions(position: str) -> None:
         assert_close(compiled(x, positions=packed), model(x, positions=packed), atol=0, rtol=0)
 
 
+def test_fullgraph_lm_with_window_gqa_and_padding() -> None:
+    # causal + window + a padding mask: the structured-mask path of the kernel, captured whole
+    model = _tiny("lm", "rope", num_kv_heads=1, window=4, norm_first=True)
+    compiled = _compiled(model)
+    x = torch.randint(0, VOCAB, (2, L))
+    real = torch.arange(L)[None, :] < torch.tensor([[L], [6]])  # (B, L)
+    with torch.no_grad():
+        assert_close(compiled(x), model(x), atol=0, rtol=0)
+        assert_close(compiled(x, mask=real), model(x, mask=real), atol=0, rtol=0)
+
+
+def test_fullgraph_encoder_with_lengths() -> None:
+    model = _tiny("encoder", "sinusoidal", pool="mean")
+    compiled = _compiled(model)
+    x, lengths = torch.randint(0, VOCAB, (3, L)), torch.tensor([L, 5, 1])
+    with torch.no_grad():
+        assert_close(compiled(x, lengths=lengths), model(x, lengths=lengths), atol=0, rtol=0)
+
+
 def test_compiled_rotary_computes_the_table_rows() -> None:
     # compiled, RotaryEmbedding computes cos/sin per position instead of sizing a table by the
     # largest position: the same float64 angles, so the same rotation
