@@ -17,6 +17,8 @@ Positions (``position=``):
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -25,9 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit import masks as M
+from attnkit.attention import split_weights
 from attnkit.blocks import TransformerBlock, make_norm
 from attnkit.cache import KVCache
 from attnkit.config import TransformerConfig
+from attnkit.masks import attention_mask_from_padding
 from attnkit.positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -37,38 +41,6 @@ from attnkit.positional import (
 __all__ = ["TransformerEncoder", "TransformerLM", "attention_mask_from_padding"]
 
 Pooling = Literal["none", "mean", "first"]
-
-
-def attention_mask_from_padding(
-    mask: Tensor | None = None, lengths: Tensor | None = None, *, seq_len: int | None = None
-) -> Tensor | None:
-    """Turn a key-padding mask or lengths into a mask for attention scores ``(B, H, L, S)``.
-
-    Args:
-        mask: ``(B, S)`` bool (``True`` = real token) -> ``(B, 1, 1, S)``; ``(B, L, S)`` ->
-            ``(B, 1, L, S)``; a 4-D bool or additive float mask is returned unchanged.
-        lengths: Integer ``(B,)`` real lengths (alternative to ``mask``), padded to ``seq_len``.
-        seq_len: Key length for ``lengths``.
-
-    Returns:
-        A mask broadcastable to ``(B, H, L, S)``, or ``None``.
-
-    Raises:
-        ValueError: If both ``mask`` and ``lengths`` are given, or ``mask`` has 1 dim.
-    """
-    if mask is not None and lengths is not None:
-        raise ValueError("pass either mask or lengths, not both")
-    if lengths is not None:
-        return M.padding_mask(lengths, seq_len)
-    if mask is None:
-        return None
-    if mask.dim() == 2:
-        return mask[:, None, None, :]  # (B, 1, 1, S)
-    if mask.dim() == 3:
-        return mask[:, None]  # (B, 1, L, S)
-    if mask.dim() == 4:
-        return mask
-    raise ValueError(f"mask must be (B, S), (B, L, S) or (B, H, L, S), got {tuple(mask.shape)}")
 
 
 # Keyword defaults of TransformerEncoder where they differ from TransformerConfig's (the LM's).
@@ -206,11 +178,11 @@ class _TransformerStack(nn.Module):
         weights: list[Tensor] = []
         for i, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[i]
-            if return_weights:
-                h, w = block(h, mask, positions=positions, kv_cache=cache, return_weights=True)
+            h, w = split_weights(
+                block(h, mask, positions=positions, kv_cache=cache, return_weights=return_weights)
+            )
+            if w is not None:
                 weights.append(w)
-            else:
-                h = block(h, mask, positions=positions, kv_cache=cache)
         return self.norm(h), weights
 
 
@@ -289,14 +261,14 @@ class TransformerEncoder(_TransformerStack):
             ``(B, L, num_outputs)`` (``pool="none"``) / ``(B, num_outputs)`` (pooled).
         """
         L = x.shape[1]
-        attn_mask = attention_mask_from_padding(mask, lengths, seq_len=L)
+        attn_mask = M.attention_mask_from_padding(mask, lengths, seq_len=L)
         h, weights = self._hidden(
             x, attn_mask, positions=positions, kv_caches=None, return_weights=return_weights
         )
         if self.pool == "first":
             h = h[:, 0]  # (B, D)
         elif self.pool == "mean":
-            real = _token_mask(mask, lengths, L, h.device)
+            real = M.token_mask(mask, lengths, L, h.device)
             if real is None:
                 h = h.mean(dim=1)
             else:
@@ -304,17 +276,6 @@ class TransformerEncoder(_TransformerStack):
                 h = (h * w).sum(1) / w.sum(1).clamp_min(1.0)  # (B, D)
         out = self.head(h) if self.head is not None else h
         return (out, weights) if return_weights else out
-
-
-def _token_mask(
-    mask: Tensor | None, lengths: Tensor | None, L: int, device: torch.device
-) -> Tensor | None:
-    """``(B, L)`` bool of real tokens, if the padding is known per token."""
-    if lengths is not None:
-        return torch.arange(L, device=device)[None, :] < lengths.to(device)[:, None]
-    if mask is not None and mask.dim() == 2 and mask.dtype == torch.bool:
-        return mask
-    return None
 
 
 class TransformerLM(_TransformerStack):
@@ -399,7 +360,7 @@ class TransformerLM(_TransformerStack):
         Returns:
             Logits ``(B, L, V)``, or ``(logits, weights)``.
         """
-        attn_mask = attention_mask_from_padding(mask)
+        attn_mask = M.attention_mask_from_padding(mask)
         h, weights = self._hidden(
             input_ids,
             attn_mask,
@@ -468,16 +429,12 @@ class TransformerLM(_TransformerStack):
             ``(B, P + max_new_tokens)`` token ids, prompt included.
 
         Raises:
-            ValueError: If ``P + max_new_tokens > max_seq_len``, or bad options.
+            TypeError: If an argument has the wrong type (float ``max_new_tokens``, float
+                ``input_ids``, ...).
+            ValueError: If ``P + max_new_tokens > max_seq_len``, or bad option values.
         """
-        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-            raise ValueError(f"input_ids must be (B, P) with P >= 1, got {tuple(input_ids.shape)}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be positive, got {top_k}")
+        _check_generate_args(input_ids, max_new_tokens, temperature, top_k, use_cache, generator)
+        max_new_tokens, top_k = int(max_new_tokens), None if top_k is None else int(top_k)
         P = input_ids.shape[1]
         total = P + max_new_tokens
         if total > self.max_seq_len:
@@ -509,6 +466,47 @@ class TransformerLM(_TransformerStack):
             return ids
         finally:
             self.train(was_training)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_generate_args(
+    input_ids: Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    use_cache: bool,
+    generator: torch.Generator | None,
+) -> None:
+    """Validate :meth:`TransformerLM.generate`'s arguments, naming the offending values."""
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+    if (
+        input_ids.dtype.is_floating_point
+        or input_ids.dtype.is_complex
+        or input_ids.dtype == torch.bool
+    ):
+        raise TypeError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be (B, P) with P >= 1, got {tuple(input_ids.shape)}")
+    if not _is_int(max_new_tokens):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {temperature!r}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_k is not None and not _is_int(top_k):
+        raise TypeError(f"top_k must be an int or None, got {top_k!r}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be positive, got {top_k}")
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
 
 
 def _pick(

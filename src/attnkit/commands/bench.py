@@ -22,6 +22,12 @@ and the ratio to a measured bf16 matmul rate. Without CUDA it says so and exits 
 
 ``--flex`` adds torch's compiled FlexAttention (forward only: torch 2.13 has no FlexAttention
 backward on CPU); its first call, which compiles, is reported separately.
+
+Sizes: the default run (N = 1024 and 4096, textbook up to 2048) takes about 90 s on a 2-core
+CPU and shows a progress bar (tqdm, on stderr); ``--full`` adds N = 8192 and the textbook up to
+4096 (several minutes). ``--vs`` instead prints one table of attnkit against what a user would
+pick instead (dense-mask SDPA, compiled FlexAttention, sentence-transformers), see
+:mod:`attnkit.commands.bench_vs`.
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ import json
 import math
 import statistics
 import sys
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 CASES = ("causal", "padding", "window", "documents")
 IMPLS = ("block_sparse", "torch_sdpa", "textbook")
@@ -45,9 +53,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` options to ``parser``."""
     parser.add_argument(
-        "--seq-len", type=int, nargs="+", metavar="N",
-        help="sequence lengths (default 1024 4096 8192; cuda: 4096 8192 16384 32768)",
-    )  # fmt: skip
+        "--seq-len",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="sequence lengths (default 1024 4096, --full 1024 4096 8192, --vs 8192; "
+        "cuda: 4096 8192 16384 32768)",
+    )
     parser.add_argument("--heads", type=int, default=8, help="heads H (default 8)")
     parser.add_argument("--head-dim", type=int, default=64, help="head dim E (default 64)")
     parser.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
@@ -58,13 +70,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
     parser.add_argument(
-        "--textbook-max", type=int, default=4096, metavar="N",
-        help="skip the textbook implementation above this N (it materializes B*H*N*N scores)",
-    )  # fmt: skip
+        "--textbook-max",
+        type=int,
+        metavar="N",
+        help="skip the textbook implementation above this N (it materializes B*H*N*N scores; "
+        "default 2048, --full 4096)",
+    )
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--flex", action="store_true", help="add compiled FlexAttention (fwd)")
-    parser.add_argument("--out", type=Path, metavar="FILE.json", help="write results as JSON")
+    parser.add_argument(
+        "--out", "--json", type=Path, metavar="FILE.json", help="write results as JSON"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (for tests)")
+    parser.add_argument("--full", action="store_true", help="the whole sweep (several minutes)")
+    parser.add_argument(
+        "--vs",
+        action="store_true",
+        help="one table of attnkit against the alternatives (dense-mask SDPA, compiled "
+        "FlexAttention, sentence-transformers), side by side",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,11 +101,14 @@ def run(args: argparse.Namespace) -> int:
         if args.out is not None:
             _write(args.out, {"skipped": "CUDA not available", "device": args.device})
         return 0
+    if args.vs:
+        return _run_vs(args)
     if args.quick:
         seq_lens, heads, head_dim, window, doc_len = [256], 2, 16, 32, 64
         repeats = min(args.repeats, 2)
     else:
-        seq_lens = args.seq_len or ([4096, 8192, 16384, 32768] if cuda else [1024, 4096, 8192])
+        cpu_lens = [1024, 4096, 8192] if args.full else [1024, 4096]
+        seq_lens = args.seq_len or ([4096, 8192, 16384, 32768] if cuda else cpu_lens)
         heads, head_dim, window, doc_len = args.heads, args.head_dim, args.window, args.doc_len
         repeats = args.repeats
     for name, value in (
@@ -93,38 +120,92 @@ def run(args: argparse.Namespace) -> int:
         ("batch", args.batch),
     ):
         if value < 1:
-            raise ValueError(f"--{name} must be >= 1, got {value}")  # fmt: skip
+            raise ValueError(f"--{name} must be >= 1, got {value}")
     if any(n < 1 for n in seq_lens):
         raise ValueError(f"--seq-len values must be >= 1, got {seq_lens}")
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     device = torch.device(args.device)
 
     config = {
-        "seq_lens": seq_lens, "batch": args.batch, "heads": heads, "head_dim": head_dim,
-        "window": window, "doc_len": doc_len, "dtype": str(dtype).removeprefix("torch."),
-        "device": str(device), "repeats": repeats, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "cases": args.cases,
-    }  # fmt: skip
+        "seq_lens": seq_lens,
+        "batch": args.batch,
+        "heads": heads,
+        "head_dim": head_dim,
+        "window": window,
+        "doc_len": doc_len,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "repeats": repeats,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cases": args.cases,
+    }
+    from attnkit.profiling import matmul_flops_per_second
+
     results: list[dict[str, Any]] = []
-    matmul = _matmul_tflops(device, dtype)
+    matmul = matmul_flops_per_second(dtype, device) / 1e12
     modes = ["fwd"] if args.no_backward else ["fwd", "fwd+bwd"]
-    for n in seq_lens:
-        for case in args.cases:
-            kw = _case_kwargs(case, n, batch=args.batch, window=window, doc_len=doc_len,
-                              device=device)  # fmt: skip
-            for mode in modes:
-                results += _bench_point(
-                    case, mode, n, kw, batch=args.batch, heads=heads, head_dim=head_dim,
-                    dtype=dtype, device=device, repeats=repeats,
-                    textbook=n <= args.textbook_max, flex=args.flex and mode == "fwd",
-                    matmul=matmul,
-                )  # fmt: skip
+    textbook_max = args.textbook_max or (4096 if args.full else 2048)
+    points = [(n, case, mode) for n in seq_lens for case in args.cases for mode in modes]
+    for n, case, mode in _progress(points, enabled=not args.quick):
+        kw = _case_kwargs(case, n, batch=args.batch, window=window, doc_len=doc_len, device=device)
+        results += _bench_point(
+            case,
+            mode,
+            n,
+            kw,
+            batch=args.batch,
+            heads=heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            repeats=repeats,
+            textbook=n <= textbook_max,
+            flex=args.flex and mode == "fwd",
+            matmul=matmul,
+        )
     report = {"config": config, "matmul_tflops": matmul, "results": results}
     print(format_table(report))
     if args.out is not None:
         _write(args.out, report)
         print(f"wrote {args.out}")
     return 0
+
+
+def _run_vs(args: argparse.Namespace) -> int:
+    """``--vs``: the table of attnkit against the alternatives, optionally as JSON."""
+    from attnkit.commands import bench_vs
+
+    if args.quick:
+        config = bench_vs.VsConfig(
+            seq_len=512, window=32, documents=4, heads=2, head_dim=16, repeats=1, flex=args.flex,
+            texts=6, long_words=40,
+        )  # fmt: skip
+    else:
+        seq_len = args.seq_len[0] if args.seq_len else 8192
+        config = bench_vs.VsConfig(
+            seq_len=seq_len, window=args.window, heads=args.heads, head_dim=args.head_dim,
+            repeats=args.repeats, flex=True,
+        )  # fmt: skip
+    rows = bench_vs.run_vs(config, progress=not args.quick)
+    print(bench_vs.format_vs_table(rows, config))
+    if args.out is not None:
+        _write(args.out, bench_vs.rows_as_json(rows, config))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _progress(points: list[tuple[int, str, str]], *, enabled: bool) -> Iterable[Any]:
+    """The points wrapped in a tqdm progress bar on stderr (plain iteration without tqdm)."""
+    if not enabled:
+        return points
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(f"attnkit bench: {len(points)} points (install tqdm for a progress bar)",
+              file=sys.stderr)  # fmt: skip
+        return points
+    return tqdm(points, desc="attnkit bench", file=sys.stderr, unit="point")
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -169,7 +250,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def _case_kwargs(
-    case: str, n: int, *, batch: int, window: int, doc_len: int, device: Any
+    case: str, n: int, *, batch: int, window: int, doc_len: int, device: torch.device
 ) -> dict[str, Any]:
     """Structural arguments of a case (as passed to ``block_sparse_attention``)."""
     import torch
@@ -197,14 +278,26 @@ def _case_kwargs(
 
 
 def _bench_point(
-    case: str, mode: str, n: int, kw: dict[str, Any], *, batch: int, heads: int, head_dim: int,
-    dtype: Any, device: Any, repeats: int, textbook: bool, flex: bool, matmul: float | None,
-) -> list[dict[str, Any]]:  # fmt: skip
+    case: str,
+    mode: str,
+    n: int,
+    kw: dict[str, Any],
+    *,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+    textbook: bool,
+    flex: bool,
+    matmul: float | None,
+) -> list[dict[str, Any]]:
     """Time and measure every implementation on one (case, mode, N) point."""
     import torch
     import torch.nn.functional as F
 
-    from attnkit.profiling import peak_memory
+    from attnkit.profiling import peak_memory, time_interleaved
     from attnkit.sparse import block_sparse_attention, structured_mask
 
     gen = torch.Generator().manual_seed(n)
@@ -219,12 +312,12 @@ def _bench_point(
     density = pairs / (batch * heads * n * n)
     scale = 1.0 / math.sqrt(head_dim)
 
-    def textbook_attn(q: Any, k: Any, v: Any) -> Any:
+    def textbook_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, N, N)
         scores = scores.masked_fill(~mask, float("-inf"))
         return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v
 
-    fns: dict[str, Callable[[], Any]] = {
+    fns: dict[str, Callable[[], torch.Tensor]] = {
         "block_sparse": lambda: block_sparse_attention(q, k, v, scale=scale, **kw),
         "torch_sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale),
     }
@@ -236,7 +329,7 @@ def _bench_point(
         if fn is not None:
             fns["flex"] = fn
 
-    def step(fn: Callable[[], Any]) -> Any:
+    def step(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         out = fn()
         if backward:
             out.backward(torch.ones_like(out))
@@ -250,11 +343,9 @@ def _bench_point(
         errs = {
             name: float((step(fn).detach().float() - ref).abs().max()) for name, fn in fns.items()
         }
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(repeats):
-            for name, fn in fns.items():
-                times[name].append(_timed(functools.partial(step, fn), device))
-        mems = {name: peak_memory(functools.partial(step, fn), device) for name, fn in fns.items()}
+        steps = {name: functools.partial(step, fn) for name, fn in fns.items()}
+        times = time_interleaved(steps, repeats=repeats, device=device)
+        mems = {name: peak_memory(fn, device) for name, fn in steps.items()}
 
     print(
         f"  N={n} {case} {mode}: "
@@ -267,27 +358,43 @@ def _bench_point(
     for name in fns:
         t = statistics.median(times[name])
         tflops = flops / t / 1e12 if device.type == "cuda" else None
-        out.append({
-            "case": case, "mode": mode, "seq_len": n, "impl": name, "time_s": t,
-            "times_s": times[name], "speedup_vs_sdpa": sdpa_t / t, "peak_mem_bytes": mems[name],
-            "density": density, "useful_flops": flops, "tflops": tflops,
-            "fraction_of_matmul": tflops / matmul if tflops and matmul else None,
-            "max_abs_err_vs_sdpa": errs[name],
-            **({"first_call_s": flex_first} if name == "flex" else {}),
-        })  # fmt: skip
+        out.append(
+            {
+                "case": case,
+                "mode": mode,
+                "seq_len": n,
+                "impl": name,
+                "time_s": t,
+                "times_s": times[name],
+                "speedup_vs_sdpa": sdpa_t / t,
+                "peak_mem_bytes": mems[name],
+                "density": density,
+                "useful_flops": flops,
+                "tflops": tflops,
+                "fraction_of_matmul": tflops / matmul if tflops and matmul else None,
+                "max_abs_err_vs_sdpa": errs[name],
+                **({"first_call_s": flex_first} if name == "flex" else {}),
+            }
+        )
     return out
 
 
-def _flex_fn(q: Any, k: Any, v: Any, kw: dict[str, Any], scale: float) -> tuple[Any, Any]:
+def _flex_fn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, Any], scale: float
+) -> tuple[Callable[[], torch.Tensor] | None, float | None]:
     """Compiled FlexAttention for a case and the seconds its first (compiling) call took."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from attnkit.profiling import time_call
 
     n = q.shape[-2]
     causal, window = kw.get("causal", False), kw.get("window")
     seg, lengths = kw.get("segment_ids"), kw.get("key_lengths")
 
-    def mask_mod(b: Any, h: Any, i: Any, j: Any) -> Any:
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+    ) -> torch.Tensor:
         ok = j >= 0
         if causal:
             ok = ok & (j <= i)
@@ -302,42 +409,14 @@ def _flex_fn(q: Any, k: Any, v: Any, kw: dict[str, Any], scale: float) -> tuple[
     try:
         block_mask = create_block_mask(mask_mod, q.shape[0], None, n, n, device=str(q.device))
         compiled = torch.compile(flex_attention)
-        start = time.perf_counter()
         with torch.no_grad():
-            compiled(q, k, v, block_mask=block_mask, scale=scale)
-        first = time.perf_counter() - start
+            first = time_call(
+                lambda: compiled(q, k, v, block_mask=block_mask, scale=scale), q.device
+            )
     except Exception as err:  # compilation needs a C++ toolchain; report and go on
         print(f"attnkit bench: FlexAttention unavailable: {err}", file=sys.stderr)
         return None, None
     return (lambda: compiled(q, k, v, block_mask=block_mask, scale=scale)), first
-
-
-# --------------------------------------------------------------------------------------------
-# measuring
-
-
-def _timed(fn: Callable[[], Any], device: Any) -> float:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
-def _matmul_tflops(device: Any, dtype: Any) -> float | None:
-    """Measured dense matmul rate in TFLOP/s (the roofline the attention kernels chase)."""
-    import torch
-
-    n = 8192 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    a @ b  # warm-up
-    t = min(_timed(lambda: a @ b, device) for _ in range(3))
-    return 2 * n**3 / t / 1e12
 
 
 def _write(path: Path, report: dict[str, Any]) -> None:
