@@ -368,6 +368,9 @@ class TransformerLM(_TransformerStack):
         self.lm_head = (
             None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         )
+        # Token ids generation defaults to (eos_token_id, pad_token_id, bos_token_id);
+        # from_pretrained fills them from the folder's generation_config.json.
+        self.generation_config: dict[str, Any] = {}
 
     def logits(self, h: Tensor) -> Tensor:
         """Output head (tied to the embedding, or ``lm_head``). Shape: ``(..., D) -> (..., V)``."""
