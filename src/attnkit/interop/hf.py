@@ -274,25 +274,33 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
     out_bias = c.bias if c.out_bias is None else c.out_bias
     mlp_bias = c.bias if c.mlp_bias is None else c.mlp_bias
 
+    problems: list[str] = []
+
     def need(option: str, value: Any, wanted: Any, family: str) -> None:
         if value != wanted:
+            problems.append(f"{option}={value!r} (needs {wanted!r} in {family})")
+
+    def check() -> None:
+        if problems:
             raise ValueError(
-                f"{option}={value!r} has no counterpart in {family} (needs {wanted!r}); "
-                "this model cannot be saved as a Hugging Face folder"
+                "this model cannot be saved as a Hugging Face folder; options without a "
+                f"counterpart: {'; '.join(problems)}"
             )
 
     need("causal", c.causal, True, "a causal LM")
     need("norm_first", c.norm_first, True, "a pre-norm decoder")
+    check()
     if c.position == "learned":
         fam = "GPT2LMHeadModel (position='learned')"
         need("norm", c.norm, "layernorm", fam)
         acts = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
         if c.activation not in acts:
-            raise ValueError(f"activation={c.activation!r} has no counterpart in {fam}")
+            problems.append(f"activation={c.activation!r} (needs one of {sorted(acts)} in {fam})")
         need("bias", (qkv_bias, out_bias, mlp_bias), (True, True, True), fam)
         need("num_kv_heads", c.kv_heads, c.num_heads, fam)
         need("head_dim", c.attn_head_dim, c.dim // c.num_heads, fam)
         need("window", c.window, None, fam)
+        check()
         return {
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
@@ -317,6 +325,7 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
     need("norm", c.norm, "rmsnorm", fam)
     need("activation", c.activation, "swiglu", fam)
     need("rope_interleaved", c.rope_interleaved, False, fam)
+    check()
     common: dict[str, Any] = {
         "vocab_size": c.vocab_size,
         "hidden_size": c.dim,
@@ -351,6 +360,7 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
     if c.window is not None:
         fam = "MistralForCausalLM (window)"
         need("bias", (qkv_bias, out_bias, mlp_bias), (False, False, False), fam)
+        check()
         return {
             "architectures": ["MistralForCausalLM"],
             "model_type": "mistral",
