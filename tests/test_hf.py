@@ -75,7 +75,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights large enough that a wrong mapping changes the logits and greedy tokens."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -94,7 +94,7 @@ def build_hf(kind: str, folder: Path, seed: int = 0) -> Any:
     config.eos_token_id, config.bos_token_id, config.pad_token_id = 2, 1, 0
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    _randomize(model, seed)
+    randomize(model, seed)
     if config.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(folder)
