@@ -179,20 +179,6 @@ def test_dropout_only_in_training():
     assert not torch.allclose(m(x), m(x))
 
 
-def test_kv_cache_decoding_equals_full_causal_pass():
-    m = attnkit.MultiHeadAttention(D, 4, num_kv_heads=2, causal=True).eval()
-    x = torch.randn(B, 6, D)
-    full = m(x)
-    cache = attnkit.KVCache(B, 2, 6, 3)
-    steps = [m(x[:, :3], kv_cache=cache)]
-    steps += [m(x[:, i : i + 1], kv_cache=cache) for i in range(3, 6)]
-    assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match=r"capacity exceeded: 6 cached \+ 1 new = 7 > capacity 6"):
-        m(x[:, :1], kv_cache=cache)
-    cache.reset()
-    assert cache.length == 0
-
-
 def test_compile_fullgraph():
     m = attnkit.MultiHeadAttention(D, 4, num_kv_heads=2, causal=True).eval()
     x = torch.randn(B, N, D)
@@ -223,3 +209,159 @@ def test_constructor_and_input_errors():
                                            torch.randn(1, 2, 12), torch.randn(1, 3, 12))
     with pytest.raises(ValueError, match=r"does not broadcast"):
         m(torch.randn(2, 3, 12), mask=torch.ones(4, 4, dtype=torch.bool))
+
+
+# ----------------------------------------------- checkpoint names, aliases, one call per layer
+
+BLOG_PAIRS = [
+    (lambda: blog.BlogAttention(D, 16, 10), lambda: attnkit.Attention(D, 16, 10)),
+    (lambda: blog.BlogSelfAttention(D, 16, 10), lambda: attnkit.SelfAttention(D, 16, 10)),
+    (
+        lambda: blog.BlogMultiheadCrossAttention(D, 16, 10, 4),
+        lambda: attnkit.MultiheadCrossAttention(D, 16, 10, 4),
+    ),
+    (
+        lambda: blog.BlogMultiHeadSelfAttention(D, 16, 10, 4),
+        lambda: attnkit.MultiHeadSelfAttention(D, 16, 10, 4),
+    ),
+]
+
+
+def _inputs(module: nn.Module) -> tuple[torch.Tensor, ...]:
+    x, kv = torch.randn(B, N, D), torch.randn(B, S, D)
+    fused = isinstance(module, attnkit.MultiHeadSelfAttention)
+    return (x,) if fused else (x, kv, kv)
+
+
+@pytest.mark.parametrize(("make_blog", "make_ours"), BLOG_PAIRS)
+def test_state_dict_keeps_the_blog_names_and_round_trips(make_blog, make_ours):
+    ref, ours = make_blog(), make_ours()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    assert list(ours.state_dict()) == list(ref.state_dict())  # same names, same order
+    for name, value in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], value)
+    again = make_ours()
+    again.load_state_dict(ours.state_dict(), strict=True)  # save -> load round trip
+    args = _inputs(ours)
+    assert torch.equal(again(*args), ours(*args))
+    assert_close(ours(*args), ref(*args), atol=1e-5, rtol=1e-5)
+    # The blog's code loads our state_dict too.
+    ref2 = make_blog()
+    ref2.load_state_dict(ours.state_dict(), strict=True)
+    assert_close(ref2(*args), ref(*args))
+
+
+@pytest.mark.parametrize(("make_blog", "make_ours"), BLOG_PAIRS)
+def test_attribute_names_also_load_and_parameters_are_named_by_attribute(make_blog, make_ours):
+    ours = make_ours()
+    by_attribute = {n: p.detach() + 1 for n, p in ours.named_parameters()}
+    prefixes = {n.split(".")[0] for n in by_attribute}
+    assert prefixes <= {"q_proj", "k_proj", "v_proj", "qkv_proj", "out_proj"}
+    assert "out_proj" in prefixes
+    ours.load_state_dict(by_attribute, strict=True)
+    for n, p in ours.named_parameters():
+        assert torch.equal(p, by_attribute[n])
+    # named_parameters and state_dict list the same tensors, under attribute vs. blog names.
+    blog_names = list(make_blog().state_dict())
+    assert [p.data_ptr() for p in ours.parameters()] == [
+        ours.state_dict()[n].data_ptr() for n in blog_names
+    ]
+
+
+def test_strict_loading_still_reports_bad_keys():
+    ours = attnkit.MultiHeadSelfAttention(D, 16, 10, 4)
+    sd = ours.state_dict()
+    sd["w_qkv.extra"] = torch.zeros(1)
+    del sd["output_map.bias"]
+    with pytest.raises(RuntimeError) as err:
+        ours.load_state_dict(sd, strict=True)
+    # Named as in the checkpoint, not by the attributes the keys were mapped to.
+    assert 'Missing key(s) in state_dict: "output_map.bias"' in str(err.value)
+    assert 'Unexpected key(s) in state_dict: "w_qkv.extra"' in str(err.value)
+    result = ours.load_state_dict(sd, strict=False)
+    assert (result.missing_keys, result.unexpected_keys) == (["output_map.bias"], ["w_qkv.extra"])
+    block = attnkit.TransformerBlock(16, 24, 4)
+    sd = block.state_dict()
+    sd["attention.output_map.extra"] = sd.pop("attention.output_map.weight")
+    result = block.load_state_dict(sd, strict=False)
+    assert result.missing_keys == ["attention.output_map.weight"]
+    assert result.unexpected_keys == ["attention.output_map.extra"]
+
+
+def test_blog_attribute_names_are_read_only_aliases():
+    cross = attnkit.MultiheadCrossAttention(D, 16, 10, 4)
+    assert cross.w_q is cross.q_proj and cross.w_k is cross.k_proj and cross.w_v is cross.v_proj
+    assert cross.output_map.weight is cross.out_proj.weight
+    fused = attnkit.MultiHeadSelfAttention(D, 16, 10, 4)
+    assert fused.w_qkv is fused.qkv_proj and fused.output_map is fused.out_proj
+    pos = attnkit.PositionalMultiHeadSelfAttention(16, 4)
+    assert pos.qkv is pos.qkv_proj and pos.output is pos.out_proj
+    assert set(pos.state_dict()) == {"qkv.weight", "qkv.bias", "output.weight", "output.bias"}
+    with pytest.raises(AttributeError, match=r"'w_qkv' is a read-only alias of 'qkv_proj'"):
+        fused.w_qkv = nn.Linear(D, 48)
+    with pytest.raises(AttributeError, match=r"'output_map' is a read-only alias of 'out_proj'"):
+        cross.output_map = nn.Linear(16, 10)
+    replacement = nn.Linear(16, 10)
+    cross.out_proj = replacement  # the attribute itself may be replaced
+    assert cross.output_map is replacement and "output_map.weight" in cross.state_dict()
+
+
+def test_blog_presets_share_one_forward():
+    assert isinstance(attnkit.Attention(D, 16, 10), attnkit.MultiheadCrossAttention)
+    assert isinstance(attnkit.SelfAttention(D, 16, 10), attnkit.MultiHeadSelfAttention)
+    assert attnkit.Attention.forward is attnkit.MultiheadCrossAttention.forward
+    assert attnkit.SelfAttention.forward is attnkit.MultiHeadSelfAttention.forward
+
+
+def test_nested_blog_names_and_copies():
+    import copy
+    import pickle
+
+    block = attnkit.TransformerBlock(D, 24, 4)
+    sd = block.state_dict()
+    assert "attention.w_qkv.weight" in sd and "attention.output_map.bias" in sd
+    assert not any("qkv_proj" in k or "out_proj" in k for k in sd)
+    clone = copy.deepcopy(block)
+    unpickled = pickle.loads(pickle.dumps(block))
+    x = torch.randn(B, N, D)
+    for other in (clone, unpickled):
+        assert list(other.state_dict()) == list(sd)
+        other.load_state_dict(sd, strict=True)
+        assert torch.equal(other(x), block(x))
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_weights_pass_through_every_layer(return_weights):
+    """One call per layer: weights reach the model's output exactly when they are asked for."""
+    lm = attnkit.TransformerLM(20, 16, 2, 4, max_seq_len=16).eval()
+    ids = torch.randint(0, 20, (2, 5))
+    out = lm(ids, return_weights=return_weights)
+    block, h = lm.blocks[0], lm.embedding(ids)
+    block_out = block(h, return_weights=return_weights)
+    attn_out = block.attention(block.norm1(h), return_weights=return_weights)  # pre-norm
+    if return_weights:
+        logits, weights = out
+        assert len(weights) == 2 and weights[0].shape == (2, 4, 5, 5)
+        assert_close(logits, lm(ids))
+        assert_close(block_out[1], attn_out[1])
+        assert_close(weights[0], attn_out[1])
+        assert torch.equal(torch.tril(weights[0]), weights[0])  # causal
+    else:
+        assert isinstance(out, torch.Tensor) and isinstance(block_out, torch.Tensor)
+        assert isinstance(attn_out, torch.Tensor)
+
+
+def test_with_and_split_weights_are_inverse():
+    out, w = torch.randn(2, 3), torch.randn(2, 3, 3)
+    assert attnkit.attention.with_weights(out, None) is out
+    assert attnkit.attention.with_weights(out, w) == (out, w)
+    assert attnkit.attention.split_weights(out) == (out, None)
+    assert attnkit.attention.split_weights((out, w)) == (out, w)
+    q = torch.randn(1, 2, 4, 8)
+    o1, none = attnkit.attention.attend(q, q, q, causal=True)
+    o2, weights = attnkit.attention.attend(q, q, q, causal=True, return_weights=True)
+    assert none is None and weights is not None
+    assert_close(o1, o2)
+    ref_out, ref_w = reference_attention(q, q, q, M.causal_mask(4, 4))
+    assert_close(o2, ref_out.float(), atol=1e-5, rtol=1e-5)
+    assert_close(weights, ref_w.float(), atol=1e-5, rtol=1e-5)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
+from attnkit import masks as M
 from attnkit.cache import KVCache
 from attnkit.config import TransformerConfig
 from attnkit.models import TransformerEncoder, TransformerLM, attention_mask_from_padding
@@ -95,6 +96,25 @@ def test_encoder_weights_heads_and_vector_inputs() -> None:
         attention_mask_from_padding(torch.ones(1, 2, dtype=torch.bool), torch.tensor([2]))
 
 
+def test_padding_helpers_live_in_masks() -> None:
+    assert attention_mask_from_padding is M.attention_mask_from_padding
+    lengths = torch.tensor([2, 4])
+    expected = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    assert torch.equal(M.token_mask(None, lengths, 4, torch.device("cpu")), expected)
+    assert torch.equal(M.token_mask(expected, None, 4, torch.device("cpu")), expected)
+    assert M.token_mask(expected.float(), None, 4, torch.device("cpu")) is None
+    assert M.token_mask(None, None, 4, torch.device("cpu")) is None
+    padding = M.attention_mask_from_padding(None, lengths, seq_len=4)
+    assert torch.equal(padding, M.attention_mask_from_padding(expected))
+    assert padding.shape == (2, 1, 1, 4)
+    # The encoder's mean pool uses the token mask: padded positions do not count.
+    enc = TransformerEncoder(30, 16, 1, 2, num_outputs=3, pool="mean").eval()
+    ids = torch.randint(0, 30, (2, 4))
+    short = TransformerEncoder(30, 16, 1, 2, num_outputs=3, pool="mean").eval()
+    short.load_state_dict(enc.state_dict())
+    assert_close(enc(ids, lengths=lengths)[0], short(ids[:1, :2])[0], **TOL)
+
+
 def test_lm_head_is_tied_and_gqa_runs_through_the_stack() -> None:
     lm = _lm()
     assert not any("head" in k for k in lm.state_dict())
@@ -161,6 +181,37 @@ def test_cache_capacity_and_max_seq_len_errors() -> None:
         lm(torch.zeros(1, 2, dtype=torch.long), kv_caches=caches)
     with pytest.raises(ValueError, match="per layer"):
         lm(torch.zeros(1, 2, dtype=torch.long), kv_caches=[KVCache(1, 2, 4, 8)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_new_tokens": 2.5}, TypeError, r"max_new_tokens must be an int, got 2.5"),
+        ({"max_new_tokens": True}, TypeError, r"max_new_tokens must be an int, got True"),
+        ({"max_new_tokens": -1}, ValueError, r"max_new_tokens must be >= 0, got -1"),
+        ({"temperature": "hot"}, TypeError, r"temperature must be a number, got 'hot'"),
+        ({"temperature": float("nan")}, ValueError, r"finite number >= 0, got nan"),
+        ({"temperature": -0.5}, ValueError, r"finite number >= 0, got -0.5"),
+        ({"top_k": 2.0}, TypeError, r"top_k must be an int or None, got 2.0"),
+        ({"top_k": 0}, ValueError, r"top_k must be positive, got 0"),
+        ({"use_cache": "yes"}, TypeError, r"use_cache must be a bool, got 'yes'"),
+        ({"generator": 3}, TypeError, r"generator must be a torch.Generator or None, got 3"),
+        ({"input_ids": [[1, 2]]}, TypeError, r"input_ids must be a tensor of token ids, got list"),
+        ({"input_ids": torch.ones(1, 2)}, TypeError, r"integer token ids, got dtype torch.float32"),
+        ({"input_ids": torch.ones(3, dtype=torch.long)}, ValueError, r"\(B, P\) .* got \(3,\)"),
+    ],
+)
+def test_generate_validates_its_arguments(kwargs: dict, error: type, match: str) -> None:
+    args = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "max_new_tokens": 2} | kwargs
+    with pytest.raises(error, match=match):
+        _lm().generate(**args)
+
+
+def test_generate_accepts_numpy_style_integers() -> None:
+    np = pytest.importorskip("numpy")
+    lm = _lm()
+    prompt = torch.zeros(1, 2, dtype=torch.long)
+    assert torch.equal(lm.generate(prompt, np.int64(3), top_k=np.int32(1)), lm.generate(prompt, 3))
 
 
 # --------------------------------------------------------------------------- rotary conventions

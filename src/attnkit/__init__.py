@@ -19,7 +19,8 @@ from attnkit.blocks import FeedForward, PositionalTransformerBlock, TransformerB
 from attnkit.cache import KVCache
 from attnkit.config import PRESETS, TransformerConfig
 from attnkit.functional import scaled_dot_product_attention
-from attnkit.models import TransformerEncoder, TransformerLM, attention_mask_from_padding
+from attnkit.masks import attention_mask_from_padding
+from attnkit.models import TransformerEncoder, TransformerLM
 from attnkit.positional import (
     LearnedPositionalEmbedding,
     PositionalMultiHeadSelfAttention,

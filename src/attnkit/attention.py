@@ -5,16 +5,25 @@ q/k/v projections, grouped-query attention (``num_kv_heads``), causal / sliding-
 rotary positions and a KV cache for decoding. It never computes attention itself: it projects,
 splits heads and calls :func:`attnkit.functional.scaled_dot_product_attention`.
 
-The blog's classes (``ScaleDotProductAttention``, ``Attention``, ``SelfAttention``,
-``MultiheadCrossAttention``, ``MultiHeadSelfAttention``) keep the blog's constructor signatures
-and parameter names (``w_q``, ``w_qkv``, ``output_map``...), so a state_dict saved from the blog's
-code loads with ``strict=True`` and gives the same outputs.
+The projections are plain attributes: ``q_proj``, ``k_proj``, ``v_proj`` (or one fused
+``qkv_proj``) and ``out_proj``. The blog's classes (``ScaleDotProductAttention``, ``Attention``,
+``SelfAttention``, ``MultiheadCrossAttention``, ``MultiHeadSelfAttention``) keep the blog's
+constructor signatures, and a checkpoint key map (:attr:`MultiHeadAttention.checkpoint_names`)
+gives their state_dicts the blog's parameter names (``w_q``, ``w_qkv``, ``output_map``...): a
+state_dict saved from the blog's code loads with ``strict=True`` and gives the same outputs, and
+``state_dict()`` writes the blog's names back. The blog's attribute names are read-only aliases
+(``attn.w_qkv is attn.qkv_proj``).
+
+Every layer makes one attention call and passes the weights through: :func:`with_weights` and
+:func:`split_weights` convert between the public ``out`` / ``(out, weights)`` return and the
+``(out, weights_or_None)`` pair.
 """
 
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +40,8 @@ __all__ = [
     "SelfAttention",
     "merge_heads",
     "split_heads",
+    "split_weights",
+    "with_weights",
 ]
 
 
@@ -42,6 +53,47 @@ def split_heads(x: Tensor, num_heads: int) -> Tensor:
 def merge_heads(x: Tensor) -> Tensor:
     """``(..., H, L, E) -> (..., L, H*E)``."""
     return x.transpose(-2, -3).flatten(-2)
+
+
+def with_weights(out: Tensor, weights: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
+    """The public return of a layer: ``out``, or ``(out, weights)`` when weights were computed."""
+    return out if weights is None else (out, weights)
+
+
+def split_weights(result: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
+    """Inverse of :func:`with_weights`: ``(out, weights)``, ``weights`` ``None`` if absent."""
+    return result if isinstance(result, tuple) else (result, None)
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`attnkit.functional.scaled_dot_product_attention` as an ``(out, weights)`` pair.
+
+    ``weights`` is ``None`` unless ``return_weights`` (the fused kernel is used then).
+
+    Shape:
+        q ``(B, H, L, E)``, k/v ``(B, K, S, E)`` -> out ``(B, H, L, E)``,
+        weights ``(B, H, L, S)``.
+    """
+    options: dict[str, Any] = {
+        "causal": causal,
+        "window": window,
+        "scale": scale,
+        "dropout_p": dropout_p,
+    }
+    if return_weights:
+        return F_attn.scaled_dot_product_attention(q, k, v, mask, return_weights=True, **options)
+    return F_attn.scaled_dot_product_attention(q, k, v, mask, **options), None
 
 
 def _check_positive(**sizes: int | None) -> None:
@@ -75,13 +127,16 @@ class MultiHeadAttention(nn.Module):
         ValueError: If sizes are not positive or do not divide.
     """
 
-    # Attribute names of the projections. The blog's presets rename them so that the blog's
-    # state_dicts load strictly; everything else refers to them through these names.
-    q_name: ClassVar[str] = "q_proj"
-    k_name: ClassVar[str] = "k_proj"
-    v_name: ClassVar[str] = "v_proj"
-    qkv_name: ClassVar[str] = "qkv_proj"
-    out_name: ClassVar[str] = "out_proj"
+    #: Checkpoint key map, attribute -> name in state_dicts (e.g. ``{"qkv_proj": "w_qkv"}``).
+    #: ``state_dict()`` writes these names and ``load_state_dict`` reads them (and the
+    #: attribute names); each mapped name is also a read-only alias of its attribute.
+    checkpoint_names: ClassVar[Mapping[str, str]] = {}
+
+    q_proj: nn.Linear  # separate projections (fused_qkv=False)
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    qkv_proj: nn.Linear  # one fused projection, rows [q | k | v] (fused_qkv=True)
+    out_proj: nn.Linear
 
     def __init__(
         self,
@@ -143,16 +198,27 @@ class MultiHeadAttention(nn.Module):
         self.dropout, self.causal, self.window, self.scale = dropout, causal, window, scale
         kv_hidden = num_kv_heads * self.head_dim
         if fused_qkv:
-            setattr(
-                self, self.qkv_name, nn.Linear(embed_dim, hidden_dim + 2 * kv_hidden, bias=bias)
-            )
+            self.qkv_proj = nn.Linear(embed_dim, hidden_dim + 2 * kv_hidden, bias=bias)
         else:
-            setattr(self, self.q_name, nn.Linear(embed_dim, hidden_dim, bias=bias))
-            setattr(self, self.k_name, nn.Linear(kdim, kv_hidden, bias=bias))
-            setattr(self, self.v_name, nn.Linear(vdim, kv_hidden, bias=bias))
-        out_bias = bias if out_bias is None else out_bias
-        setattr(self, self.out_name, nn.Linear(hidden_dim, out_dim, bias=out_bias))
+            self.q_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
+            self.k_proj = nn.Linear(kdim, kv_hidden, bias=bias)
+            self.v_proj = nn.Linear(vdim, kv_hidden, bias=bias)
+        self.out_proj = nn.Linear(hidden_dim, out_dim, bias=bias if out_bias is None else out_bias)
         self.rotary = rotary
+        self._load_prefix = ""  # set while loading, so error messages use checkpoint names
+        if self.checkpoint_names:
+            self.register_state_dict_post_hook(_save_with_checkpoint_names)
+            self.register_load_state_dict_pre_hook(_load_checkpoint_names)
+            self.register_load_state_dict_post_hook(_report_checkpoint_names)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        for attr, alias in self.checkpoint_names.items():
+            if name == alias:
+                raise AttributeError(
+                    f"{name!r} is a read-only alias of {attr!r} in {type(self).__name__}; "
+                    f"assign {attr!r} instead"
+                )
+        super().__setattr__(name, value)
 
     def project_qkv(
         self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None
@@ -173,7 +239,7 @@ class MultiHeadAttention(nn.Module):
             if not is_self:
                 raise ValueError("fused_qkv attention is self-attention: pass only the query")
             kv_hidden = self.num_kv_heads * self.head_dim
-            qkv = getattr(self, self.qkv_name)(query)  # (..., L, H*E + 2*K*E)
+            qkv = self.qkv_proj(query)  # (..., L, H*E + 2*K*E)
             q, k, v = qkv.split([self.hidden_dim, kv_hidden, kv_hidden], dim=-1)
         else:
             key = query if key is None else key
@@ -188,9 +254,9 @@ class MultiHeadAttention(nn.Module):
                     f"key {tuple(key.shape)} and value {tuple(value.shape)} differ "
                     "in batch or length"
                 )
-            q = getattr(self, self.q_name)(query)  # (..., L, H*E)
-            k = getattr(self, self.k_name)(key)  # (..., S, K*E)
-            v = getattr(self, self.v_name)(value)  # (..., S, K*E)
+            q = self.q_proj(query)  # (..., L, H*E)
+            k = self.k_proj(key)  # (..., S, K*E)
+            v = self.v_proj(value)  # (..., S, K*E)
         q = split_heads(q, self.num_heads)  # (..., H, L, E)
         k = split_heads(k, self.num_kv_heads)  # (..., K, S, E)
         v = split_heads(v, self.num_kv_heads)  # (..., K, S, E)
@@ -239,22 +305,7 @@ class MultiHeadAttention(nn.Module):
             k = self.rotary(k, positions)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, K, cached + L, E)
-        dropout_p = self.dropout if self.training else 0.0
-        out_proj = getattr(self, self.out_name)
-        if return_weights:
-            out, weights = F_attn.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                mask,
-                causal=self.causal,
-                window=self.window,
-                scale=self.scale,
-                dropout_p=dropout_p,
-                return_weights=True,
-            )
-            return out_proj(merge_heads(out)), weights  # (B, L, out_dim), (B, H, L, S)
-        out = F_attn.scaled_dot_product_attention(
+        out, weights = attend(
             q,
             k,
             v,
@@ -262,9 +313,10 @@ class MultiHeadAttention(nn.Module):
             causal=self.causal,
             window=self.window,
             scale=self.scale,
-            dropout_p=dropout_p,
-        )  # (B, H, L, E)
-        return out_proj(merge_heads(out))  # (B, L, out_dim)
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=return_weights,
+        )  # (B, H, L, E), (B, H, L, S) or None
+        return with_weights(self.out_proj(merge_heads(out)), weights)  # (B, L, out_dim)
 
     def extra_repr(self) -> str:
         parts = [f"heads={self.num_heads}", f"head_dim={self.head_dim}"]
@@ -277,8 +329,52 @@ class MultiHeadAttention(nn.Module):
         return ", ".join(parts)
 
 
+def _save_with_checkpoint_names(
+    module: MultiHeadAttention,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+) -> None:
+    """State-dict post-hook: write ``module``'s projections under their checkpoint names."""
+    names = module.checkpoint_names
+    # The module's entries were added last; re-adding them in order keeps the key order.
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        attr, _, rest = key[len(prefix) :].partition(".")
+        value = state_dict.pop(key)
+        state_dict[f"{prefix}{names.get(attr, attr)}.{rest}" if rest else key] = value
+
+
+def _load_checkpoint_names(
+    module: MultiHeadAttention,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load-state-dict pre-hook: read checkpoint names into the projection attributes."""
+    module._load_prefix = prefix
+    attr_of = {alias: attr for attr, alias in module.checkpoint_names.items()}
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        name, _, rest = key[len(prefix) :].partition(".")
+        if name in attr_of and rest:
+            state_dict[f"{prefix}{attr_of[name]}.{rest}"] = state_dict.pop(key)
+
+
+def _report_checkpoint_names(module: MultiHeadAttention, incompatible: Any) -> None:
+    """Load-state-dict post-hook: name missing/unexpected keys by their checkpoint names."""
+    prefix, names = module._load_prefix, module.checkpoint_names
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        for i, key in enumerate(keys):
+            attr, _, rest = key[len(prefix) :].partition(".")
+            if key.startswith(prefix) and attr in names and rest:
+                keys[i] = f"{prefix}{names[attr]}.{rest}"
+
+
 # --------------------------------------------------------------------------------------------
-# The blog's classes, same names, constructors and parameter names.
+# The blog's classes, same names and constructors; their state_dicts use the blog's names.
 # --------------------------------------------------------------------------------------------
 
 
@@ -305,67 +401,28 @@ class ScaleDotProductAttention(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Shape: q ``(..., L, E)``, k ``(..., S, E)``, v ``(..., S, Ev)`` -> ``(..., L, Ev)``."""
         scale = 1.0 / math.sqrt(self.d_k)
-        if return_weights:
-            return F_attn.scaled_dot_product_attention(
-                q, k, v, mask, scale=scale, return_weights=True
-            )
-        return F_attn.scaled_dot_product_attention(q, k, v, mask, scale=scale)
+        return with_weights(*attend(q, k, v, mask, scale=scale, return_weights=return_weights))
 
 
-class Attention(MultiHeadAttention):
-    """The blog's single-head attention with separate ``w_q``, ``w_k``, ``w_v`` and ``output_map``.
+class _BlogNames(MultiHeadAttention):
+    """Names the blog's multi-head classes share: ``output_map`` and ``dim_per_head``."""
 
-    Args:
-        dim_in: Input dim of queries, keys and values.
-        dim_hidden: Projected dim (the scores are divided by ``sqrt(dim_hidden)``).
-        dim_out: Output dim.
-    """
+    @property
+    def output_map(self) -> nn.Linear:
+        """The blog's name for ``out_proj``."""
+        return self.out_proj
 
-    q_name, k_name, v_name, out_name = "w_q", "w_k", "w_v", "output_map"
-
-    def __init__(self, dim_in: int, dim_hidden: int, dim_out: int) -> None:
-        super().__init__(dim_in, 1, hidden_dim=dim_hidden, out_dim=dim_out)
-
-    def forward(  # type: ignore[override]
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Tensor | None = None,
-        *,
-        return_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Shape: q ``(B, L, dim_in)``, k/v ``(B, S, dim_in)`` -> ``(B, L, dim_out)``."""
-        return super().forward(q, k, v, mask, return_weights=return_weights)
+    @property
+    def dim_per_head(self) -> int:
+        """The blog's name for the head dim."""
+        return self.head_dim
 
 
-class SelfAttention(MultiHeadAttention):
-    """The blog's single-head self-attention with one fused ``w_qkv`` projection.
-
-    Args:
-        dim_in: Input dim.
-        dim_hidden: Projected dim of each of q, k, v.
-        dim_out: Output dim.
-    """
-
-    qkv_name, out_name = "w_qkv", "output_map"
-
-    def __init__(self, dim_in: int, dim_hidden: int, dim_out: int) -> None:
-        super().__init__(dim_in, 1, hidden_dim=dim_hidden, out_dim=dim_out, fused_qkv=True)
-
-    def forward(  # type: ignore[override]
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
-        return_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Shape: x ``(B, L, dim_in)`` -> ``(B, L, dim_out)``."""
-        return super().forward(x, mask=mask, return_weights=return_weights)
-
-
-class MultiheadCrossAttention(MultiHeadAttention):
+class MultiheadCrossAttention(_BlogNames):
     """The blog's multi-head attention with separate ``w_q``, ``w_k``, ``w_v`` projections.
+
+    Its state_dict uses the blog's names ``w_q``, ``w_k``, ``w_v``, ``output_map`` (also
+    read-only aliases of ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``).
 
     Args:
         dim_in: Input dim of queries, keys and values.
@@ -374,15 +431,30 @@ class MultiheadCrossAttention(MultiHeadAttention):
         num_heads: Number of heads.
     """
 
-    q_name, k_name, v_name, out_name = "w_q", "w_k", "w_v", "output_map"
+    checkpoint_names: ClassVar[Mapping[str, str]] = {
+        "q_proj": "w_q",
+        "k_proj": "w_k",
+        "v_proj": "w_v",
+        "out_proj": "output_map",
+    }
 
     def __init__(self, dim_in: int, dim_hidden: int, dim_out: int, num_heads: int) -> None:
         super().__init__(dim_in, num_heads, hidden_dim=dim_hidden, out_dim=dim_out)
 
     @property
-    def dim_per_head(self) -> int:
-        """The blog's name for the head dim."""
-        return self.head_dim
+    def w_q(self) -> nn.Linear:
+        """The blog's name for ``q_proj``."""
+        return self.q_proj
+
+    @property
+    def w_k(self) -> nn.Linear:
+        """The blog's name for ``k_proj``."""
+        return self.k_proj
+
+    @property
+    def w_v(self) -> nn.Linear:
+        """The blog's name for ``v_proj``."""
+        return self.v_proj
 
     def get_heads(self, tokens: Tensor, linear_layer: nn.Module) -> Tensor:
         """Project ``tokens`` and split heads: ``(B, N, dim_in) -> (B, H, N, E)``."""
@@ -401,11 +473,27 @@ class MultiheadCrossAttention(MultiHeadAttention):
         return super().forward(q, k, v, mask, return_weights=return_weights)
 
 
-class MultiHeadSelfAttention(MultiHeadAttention):
+class Attention(MultiheadCrossAttention):
+    """The blog's single-head attention with separate ``w_q``, ``w_k``, ``w_v`` and ``output_map``.
+
+    :class:`MultiheadCrossAttention` with one head (same forward ``(q, k, v, mask)``).
+
+    Args:
+        dim_in: Input dim of queries, keys and values.
+        dim_hidden: Projected dim (the scores are divided by ``sqrt(dim_hidden)``).
+        dim_out: Output dim.
+    """
+
+    def __init__(self, dim_in: int, dim_hidden: int, dim_out: int) -> None:
+        super().__init__(dim_in, dim_hidden, dim_out, 1)
+
+
+class MultiHeadSelfAttention(_BlogNames):
     """The blog's multi-head self-attention with a fused ``w_qkv`` and optional causal mask.
 
     The keyword-only options are those of :class:`MultiHeadAttention`; at their defaults this is
-    exactly the blog's class.
+    exactly the blog's class. Its state_dict uses the blog's names ``w_qkv`` and ``output_map``
+    (also read-only aliases of ``qkv_proj`` and ``out_proj``).
 
     Args:
         in_dim: Input dim.
@@ -422,7 +510,7 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         rotary: Rotary module applied to queries and keys.
     """
 
-    qkv_name, out_name = "w_qkv", "output_map"
+    checkpoint_names: ClassVar[Mapping[str, str]] = {"qkv_proj": "w_qkv", "out_proj": "output_map"}
 
     def __init__(
         self,
@@ -457,9 +545,9 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         )
 
     @property
-    def dim_per_head(self) -> int:
-        """The blog's name for the head dim."""
-        return self.head_dim
+    def w_qkv(self) -> nn.Linear:
+        """The blog's name for ``qkv_proj``."""
+        return self.qkv_proj
 
     def forward(  # type: ignore[override]
         self,
@@ -478,3 +566,19 @@ class MultiHeadSelfAttention(MultiHeadAttention):
         return super().forward(
             x, mask=mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
         )
+
+
+class SelfAttention(MultiHeadSelfAttention):
+    """The blog's single-head self-attention with one fused ``w_qkv`` projection.
+
+    :class:`MultiHeadSelfAttention` with one head (its forward takes ``(x, mask)``, plus that
+    class's keywords).
+
+    Args:
+        dim_in: Input dim.
+        dim_hidden: Projected dim of each of q, k, v.
+        dim_out: Output dim.
+    """
+
+    def __init__(self, dim_in: int, dim_hidden: int, dim_out: int) -> None:
+        super().__init__(dim_in, dim_hidden, dim_out, 1)

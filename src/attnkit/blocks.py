@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.attention import MultiHeadSelfAttention
+from attnkit.attention import MultiHeadSelfAttention, split_weights, with_weights
 from attnkit.cache import KVCache
 from attnkit.positional import PositionalMultiHeadSelfAttention, SinusoidalPositionalEncoding
 
@@ -217,10 +217,11 @@ class TransformerBlock(nn.Module):
             ``x`` of shape ``(B, L, D)``, or ``(x, weights)`` with weights ``(B, H, L, S)``.
         """
         attn_in = self.norm1(x) if self.norm_first else x
-        attn = self.attention(
-            attn_in, mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
+        attn_out, weights = split_weights(
+            self.attention(
+                attn_in, mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
+            )
         )
-        attn_out, weights = attn if return_weights else (attn, None)
         attn_out = F.dropout(attn_out, p=self.dropout, training=self.training)
         if self.norm_first:
             x = x + attn_out
@@ -230,7 +231,7 @@ class TransformerBlock(nn.Module):
             x = self.norm1(x + attn_out)
             ff_out = self.feed_forward(x)
             x = self.norm2(x + F.dropout(ff_out, p=self.dropout, training=self.training))
-        return (x, weights) if return_weights else x  # type: ignore[return-value]
+        return with_weights(x, weights)
 
     def extra_repr(self) -> str:
         return f"norm_first={self.norm_first}, dropout={self.dropout}"

@@ -25,6 +25,7 @@ class KVCache(nn.Module):
         device: Storage device.
 
     Raises:
+        TypeError: If a size is not an int.
         ValueError: If a size is not positive.
     """
 
@@ -48,6 +49,9 @@ class KVCache(nn.Module):
             "capacity": capacity,
             "head_dim": head_dim,
         }
+        not_int = {n: v for n, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int)}
+        if not_int:
+            raise TypeError(f"KVCache sizes must be ints, got {not_int}")
         bad = {name: n for name, n in sizes.items() if n < 1}
         if bad:
             raise ValueError(f"KVCache sizes must be positive, got {bad}")
@@ -64,13 +68,34 @@ class KVCache(nn.Module):
             k, v ``(B, K, L, E)`` -> ``(B, K, length + L, E)`` each (views into the cache).
 
         Raises:
-            ValueError: If the new positions exceed the capacity, or shapes do not match.
+            TypeError: If ``k``/``v`` are not tensors of the cache's dtype (the cache never
+                casts silently).
+            ValueError: If the new positions exceed the capacity, shapes do not match, or
+                ``k``/``v`` are on another device.
         """
+        if not isinstance(k, Tensor) or not isinstance(v, Tensor):
+            raise TypeError(
+                f"KVCache.update takes tensors, got k={type(k).__name__}, v={type(v).__name__}"
+            )
+        if k.dim() != 4 or v.shape != k.shape:
+            raise ValueError(
+                f"KVCache.update needs k and v of the same shape (B, K, L, E), got "
+                f"k={tuple(k.shape)}, v={tuple(v.shape)}"
+            )
         B, K, L, E = k.shape
-        if (self.k.shape[0], self.k.shape[1], self.k.shape[3]) != (B, K, E) or v.shape != k.shape:
+        if (self.k.shape[0], self.k.shape[1], self.k.shape[3]) != (B, K, E):
             raise ValueError(
                 f"KVCache holds (B, K, *, E)={tuple(self.k.shape[:2])}+(E={self.k.shape[3]}), "
                 f"got k={tuple(k.shape)}, v={tuple(v.shape)}"
+            )
+        if k.dtype != self.k.dtype or v.dtype != self.k.dtype:
+            raise TypeError(
+                f"KVCache stores {self.k.dtype}, got k {k.dtype} and v {v.dtype}; build the "
+                "cache with the keys' dtype"
+            )
+        if k.device != self.k.device or v.device != self.k.device:
+            raise ValueError(
+                f"KVCache is on {self.k.device}, got k on {k.device} and v on {v.device}"
             )
         end = self.length + L
         if end > self.capacity:

@@ -236,6 +236,17 @@ class TransformerConfig:
         return replace(self, **changes)
 
 
+# What Llama-family checkpoints share: GQA with 4 key/value heads, RMSNorm, SwiGLU, no biases,
+# rotary pairs in halves (Hugging Face's layout).
+_LLAMA: dict[str, Any] = {
+    "num_kv_heads": 4,
+    "max_seq_len": 2048,
+    "norm": "rmsnorm",
+    "activation": "swiglu",
+    "bias": False,
+    "rope_interleaved": False,
+}
+
 PRESETS: dict[str, TransformerConfig] = {
     # The lab's tagger at its defaults (LabConfig().model_config(), reversal task vocabulary).
     "lab-default": TransformerConfig(
@@ -261,30 +272,10 @@ PRESETS: dict[str, TransformerConfig] = {
         activation="gelu_tanh",
     ),
     "llama-tiny": TransformerConfig(
-        vocab_size=32000,
-        dim=256,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=4,
-        hidden_dim=688,
-        max_seq_len=2048,
-        norm="rmsnorm",
-        activation="swiglu",
-        bias=False,
-        rope_interleaved=False,
+        vocab_size=32000, dim=256, num_layers=4, num_heads=8, hidden_dim=688, **_LLAMA
     ),
     # Llama-shaped, about 100M parameters with tied embeddings.
     "llama-100m": TransformerConfig(
-        vocab_size=32000,
-        dim=768,
-        num_layers=12,
-        num_heads=12,
-        num_kv_heads=4,
-        hidden_dim=2048,
-        max_seq_len=2048,
-        norm="rmsnorm",
-        activation="swiglu",
-        bias=False,
-        rope_interleaved=False,
+        vocab_size=32000, dim=768, num_layers=12, num_heads=12, hidden_dim=2048, **_LLAMA
     ),
 }

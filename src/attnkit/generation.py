@@ -19,6 +19,8 @@ over cache positions, so a new token sees at most ``window`` keys.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,26 +55,36 @@ class GenerationOptions:
     repetition_penalty: float | None = None
 
     def __post_init__(self) -> None:
-        bad: dict[str, Any] = {}
-        if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
-            bad["temperature"] = self.temperature
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
-        ):
-            bad["top_k"] = self.top_k
-        if self.top_p is not None and not (
-            isinstance(self.top_p, int | float) and 0 < self.top_p <= 1
-        ):
-            bad["top_p"] = self.top_p
-        if self.repetition_penalty is not None and not (
-            isinstance(self.repetition_penalty, int | float) and self.repetition_penalty > 0
-        ):
-            bad["repetition_penalty"] = self.repetition_penalty
-        if bad:
-            raise ValueError(
-                "generation options out of range (temperature >= 0, top_k >= 1, "
-                f"0 < top_p <= 1, repetition_penalty > 0): {bad}"
-            )
+        t, k, p, r = self.temperature, self.top_k, self.top_p, self.repetition_penalty
+        if not _is_real(t):
+            raise TypeError(f"temperature must be a number, got {t!r}")
+        if not (t >= 0 and math.isfinite(t)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t}")
+        if k is not None and not _is_int(k):
+            raise TypeError(f"top_k must be an int or None, got {k!r}")
+        if k is not None and k < 1:
+            raise ValueError(f"top_k must be positive, got {k}")
+        if p is not None and not _is_real(p):
+            raise TypeError(f"top_p must be a number or None, got {p!r}")
+        if p is not None and not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p}")
+        if r is not None and not _is_real(r):
+            raise TypeError(f"repetition_penalty must be a number or None, got {r!r}")
+        if r is not None and not (r > 0 and math.isfinite(r)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r}")
+        # numpy scalars and other numbers.Integral/Real become plain Python numbers.
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", None if k is None else int(k))
+        object.__setattr__(self, "top_p", None if p is None else float(p))
+        object.__setattr__(self, "repetition_penalty", None if r is None else float(r))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def positions_from_mask(mask: Tensor) -> Tensor:
@@ -148,11 +160,17 @@ def _check_inputs(
     attention_mask: Tensor | None,
 ) -> Tensor | None:
     """Validate the prompts; return the mask as bool (``None`` when there is no padding)."""
-    if not isinstance(input_ids, Tensor) or input_ids.dtype.is_floating_point:
-        raise TypeError(f"input_ids must be an integer tensor, got {input_ids!r:.60}")
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+    if (
+        input_ids.dtype.is_floating_point
+        or input_ids.dtype.is_complex
+        or input_ids.dtype == torch.bool
+    ):
+        raise TypeError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be (B, P) with P >= 1, got {tuple(input_ids.shape)}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+    if not _is_int(max_new_tokens):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -171,6 +189,8 @@ def _check_inputs(
         )
     if attention_mask is None:
         return None
+    if not isinstance(attention_mask, Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
     if attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
@@ -193,7 +213,6 @@ def _check_inputs(
     return None if bool(attention_mask.all()) else attention_mask
 
 
-@torch.no_grad()
 def stream(
     lm: TransformerLM,
     input_ids: Tensor,
@@ -211,11 +230,20 @@ def stream(
 ) -> Iterator[Tensor]:
     """Yield each new column of tokens ``(B,)`` as it is chosen (see :func:`generate`).
 
-    The model runs in eval mode while the iterator is active and gets its mode back when it is
-    exhausted or closed.
+    The arguments are checked at once; the model runs in eval mode while the iterator is
+    active and gets its mode back when it is exhausted or closed.
+
+    Raises:
+        ValueError: As :func:`generate`.
+        TypeError: As :func:`generate`.
     """
     options = GenerationOptions(temperature, top_k, top_p, repetition_penalty)
     mask = _check_inputs(lm, input_ids, max_new_tokens, attention_mask)
+    max_new_tokens = int(max_new_tokens)
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
     defaults = getattr(lm, "generation_config", {}) or {}
     if eos_token_id is None:
         eos_token_id = defaults.get("eos_token_id")
@@ -225,6 +253,8 @@ def stream(
     eos = _eos_tensor(eos_token_id, device)
     if pad_token_id is None and eos is not None:
         pad_token_id = int(eos[0])  # transformers' fallback
+    if pad_token_id is not None and not _is_int(pad_token_id):
+        raise TypeError(f"pad_token_id must be an int or None, got {pad_token_id!r}")
     B, P = input_ids.shape
     ids = input_ids.to(device)
     # Real-token mask of the whole output, grown column by column; None = no padding anywhere.
@@ -235,7 +265,36 @@ def stream(
         full_mask = torch.ones(B, P + max_new_tokens, dtype=torch.bool, device=device)
         full_mask[:, :P] = mask.to(device)
         positions = positions_from_mask(full_mask[:, :P])  # (B, P)
-    unfinished = torch.ones(B, dtype=torch.bool, device=device)
+    return _decode(
+        lm,
+        ids,
+        positions,
+        full_mask,
+        max_new_tokens,
+        options,
+        eos,
+        pad_token_id,
+        use_cache,
+        generator,
+    )
+
+
+@torch.no_grad()
+def _decode(
+    lm: TransformerLM,
+    ids: Tensor,
+    positions: Tensor,
+    full_mask: Tensor | None,
+    max_new_tokens: int,
+    options: GenerationOptions,
+    eos: Tensor | None,
+    pad_token_id: int | None,
+    use_cache: bool,
+    generator: torch.Generator | None,
+) -> Iterator[Tensor]:
+    """The decoding loop of :func:`stream` (arguments validated there)."""
+    B, P = ids.shape
+    unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
     was_training = lm.training
     lm.eval()
     try:

@@ -187,3 +187,56 @@ def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         raise TypeError(f"to_additive expects a bool mask, got {mask.dtype}")
     zeros = torch.zeros((), dtype=dtype, device=mask.device)
     return torch.where(mask, zeros, torch.tensor(float("-inf"), dtype=dtype, device=mask.device))
+
+
+def attention_mask_from_padding(
+    mask: Tensor | None = None, lengths: Tensor | None = None, *, seq_len: int | None = None
+) -> Tensor | None:
+    """Turn a key-padding mask or lengths into a mask for attention scores ``(B, H, L, S)``.
+
+    Args:
+        mask: ``(B, S)`` bool (``True`` = real token) -> ``(B, 1, 1, S)``; ``(B, L, S)`` ->
+            ``(B, 1, L, S)``; a 4-D bool or additive float mask is returned unchanged.
+        lengths: Integer ``(B,)`` real lengths (alternative to ``mask``), padded to ``seq_len``.
+        seq_len: Key length for ``lengths``.
+
+    Returns:
+        A mask broadcastable to ``(B, H, L, S)``, or ``None``.
+
+    Raises:
+        ValueError: If both ``mask`` and ``lengths`` are given, or ``mask`` has 1 dim.
+    """
+    if mask is not None and lengths is not None:
+        raise ValueError("pass either mask or lengths, not both")
+    if lengths is not None:
+        return padding_mask(lengths, seq_len)
+    if mask is None:
+        return None
+    if mask.dim() == 2:
+        return mask[:, None, None, :]  # (B, 1, 1, S)
+    if mask.dim() == 3:
+        return mask[:, None]  # (B, 1, L, S)
+    if mask.dim() == 4:
+        return mask
+    raise ValueError(f"mask must be (B, S), (B, L, S) or (B, H, L, S), got {tuple(mask.shape)}")
+
+
+def token_mask(
+    mask: Tensor | None, lengths: Tensor | None, L: int, device: torch.device
+) -> Tensor | None:
+    """``(B, L)`` bool of real tokens (``True`` = real), if the padding is known per token.
+
+    Args:
+        mask: A ``(B, L)`` bool key-padding mask (returned as is); other masks give ``None``.
+        lengths: Integer ``(B,)`` real lengths (used instead of ``mask`` when given).
+        L: Sequence length.
+        device: Device of the result built from ``lengths``.
+
+    Returns:
+        ``(B, L)`` bool, or ``None`` when the padding is not known per token.
+    """
+    if lengths is not None:
+        return torch.arange(L, device=device)[None, :] < lengths.to(device)[:, None]
+    if mask is not None and mask.dim() == 2 and mask.dtype == torch.bool:
+        return mask
+    return None

@@ -27,9 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit import masks as M
+from attnkit.attention import split_weights
 from attnkit.blocks import TransformerBlock, make_norm
 from attnkit.cache import KVCache
 from attnkit.config import TransformerConfig
+from attnkit.masks import attention_mask_from_padding
 from attnkit.positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -39,38 +41,6 @@ from attnkit.positional import (
 __all__ = ["TransformerEncoder", "TransformerLM", "attention_mask_from_padding"]
 
 Pooling = Literal["none", "mean", "first"]
-
-
-def attention_mask_from_padding(
-    mask: Tensor | None = None, lengths: Tensor | None = None, *, seq_len: int | None = None
-) -> Tensor | None:
-    """Turn a key-padding mask or lengths into a mask for attention scores ``(B, H, L, S)``.
-
-    Args:
-        mask: ``(B, S)`` bool (``True`` = real token) -> ``(B, 1, 1, S)``; ``(B, L, S)`` ->
-            ``(B, 1, L, S)``; a 4-D bool or additive float mask is returned unchanged.
-        lengths: Integer ``(B,)`` real lengths (alternative to ``mask``), padded to ``seq_len``.
-        seq_len: Key length for ``lengths``.
-
-    Returns:
-        A mask broadcastable to ``(B, H, L, S)``, or ``None``.
-
-    Raises:
-        ValueError: If both ``mask`` and ``lengths`` are given, or ``mask`` has 1 dim.
-    """
-    if mask is not None and lengths is not None:
-        raise ValueError("pass either mask or lengths, not both")
-    if lengths is not None:
-        return M.padding_mask(lengths, seq_len)
-    if mask is None:
-        return None
-    if mask.dim() == 2:
-        return mask[:, None, None, :]  # (B, 1, 1, S)
-    if mask.dim() == 3:
-        return mask[:, None]  # (B, 1, L, S)
-    if mask.dim() == 4:
-        return mask
-    raise ValueError(f"mask must be (B, S), (B, L, S) or (B, H, L, S), got {tuple(mask.shape)}")
 
 
 # Keyword defaults of TransformerEncoder where they differ from TransformerConfig's (the LM's).
@@ -208,11 +178,11 @@ class _TransformerStack(nn.Module):
         weights: list[Tensor] = []
         for i, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[i]
-            if return_weights:
-                h, w = block(h, mask, positions=positions, kv_cache=cache, return_weights=True)
+            h, w = split_weights(
+                block(h, mask, positions=positions, kv_cache=cache, return_weights=return_weights)
+            )
+            if w is not None:
                 weights.append(w)
-            else:
-                h = block(h, mask, positions=positions, kv_cache=cache)
         return self.norm(h), weights
 
 
@@ -291,14 +261,14 @@ class TransformerEncoder(_TransformerStack):
             ``(B, L, num_outputs)`` (``pool="none"``) / ``(B, num_outputs)`` (pooled).
         """
         L = x.shape[1]
-        attn_mask = attention_mask_from_padding(mask, lengths, seq_len=L)
+        attn_mask = M.attention_mask_from_padding(mask, lengths, seq_len=L)
         h, weights = self._hidden(
             x, attn_mask, positions=positions, kv_caches=None, return_weights=return_weights
         )
         if self.pool == "first":
             h = h[:, 0]  # (B, D)
         elif self.pool == "mean":
-            real = _token_mask(mask, lengths, L, h.device)
+            real = M.token_mask(mask, lengths, L, h.device)
             if real is None:
                 h = h.mean(dim=1)
             else:
@@ -306,17 +276,6 @@ class TransformerEncoder(_TransformerStack):
                 h = (h * w).sum(1) / w.sum(1).clamp_min(1.0)  # (B, D)
         out = self.head(h) if self.head is not None else h
         return (out, weights) if return_weights else out
-
-
-def _token_mask(
-    mask: Tensor | None, lengths: Tensor | None, L: int, device: torch.device
-) -> Tensor | None:
-    """``(B, L)`` bool of real tokens, if the padding is known per token."""
-    if lengths is not None:
-        return torch.arange(L, device=device)[None, :] < lengths.to(device)[:, None]
-    if mask is not None and mask.dim() == 2 and mask.dtype == torch.bool:
-        return mask
-    return None
 
 
 class TransformerLM(_TransformerStack):
@@ -404,7 +363,7 @@ class TransformerLM(_TransformerStack):
         Returns:
             Logits ``(B, L, V)``, or ``(logits, weights)``.
         """
-        attn_mask = attention_mask_from_padding(mask)
+        attn_mask = M.attention_mask_from_padding(mask)
         h, weights = self._hidden(
             input_ids,
             attn_mask,
@@ -482,7 +441,9 @@ class TransformerLM(_TransformerStack):
             ended with an eos token earlier.
 
         Raises:
-            ValueError: If ``P + max_new_tokens > max_seq_len``, or bad options.
+            TypeError: If an argument has the wrong type (float ``max_new_tokens``, float
+                ``input_ids``, ...).
+            ValueError: If ``P + max_new_tokens > max_seq_len``, or bad option values.
         """
         from attnkit import generation
 

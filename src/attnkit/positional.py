@@ -24,7 +24,8 @@ of each head's query/key channels; :func:`permute_rotary_weight` and
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -486,12 +487,9 @@ def convert_rotary_convention(model: nn.Module, *, to: RotaryConvention) -> nn.M
         H, K = attn.num_heads, attn.num_kv_heads
         q_rows, k_rows = attn.hidden_dim, K * attn.head_dim
         if attn.fused_qkv:
-            projs = [(getattr(attn, attn.qkv_name), [(0, q_rows, H), (q_rows, k_rows, K)])]
+            projs = [(attn.qkv_proj, [(0, q_rows, H), (q_rows, k_rows, K)])]
         else:
-            projs = [
-                (getattr(attn, attn.q_name), [(0, q_rows, H)]),
-                (getattr(attn, attn.k_name), [(0, k_rows, K)]),
-            ]
+            projs = [(attn.q_proj, [(0, q_rows, H)]), (attn.k_proj, [(0, k_rows, K)])]
         for linear, slices in projs:
             for start, n, heads in slices:
                 for p in (linear.weight, linear.bias):
@@ -512,8 +510,9 @@ def convert_rotary_convention(model: nn.Module, *, to: RotaryConvention) -> nn.M
 class PositionalMultiHeadSelfAttention(MultiHeadSelfAttention):
     """The blog's self-attention with fused ``qkv``/``output`` projections and optional RoPE.
 
-    A :class:`attnkit.MultiHeadSelfAttention` whose projections carry the blog's names for this
-    class; its forward is ``(x, mask=None, *, positions, kv_cache, return_weights)``.
+    A :class:`attnkit.MultiHeadSelfAttention` whose state_dict uses the blog's names for this
+    class, ``qkv`` and ``output`` (also read-only aliases of ``qkv_proj`` and ``out_proj``); its
+    forward is ``(x, mask=None, *, positions, kv_cache, return_weights)``.
 
     With ``use_rope`` the queries and keys are rotated with a :class:`RotaryEmbedding` in the
     blog's interleaved convention (positions ``0 .. L-1`` unless ``positions`` is given, or
@@ -530,7 +529,7 @@ class PositionalMultiHeadSelfAttention(MultiHeadSelfAttention):
             dim is odd.
     """
 
-    qkv_name, out_name = "qkv", "output"
+    checkpoint_names: ClassVar[Mapping[str, str]] = {"qkv_proj": "qkv", "out_proj": "output"}
 
     def __init__(
         self, dim: int, num_heads: int, causal: bool = False, use_rope: bool = False
@@ -540,3 +539,13 @@ class PositionalMultiHeadSelfAttention(MultiHeadSelfAttention):
         rotary = RotaryEmbedding(dim // num_heads, interleaved=True) if use_rope else None
         super().__init__(dim, dim, dim, num_heads, causal, rotary=rotary)
         self.use_rope = use_rope
+
+    @property
+    def qkv(self) -> nn.Linear:
+        """The blog's name for ``qkv_proj``."""
+        return self.qkv_proj
+
+    @property
+    def output(self) -> nn.Linear:
+        """The blog's name for ``out_proj``."""
+        return self.out_proj

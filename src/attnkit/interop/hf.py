@@ -453,7 +453,7 @@ def weight_map(arch: str, config: TransformerConfig) -> dict[str, _Entry]:
 
 
 # Attribute names of the block attention's fused q/k/v and output projections.
-_QKV, _OUT = "w_qkv", "output_map"
+_QKV, _OUT = "qkv_proj", "out_proj"
 
 
 # --------------------------------------------------------------------------------------------

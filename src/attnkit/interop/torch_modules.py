@@ -81,16 +81,16 @@ def from_torch_multihead_attention(
     if bias:
         b_q, b_k, b_v = m.in_proj_bias.split(D)  # torch keeps one [q; k; v] bias even with kdim
     if fused_qkv:
-        _copy_linear(getattr(new, new.qkv_name), m.in_proj_weight, m.in_proj_bias)
+        _copy_linear(new.qkv_proj, m.in_proj_weight, m.in_proj_bias)
     else:
         if same:
             w_q, w_k, w_v = m.in_proj_weight.split(D)  # rows [q; k; v], each (D, D)
         else:
             w_q, w_k, w_v = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
-        _copy_linear(getattr(new, new.q_name), w_q, b_q)
-        _copy_linear(getattr(new, new.k_name), w_k, b_k)
-        _copy_linear(getattr(new, new.v_name), w_v, b_v)
-    _copy_linear(getattr(new, new.out_name), m.out_proj.weight, m.out_proj.bias)
+        _copy_linear(new.q_proj, w_q, b_q)
+        _copy_linear(new.k_proj, w_k, b_k)
+        _copy_linear(new.v_proj, w_v, b_v)
+    _copy_linear(new.out_proj, m.out_proj.weight, m.out_proj.bias)
     return new.train(m.training)
 
 
@@ -145,8 +145,8 @@ def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> TransformerBl
     block = block.to(device=layer.linear1.weight.device, dtype=layer.linear1.weight.dtype)
     mha = block.attention
     assert isinstance(mha, MultiHeadAttention)  # the block built its own (attention=None)
-    _copy_linear(getattr(mha, mha.qkv_name), attn.in_proj_weight, attn.in_proj_bias)
-    _copy_linear(getattr(mha, mha.out_name), attn.out_proj.weight, attn.out_proj.bias)
+    _copy_linear(mha.qkv_proj, attn.in_proj_weight, attn.in_proj_bias)
+    _copy_linear(mha.out_proj, attn.out_proj.weight, attn.out_proj.bias)
     _copy_linear(block.feed_forward.linear1, layer.linear1.weight, layer.linear1.bias)
     _copy_linear(block.feed_forward.linear2, layer.linear2.weight, layer.linear2.bias)
     for ours, theirs in ((block.norm1, layer.norm1), (block.norm2, layer.norm2)):
