@@ -87,10 +87,11 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.3 * noise)
 
 
-def build_hf(kind: str, folder: Path, seed: int = 0) -> Any:
-    """Save a tiny random ``transformers`` model of case ``kind`` to ``folder``; return it."""
+def build_hf(kind: str, folder: Path, seed: int = 0, **overrides: Any) -> Any:
+    """Save a tiny random ``transformers`` model of case ``kind`` (config ``overrides``
+    applied) to ``folder``; return it."""
     cls_name, options = CASES[kind]
-    config = getattr(transformers, cls_name)(**options)
+    config = getattr(transformers, cls_name)(**(options | overrides))
     config.eos_token_id, config.bos_token_id, config.pad_token_id = 2, 1, 0
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
