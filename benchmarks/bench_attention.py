@@ -19,7 +19,6 @@ import math
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnkit
-from attnkit.profiling import peak_memory
+from attnkit.profiling import peak_memory, time_interleaved
 
 DIM, HEADS, BATCH = 512, 8, 1
 IMPLS = ("textbook", "torch_mha", "direct_sdpa", "attnkit")
@@ -121,12 +120,7 @@ def time_side_by_side(n: int, mode: str, impls: list[str], repeats: int) -> dict
     runs = {impl: step_fn(make(impl), x, mode) for impl in impls}
     for run in runs.values():
         run()  # warm-up
-    samples: dict[str, list[float]] = {impl: [] for impl in impls}
-    for _ in range(repeats):  # interleave so noise hits every implementation alike
-        for impl, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            samples[impl].append(time.perf_counter() - t0)
+    samples = time_interleaved(runs, repeats=repeats)  # noise hits every implementation alike
     return {impl: statistics.median(s) for impl, s in samples.items()}
 
 

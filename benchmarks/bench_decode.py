@@ -16,23 +16,24 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
 import torch
 
 from attnkit.models import TransformerLM
+from attnkit.profiling import time_call
 
 
 def _time_generate(
     model: TransformerLM, prompt: torch.Tensor, new: int, *, use_cache: bool, repeats: int
 ) -> tuple[float, torch.Tensor]:
-    best, tokens = float("inf"), prompt
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = model.generate(prompt, new, use_cache=use_cache)
-        best = min(best, time.perf_counter() - start)
-    return best, tokens
+    tokens = [prompt]
+
+    def generate() -> None:
+        tokens[0] = model.generate(prompt, new, use_cache=use_cache)
+
+    best = min(time_call(generate, prompt.device) for _ in range(repeats))
+    return best, tokens[0]
 
 
 def main(argv: list[str] | None = None) -> dict:

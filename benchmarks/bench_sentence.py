@@ -16,7 +16,6 @@ import os
 import platform
 import random
 import statistics
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,12 +39,6 @@ def make_sentences(n: int, *, seed: int = 0) -> list[str]:
     ]
 
 
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sentences", type=int, default=256)
@@ -60,6 +53,7 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     from attnkit.interop import SentenceEncoder
+    from attnkit.profiling import time_interleaved
 
     texts = make_sentences(args.sentences)
     ours = SentenceEncoder.from_pretrained()
@@ -72,10 +66,9 @@ def main() -> None:
         return theirs.encode(texts, batch_size=args.batch_size, convert_to_tensor=True)
 
     max_abs_diff = float((run_ours() - run_theirs()).abs().max())  # doubles as the warm-up
-    t_ours, t_theirs = [], []
-    for _ in range(args.repeats):  # interleaved, so that load changes hit both alike
-        t_ours.append(_seconds(run_ours))
-        t_theirs.append(_seconds(run_theirs))
+    # interleaved, so that load changes hit both alike
+    runs = time_interleaved({"ours": run_ours, "theirs": run_theirs}, repeats=args.repeats)
+    t_ours, t_theirs = runs["ours"], runs["theirs"]
     med_ours, med_theirs = statistics.median(t_ours), statistics.median(t_theirs)
     result = {
         "sentences": len(texts),

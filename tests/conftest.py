@@ -1,10 +1,11 @@
 import os
 
-import matplotlib
 import pytest
 import torch
 
-matplotlib.use("Agg")
+# matplotlib is an optional extra: choose its headless backend without importing it here (the
+# tests that draw import it with pytest.importorskip).
+os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -179,6 +179,7 @@ def test_dropout_only_in_training():
     assert not torch.allclose(m(x), m(x))
 
 
+@pytest.mark.slow
 def test_compile_fullgraph():
     m = attnkit.MultiHeadAttention(D, 4, num_kv_heads=2, causal=True).eval()
     x = torch.randn(B, N, D)

@@ -226,21 +226,6 @@ def test_segments_and_key_lengths_equal_dense_masks():
     assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
 
 
-def test_mask_builders():
-    assert_close(M.causal_mask(3, 5), bottom_right_causal(3, 5))
-    assert_close(M.causal_mask(3, 5, align="top_left"), torch.ones(3, 5, dtype=torch.bool).tril())
-    pad = M.padding_mask(torch.tensor([2, 0, 3]), 4)
-    assert pad.shape == (3, 1, 1, 4)
-    assert pad[:, 0, 0].tolist() == [[True, True, False, False], [False] * 4,
-                                     [True, True, True, False]]
-    doc = M.document_mask(torch.tensor([[0, 0, 1]]))
-    assert doc[0, 0].tolist() == [[True, True, False], [True, True, False], [False, False, True]]
-    a, b = torch.rand(3, 3) > 0.5, torch.rand(3, 3) > 0.5
-    assert_close(M.combine_masks(a, None, b), a & b)
-    assert M.combine_masks(None) is None
-    assert_close(M.to_additive(a), torch.where(a, 0.0, float("-inf")))
-
-
 # ---------------------------------------------------------------- property tests
 
 
@@ -309,14 +294,6 @@ def test_error_messages():
         sdpa(q, k, v, key_lengths=torch.tensor([9, 1]))
     with pytest.raises(ValueError, match=r"segment_ids must have shape \(B, S\) with S=7"):
         sdpa(q, k, v, segment_ids=torch.zeros(2, 5, dtype=torch.long))
-    with pytest.raises(ValueError, match="window must be a positive int"):
-        M.sliding_window_mask(3, window=-1)
-    with pytest.raises(TypeError, match="integer tensor"):
-        M.padding_mask(torch.tensor([1.5]))
-    with pytest.raises(TypeError, match="bool masks"):
-        M.combine_masks(torch.zeros(2, 2))
-    with pytest.raises(ValueError, match="align must be"):
-        M.causal_mask(2, align="middle")  # type: ignore[arg-type]
 
 
 def test_top_level_export():
@@ -327,12 +304,13 @@ def test_long_window_takes_block_sparse_path_and_matches_dense(monkeypatch):
     from attnkit import sparse
 
     calls = []
-    real = sparse.block_sparse_attention
-    monkeypatch.setattr(sparse, "block_sparse_attention",
-                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = sparse.tiled_attention
+    monkeypatch.setattr(
+        sparse, "tiled_attention", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw)
+    )
     q, k, v = _qkv(B=1, H=2, K=1, L=1100, S=1100, E=16, grad=True)
     out = sdpa(q, k, v, causal=True, window=48)
-    assert len(calls) == 1 and calls[0]["window"] == 48 and calls[0]["causal"] is True
+    assert len(calls) == 1 and calls[0].structure.window == 48 and calls[0].structure.causal
     dense = sdpa(q, k, v, M.sliding_window_mask(1100, window=48))
     assert_close(out, dense, atol=1e-5, rtol=1e-5)
     g_sparse = torch.autograd.grad(out.square().sum(), (q, k, v))

@@ -171,6 +171,7 @@ def test_missing_extra_names_the_package(monkeypatch, module, package, path) -> 
         SentenceEncoder.from_pretrained(path)
 
 
+@pytest.mark.slow
 def test_runs_without_transformers() -> None:
     code = (
         "import sys\n"
@@ -189,6 +190,7 @@ def _explain(*argv: str) -> int:
     return explain.run(parser.parse_args(list(argv)))
 
 
+@pytest.mark.slow
 def test_explain_writes_maps_and_page(tmp_path: Path, capsys) -> None:
     assert (
         _explain("The cat sat on the mat.", "--layer", "2", "--head", "-1", "--out", str(tmp_path))

@@ -31,6 +31,7 @@ def test_ruff_check_and_format_are_clean():
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
 
 
+@pytest.mark.slow
 def test_mypy_is_clean():
     res = _run(_tool("mypy"))
     assert res.returncode == 0, res.stdout + res.stderr

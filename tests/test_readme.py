@@ -1,9 +1,12 @@
-"""The README's two commands are what users and CI run: keep them true."""
+"""The README's two commands are what users and CI run, and DEVELOPING.md maps the package:
+keep both true."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +31,7 @@ def test_ci_runs_the_readme_test_command():
     assert ci[-1] == _commands()[1]
 
 
+@pytest.mark.slow
 def test_python_examples_run():
     """Every ```python block of the README runs, in order, in one namespace."""
     readme = (ROOT / "README.md").read_text()
@@ -36,3 +40,14 @@ def test_python_examples_run():
     namespace: dict[str, object] = {}
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
+
+
+def test_developing_md_lists_every_module():
+    """Every module and sub-package of attnkit has a row in DEVELOPING.md's table of files."""
+    text = (ROOT / "docs" / "DEVELOPING.md").read_text()
+    table = text.split("## Where things are", 1)[1]
+    listed = set(re.findall(r"^\| `([^`]+)`", table, flags=re.M))
+    package = ROOT / "src" / "attnkit"
+    modules = {p.name for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    subpackages = {f"{p.parent.name}/" for p in package.glob("*/__init__.py")}
+    assert modules | subpackages <= listed, sorted(modules | subpackages - listed)

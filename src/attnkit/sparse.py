@@ -8,14 +8,16 @@ torch's fused ``scaled_dot_product_attention`` as one batched call. The cost the
 ``L * (W + block_size)`` for a window ``W`` and as roughly ``sum(doc_len^2)`` for documents,
 instead of ``L * S``. Autograd differentiates through the gather, so no custom backward is needed.
 
-Mask semantics are those of :func:`attnkit.functional.scaled_dot_product_attention`: the query
-``i`` sits at key position ``p = i + (S - L)`` (bottom-right alignment) and may attend key ``j``
-iff every given constraint holds:
+Mask semantics are those of :func:`attnkit.functional.scaled_dot_product_attention`, defined
+once in :mod:`attnkit.masks` (:class:`~attnkit.masks.Structure`): the query ``i`` sits at key
+position ``p = i + (S - L)`` (bottom-right alignment) and may attend key ``j`` iff every given
+constraint holds (``causal``: ``j <= p``; ``window``: ``|p - j| < window``; ``segment_ids``: same
+document; ``key_lengths``: ``j < key_lengths[b]``).
 
-* ``causal``: ``j <= p``;
-* ``window``: ``|p - j| < window``;
-* ``segment_ids`` ``(B, S)``: ``segment_ids[b, j] == segment_ids[b, p]``;
-* ``key_lengths`` ``(B,)``: ``j < key_lengths[b]``.
+Two steps: :func:`faster_plan` finds each tile's key range (:class:`TilePlan`), and
+:func:`tiled_attention` runs a plan on inputs that :mod:`attnkit.functional` has validated.
+:func:`should_use_block_sparse` and :func:`faster_plan` decide when a plan beats the dense
+kernel.
 
 A query that may attend no key gets an output row of exactly zero with zero gradients.
 
@@ -33,10 +35,18 @@ E head dim.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from attnkit.masks import Structure, StructureArgs, structured_mask
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 
 __all__ = ["block_sparse_attention", "should_use_block_sparse", "structured_mask"]
 
@@ -54,60 +64,36 @@ LONG_MAX_DENSITY = 0.5
 _MAX_BUCKETS = 16
 
 
-def structured_mask(
-    L: int,
-    S: int,
-    *,
-    causal: bool = False,
-    window: int | None = None,
-    segment_ids: Tensor | None = None,
-    key_lengths: Tensor | None = None,
-    device: torch.device | str | None = None,
-) -> Tensor:
-    """Dense bool mask (``True`` = may attend) of the structured constraints.
+@dataclass(frozen=True)
+class TilePlan:
+    """Which keys each query tile reads; :func:`tiled_attention` runs it.
 
-    Args:
+    Attributes:
+        structure: The constraints, ids and lengths as ``(B, S)``/``(B,)`` long tensors.
         L: Query length.
         S: Key length.
-        causal: Query ``i`` may attend key ``j`` iff ``j <= i + (S - L)`` (bottom-right aligned).
-        window: Keys within ``|i + (S - L) - j| < window`` of the query's position.
-        segment_ids: Integer document ids of the keys; queries take the last ``L`` ids.
-        key_lengths: Key ``j`` of batch ``b`` is real iff ``j < key_lengths[b]``.
-        device: Device of the mask (defaults to that of ``segment_ids``/``key_lengths``).
-
-    Returns:
-        The mask, with a batch dim of ``B`` when ``segment_ids`` or ``key_lengths`` is given,
-        else 1.
-
-    Shape:
-        segment_ids ``(B, S)``, key_lengths ``(B,)`` -> ``(B or 1, 1, L, S)``.
-
-    Raises:
-        ValueError: Negative lengths, ``window < 1``, badly shaped or out-of-range ids/lengths.
+        B: Batch size (the product of the inputs' leading dims).
+        block_size: Query rows per tile.
+        lo: ``(B, n_blk)``: first key of each tile's range.
+        hi: ``(B, n_blk)``: end of each tile's range (exclusive); ``hi <= lo``: attends nothing.
     """
-    B = _validate_structure(
-        L, S, window=window, segment_ids=segment_ids, key_lengths=key_lengths, batch=None
-    )
-    if device is None:
-        ref = segment_ids if segment_ids is not None else key_lengths
-        device = ref.device if ref is not None else None
-    i = torch.arange(L, device=device).view(1, L, 1)
-    j = torch.arange(S, device=device).view(1, 1, S)
-    b = torch.arange(B, device=device).view(B, 1, 1)
-    seg, lengths = _prepare(segment_ids, key_lengths, B, S, device)
-    ok = _allowed(i, j, b, L=L, S=S, causal=causal, window=window, seg=seg, lengths=lengths)
-    return ok.expand(B, L, S).unsqueeze(1)  # (B, 1, L, S)
+
+    structure: Structure
+    L: int
+    S: int
+    B: int
+    block_size: int
+    lo: Tensor
+    hi: Tensor
+
+    @property
+    def covered(self) -> int:
+        """How many of the ``B * L * S`` scores the tiles compute (tile rows included)."""
+        return int((self.hi - self.lo).clamp(min=0).sum().item()) * self.block_size
 
 
 def should_use_block_sparse(
-    L: int,
-    S: int,
-    *,
-    causal: bool = False,
-    window: int | None = None,
-    segment_ids: Tensor | None = None,
-    key_lengths: Tensor | None = None,
-    block_size: int | None = None,
+    L: int, S: int, *, block_size: int | None = None, **structure: Unpack[StructureArgs]
 ) -> bool:
     """Whether :func:`block_sparse_attention` should beat the dense fused kernel.
 
@@ -120,29 +106,50 @@ def should_use_block_sparse(
     Args:
         L: Query length.
         S: Key length.
-        causal: As in :func:`block_sparse_attention`.
-        window: As in :func:`block_sparse_attention`.
-        segment_ids: As in :func:`block_sparse_attention`.
-        key_lengths: As in :func:`block_sparse_attention`.
         block_size: As in :func:`block_sparse_attention`.
+        **structure: ``causal``, ``window``, ``segment_ids``, ``key_lengths``, as in
+            :class:`~attnkit.masks.Structure`.
 
     Returns:
         ``True`` when the block-sparse path should be used.
+
+    Raises:
+        TypeError: Non-integer ``key_lengths``.
+        ValueError: Negative lengths, ``window < 1``, badly shaped or out-of-range ids/lengths.
     """
-    if S < MIN_KEYS or L < 1:
-        return False
-    if window is None and segment_ids is None and key_lengths is None and not causal:
-        return False
-    B = _validate_structure(
-        L, S, window=window, segment_ids=segment_ids, key_lengths=key_lengths, batch=None
-    )
-    bq = _block_size(block_size, window, L)
-    device = next((t.device for t in (segment_ids, key_lengths) if t is not None), None)
-    seg, lengths = _prepare(segment_ids, key_lengths, B, S, device)
-    lo, hi = _tile_ranges(L, S, bq, causal=causal, window=window, seg=seg, lengths=lengths, B=B)
-    covered = (hi - lo).clamp(min=0).sum().item() * bq
+    rules = Structure(**structure)
+    B = rules.check(L, S)
+    device = next((t.device for t in (rules.segment_ids, rules.key_lengths) if t is not None), None)
+    return faster_plan(L, S, rules, batch=B, device=device, block_size=block_size) is not None
+
+
+def faster_plan(
+    L: int,
+    S: int,
+    structure: Structure,
+    *,
+    batch: int,
+    device: torch.device | str | None,
+    block_size: int | None = None,
+) -> TilePlan | None:
+    """The tile plan when it should beat the dense kernel (see :func:`should_use_block_sparse`).
+
+    Args:
+        L: Query length.
+        S: Key length.
+        structure: Constraints already validated by :meth:`~attnkit.masks.Structure.check`.
+        batch: Batch size, the product of the inputs' leading dims.
+        device: Device of the inputs.
+        block_size: Query rows per tile; defaults to a value picked from the window.
+
+    Returns:
+        The plan, or ``None`` when the dense kernel should be used.
+    """
+    if S < MIN_KEYS or L < 1 or not (structure.sparse or structure.causal):
+        return None
+    plan = _plan_tiles(L, S, structure, batch, device, _block_size(block_size, structure.window, L))
     max_density = LONG_MAX_DENSITY if S >= LONG_KEYS else MAX_DENSITY
-    return covered <= max_density * B * L * S
+    return plan if plan.covered <= max_density * batch * L * S else None
 
 
 def block_sparse_attention(
@@ -150,13 +157,10 @@ def block_sparse_attention(
     k: Tensor,
     v: Tensor,
     *,
-    causal: bool = False,
-    window: int | None = None,
-    segment_ids: Tensor | None = None,
-    key_lengths: Tensor | None = None,
+    block_size: int | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    block_size: int | None = None,
+    **structure: Unpack[StructureArgs],
 ) -> Tensor:
     """Attention under structured masks that skips key blocks that are entirely masked.
 
@@ -167,14 +171,11 @@ def block_sparse_attention(
         q: Queries.
         k: Keys; may have fewer heads than ``q`` (grouped-query, ``H % K == 0``).
         v: Values.
-        causal: Query ``i`` may attend key ``j`` iff ``j <= i + (S - L)``.
-        window: Sliding window ``|i + (S - L) - j| < window``; at least 1.
-        segment_ids: Integer document ids of the keys; queries take the last ``L`` ids
-            (so ``L <= S``). Attention stays within a document; ids need not be contiguous.
-        key_lengths: Key ``j`` of batch ``b`` is real iff ``j < key_lengths[b]``.
+        block_size: Query rows per tile; defaults to a value picked from ``window``.
         scale: Multiplier of the scores; defaults to ``1 / sqrt(E)``.
         dropout_p: Dropout probability on the attention weights.
-        block_size: Query rows per tile; defaults to a value picked from ``window``.
+        **structure: ``causal``, ``window``, ``segment_ids``, ``key_lengths``, as in
+            :class:`~attnkit.masks.Structure`.
 
     Returns:
         The attention output; rows with no allowed key are exactly zero.
@@ -185,58 +186,103 @@ def block_sparse_attention(
         where ``B`` is the product of the leading dims -> ``(..., H, L, Ev)``.
 
     Raises:
-        TypeError: Non-tensor or non-float inputs, mismatched dtypes.
+        TypeError: Non-tensor or non-float inputs, mismatched dtypes, non-integer lengths.
         ValueError: Mismatched shapes, ``H % K != 0``, ``window < 1``, badly shaped or
-            out-of-range ``segment_ids``/``key_lengths``, bad ``dropout_p``/``block_size``.
+            out-of-range ``segment_ids``/``key_lengths``, bad ``scale``/``dropout_p``/
+            ``block_size``.
     """
-    squeeze = _validate_qkv(q, k, v)
-    if squeeze:  # no head dim: (L, E) -> (1, L, E)
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    from attnkit.functional import check_inputs  # functional imports this module
+
+    check_inputs(q, k, v, None, scale, dropout_p)
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    batch_shape = q.shape[:-3]
-    H, L, E = q.shape[-3:]
-    K, S, Ev = k.shape[-3], k.shape[-2], v.shape[-1]
-    B = math.prod(batch_shape)
-    _validate_structure(
-        L, S, window=window, segment_ids=segment_ids, key_lengths=key_lengths, batch=B
-    )
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    B = math.prod(q.shape[:-3])
+    rules = Structure(**structure)
+    rules.check(L, S, batch=B)
+    plan = _plan_tiles(L, S, rules, B, q.device, _block_size(block_size, rules.window, L))
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
-    out = _tiled_attention(
-        q.reshape(B, H, L, E), k.reshape(B, K, S, E), v.reshape(B, K, S, Ev),
-        causal=causal, window=window, segment_ids=segment_ids, key_lengths=key_lengths,
-        scale=scale, dropout_p=dropout_p, block_size=block_size,
-    )  # fmt: skip
+    return tiled_attention(q, k, v, plan, scale=scale, dropout_p=dropout_p)
+
+
+def _plan_tiles(
+    L: int, S: int, structure: Structure, B: int, device: torch.device | str | None, bq: int
+) -> TilePlan:
+    """Per (batch, query tile of ``bq`` rows), the key range ``[lo, hi)`` of its allowed keys."""
+    window, structure = structure.window, structure.to(B, S, device)
+    seg, lengths = structure.segment_ids, structure.key_lengths
+    n_blk = -(-L // bq)
+    first = torch.arange(n_blk, device=device) * bq  # first query of each tile
+    last = (first + bq).clamp(max=L) - 1  # last real query of each tile
+    p_first, p_last = first + (S - L), last + (S - L)
+    lo = torch.zeros(B, n_blk, dtype=torch.long, device=device)
+    hi = torch.full((B, n_blk), S, dtype=torch.long, device=device)
+    if structure.causal:
+        hi = hi.clamp(max=p_last + 1)
+    if window is not None:
+        lo = torch.maximum(lo, p_first - window + 1)
+        hi = torch.minimum(hi, p_last + window)
+    if lengths is not None:
+        hi = torch.minimum(hi, lengths.view(B, 1))
+    if seg is not None:
+        # First/last occurrence of every (batch, id): a tile needs the span of its queries' ids.
+        uniq, inv = torch.unique(seg, return_inverse=True)  # inv (B, S)
+        key = inv + torch.arange(B, device=seg.device).view(B, 1) * len(uniq)
+        pos = torch.arange(S, device=seg.device).expand(B, S)
+        first_occ = torch.full((B * len(uniq),), S, dtype=torch.long, device=seg.device)
+        last_occ = torch.full((B * len(uniq),), -1, dtype=torch.long, device=seg.device)
+        first_occ = first_occ.scatter_reduce(0, key.flatten(), pos.flatten(), "amin")
+        last_occ = last_occ.scatter_reduce(0, key.flatten(), pos.flatten(), "amax")
+        qkey = F.pad(key[:, S - L :], (0, n_blk * bq - L), value=-1).view(B, n_blk, bq)
+        pad = qkey < 0
+        q_lo = first_occ[qkey.clamp(min=0)].masked_fill(pad, S).amin(-1)
+        q_hi = last_occ[qkey.clamp(min=0)].masked_fill(pad, -1).amax(-1) + 1
+        lo, hi = torch.maximum(lo, q_lo), torch.minimum(hi, q_hi)
+    return TilePlan(structure, L, S, B, bq, lo.clamp(min=0), hi)
+
+
+def tiled_attention(
+    q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, *, scale: float, dropout_p: float
+) -> Tensor:
+    """Run a :class:`TilePlan` on validated inputs (see :func:`block_sparse_attention`).
+
+    Args:
+        q: Queries, validated by :func:`attnkit.functional.check_inputs`.
+        k: Keys.
+        v: Values.
+        plan: The tile plan for these inputs' ``L``, ``S`` and batch.
+        scale: Multiplier of the scores.
+        dropout_p: Dropout probability on the attention weights.
+
+    Returns:
+        The attention output; rows with no allowed key are exactly zero.
+
+    Shape:
+        As :func:`block_sparse_attention`.
+    """
+    squeeze = q.dim() == 2
+    if squeeze:  # no head dim: (L, E) -> (1, L, E)
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    batch_shape, (H, L, E), (K, S, Ev) = q.shape[:-3], q.shape[-3:], v.shape[-3:]
+    B = plan.B
+    q, k, v = q.reshape(B, H, L, E), k.reshape(B, K, S, E), v.reshape(B, K, S, Ev)
+    out = _run_tiles(q, k, v, plan, scale=scale, dropout_p=dropout_p)  # (B, H, L, Ev)
     out = out.reshape(*batch_shape, H, L, Ev)
     return out.squeeze(0) if squeeze else out
 
 
-def _tiled_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool,
-    window: int | None,
-    segment_ids: Tensor | None,
-    key_lengths: Tensor | None,
-    scale: float,
-    dropout_p: float,
-    block_size: int | None,
+def _run_tiles(
+    q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, *, scale: float, dropout_p: float
 ) -> Tensor:
-    """:func:`block_sparse_attention` on validated ``(B, H, L, E)`` inputs."""
+    """:func:`tiled_attention` on ``(B, H, L, E)`` inputs."""
     (B, H, L, E), (K, S, Ev) = q.shape, v.shape[1:]
     if min(B, H, L, S) == 0:
         return _connected_zeros(q, k, v, (B, H, L, Ev))
 
     device = q.device
-    bq = _block_size(block_size, window, L)
+    bq, structure = plan.block_size, plan.structure
     n_blk = -(-L // bq)
-    seg, lengths = _prepare(segment_ids, key_lengths, B, S, device)
-    lo, hi = _tile_ranges(L, S, bq, causal=causal, window=window, seg=seg, lengths=lengths, B=B)
-    lo, width = lo.flatten(), (hi - lo).clamp(min=0).flatten()  # (B * n_blk,), tile = b * n_blk + t
+    lo, width = plan.lo.flatten(), (plan.hi - plan.lo).clamp(min=0).flatten()  # tile b * n_blk + t
     width = _bucket_widths(width, bq)
     if not bool((width > 0).any()):
         return _connected_zeros(q, k, v, (B, H, L, Ev))
@@ -265,7 +311,7 @@ def _tiled_attention(
         i = first[:, None, None] + torch.arange(m * bq, device=device).view(1, -1, 1)
         j = lo[tiles[::m], None, None] + torch.arange(w, device=device).view(1, 1, w)  # (U,1,w)
         bb = b.view(-1, 1, 1)
-        ok = _allowed(i, j, bb, L=L, S=S, causal=causal, window=window, seg=seg, lengths=lengths)
+        ok = (i < L) & (j < S) & structure.allows(i, j, bb, L=L, S=S)  # (U, m * bq, w)
         row_ok = ok.any(-1, keepdim=True)  # (U, m * bq, 1)
         # Rows with no allowed key attend everything, then are zeroed below: the fused kernel
         # then never sees an all-masked row (NaN on some backends) and, since their output
@@ -291,79 +337,6 @@ def _tiled_attention(
 # helpers
 
 
-def _allowed(
-    i: Tensor,
-    j: Tensor,
-    b: Tensor,
-    *,
-    L: int,
-    S: int,
-    causal: bool,
-    window: int | None,
-    seg: Tensor | None,
-    lengths: Tensor | None,
-) -> Tensor:
-    """The mask predicate on broadcastable query indices ``i``, key indices ``j``, batch ``b``."""
-    p = i + (S - L)  # the query's position among the keys
-    ok = (i < L) & (j >= 0) & (j < S)
-    if causal:
-        ok = ok & (j <= p)
-    if window is not None:
-        ok = ok & ((p - j).abs() < window)
-    if lengths is not None:
-        ok = ok & (j < lengths[b])
-    if seg is not None:
-        ok = ok & (seg[b, j.clamp(0, S - 1)] == seg[b, p.clamp(0, S - 1)])
-    return ok
-
-
-def _tile_ranges(
-    L: int,
-    S: int,
-    bq: int,
-    *,
-    causal: bool,
-    window: int | None,
-    seg: Tensor | None,
-    lengths: Tensor | None,
-    B: int,
-) -> tuple[Tensor, Tensor]:
-    """Per (batch, query tile), the half-open key range ``[lo, hi)`` holding all allowed keys.
-
-    Returns:
-        ``lo``, ``hi`` of shape ``(B, n_blk)``; ``hi <= lo`` means the tile attends nothing.
-    """
-    device = next((t.device for t in (seg, lengths) if t is not None), None)
-    n_blk = -(-L // bq)
-    first = torch.arange(n_blk, device=device) * bq  # first query of each tile
-    last = (first + bq).clamp(max=L) - 1  # last real query of each tile
-    p_first, p_last = first + (S - L), last + (S - L)
-    lo = torch.zeros(B, n_blk, dtype=torch.long, device=device)
-    hi = torch.full((B, n_blk), S, dtype=torch.long, device=device)
-    if causal:
-        hi = hi.clamp(max=p_last + 1)
-    if window is not None:
-        lo = torch.maximum(lo, p_first - window + 1)
-        hi = torch.minimum(hi, p_last + window)
-    if lengths is not None:
-        hi = torch.minimum(hi, lengths.view(B, 1))
-    if seg is not None:
-        # First/last occurrence of every (batch, id): a tile needs the span of its queries' ids.
-        uniq, inv = torch.unique(seg, return_inverse=True)  # inv (B, S)
-        key = inv + torch.arange(B, device=seg.device).view(B, 1) * len(uniq)
-        pos = torch.arange(S, device=seg.device).expand(B, S)
-        first_occ = torch.full((B * len(uniq),), S, dtype=torch.long, device=seg.device)
-        last_occ = torch.full((B * len(uniq),), -1, dtype=torch.long, device=seg.device)
-        first_occ = first_occ.scatter_reduce(0, key.flatten(), pos.flatten(), "amin")
-        last_occ = last_occ.scatter_reduce(0, key.flatten(), pos.flatten(), "amax")
-        qkey = F.pad(key[:, S - L :], (0, n_blk * bq - L), value=-1).view(B, n_blk, bq)
-        pad = qkey < 0
-        q_lo = first_occ[qkey.clamp(min=0)].masked_fill(pad, S).amin(-1)
-        q_hi = last_occ[qkey.clamp(min=0)].masked_fill(pad, -1).amax(-1) + 1
-        lo, hi = torch.maximum(lo, q_lo), torch.minimum(hi, q_hi)
-    return lo.clamp(min=0), hi
-
-
 def _shared_run(keys: Tensor) -> int:
     """Largest ``m`` such that ``keys`` is made of equal-valued runs of exactly ``m``."""
     counts = torch.unique_consecutive(keys, return_counts=True)[1]
@@ -387,93 +360,6 @@ def _block_size(block_size: int | None, window: int | None, L: int) -> int:
         return block_size
     bq = 128 if window is None or window <= 512 else 256
     return max(1, min(bq, L))
-
-
-def _prepare(
-    segment_ids: Tensor | None,
-    key_lengths: Tensor | None,
-    B: int,
-    S: int,
-    device: torch.device | str | None,
-) -> tuple[Tensor | None, Tensor | None]:
-    """Ids as (B, S) long and lengths as (B,) long on ``device`` (broadcasting a batch of 1)."""
-    seg = None if segment_ids is None else segment_ids.to(device, torch.long).expand(B, S)
-    lengths = None if key_lengths is None else key_lengths.to(device, torch.long).expand(B)
-    return seg, lengths
-
-
-def _validate_structure(
-    L: int,
-    S: int,
-    *,
-    window: int | None,
-    segment_ids: Tensor | None,
-    key_lengths: Tensor | None,
-    batch: int | None,
-) -> int:
-    """Check the structural arguments; return the batch size they imply (1 if none)."""
-    if L < 0 or S < 0:
-        raise ValueError(f"lengths must be non-negative, got L={L}, S={S}")
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, int) or window < 1
-    ):
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
-    sizes = []
-    if segment_ids is not None:
-        if not isinstance(segment_ids, Tensor) or segment_ids.is_floating_point():
-            raise ValueError(f"segment_ids must be an integer tensor, got {segment_ids!r}")
-        if segment_ids.dim() != 2 or segment_ids.shape[1] != S:
-            raise ValueError(
-                f"segment_ids must have shape (B, S) with S={S}, got {tuple(segment_ids.shape)}"
-            )
-        if L > S:
-            raise ValueError(
-                f"segment_ids need L <= S (queries take the last L ids), got {L=}, {S=}"
-            )
-        sizes.append(("segment_ids", segment_ids.shape[0]))
-    if key_lengths is not None:
-        if not isinstance(key_lengths, Tensor) or key_lengths.is_floating_point():
-            raise ValueError(f"key_lengths must be an integer tensor, got {key_lengths!r}")
-        if key_lengths.dim() != 1:
-            raise ValueError(f"key_lengths must have shape (B,), got {tuple(key_lengths.shape)}")
-        if key_lengths.numel() and (key_lengths.min() < 0 or key_lengths.max() > S):
-            raise ValueError(f"key_lengths must be in [0, S={S}], got {key_lengths.tolist()}")
-        sizes.append(("key_lengths", key_lengths.shape[0]))
-    B = batch if batch is not None else max([n for _, n in sizes], default=1)
-    for name, n in sizes:
-        if n not in (1, B):
-            raise ValueError(f"{name} has batch size {n}, expected {B} (or 1)")
-    return B
-
-
-def _validate_qkv(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Check q/k/v; return whether they lack a head dim (2-D inputs)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be floating point, got {t.dtype}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.dim() == k.dim() == v.dim() or q.dim() < 2:
-        raise ValueError(
-            f"q, k, v must have the same number (>= 2) of dims, got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.dim() == 2:
-        squeeze = True
-        qs, ks, vs = (1, *q.shape), (1, *k.shape), (1, *v.shape)
-    else:
-        squeeze = False
-        qs, ks, vs = q.shape, k.shape, v.shape
-    if qs[:-3] != ks[:-3] or ks[:-1] != vs[:-1] or qs[-1] != ks[-1]:
-        raise ValueError(
-            f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
-            "need q (..., H, L, E), k (..., K, S, E), v (..., K, S, Ev)"
-        )
-    if ks[-3] == 0 or qs[-3] % ks[-3]:
-        raise ValueError(f"query heads ({qs[-3]}) must be a multiple of key heads ({ks[-3]})")
-    return squeeze
 
 
 def _connected_zeros(q: Tensor, k: Tensor, v: Tensor, shape: tuple[int, ...]) -> Tensor:

@@ -3,7 +3,8 @@
 Nothing here calls ``plt.show()`` or touches pyplot's global state: figures are built with
 ``matplotlib.figure.Figure`` directly, which renders with the Agg canvas and works on headless
 machines. Save them with :func:`save_figure`. Inputs are torch tensors, numpy arrays or nested
-lists, so this module does not depend on the rest of attnkit.
+lists; the rotary pictures rotate with :func:`attnkit.positional.apply_rope`, so they show the
+library's own rotation.
 
 matplotlib is the optional ``viz`` extra; ``import attnkit`` never imports this module.
 
@@ -23,13 +24,17 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from attnkit.positional import apply_rope
+
 __all__ = [
     "attention_grid",
     "attention_map",
+    "attention_maps",
     "complexity_curves",
     "rotary_frequencies",
     "rotary_relative_scores",
     "rotary_table",
+    "run_comparison",
     "save_figure",
     "scaling_demo",
     "sinusoidal_heatmap",
@@ -236,6 +241,44 @@ def attention_grid(
     return fig
 
 
+def attention_maps(
+    weights: Mapping[str, Any],
+    *,
+    query_tokens: Sequence[str] | None = None,
+    key_tokens: Sequence[str] | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Several attention maps side by side, e.g. the same input seen by different models.
+
+    Each panel is an :func:`attention_map` with its own colour scale and colorbar.
+
+    Args:
+        weights: Panel title -> that head's attention weights, drawn left to right.
+        query_tokens: Labels for the rows of every panel; positions when omitted.
+        key_tokens: Labels for the columns; defaults to ``query_tokens`` when L == S.
+        title: Figure title; none when omitted.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: If ``weights`` is empty, a map is not 2-D or a label list has the wrong
+            length.
+
+    Shape:
+        each weights value: (L, S).
+    """
+    if not weights:
+        raise ValueError("weights is empty: give at least one attention map")
+    fig = _new_figure(5.2 * len(weights), 5.0)
+    axes = fig.subplots(1, len(weights), squeeze=False)[0]
+    for ax, (name, w) in zip(axes, weights.items(), strict=True):
+        attention_map(w, query_tokens=query_tokens, key_tokens=key_tokens, title=name, ax=ax)
+    if title is not None:
+        fig.suptitle(title)
+    return fig
+
+
 # --------------------------------------------------------------------------- positions
 
 
@@ -279,26 +322,11 @@ def sinusoidal_heatmap(pe: Any, *, title: str | None = None) -> Figure:
     )
     fig.colorbar(image, ax=ax, label="value")
     box = {"boxstyle": "round", "facecolor": "white", "alpha": 0.85, "edgecolor": "0.7"}
-    ax.text(
-        0.02,
-        0.97,
-        "fast: tells\nneighbours apart",
-        transform=ax.transAxes,
-        va="top",
-        ha="left",
-        fontsize=9,
-        bbox=box,
-    )
-    ax.text(
-        0.98,
-        0.97,
-        "slow: long-range\nposition",
-        transform=ax.transAxes,
-        va="top",
-        ha="right",
-        fontsize=9,
-        bbox=box,
-    )
+    for x, align, note in (
+        (0.02, "left", "fast: tells\nneighbours apart"),
+        (0.98, "right", "slow: long-range\nposition"),
+    ):
+        ax.text(x, 0.97, note, transform=ax.transAxes, va="top", ha=align, fontsize=9, bbox=box)
     return fig
 
 
@@ -364,13 +392,8 @@ def rotary_frequencies(head_dim: int, base: float = 10_000.0) -> Figure:
 
 def _rotate(x: torch.Tensor, position: float, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent feature pairs (2i, 2i+1) of ``x`` by ``position * inv_freq[i]``."""
-    angles = position * inv_freq
-    cos, sin = angles.cos(), angles.sin()
-    even, odd = x[0::2], x[1::2]
-    out = torch.empty_like(x)
-    out[0::2] = even * cos - odd * sin
-    out[1::2] = even * sin + odd * cos
-    return out
+    angles = position * inv_freq  # (E/2,)
+    return apply_rope(x, angles.cos(), angles.sin())
 
 
 def rotary_relative_scores(
@@ -782,6 +805,73 @@ def training_curves(history: Any, *, title: str | None = None) -> Figure:
         if len(group) > 1 or kind == "accuracy":
             ax.legend()
     fig.suptitle(title if title is not None else "Training curves")
+    return fig
+
+
+def run_comparison(
+    accuracy: Mapping[str, float],
+    history: Mapping[str, Sequence[Mapping[str, float]]],
+    *,
+    labels: Mapping[str, str] | None = None,
+    colors: Mapping[str, str] | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Runs of one model trained different ways: final accuracy, held-out accuracy and loss.
+
+    Three panels: a bar per run with its final held-out accuracy, the held-out accuracy at every
+    evaluation, and the training loss (log scale), each against the step.
+
+    Args:
+        accuracy: Run name -> final held-out accuracy, in drawing order.
+        history: Run name -> logged rows such as ``{"step": 10, "loss": 0.4}``; rows with
+            ``eval_accuracy`` make the middle panel and rows with ``loss`` the right one.
+        labels: Run name -> legend label; the name when missing.
+        colors: Run name -> matplotlib colour; the default colour cycle when missing.
+        title: Figure title; defaults to ``"Runs compared"``.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: If ``accuracy`` is empty or the two mappings name different runs.
+    """
+    names = list(accuracy)
+    if not names or set(names) != set(history):
+        raise ValueError(
+            f"accuracy and history must name the same runs (at least one), got {names} and "
+            f"{list(history)}"
+        )
+    labels = labels or {}
+    color = {n: (colors or {}).get(n, f"C{i}") for i, n in enumerate(names)}
+    fig = _new_figure(12, 4.5)
+    left, mid, right = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1, 1.4, 1.4]})
+    accs = [accuracy[n] for n in names]
+    bars = left.bar([labels.get(n, n) for n in names], accs, color=[color[n] for n in names])
+    left.bar_label(bars, labels=[f"{a:.3f}" for a in accs], padding=2)
+    left.set_ylim(0, 1.1)
+    left.set_ylabel("held-out token accuracy")
+    left.set_title("final accuracy")
+    for name in names:
+        rows = history[name]
+        ev = [(h["step"], h["eval_accuracy"]) for h in rows if "eval_accuracy" in h]
+        tr = [(h["step"], h["loss"]) for h in rows if "loss" in h]
+        label = labels.get(name, name)
+        if ev:
+            mid.plot(*zip(*ev, strict=True), "o-", markersize=3, color=color[name], label=label)
+        if tr:
+            right.plot(*zip(*tr, strict=True), color=color[name], label=label)
+    mid.set_ylim(0, 1.02)
+    mid.set_xlabel("step")
+    mid.set_ylabel("held-out accuracy")
+    mid.set_title("held-out accuracy during training")
+    right.set_yscale("log")
+    right.set_xlabel("step")
+    right.set_ylabel("training loss")
+    right.set_title("training loss")
+    for ax in (mid, right):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title if title is not None else "Runs compared")
     return fig
 
 

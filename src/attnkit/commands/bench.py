@@ -32,10 +32,12 @@ import json
 import math
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 CASES = ("causal", "padding", "window", "documents")
 IMPLS = ("block_sparse", "torch_sdpa", "textbook")
@@ -45,9 +47,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` options to ``parser``."""
     parser.add_argument(
-        "--seq-len", type=int, nargs="+", metavar="N",
+        "--seq-len",
+        type=int,
+        nargs="+",
+        metavar="N",
         help="sequence lengths (default 1024 4096 8192; cuda: 4096 8192 16384 32768)",
-    )  # fmt: skip
+    )
     parser.add_argument("--heads", type=int, default=8, help="heads H (default 8)")
     parser.add_argument("--head-dim", type=int, default=64, help="head dim E (default 64)")
     parser.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
@@ -58,9 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
     parser.add_argument(
-        "--textbook-max", type=int, default=4096, metavar="N",
+        "--textbook-max",
+        type=int,
+        default=4096,
+        metavar="N",
         help="skip the textbook implementation above this N (it materializes B*H*N*N scores)",
-    )  # fmt: skip
+    )
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--flex", action="store_true", help="add compiled FlexAttention (fwd)")
     parser.add_argument("--out", type=Path, metavar="FILE.json", help="write results as JSON")
@@ -93,32 +101,52 @@ def run(args: argparse.Namespace) -> int:
         ("batch", args.batch),
     ):
         if value < 1:
-            raise ValueError(f"--{name} must be >= 1, got {value}")  # fmt: skip
+            raise ValueError(f"--{name} must be >= 1, got {value}")
     if any(n < 1 for n in seq_lens):
         raise ValueError(f"--seq-len values must be >= 1, got {seq_lens}")
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     device = torch.device(args.device)
 
     config = {
-        "seq_lens": seq_lens, "batch": args.batch, "heads": heads, "head_dim": head_dim,
-        "window": window, "doc_len": doc_len, "dtype": str(dtype).removeprefix("torch."),
-        "device": str(device), "repeats": repeats, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "cases": args.cases,
-    }  # fmt: skip
+        "seq_lens": seq_lens,
+        "batch": args.batch,
+        "heads": heads,
+        "head_dim": head_dim,
+        "window": window,
+        "doc_len": doc_len,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "repeats": repeats,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cases": args.cases,
+    }
+    from attnkit.profiling import matmul_flops_per_second
+
     results: list[dict[str, Any]] = []
-    matmul = _matmul_tflops(device, dtype)
+    matmul = matmul_flops_per_second(dtype, device) / 1e12
     modes = ["fwd"] if args.no_backward else ["fwd", "fwd+bwd"]
     for n in seq_lens:
         for case in args.cases:
-            kw = _case_kwargs(case, n, batch=args.batch, window=window, doc_len=doc_len,
-                              device=device)  # fmt: skip
+            kw = _case_kwargs(
+                case, n, batch=args.batch, window=window, doc_len=doc_len, device=device
+            )
             for mode in modes:
                 results += _bench_point(
-                    case, mode, n, kw, batch=args.batch, heads=heads, head_dim=head_dim,
-                    dtype=dtype, device=device, repeats=repeats,
-                    textbook=n <= args.textbook_max, flex=args.flex and mode == "fwd",
+                    case,
+                    mode,
+                    n,
+                    kw,
+                    batch=args.batch,
+                    heads=heads,
+                    head_dim=head_dim,
+                    dtype=dtype,
+                    device=device,
+                    repeats=repeats,
+                    textbook=n <= args.textbook_max,
+                    flex=args.flex and mode == "fwd",
                     matmul=matmul,
-                )  # fmt: skip
+                )
     report = {"config": config, "matmul_tflops": matmul, "results": results}
     print(format_table(report))
     if args.out is not None:
@@ -169,7 +197,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def _case_kwargs(
-    case: str, n: int, *, batch: int, window: int, doc_len: int, device: Any
+    case: str, n: int, *, batch: int, window: int, doc_len: int, device: torch.device
 ) -> dict[str, Any]:
     """Structural arguments of a case (as passed to ``block_sparse_attention``)."""
     import torch
@@ -197,14 +225,26 @@ def _case_kwargs(
 
 
 def _bench_point(
-    case: str, mode: str, n: int, kw: dict[str, Any], *, batch: int, heads: int, head_dim: int,
-    dtype: Any, device: Any, repeats: int, textbook: bool, flex: bool, matmul: float | None,
-) -> list[dict[str, Any]]:  # fmt: skip
+    case: str,
+    mode: str,
+    n: int,
+    kw: dict[str, Any],
+    *,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+    textbook: bool,
+    flex: bool,
+    matmul: float | None,
+) -> list[dict[str, Any]]:
     """Time and measure every implementation on one (case, mode, N) point."""
     import torch
     import torch.nn.functional as F
 
-    from attnkit.profiling import peak_memory
+    from attnkit.profiling import peak_memory, time_interleaved
     from attnkit.sparse import block_sparse_attention, structured_mask
 
     gen = torch.Generator().manual_seed(n)
@@ -219,12 +259,12 @@ def _bench_point(
     density = pairs / (batch * heads * n * n)
     scale = 1.0 / math.sqrt(head_dim)
 
-    def textbook_attn(q: Any, k: Any, v: Any) -> Any:
+    def textbook_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, N, N)
         scores = scores.masked_fill(~mask, float("-inf"))
         return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v
 
-    fns: dict[str, Callable[[], Any]] = {
+    fns: dict[str, Callable[[], torch.Tensor]] = {
         "block_sparse": lambda: block_sparse_attention(q, k, v, scale=scale, **kw),
         "torch_sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale),
     }
@@ -236,7 +276,7 @@ def _bench_point(
         if fn is not None:
             fns["flex"] = fn
 
-    def step(fn: Callable[[], Any]) -> Any:
+    def step(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         out = fn()
         if backward:
             out.backward(torch.ones_like(out))
@@ -250,11 +290,9 @@ def _bench_point(
         errs = {
             name: float((step(fn).detach().float() - ref).abs().max()) for name, fn in fns.items()
         }
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(repeats):
-            for name, fn in fns.items():
-                times[name].append(_timed(functools.partial(step, fn), device))
-        mems = {name: peak_memory(functools.partial(step, fn), device) for name, fn in fns.items()}
+        steps = {name: functools.partial(step, fn) for name, fn in fns.items()}
+        times = time_interleaved(steps, repeats=repeats, device=device)
+        mems = {name: peak_memory(fn, device) for name, fn in steps.items()}
 
     print(
         f"  N={n} {case} {mode}: "
@@ -267,27 +305,43 @@ def _bench_point(
     for name in fns:
         t = statistics.median(times[name])
         tflops = flops / t / 1e12 if device.type == "cuda" else None
-        out.append({
-            "case": case, "mode": mode, "seq_len": n, "impl": name, "time_s": t,
-            "times_s": times[name], "speedup_vs_sdpa": sdpa_t / t, "peak_mem_bytes": mems[name],
-            "density": density, "useful_flops": flops, "tflops": tflops,
-            "fraction_of_matmul": tflops / matmul if tflops and matmul else None,
-            "max_abs_err_vs_sdpa": errs[name],
-            **({"first_call_s": flex_first} if name == "flex" else {}),
-        })  # fmt: skip
+        out.append(
+            {
+                "case": case,
+                "mode": mode,
+                "seq_len": n,
+                "impl": name,
+                "time_s": t,
+                "times_s": times[name],
+                "speedup_vs_sdpa": sdpa_t / t,
+                "peak_mem_bytes": mems[name],
+                "density": density,
+                "useful_flops": flops,
+                "tflops": tflops,
+                "fraction_of_matmul": tflops / matmul if tflops and matmul else None,
+                "max_abs_err_vs_sdpa": errs[name],
+                **({"first_call_s": flex_first} if name == "flex" else {}),
+            }
+        )
     return out
 
 
-def _flex_fn(q: Any, k: Any, v: Any, kw: dict[str, Any], scale: float) -> tuple[Any, Any]:
+def _flex_fn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, Any], scale: float
+) -> tuple[Callable[[], torch.Tensor] | None, float | None]:
     """Compiled FlexAttention for a case and the seconds its first (compiling) call took."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from attnkit.profiling import time_call
 
     n = q.shape[-2]
     causal, window = kw.get("causal", False), kw.get("window")
     seg, lengths = kw.get("segment_ids"), kw.get("key_lengths")
 
-    def mask_mod(b: Any, h: Any, i: Any, j: Any) -> Any:
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+    ) -> torch.Tensor:
         ok = j >= 0
         if causal:
             ok = ok & (j <= i)
@@ -302,42 +356,14 @@ def _flex_fn(q: Any, k: Any, v: Any, kw: dict[str, Any], scale: float) -> tuple[
     try:
         block_mask = create_block_mask(mask_mod, q.shape[0], None, n, n, device=str(q.device))
         compiled = torch.compile(flex_attention)
-        start = time.perf_counter()
         with torch.no_grad():
-            compiled(q, k, v, block_mask=block_mask, scale=scale)
-        first = time.perf_counter() - start
+            first = time_call(
+                lambda: compiled(q, k, v, block_mask=block_mask, scale=scale), q.device
+            )
     except Exception as err:  # compilation needs a C++ toolchain; report and go on
         print(f"attnkit bench: FlexAttention unavailable: {err}", file=sys.stderr)
         return None, None
     return (lambda: compiled(q, k, v, block_mask=block_mask, scale=scale)), first
-
-
-# --------------------------------------------------------------------------------------------
-# measuring
-
-
-def _timed(fn: Callable[[], Any], device: Any) -> float:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
-def _matmul_tflops(device: Any, dtype: Any) -> float | None:
-    """Measured dense matmul rate in TFLOP/s (the roofline the attention kernels chase)."""
-    import torch
-
-    n = 8192 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    a @ b  # warm-up
-    t = min(_timed(lambda: a @ b, device) for _ in range(3))
-    return 2 * n**3 / t / 1e12
 
 
 def _write(path: Path, report: dict[str, Any]) -> None:

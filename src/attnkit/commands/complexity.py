@@ -10,12 +10,15 @@ prints both counts so the gap is visible.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
-import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from attnkit.complexity import CostBreakdown
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 SYMBOLS_HELP = (
@@ -124,7 +127,7 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
     return [fmt(header), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)]
 
 
-def layer_description(cost: Any) -> str:
+def layer_description(cost: CostBreakdown) -> str:
     """The attnkit module whose forward the numbers describe."""
     D, H, K, E = cost.dim, cost.num_heads, cost.num_kv_heads, cost.head_dim
     causal = ", causal=True" if cost.causal else ""
@@ -138,7 +141,7 @@ def layer_description(cost: Any) -> str:
     )
 
 
-def format_table(cost: Any) -> str:
+def format_table(cost: CostBreakdown) -> str:
     """Readable text: a FLOPs table, a memory table and the totals, with formulas."""
     sym = cost.symbols
     values = ", ".join(f"{k}={v}" for k, v in sym.items() if k != "P" or cost.causal)
@@ -228,7 +231,7 @@ def format_table(cost: Any) -> str:
 
 
 # --- plot ------------------------------------------------------------------------------------
-def plot(cost: Any, path: str, *, kv_len_given: bool) -> list[Path]:
+def plot(cost: CostBreakdown, path: str, *, kv_len_given: bool) -> list[Path]:
     """Write FLOPs and memory (per component, log-log against n) to ``path`` and ``*_memory``.
 
     With ``--kv-len`` the key length stays fixed and only L varies; otherwise L = S = n and the
@@ -291,20 +294,7 @@ def plot(cost: Any, path: str, *, kv_len_given: bool) -> list[Path]:
 
 
 # --- measure ---------------------------------------------------------------------------------
-def _timeit(fn: Any, sync: Any, *, budget_s: float = 1.0) -> float:
-    fn()
-    sync()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 50):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return min(times)  # the machine is shared: the fastest run is the least disturbed
-
-
-def build_layer(cost: Any) -> Any:
+def build_layer(cost: CostBreakdown) -> torch.nn.Module:
     """The attnkit module that :func:`layer_description` names (random weights)."""
     import attnkit
 
@@ -316,28 +306,23 @@ def build_layer(cost: Any) -> Any:
     )
 
 
-def measure(cost: Any, *, device: str = "cpu") -> dict[str, Any]:
+def measure(cost: CostBreakdown, *, device: str = "cpu") -> dict[str, Any]:
     """Run the layer's forward on ``device``; time it, count its FLOPs and measure peak memory.
 
-    Returns a dict with the median time, achieved GFLOP/s (matmul FLOPs / time), this machine's
-    matmul throughput (a square matmul in the same dtype) and the fraction reached, the measured
-    peak memory growth of one forward (VmHWM on CPU, ``max_memory_allocated`` on CUDA), and what
+    Returns a dict with the best time of several runs, achieved GFLOP/s (matmul FLOPs / time),
+    this machine's matmul throughput (a square matmul in the same dtype) and the fraction
+    reached, the measured peak memory growth of one forward (VmHWM on CPU,
+    ``max_memory_allocated`` on CUDA), and what
     ``FlopCounterMode`` counts with the default kernel and with the math backend forced.
     """
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from attnkit.profiling import peak_memory
+    from attnkit.profiling import best_time, matmul_flops_per_second, peak_memory
 
     dev = torch.device(device)
     dtype = getattr(torch, cost.dtype)
-    cuda = dev.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(dev)
-
     torch.manual_seed(0)
     layer = build_layer(cost).to(device=dev, dtype=dtype).eval()
     B, L, S, D = cost.batch, cost.seq_len, cost.kv_len, cost.dim
@@ -360,13 +345,8 @@ def measure(cost: Any, *, device: str = "cpu") -> dict[str, Any]:
                 layer(*inputs)
         counts[label] = counter.get_total_flops()
 
-    seconds = _timeit(forward, sync)
-    n = 2048 if cuda else 1024
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    b = torch.randn(n, n, device=dev, dtype=dtype)
-    mm_seconds = _timeit(functools.partial(torch.matmul, a, b), sync, budget_s=0.5)
-    del a, b
-    peak_gflops = 2 * n**3 / mm_seconds / 1e9
+    seconds = best_time(forward, dev)
+    peak_gflops = matmul_flops_per_second(dtype, dev) / 1e9
 
     forward()  # warm the allocator's caches out of the measurement as far as possible
     peak = peak_memory(forward, dev)
@@ -388,7 +368,7 @@ def measure(cost: Any, *, device: str = "cpu") -> dict[str, Any]:
     }
 
 
-def format_measurement(cost: Any, m: dict[str, Any]) -> str:
+def format_measurement(cost: CostBreakdown, m: dict[str, Any]) -> str:
     """The measurement next to the predictions, as text."""
     peak = m["peak_memory_bytes"]
     lines = [

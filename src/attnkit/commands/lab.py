@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnkit.lab.train import LabConfig
 
 # Task-specific defaults on top of LabConfig's (which are tuned for reverse). Kept here, not in
 # the library, so that the Python API has one set of defaults.
@@ -20,6 +24,26 @@ TASK_DEFAULTS: dict[str, dict[str, object]] = {
     "sort": {"steps": 1000, "seq_len": 12},
     "recall": {"steps": 1000, "seq_len": 10, "num_symbols": 8, "batch_size": 128},
 }
+
+# Options that override one LabConfig field each: (group, flag, type, help with the default).
+FIELD_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
+    ("model", "--dim", int, "model dim D (64)"),
+    ("model", "--layers", int, "encoder blocks (2)"),
+    ("model", "--heads", int, "attention heads (4)"),
+    ("model", "--ffn-dim", int, "feed-forward width (128)"),
+    ("model", "--dropout", float, "dropout (0)"),
+    ("model", "--seq-len", int, "training sequence length (16)"),
+    ("model", "--num-symbols", int, "alphabet size (10)"),
+    ("model", "--max-seq-len", int, "positions in the tables, for the length tests (4 x seq-len)"),
+    ("training", "--steps", int, "optimizer steps (400 for reverse)"),
+    ("training", "--batch-size", int, "global batch, split over processes (64)"),
+    ("training", "--lr", float, "peak learning rate (3e-3)"),
+    ("training", "--weight-decay", float, "AdamW weight decay (0)"),
+    ("training", "--warmup-steps", int, "linear warmup (30)"),
+    ("training", "--eval-size", int, "held-out sequences (1000)"),
+    ("training", "--eval-every", int, "evaluate every N steps (50)"),
+    ("training", "--save-every", int, "checkpoint every N steps (0: at the end only)"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,33 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="position scheme (sinusoidal)",
     )
-    m.add_argument("--dim", type=int, default=None, help="model dim D (64)")
-    m.add_argument("--layers", type=int, default=None, help="encoder blocks (2)")
-    m.add_argument("--heads", type=int, default=None, help="attention heads (4)")
-    m.add_argument("--ffn-dim", type=int, default=None, help="feed-forward width (128)")
-    m.add_argument("--dropout", type=float, default=None, help="dropout (0)")
-    m.add_argument("--seq-len", type=int, default=None, help="training sequence length (16)")
-    m.add_argument("--num-symbols", type=int, default=None, help="alphabet size (10)")
-    m.add_argument(
-        "--max-seq-len",
-        type=int,
-        default=None,
-        help="positions in the tables, for the length tests (4 x seq-len)",
-    )
-
     t = parser.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=None, help="optimizer steps (400 for reverse)")
-    t.add_argument(
-        "--batch-size", type=int, default=None, help="global batch, split over processes (64)"
-    )
-    t.add_argument("--lr", type=float, default=None, help="peak learning rate (3e-3)")
-    t.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay (0)")
-    t.add_argument("--warmup-steps", type=int, default=None, help="linear warmup (30)")
-    t.add_argument("--eval-size", type=int, default=None, help="held-out sequences (1000)")
-    t.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (50)")
-    t.add_argument(
-        "--save-every", type=int, default=None, help="checkpoint every N steps (0: at the end only)"
-    )
+    groups = {"model": m, "training": t}
+    for group, flag, kind, text in FIELD_OPTIONS:
+        groups[group].add_argument(flag, type=kind, default=None, help=text)
     t.add_argument(
         "--device", choices=("cpu", "cuda"), default=None, help="compute device (CUDA if available)"
     )
@@ -97,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace):  # -> LabConfig
+def _config(args: argparse.Namespace) -> LabConfig:
     from attnkit.lab.tasks import TASKS
     from attnkit.lab.train import LabConfig, with_overrides
 
