@@ -232,40 +232,37 @@ def test_attnkit_trained_models_save_when_they_map(tmp_path: Path) -> None:
     """Configs built in attnkit (not loaded) map onto the architectures too."""
     torch.manual_seed(0)
     base = dict(vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, hidden_dim=40, max_seq_len=64)
-    configs = {
-        "LlamaForCausalLM": TransformerConfig(
-            **base,
-            norm="rmsnorm",
-            activation="swiglu",
-            bias=False,
-            rope_interleaved=False,
-            num_kv_heads=2,
-            tie_embeddings=False,
+    llama = dict(norm="rmsnorm", activation="swiglu", bias=False, rope_interleaved=False)
+    configs = [
+        (
+            "LlamaForCausalLM",
+            TransformerConfig(**base, **llama, num_kv_heads=2, tie_embeddings=False),
         ),
-        "Qwen2ForCausalLM": TransformerConfig(
-            **base,
-            norm="rmsnorm",
-            activation="swiglu",
-            bias=False,
-            qkv_bias=True,
-            rope_interleaved=False,
+        # attnkit's own rotary pairing (adjacent channels): saved with permuted q/k channels.
+        (
+            "LlamaForCausalLM",
+            TransformerConfig(
+                **base,
+                **llama | {"rope_interleaved": True},
+                rope_scaling={"type": "linear", "factor": 2.0},
+            ),
         ),
-        "MistralForCausalLM": TransformerConfig(
-            **base,
-            norm="rmsnorm",
-            activation="swiglu",
-            bias=False,
-            rope_interleaved=False,
-            window=4,
+        ("LlamaForCausalLM", TransformerConfig(**base, **llama | {"bias": True})),
+        ("Qwen2ForCausalLM", TransformerConfig(**base, **llama, qkv_bias=True)),
+        ("MistralForCausalLM", TransformerConfig(**base, **llama, window=4)),
+        ("GPT2LMHeadModel", TransformerConfig(**base, position="learned", activation="gelu_tanh")),
+        (
+            "GPT2LMHeadModel",
+            TransformerConfig(**base, position="learned", activation="gelu", tie_embeddings=False),
         ),
-        "GPT2LMHeadModel": TransformerConfig(**base, position="learned", activation="gelu_tanh"),
-    }
+    ]
     ids, mask = padded_batch()
     real = mask.bool()
     pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    for arch, config in configs.items():
+    for i, (arch, config) in enumerate(configs):
         lm = TransformerLM(config).eval()
-        folder = lm.save_pretrained(tmp_path / arch)
+        randomize(lm, i)
+        folder = lm.save_pretrained(tmp_path / f"{arch}-{i}")
         back = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         assert type(back).__name__ == arch
         with torch.no_grad():
@@ -280,8 +277,8 @@ def test_attnkit_trained_models_save_when_they_map(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("changes", "option"),
     [
-        ({}, "rope_interleaved"),  # attnkit's defaults: interleaved rotary pairs
-        ({"rope_interleaved": False}, "norm"),
+        ({}, "norm='layernorm'.*activation='gelu'"),  # attnkit's defaults
+        ({"norm": "rmsnorm"}, "activation"),
         ({"position": "learned", "bias": False}, "bias"),
         ({"position": "sinusoidal"}, "position"),
         ({"position": "learned", "norm_first": False}, "norm_first"),

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit.config import TransformerConfig, check_rope_scaling
+from attnkit.positional import permute_rotary_weight
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -263,8 +264,10 @@ def _llama_config(data: dict[str, Any], arch: str) -> TransformerConfig:
 def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
     """The ``config.json`` of the Hugging Face architecture equivalent to ``config``.
 
-    GPT-2 for learned positions with LayerNorm and biases everywhere; for rotary (half-split
-    pairs), RMSNorm and SwiGLU: Qwen2 (biases on q/k/v only), Mistral (a sliding window) or Llama.
+    GPT-2 for learned positions with LayerNorm and biases everywhere; for rotary positions,
+    RMSNorm and SwiGLU: Qwen2 (biases on q/k/v only), Mistral (a sliding window) or Llama.
+    Interleaved rotary pairs are saved as Hugging Face's halves by permuting each head's
+    query/key channels (same scores, same outputs).
 
     Raises:
         ValueError: Naming the option that has no counterpart in any supported architecture.
@@ -324,7 +327,6 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
     need("position", c.position, "rope", "GPT2LMHeadModel ('learned') or Llama ('rope')")
     need("norm", c.norm, "rmsnorm", fam)
     need("activation", c.activation, "swiglu", fam)
-    need("rope_interleaved", c.rope_interleaved, False, fam)
     check()
     common: dict[str, Any] = {
         "vocab_size": c.vocab_size,
@@ -386,11 +388,16 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _Entry:
-    """Where one checkpoint tensor goes: ``param[rows]`` (transposed first for ``Conv1D``)."""
+    """Where one checkpoint tensor goes: ``param[rows]`` (transposed first for ``Conv1D``).
+
+    ``rotary_heads``: a query/key projection of that many heads, whose channels are permuted
+    when the attnkit model pairs rotary channels interleaved (Hugging Face pairs halves).
+    """
 
     param: str
     rows: tuple[int, int] | None = None
     transpose: bool = False
+    rotary_heads: int | None = None
 
 
 def weight_map(arch: str, config: TransformerConfig) -> dict[str, _Entry]:
@@ -432,9 +439,11 @@ def weight_map(arch: str, config: TransformerConfig) -> dict[str, _Entry]:
             hf, ak = f"model.layers.{i}.", f"blocks.{i}."
             attn = f"{ak}attention."
             for name, rows in qkv_rows.items():
-                out[f"{hf}self_attn.{name}_proj.weight"] = _Entry(f"{attn}{_QKV}.weight", rows)
-                if qkv_bias:
-                    out[f"{hf}self_attn.{name}_proj.bias"] = _Entry(f"{attn}{_QKV}.bias", rows)
+                heads = {"q": c.num_heads, "k": c.kv_heads}.get(name)
+                for kind in ("weight", "bias") if qkv_bias else ("weight",):
+                    out[f"{hf}self_attn.{name}_proj.{kind}"] = _Entry(
+                        f"{attn}{_QKV}.{kind}", rows, rotary_heads=heads
+                    )
             linears = [
                 ("self_attn.o_proj", f"{attn}{_OUT}", out_bias),
                 ("mlp.gate_proj", f"{ak}feed_forward.gate", mlp_bias),
@@ -699,6 +708,8 @@ def _hf_tensors(
         t = params[entry.param].detach()
         if entry.rows is not None:
             t = t[entry.rows[0] : entry.rows[1]]
+        if entry.rotary_heads is not None and config.rope_interleaved:
+            t = permute_rotary_weight(t, entry.rotary_heads, to="split")
         yield key, (t.t() if entry.transpose else t).contiguous().cpu()
 
 
