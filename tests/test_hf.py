@@ -67,6 +67,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mistral-window": ("MistralConfig", LLAMA | {"sliding_window": 3, "num_key_value_heads": 2}),
     "qwen2-bias": ("Qwen2Config", LLAMA | {"num_key_value_heads": 2}),
+    "qwen2-sliding": (
+        "Qwen2Config",
+        LLAMA | {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0},
+    ),
     "gpt2": ("GPT2Config", GPT2),
     "gpt2-untied-relu": (
         "GPT2Config",
@@ -249,6 +253,7 @@ def test_attnkit_trained_models_save_when_they_map(tmp_path: Path) -> None:
         ),
         ("LlamaForCausalLM", TransformerConfig(**base, **llama | {"bias": True})),
         ("Qwen2ForCausalLM", TransformerConfig(**base, **llama, qkv_bias=True)),
+        ("Qwen2ForCausalLM", TransformerConfig(**base, **llama, qkv_bias=True, window=5)),
         ("MistralForCausalLM", TransformerConfig(**base, **llama, window=4)),
         ("GPT2LMHeadModel", TransformerConfig(**base, position="learned", activation="gelu_tanh")),
         (
@@ -405,6 +410,7 @@ def test_truncated_safetensors(llama_folder: Path, tmp_path: Path) -> None:
             "partial_rotary_factor",
         ),
         ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized.*gptq"),
         ({"pretraining_tp": 2}, "pretraining_tp"),
         (
             {

@@ -145,6 +145,12 @@ def config_from_hf(data: dict[str, Any]) -> tuple[str, TransformerConfig]:
             that changes the outputs but has no attnkit counterpart (naming it).
     """
     arch = _architecture(data)
+    if data.get("quantization_config"):
+        method = data["quantization_config"].get("quant_method", "?")
+        raise ValueError(
+            f"quantized checkpoints are not supported (quantization_config: {method}); "
+            "use the unquantized weights"
+        )
     try:
         if arch == "GPT2LMHeadModel":
             return arch, _gpt2_config(data)
@@ -348,16 +354,14 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
     if c.rope_scaling is not None:
         common["rope_scaling"] = dict(c.rope_scaling)
     if (qkv_bias, out_bias, mlp_bias) == (True, False, False):
-        if c.window is not None:
-            raise ValueError(
-                f"window={c.window} with biases on q/k/v only has no counterpart in "
-                "Qwen2ForCausalLM as saved by attnkit; use window=None or no biases"
-            )
+        sliding = c.window is not None
         return {
             "architectures": ["Qwen2ForCausalLM"],
             "model_type": "qwen2",
-            "use_sliding_window": False,
-            "sliding_window": None,
+            "use_sliding_window": sliding,
+            "sliding_window": c.window,
+            "max_window_layers": 0 if sliding else c.num_layers,
+            "layer_types": [("sliding" if sliding else "full") + "_attention"] * c.num_layers,
         } | common
     if c.window is not None:
         fam = "MistralForCausalLM (window)"
