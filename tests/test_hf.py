@@ -200,6 +200,16 @@ def test_bf16_loads_straight_into_bf16(case: Any) -> None:
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
 
 
+def test_loading_in_blocks_of_rows(case: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors above the block size are read a few rows at a time (here: every tensor)."""
+    _kind, folder, _ = case
+    whole = TransformerLM.from_pretrained(folder, dtype=torch.float16)
+    monkeypatch.setattr(hf, "_CHUNK_BYTES", 100)
+    blocks = TransformerLM.from_pretrained(folder, dtype=torch.float16)
+    for (name, p), q in zip(whole.named_parameters(), blocks.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 @pytest.mark.parametrize("kind", ["llama-gqa-untied", "gpt2"])
 def test_sharded_folders_load_and_save(kind: str, tmp_path: Path) -> None:
     ref = build_hf(kind, tmp_path / "single")

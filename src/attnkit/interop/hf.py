@@ -535,14 +535,33 @@ def _header(path: Path) -> dict[str, _TensorInfo]:
     return infos
 
 
-def _read_tensor(f: Any, info: _TensorInfo) -> Tensor:
+# Bytes read at a time: a tensor larger than this is copied in blocks of rows, so loading
+# needs the parameters plus one block, whatever the checkpoint's and the target's dtypes.
+_CHUNK_BYTES = 16 * 2**20
+
+
+def _read_into(f: Any, info: _TensorInfo, dest: Tensor) -> None:
+    """Copy a checkpoint tensor into ``dest`` (same shape, any dtype), block of rows by block.
+
+    Raises:
+        ValueError: If the file ends before the tensor does.
+    """
     f.seek(info.start)
-    buf = bytearray(info.nbytes)
-    if f.readinto(buf) != info.nbytes:
-        raise ValueError(f"{f.name} is truncated while reading a tensor")
     if not info.nbytes:
-        return torch.empty(info.shape, dtype=info.dtype)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype).view(info.shape)
+        return
+    rows = info.shape[0] if info.shape else 1
+    row_bytes = info.nbytes // rows
+    step = max(1, _CHUNK_BYTES // row_bytes)
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        buf = bytearray(n * row_bytes)
+        if f.readinto(buf) != len(buf):
+            raise ValueError(f"{f.name} is truncated while reading a tensor")
+        block = torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype)  # (n * row,)
+        if info.shape:
+            dest[r0 : r0 + n].copy_(block.view(n, *info.shape[1:]))
+        else:
+            dest.copy_(block.view(()))
 
 
 def _write_safetensors(path: Path, tensors: dict[str, Tensor]) -> None:
@@ -680,10 +699,8 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> nn
                             f"{file.name}: tensor {key} has shape {list(info.shape)}, the "
                             f"config ({arch}) needs {list(want)}"
                         )
-                    t = _read_tensor(f, info)
-                    target.copy_(t.t() if entry.transpose else t)
+                    _read_into(f, info, target.t() if entry.transpose else target)
                     filled[entry.param] += target.numel()
-                    del t
     if unexpected:
         raise ValueError(
             f"{path}: tensors with no place in {arch} as configured: {unexpected[:8]}"
