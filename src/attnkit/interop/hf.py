@@ -537,7 +537,7 @@ def _header(path: Path) -> dict[str, _TensorInfo]:
 
 # Bytes read at a time: a tensor larger than this is copied in blocks of rows, so loading
 # needs the parameters plus one block, whatever the checkpoint's and the target's dtypes.
-_CHUNK_BYTES = 16 * 2**20
+_CHUNK_BYTES = 4 * 2**20
 
 
 def _read_into(f: Any, info: _TensorInfo, dest: Tensor) -> None:
