@@ -242,6 +242,35 @@ def test_sharded_folders_load_and_save(kind: str, tmp_path: Path) -> None:
     )
 
 
+def test_save_pretrained_is_atomic(
+    llama_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails half-way leaves the previous folder as it was, and no temp folder."""
+    lm = TransformerLM.from_pretrained(llama_folder)
+    out = lm.save_pretrained(tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls: list[Path] = []
+
+    def fail_second(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        real_write(path, tensors)
+
+    real_write = hf._write_safetensors
+    monkeypatch.setattr(hf, "_write_safetensors", fail_second)
+    with torch.no_grad():
+        lm.embedding.weight.add_(1.0)
+    with pytest.raises(OSError, match="disk full"):
+        lm.save_pretrained(out, max_shard_size=20_000)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with pytest.raises(OSError, match="disk full"):  # a new folder is not created either
+        calls.clear()
+        lm.save_pretrained(tmp_path / "new", max_shard_size=20_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_attnkit_trained_models_save_when_they_map(tmp_path: Path) -> None:
     """Configs built in attnkit (not loaded) map onto the architectures too."""
     torch.manual_seed(0)

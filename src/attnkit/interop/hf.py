@@ -32,13 +32,16 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from attnkit.config import TransformerConfig, check_rope_scaling
 from attnkit.positional import permute_rotary_weight
+
+if TYPE_CHECKING:
+    from attnkit.models import TransformerLM
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -641,7 +644,7 @@ def read_generation_config(path: str | Path) -> dict[str, Any]:
     return out
 
 
-def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> nn.Module:
+def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> TransformerLM:
     """Load a Hugging Face decoder folder into a :class:`attnkit.TransformerLM` (eval mode).
 
     Args:
@@ -722,7 +725,7 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> nn
 
 
 def _hf_tensors(
-    lm: nn.Module, arch: str, config: TransformerConfig
+    lm: TransformerLM, arch: str, config: TransformerConfig
 ) -> Iterator[tuple[str, Tensor]]:
     params = dict(lm.named_parameters())
     for key, entry in weight_map(arch, config).items():
@@ -734,7 +737,9 @@ def _hf_tensors(
         yield key, (t.t() if entry.transpose else t).contiguous().cpu()
 
 
-def save_pretrained(lm: nn.Module, path: str | Path, *, max_shard_size: int | None = None) -> Path:
+def save_pretrained(
+    lm: TransformerLM, path: str | Path, *, max_shard_size: int | None = None
+) -> Path:
     """Write ``lm`` as a Hugging Face folder ``transformers`` loads with the same outputs.
 
     Writes ``config.json``, ``generation_config.json`` (when ``lm.generation_config`` has ids)
@@ -756,13 +761,13 @@ def save_pretrained(lm: nn.Module, path: str | Path, *, max_shard_size: int | No
         ValueError: If an option of the model has no counterpart (naming it), or a bad
             ``max_shard_size``.
     """
-    config: TransformerConfig = lm.config  # type: ignore[assignment]
+    config = lm.config
     hf = hf_config_from(config)
     arch = hf["architectures"][0]
     if max_shard_size is not None and max_shard_size < 1:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
     dtype = next(lm.parameters()).dtype
-    gen = dict(getattr(lm, "generation_config", {}) or {})
+    gen = dict(lm.generation_config)
     hf |= {k: v for k, v in gen.items() if k in ("eos_token_id", "bos_token_id", "pad_token_id")}
     hf["dtype"] = hf["torch_dtype"] = _HF_DTYPE_NAMES.get(dtype, "float32")
     path = Path(path)
