@@ -201,6 +201,10 @@ def test_stream_yields_the_columns_of_generate(pair: Any) -> None:
     assert not lm.training  # eval while streaming
     cols = [first, *it]
     assert lm.training  # mode restored when exhausted
+    closed = lm.stream(ids, 6, attention_mask=mask)
+    next(closed)
+    closed.close()  # a consumer that stops early
+    assert lm.training
     lm.eval()
     expected = lm.generate(ids, 6, attention_mask=mask, eos_token_id=None)
     assert torch.equal(torch.stack(cols, 1), expected[:, ids.shape[1] :])
@@ -213,6 +217,10 @@ def test_generation_config_defaults(pair: Any) -> None:
     lm.generation_config = {"eos_token_id": [int(t) for t in range(VOCAB)], "pad_token_id": 0}
     try:
         assert lm.generate(ids, 5, attention_mask=mask).shape == (3, ids.shape[1] + 1)
+        # [] turns the default off; a tensor of ids works as a list.
+        assert lm.generate(ids, 5, attention_mask=mask, eos_token_id=[]).shape[1] == 15
+        ended = lm.generate(ids, 5, attention_mask=mask, eos_token_id=torch.arange(VOCAB))
+        assert ended.shape[1] == 11
     finally:
         lm.generation_config = {"eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0}
 

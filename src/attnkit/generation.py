@@ -145,12 +145,23 @@ def _pick(logits: Tensor, options: GenerationOptions, generator: torch.Generator
 
 
 def _eos_tensor(eos: int | Sequence[int] | Tensor | None, device: torch.device) -> Tensor | None:
+    """The eos ids as a tensor; ``None`` for no eos (``None`` or ``[]``)."""
     if eos is None:
         return None
-    values = [eos] if isinstance(eos, int) else list(eos)
-    if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    values: list[Any]
+    if isinstance(eos, Tensor):
+        values = eos.flatten().tolist()
+    elif _is_int(eos):
+        values = [eos]
+    elif isinstance(eos, Sequence) and not isinstance(eos, str):
+        values = list(eos)
+    else:
+        values = [eos]  # rejected below
+    if not all(_is_int(v) for v in values):
         raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
-    return torch.tensor(values, dtype=torch.long, device=device)
+    if not values:  # [] turns off the model's default eos
+        return None
+    return torch.tensor([int(v) for v in values], dtype=torch.long, device=device)
 
 
 def _check_inputs(
@@ -341,7 +352,8 @@ def generate(
         max_new_tokens: Most tokens to add.
         **options: ``attention_mask`` (``(B, P)``, ``True``/1 = real token; left padding),
             ``pad_token_id`` (fills rows that ended; default the folder's, else the first eos),
-            ``eos_token_id`` (int or list; default ``lm.generation_config``'s), ``temperature``,
+            ``eos_token_id`` (int or list; default ``lm.generation_config``'s; ``[]``: none),
+            ``temperature``,
             ``top_k``, ``top_p``, ``repetition_penalty``, ``use_cache`` (KV cache instead of
             re-running the prefix; same tokens), ``generator``.
 

@@ -426,7 +426,7 @@ class TransformerLM(_TransformerStack):
             max_new_tokens: Most tokens to add.
             attention_mask: ``(B, P)``, ``True``/1 = real token (left padding).
             pad_token_id: Fills rows that ended (default: ``generation_config``'s, else eos).
-            eos_token_id: One id or several; default ``generation_config``'s.
+            eos_token_id: One id or several; default ``generation_config``'s (``[]``: none).
             temperature: ``0`` = greedy (argmax); otherwise sample from
                 ``softmax(logits / temperature)``.
             top_k: Sample only among the ``top_k`` most likely tokens.
