@@ -200,6 +200,32 @@ def test_bf16_loads_straight_into_bf16(case: Any) -> None:
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
 
 
+@pytest.mark.parametrize(("kind", "prefix"), [("gpt2", "transformer."), ("qwen2-bias", "model.")])
+def test_base_model_checkpoints_without_prefix(kind: str, prefix: str, tmp_path: Path) -> None:
+    """Checkpoints saved from the base model (the original gpt2 on the Hub) lack the prefix."""
+    ref = build_hf(kind, tmp_path)
+    path = tmp_path / "model.safetensors"
+    lm = TransformerLM.from_pretrained(tmp_path)
+    tensors = {}
+    for key, (dtype, shape, start, nbytes) in hf.read_safetensors_header(path).items():
+        raw = bytearray(path.read_bytes()[start : start + nbytes])
+        tensors[key.removeprefix(prefix)] = torch.frombuffer(raw, dtype=dtype).view(shape)
+    assert not any(k.startswith(prefix) for k in tensors)
+    hf._write_safetensors(path, tensors)
+    stripped = TransformerLM.from_pretrained(tmp_path)
+    for (name, p), q in zip(lm.named_parameters(), stripped.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    ids, mask = padded_batch()
+    real = mask.bool()
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    assert_close(
+        stripped(ids, real, positions=pos)[real],
+        hf_logits(ref, ids, mask)[real],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
 def test_loading_in_blocks_of_rows(case: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors above the block size are read a few rows at a time (here: every tensor)."""
     _kind, folder, _ = case

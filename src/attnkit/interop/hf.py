@@ -680,13 +680,15 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> Tr
     lm = lm.to(dtype).to_empty(device="cpu")
     params = dict(lm.named_parameters())
     entries = weight_map(arch, config)
+    base_prefix = "transformer." if arch == "GPT2LMHeadModel" else "model."
     filled: dict[str, int] = dict.fromkeys(params, 0)
     unexpected: list[str] = []
     with torch.no_grad():
         for file, infos in headers.items():
             with open(file, "rb") as f:
                 for key, info in infos.items():
-                    entry = entries.get(key)
+                    # Base-model checkpoints (e.g. the original gpt2) omit the prefix.
+                    entry = entries.get(key) or entries.get(base_prefix + key)
                     if entry is None:
                         if not key.endswith(_IGNORED_SUFFIXES) and not (
                             key == "lm_head.weight" and config.tie_embeddings
