@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from attnkit import TransformerConfig, TransformerLM
@@ -189,6 +191,32 @@ def test_padded_rows_generate_as_alone(window: int | None) -> None:
         with torch.no_grad():
             diff = (wide(batch, full, positions=pos) - lm(batch, full, positions=pos))[full]
         assert diff.abs().max() > 0.1
+
+
+_PROPERTY_LM: dict[str, TransformerLM] = {}
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)  # no flaky near-ties
+@given(
+    lengths=st.lists(st.integers(1, 7), min_size=1, max_size=3),
+    window=st.sampled_from([None, 2, 4]),
+    seed=st.integers(0, 2**16),
+)
+def test_left_padding_never_changes_a_row(
+    lengths: list[int], window: int | None, seed: int
+) -> None:
+    """For any lengths: each row of a left-padded batch decodes (cached) as it does alone."""
+    if window not in _PROPERTY_LM:
+        _PROPERTY_LM[window] = _small_lm(window=window, rope_interleaved=False)
+    lm = _PROPERTY_LM[window]
+    g = torch.Generator().manual_seed(seed)
+    P = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), P), generator=g)
+    mask = torch.arange(P)[None, :] >= P - torch.tensor(lengths)[:, None]  # left padding
+    batch = lm.generate(ids.masked_fill(~mask, 0), 4, attention_mask=mask, eos_token_id=[])
+    for b, n in enumerate(lengths):
+        alone = lm.generate(ids[b : b + 1, P - n :], 4, eos_token_id=[])
+        assert torch.equal(batch[b, P:], alone[0, n:]), (b, lengths)
 
 
 def test_stream_yields_the_columns_of_generate(pair: Any) -> None:
