@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,8 @@ def test_prompt_from_stdin_sampling_seed_and_attention(
     assert _run(args, capsys)[1] == out  # the seed makes sampling reproducible
     names = {p.name for p in (tmp_path / "att").iterdir()}
     assert {"layer0_head1.png", "layer1_head1.png", "grid.png"} <= names
+    explorer = importlib.util.find_spec("attnkit.explorer")
+    assert ("explorer.html" in names) == (explorer is not None)
     assert all(str(tmp_path / "att" / n) in err for n in ("grid.png", "layer0_head1.png"))
 
 

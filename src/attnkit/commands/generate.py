@@ -141,7 +141,11 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if args.attention is not None:
         all_ids = torch.tensor([prompt_ids + new])
-        tokens = [tokenizer.id_to_token(i) or str(i) for i in prompt_ids + new]
+        # Each token as text (byte-level tokenizers' "Ġsat" reads " sat").
+        tokens = [
+            tokenizer.decode([i], skip_special_tokens=False) or tokenizer.id_to_token(i) or str(i)
+            for i in prompt_ids + new
+        ]
         for path in _write_attention(lm, all_ids, tokens, args):
             print(path, file=sys.stderr)
     return 0
@@ -170,19 +174,29 @@ def _write_attention(lm: Any, ids: Any, tokens: list[str], args: argparse.Namesp
                     weights[layer, head], query_tokens=tokens, title=f"layer {layer}, head {head}"
                 )
                 written.append(viz.save_figure(fig, out / f"layer{layer}_head{head}.png"))
-        grid = viz.attention_grid(weights[layers], tokens=tokens, title="attention per head")
+        title = f"attention per head of layers {layers} (rows in that order)"
+        grid = viz.attention_grid(weights[layers], tokens=tokens, title=title)
         written.append(viz.save_figure(grid, out / "grid.png"))
     try:
         explorer = importlib.import_module("attnkit.explorer")
-    except ImportError:
+    except ImportError:  # the interactive page is optional
         explorer = None
+    limit = getattr(explorer, "MAX_TOKENS", None)
     if explorer is not None and hasattr(explorer, "write_explorer"):
-        page = explorer.write_explorer(
-            out / "explorer.html",
-            tokens,
-            list(weights),
-            title="attnkit generate",
-            description=f"{args.model.name}: prompt and continuation",
-        )
-        written.append(Path(page))
+        if limit is not None and len(tokens) > limit:
+            print(
+                f"attnkit generate: {len(tokens)} tokens, more than the explorer page shows "
+                f"({limit}); wrote the pictures only",
+                file=sys.stderr,
+            )
+        else:
+            page = explorer.write_explorer(
+                out / "explorer.html",
+                tokens,
+                weights,
+                title="attnkit generate",
+                description=f"{args.model.name}: the prompt and its continuation",
+                layer=layers[-1],
+            )
+            written.append(Path(page))
     return written
