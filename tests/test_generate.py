@@ -219,6 +219,21 @@ def test_left_padding_never_changes_a_row(
         assert torch.equal(batch[b, P:], alone[0, n:]), (b, lengths)
 
 
+def test_cached_decoding_sees_at_most_window_keys() -> None:
+    lm = _small_lm(window=3, rope_interleaved=False)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    caches = lm.make_kv_caches(2, 12)
+    with torch.no_grad():
+        _, prefill = lm(ids, kv_caches=caches, return_weights=True)
+        assert all(int((w > 0).sum(-1).max()) == 3 for w in prefill)
+        for step in range(3):
+            _, weights = lm(ids[:, step : step + 1], kv_caches=caches, return_weights=True)
+            for w in weights:  # (B, H, 1, S): the last 3 of the 10 + step cached keys
+                assert w.shape[-1] == 10 + step
+                assert int((w > 0).sum(-1).max()) == 3
+                assert torch.all(w[..., : 10 + step - 3] == 0)
+
+
 def test_stream_yields_the_columns_of_generate(pair: Any) -> None:
     _, lm = pair
     ids, mask = padded_batch(9)
