@@ -196,6 +196,7 @@ def test_padded_rows_generate_as_alone(window: int | None) -> None:
 _PROPERTY_LM: dict[str, TransformerLM] = {}
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, derandomize=True)  # no flaky near-ties
 @given(
     lengths=st.lists(st.integers(1, 7), min_size=1, max_size=3),

@@ -63,6 +63,7 @@ def test_streams_prompt_then_greedy_continuation(
     assert out.startswith(prompt) and len(out) > len(prompt) + 1
 
 
+@pytest.mark.slow
 def test_prompt_from_stdin_sampling_seed_and_attention(
     folder: Path,
     tmp_path: Path,

@@ -140,6 +140,7 @@ def test_logits_equal_transformers_on_left_padded_batch(case: Any) -> None:
     assert_close(got[real], expected[real], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_greedy_generation_equals_transformers(case: Any) -> None:
     _kind, folder, ref = case
     lm = TransformerLM.from_pretrained(folder)
