@@ -11,8 +11,11 @@ Positions (``position=``):
   every block);
 * ``"rope"``: a :class:`attnkit.positional.RotaryEmbedding` shared by every attention layer.
 
-:meth:`TransformerLM.generate` decodes greedily or by sampling, with a preallocated
-:class:`attnkit.KVCache` per layer (``use_cache=True``) or by re-running the whole prefix.
+:meth:`TransformerLM.generate` / :meth:`TransformerLM.stream` decode greedily or by sampling,
+left-padded batches included, with a preallocated :class:`attnkit.KVCache` per layer
+(``use_cache=True``) or by re-running the whole prefix (the loop is :mod:`attnkit.generation`).
+:meth:`TransformerLM.from_pretrained` / :meth:`TransformerLM.save_pretrained` read and write
+Hugging Face decoder folders (:mod:`attnkit.interop.hf`).
 """
 
 from __future__ import annotations
