@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -80,4 +81,91 @@ def test_bad_argument_exits_2_from_a_real_process() -> None:
     assert proc.stdout == ""
     assert proc.stderr.strip() == (
         "attnkit complexity: error: dim (30) must be divisible by num_heads (4), or pass head_dim"
+    )
+
+
+# ----------------------------------------------------------------------------- lab checkpoints
+
+TINY_LAB = [
+    "--seq-len", "6", "--num-symbols", "5", "--dim", "16", "--heads", "2", "--layers", "1",
+    "--ffn-dim", "32", "--steps", "2", "--batch-size", "8", "--eval-size", "16",
+    "--no-report", "--no-progress", "--threads", "1",
+]  # fmt: skip
+
+
+def run_lab_cli(argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return run(["lab", *argv, *TINY_LAB], capsys)
+    finally:
+        torch.set_num_threads(threads)  # the command sets the process's thread count
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header only", "empty", "not safetensors"])
+def test_resume_from_a_damaged_checkpoint_is_one_line(
+    damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tqdm")
+    import torch
+
+    from attnkit.lab.checkpoint import CHECKPOINT_NAME, save_checkpoint
+
+    path = save_checkpoint(tmp_path / CHECKPOINT_NAME, model=torch.nn.Linear(4, 4))
+    data = path.read_bytes()
+    cut = {"truncated": data[: len(data) // 2], "header only": data[:6], "empty": b""}
+    path.write_bytes(cut.get(damage, b"{not a checkpoint}" * 10))
+
+    code, _, err = run_lab_cli(["--out", str(tmp_path), "--resume"], capsys)
+    assert code == 2
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]  # after the one-line "attnkit lab: task ..." notice
+    assert last.startswith(f"attnkit lab: error: {path} is damaged or truncated (")
+    assert last.endswith("delete it to start over, or run without --resume")
+
+
+@pytest.mark.slow
+def test_lab_removes_temp_files_of_a_killed_run_and_shares_modes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tqdm")
+    # What a kill -9 during atomic_write leaves: mkstemp names with 8 random characters.
+    stale = [
+        tmp_path / ".checkpoint.safetensors.k1ll_3d0.tmp",
+        tmp_path / ".config.json.ab12cd34.tmp",
+    ]
+    for path in stale:
+        path.write_bytes(b"half a file")
+    unrelated = tmp_path / "notes.tmp"
+    unrelated.write_text("mine")
+
+    code, _, err = run_lab_cli(["--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert not any(p.exists() for p in stale)
+    assert unrelated.read_text() == "mine"
+    assert f"removed {stale[0]}, left by an interrupted run" in err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == ["notes.tmp"]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes["checkpoint.safetensors"] == modes["config.json"] == modes["metrics.json"]
+
+
+# ----------------------------------------------------------------------------- complexity --measure
+
+
+def test_complexity_measure_of_a_size_that_cannot_be_allocated(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # B*L*D = 10^6 * 10^7 * 64 float32 inputs: 2.56e15 bytes, more than any machine has.
+    argv = ["--seq-len", "10000000", "--dim", "64", "--heads", "4", "--batch", "1000000"]
+    code, out, err = run(["complexity", *argv, "--measure"], capsys)
+    assert code == 2 and out == ""
+    assert "Traceback" not in err
+    assert err.strip() == (
+        "attnkit complexity: error: --measure: the layer does not fit in cpu memory at "
+        "B=1000000, L=10000000, S=10000000, D=64, float32 (it tried to allocate "
+        "2560000000000000 bytes); measure a smaller size, or drop --measure for the "
+        "predictions alone"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -314,7 +315,30 @@ def measure(cost: CostBreakdown, *, device: str = "cpu") -> dict[str, Any]:
     reached, the measured peak memory growth of one forward (VmHWM on CPU,
     ``max_memory_allocated`` on CUDA), and what
     ``FlopCounterMode`` counts with the default kernel and with the math backend forced.
+
+    Raises:
+        ValueError: If the layer, its inputs or its forward do not fit in ``device``'s memory.
     """
+    import torch
+
+    try:
+        return _measure(cost, device)
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+        text = str(err)
+        if not isinstance(err, torch.OutOfMemoryError | MemoryError) and not re.search(
+            r"allocate memory|not enough memory|out of memory", text, flags=re.I
+        ):
+            raise  # not an allocation failure: a bug, keep its traceback
+        tried = re.search(r"tried to allocate ([\d.]+ ?[A-Za-z]+)", text, flags=re.I)
+        raise ValueError(
+            f"--measure: the layer does not fit in {device} memory at B={cost.batch}, "
+            f"L={cost.seq_len}, S={cost.kv_len}, D={cost.dim}, {cost.dtype}"
+            + (f" (it tried to allocate {tried.group(1)})" if tried else "")
+            + "; measure a smaller size, or drop --measure for the predictions alone"
+        ) from None
+
+
+def _measure(cost: CostBreakdown, device: str) -> dict[str, Any]:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode

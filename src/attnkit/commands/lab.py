@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the lab; returns 0 on success."""
     import torch
 
+    from attnkit.lab.checkpoint import CheckpointError
     from attnkit.lab.distributed import init_distributed, shutdown_distributed
     from attnkit.lab.runner import default_out_dir, run_lab
 
@@ -164,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             log=log,
         )
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}: delete it to start over, or run without --resume") from err
     finally:
         shutdown_distributed(ctx)
     if ctx.is_main:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +27,11 @@ from torch import Tensor, nn
 __all__ = [
     "CHECKPOINT_NAME",
     "FORMAT",
+    "CheckpointError",
     "atomic_write",
     "load_checkpoint",
     "model_state",
+    "remove_temp_files",
     "restore_optimizer",
     "save_checkpoint",
     "write_json",
@@ -36,6 +39,33 @@ __all__ = [
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 FORMAT = "attnkit-lab-1"
+# atomic_write's temporary files: ".<target name>.<mkstemp's 8 random characters>.tmp"
+_TEMP_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read: truncated, damaged, or not an attnkit lab one."""
+
+
+def remove_temp_files(directory: str | Path) -> list[Path]:
+    """Delete the temporary files that :func:`atomic_write` leaves when a process is killed.
+
+    Only files named like its temporaries (``.<name>.<8 characters>.tmp``) directly in
+    ``directory`` are removed; call it before a run writes there, not while one does.
+
+    Args:
+        directory: A run's output directory (need not exist).
+
+    Returns:
+        The files removed.
+    """
+    folder = Path(directory)
+    if not folder.is_dir():
+        return []
+    stale = [p for p in folder.iterdir() if _TEMP_NAME.fullmatch(p.name) and p.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:
@@ -52,10 +82,12 @@ def atomic_write(path: str | Path, write: Callable[[str], object]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
+        write(tmp)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; give the usual mode
-        write(tmp)
+        # After the write: mkstemp makes 0600 files, and writers such as safetensors' save_file
+        # create the file anew with that mode. Give it the usual mode, as open() would.
+        os.chmod(tmp, 0o666 & ~umask)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
@@ -121,23 +153,28 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]
 
     Raises:
         FileNotFoundError: If there is no checkpoint at ``path``.
-        ValueError: If the file is not an attnkit lab checkpoint.
+        CheckpointError: If the file is damaged, truncated or not an attnkit lab checkpoint
+            (a ``ValueError``).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path} (nothing to resume)")
-    with safe_open(str(path), framework="pt") as f:
-        header = f.metadata() or {}
-    if header.get("format") != FORMAT:
-        raise ValueError(
-            f"{path} is not an attnkit lab checkpoint (format "
-            f"{header.get('format')!r}, expected {FORMAT!r})"
-        )
-    meta = {k: json.loads(v) for k, v in header.items() if k != "format"}
-    return load_file(str(path)), meta
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+        if header.get("format") != FORMAT:
+            raise CheckpointError(
+                f"{path} is not an attnkit lab checkpoint (format "
+                f"{header.get('format')!r}, expected {FORMAT!r})"
+            )
+        meta = {k: json.loads(v) for k, v in header.items() if k != "format"}
+        return load_file(str(path)), meta
+    except (SafetensorError, json.JSONDecodeError, OSError) as err:
+        reason = " ".join(str(err).split())  # one line
+        raise CheckpointError(f"{path} is damaged or truncated ({reason})") from err
 
 
 def model_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

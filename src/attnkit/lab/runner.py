@@ -117,12 +117,16 @@ def run_lab(
     out = Path(out_dir)
     if ctx.is_main:
         prepare_out_dir(out)
+        for stale in ckpt.remove_temp_files(out):
+            say(f"removed {stale}, left by an interrupted run")
     ctx.barrier()
     started = time.perf_counter()
 
     def fit(cfg: LabConfig, where: Path) -> TrainResult:
         if ctx.is_main:
             where.mkdir(parents=True, exist_ok=True)
+            for stale in ckpt.remove_temp_files(where):
+                say(f"removed {stale}, left by an interrupted run")
         ctx.barrier()
         return train(cfg, out_dir=where, resume=resume, ctx=ctx, progress=progress, log=log)
 
