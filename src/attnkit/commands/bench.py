@@ -22,6 +22,12 @@ and the ratio to a measured bf16 matmul rate. Without CUDA it says so and exits 
 
 ``--flex`` adds torch's compiled FlexAttention (forward only: torch 2.13 has no FlexAttention
 backward on CPU); its first call, which compiles, is reported separately.
+
+Sizes: the default run (N = 1024 and 4096, textbook up to 2048) takes about 90 s on a 2-core
+CPU and shows a progress bar (tqdm, on stderr); ``--full`` adds N = 8192 and the textbook up to
+4096 (several minutes). ``--vs`` instead prints one table of attnkit against what a user would
+pick instead (dense-mask SDPA, compiled FlexAttention, sentence-transformers), see
+:mod:`attnkit.commands.bench_vs`.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         nargs="+",
         metavar="N",
-        help="sequence lengths (default 1024 4096 8192; cuda: 4096 8192 16384 32768)",
+        help="sequence lengths (default 1024 4096, --full 1024 4096 8192, --vs 8192; "
+        "cuda: 4096 8192 16384 32768)",
     )
     parser.add_argument("--heads", type=int, default=8, help="heads H (default 8)")
     parser.add_argument("--head-dim", type=int, default=64, help="head dim E (default 64)")
@@ -65,14 +72,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--textbook-max",
         type=int,
-        default=4096,
         metavar="N",
-        help="skip the textbook implementation above this N (it materializes B*H*N*N scores)",
+        help="skip the textbook implementation above this N (it materializes B*H*N*N scores; "
+        "default 2048, --full 4096)",
     )
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--flex", action="store_true", help="add compiled FlexAttention (fwd)")
-    parser.add_argument("--out", type=Path, metavar="FILE.json", help="write results as JSON")
+    parser.add_argument(
+        "--out", "--json", type=Path, metavar="FILE.json", help="write results as JSON"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (for tests)")
+    parser.add_argument("--full", action="store_true", help="the whole sweep (several minutes)")
+    parser.add_argument(
+        "--vs",
+        action="store_true",
+        help="one table of attnkit against the alternatives (dense-mask SDPA, compiled "
+        "FlexAttention, sentence-transformers), side by side",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,11 +101,14 @@ def run(args: argparse.Namespace) -> int:
         if args.out is not None:
             _write(args.out, {"skipped": "CUDA not available", "device": args.device})
         return 0
+    if args.vs:
+        return _run_vs(args)
     if args.quick:
         seq_lens, heads, head_dim, window, doc_len = [256], 2, 16, 32, 64
         repeats = min(args.repeats, 2)
     else:
-        seq_lens = args.seq_len or ([4096, 8192, 16384, 32768] if cuda else [1024, 4096, 8192])
+        cpu_lens = [1024, 4096, 8192] if args.full else [1024, 4096]
+        seq_lens = args.seq_len or ([4096, 8192, 16384, 32768] if cuda else cpu_lens)
         heads, head_dim, window, doc_len = args.heads, args.head_dim, args.window, args.doc_len
         repeats = args.repeats
     for name, value in (
@@ -126,33 +145,67 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     matmul = matmul_flops_per_second(dtype, device) / 1e12
     modes = ["fwd"] if args.no_backward else ["fwd", "fwd+bwd"]
-    for n in seq_lens:
-        for case in args.cases:
-            kw = _case_kwargs(
-                case, n, batch=args.batch, window=window, doc_len=doc_len, device=device
-            )
-            for mode in modes:
-                results += _bench_point(
-                    case,
-                    mode,
-                    n,
-                    kw,
-                    batch=args.batch,
-                    heads=heads,
-                    head_dim=head_dim,
-                    dtype=dtype,
-                    device=device,
-                    repeats=repeats,
-                    textbook=n <= args.textbook_max,
-                    flex=args.flex and mode == "fwd",
-                    matmul=matmul,
-                )
+    textbook_max = args.textbook_max or (4096 if args.full else 2048)
+    points = [(n, case, mode) for n in seq_lens for case in args.cases for mode in modes]
+    for n, case, mode in _progress(points, enabled=not args.quick):
+        kw = _case_kwargs(case, n, batch=args.batch, window=window, doc_len=doc_len, device=device)
+        results += _bench_point(
+            case,
+            mode,
+            n,
+            kw,
+            batch=args.batch,
+            heads=heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            repeats=repeats,
+            textbook=n <= textbook_max,
+            flex=args.flex and mode == "fwd",
+            matmul=matmul,
+        )
     report = {"config": config, "matmul_tflops": matmul, "results": results}
     print(format_table(report))
     if args.out is not None:
         _write(args.out, report)
         print(f"wrote {args.out}")
     return 0
+
+
+def _run_vs(args: argparse.Namespace) -> int:
+    """``--vs``: the table of attnkit against the alternatives, optionally as JSON."""
+    from attnkit.commands import bench_vs
+
+    if args.quick:
+        config = bench_vs.VsConfig(
+            seq_len=512, window=32, documents=4, heads=2, head_dim=16, repeats=1, flex=args.flex,
+            texts=6, long_words=40,
+        )  # fmt: skip
+    else:
+        seq_len = args.seq_len[0] if args.seq_len else 8192
+        config = bench_vs.VsConfig(
+            seq_len=seq_len, window=args.window, heads=args.heads, head_dim=args.head_dim,
+            repeats=args.repeats, flex=True,
+        )  # fmt: skip
+    rows = bench_vs.run_vs(config, progress=not args.quick)
+    print(bench_vs.format_vs_table(rows, config))
+    if args.out is not None:
+        _write(args.out, bench_vs.rows_as_json(rows, config))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _progress(points: list[tuple[int, str, str]], *, enabled: bool) -> Iterable[Any]:
+    """The points wrapped in a tqdm progress bar on stderr (plain iteration without tqdm)."""
+    if not enabled:
+        return points
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(f"attnkit bench: {len(points)} points (install tqdm for a progress bar)",
+              file=sys.stderr)  # fmt: skip
+        return points
+    return tqdm(points, desc="attnkit bench", file=sys.stderr, unit="point")
 
 
 def format_table(report: dict[str, Any]) -> str:

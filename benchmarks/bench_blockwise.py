@@ -1,0 +1,205 @@
+"""Benchmark attnkit.blockwise against dense-mask SDPA, attnkit.sparse and compiled FlexAttention.
+
+Usage:
+    python benchmarks/bench_blockwise.py [--n 8192] [--window 256] [--docs 8] [--repeats 5]
+        [--rows 32,64,128] [--flex] [--variants] [--json FILE]
+
+Every implementation runs in one process, interleaved round by round; the table reports the
+median time and the ratio to dense-mask SDPA (``x dense``, higher is faster), the ratio of the
+default blockwise tile height to FlexAttention when ``--flex`` is given, and the largest
+difference from dense-mask SDPA (values, and with fwd+bwd the gradients). ``--variants`` also
+times the alternative design the module docstring of ``attnkit.blockwise`` argues against:
+each window tile as two pieces (an unmasked causal diagonal and a masked previous block)
+merged by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnkit.blockwise import blockwise_attention
+from attnkit.sparse import structured_mask
+
+Fn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--n", type=int, default=8192, help="sequence length")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=64, help="head dim E")
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--docs", type=int, default=8, help="documents packed in the sequence")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--rows", default="auto", help="comma-separated blockwise tile heights (auto: default)"
+    )
+    p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
+    p.add_argument("--variants", action="store_true", help="also time the two-piece LSE design")
+    p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--json", type=Path, help="write the rows here")
+    a = p.parse_args(argv)
+    rows = [None if r == "auto" else int(r) for r in a.rows.split(",")]
+    results: list[dict[str, Any]] = []
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, N={a.n}, "
+          f"H={a.heads}, E={a.dim}; median of {a.repeats} interleaved rounds")  # fmt: skip
+    for case in ("window", "documents"):
+        fns, compile_s = _implementations(case, a, rows)
+        for mode in a.modes.split(","):
+            results += _time_case(case, mode, fns, a, compile_s, default=_name(rows[0]))
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _name(rows: int | None) -> str:
+    return "blockwise" if rows is None else f"blockwise/{rows}"
+
+
+def _structure(case: str, a: argparse.Namespace) -> dict[str, Any]:
+    if case == "window":
+        return {"causal": True, "window": a.window}
+    doc = torch.arange(a.n) // (a.n // a.docs)
+    return {"causal": True, "segment_ids": doc.view(1, a.n)}
+
+
+def _implementations(
+    case: str, a: argparse.Namespace, rows: list[int | None]
+) -> tuple[dict[str, Fn], float | None]:
+    kw = _structure(case, a)
+    mask = structured_mask(a.n, a.n, **kw)  # (1, 1, N, N)
+    fns: dict[str, Fn] = {}
+    for r in rows:
+        fns[_name(r)] = lambda q, k, v, r=r: blockwise_attention(q, k, v, rows=r, **kw)
+    fns["dense-mask SDPA"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    try:  # the tiled gather path this module replaces, while it still exists
+        from attnkit.sparse import block_sparse_attention
+
+        fns["sparse (tiled)"] = lambda q, k, v: block_sparse_attention(q, k, v, **kw)
+    except ImportError:
+        pass
+    if a.variants and case == "window":
+        fns["two pieces + LSE"] = lambda q, k, v: _two_pieces(q, k, v, a.window)
+    compile_s = None
+    if a.flex:
+        flex, compile_s = _flex(case, a, kw)
+        if flex is not None:
+            fns["FlexAttention (compiled)"] = flex
+    return fns, compile_s
+
+
+def _flex(case: str, a: argparse.Namespace, kw: dict[str, Any]) -> tuple[Fn | None, float | None]:
+    """Compiled FlexAttention with the same mask, and its first-call (compile) time."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None, None
+    W = a.window
+    seg = kw.get("segment_ids", torch.zeros(1, a.n, dtype=torch.long))[0]
+
+    def mask_mod(b: Tensor, h: Tensor, qi: Tensor, kj: Tensor) -> Tensor:
+        if case == "window":
+            return (kj <= qi) & (qi - kj < W)
+        return (kj <= qi) & (seg[qi] == seg[kj])
+
+    compiled = torch.compile(flex_attention)
+    start = time.perf_counter()
+    try:
+        block = create_block_mask(mask_mod, 1, 1, a.n, a.n, device="cpu")
+        q = torch.randn(1, a.heads, a.n, a.dim)
+        compiled(q, q, q, block_mask=block)
+    except Exception as e:  # compiler missing, backend unsupported: report, do not fail
+        print(f"FlexAttention skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        return None, None
+    compile_s = time.perf_counter() - start
+    print(f"FlexAttention: first call (compile + block mask) {compile_s:.1f} s")
+    return (lambda q, k, v: compiled(q, k, v, block_mask=block)), compile_s
+
+
+def _time_case(
+    case: str,
+    mode: str,
+    fns: dict[str, Fn],
+    a: argparse.Namespace,
+    compile_s: float | None,
+    default: str,
+) -> list[dict[str, Any]]:
+    backward = mode == "fwd+bwd"
+    if backward:  # FlexAttention has no CPU backward in torch 2.13
+        fns = {n: f for n, f in fns.items() if not n.startswith("FlexAttention")}
+    gen = torch.Generator().manual_seed(0)
+    shape = (1, a.n, a.heads, a.dim)  # projections give (B, L, H, E) memory
+    q, k, v = (
+        torch.randn(shape, generator=gen).transpose(1, 2).requires_grad_(backward) for _ in range(3)
+    )
+    grad = torch.randn(1, a.heads, a.n, a.dim, generator=gen)
+
+    def run(fn: Fn) -> tuple[Tensor, ...]:
+        with torch.set_grad_enabled(backward):
+            out = fn(q, k, v)
+            if not backward:
+                return (out,)
+            return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+    reference = run(fns["dense-mask SDPA"])
+    errors = {n: max((x - y).abs().max().item() for x, y in zip(run(f), reference, strict=True))
+              for n, f in fns.items()}  # fmt: skip
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(a.repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            run(fn)
+            times[name].append(time.perf_counter() - start)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    dense = med["dense-mask SDPA"]
+    flex = med.get("FlexAttention (compiled)")
+    print(f"\n{case} {mode}")
+    print(f"{'implementation':<26} {'median ms':>10} {'x dense':>8} {'max err':>9}")
+    rows = []
+    for name in fns:
+        print(f"{name:<26} {med[name] * 1e3:>10.1f} {dense / med[name]:>8.2f} {errors[name]:>9.1e}")
+        row = {"case": case, "mode": mode, "impl": name, "median_s": med[name],
+               "x_dense": dense / med[name], "max_err": errors[name]}  # fmt: skip
+        if name.startswith("FlexAttention"):
+            row["compile_s"] = compile_s
+        rows.append(row)
+    if flex is not None:
+        print(f"{default} vs FlexAttention (compiled): {flex / med[default]:.2f}x")
+    return rows
+
+
+def _two_pieces(q: Tensor, k: Tensor, v: Tensor, W: int) -> Tensor:
+    """Causal window (L == S, multiple of W) as two pieces per W-row tile merged by LSE."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    B, H, N, E = q.shape
+    T = N // W
+    qt = q.reshape(B, H, T, W, E).transpose(1, 2).reshape(B * T, H, W, E)
+    kt = k.reshape(B, H, T, W, E).transpose(1, 2).reshape(B * T, H, W, E)
+    vt = v.reshape(B, H, T, W, E).transpose(1, 2).reshape(B * T, H, W, E)
+    o_diag, l_diag = flash(qt, kt, vt, 0.0, True)
+    kp = torch.roll(kt, 1, 0)  # the previous tile's keys (tile 0's are masked out below)
+    vp = torch.roll(vt, 1, 0)
+    i = torch.arange(W).view(W, 1)
+    ok = i < torch.arange(W).view(1, W)  # previous block: j > i
+    mask = torch.zeros(W, W).masked_fill(~ok, float("-inf"))
+    o_prev, l_prev = flash(qt, kp, vp, 0.0, False, attn_mask=mask)
+    l_prev = l_prev.masked_fill(~ok.any(-1), float("-inf"))  # the kernel gives 0 for none
+    l_prev[0::T] = float("-inf")
+    lse = torch.logaddexp(l_diag, l_prev)
+    out = o_diag * (l_diag - lse).exp().unsqueeze(-1) + o_prev * (l_prev - lse).exp().unsqueeze(-1)
+    return out.view(B, T, H, W, E).transpose(1, 2).reshape(B, H, N, E)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

