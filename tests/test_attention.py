@@ -329,6 +329,7 @@ def test_every_checkpoint_name_is_a_read_only_alias():
         for alias in cls.checkpoint_names.values():
             assert isinstance(getattr(cls, alias), property), (cls, alias)
 
+
 def test_blog_presets_share_one_forward():
     assert isinstance(attnkit.Attention(D, 16, 10), attnkit.MultiheadCrossAttention)
     assert isinstance(attnkit.SelfAttention(D, 16, 10), attnkit.MultiHeadSelfAttention)

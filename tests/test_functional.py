@@ -55,8 +55,12 @@ def test_user_mask_combines_with_causal(kind):
 def test_float_mask_is_additive():
     q, k, v = _qkv(L=4, S=4)
     bias = torch.randn(4, 4)
-    ref = torch.softmax((q.double() @ k.double().transpose(-2, -1)) / math.sqrt(8) + bias.double(),
-                        dim=-1) @ v.double()
+    ref = (
+        torch.softmax(
+            (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(8) + bias.double(), dim=-1
+        )
+        @ v.double()
+    )
     assert_close(sdpa(q, k, v, bias), ref.float(), atol=1e-5, rtol=1e-5)
     assert_close(sdpa(q, k, v, bias, return_weights=True)[0], ref.float(), atol=1e-5, rtol=1e-5)
 
@@ -115,9 +119,12 @@ def test_unbatched_and_extra_leading_dims():
     q, k, v = torch.randn(5, 8), torch.randn(7, 8), torch.randn(7, 3)
     assert_close(sdpa(q, k, v), reference_attention(q, k, v)[0].float(), atol=1e-5, rtol=1e-5)
     q, k, v = (torch.randn(2, 3, 4, 5, 8) for _ in range(3))
-    assert_close(sdpa(q, k, v, causal=True),
-                 reference_attention(q, k, v, bottom_right_causal(5, 5))[0].float(),
-                 atol=1e-5, rtol=1e-5)
+    assert_close(
+        sdpa(q, k, v, causal=True),
+        reference_attention(q, k, v, bottom_right_causal(5, 5))[0].float(),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_plain_causal_dispatches_to_is_causal(monkeypatch):
@@ -161,9 +168,10 @@ def _bf16_error_ratio(causal: bool) -> float:
         scores = scores.masked_fill(~allowed, float("-inf"))
     plain = torch.softmax(scores, dim=-1) @ vb  # plain PyTorch math in bf16
     plain_err = (plain.double() - ref).abs().max().item()
-    ours = max((sdpa(qb, kb, vb, causal=causal).double() - ref).abs().max().item(),
-               (sdpa(qb, kb, vb, causal=causal, return_weights=True)[0].double() - ref)
-               .abs().max().item())
+    ours = max(
+        (sdpa(qb, kb, vb, causal=causal).double() - ref).abs().max().item(),
+        (sdpa(qb, kb, vb, causal=causal, return_weights=True)[0].double() - ref).abs().max().item(),
+    )
     return ours / plain_err
 
 
@@ -272,17 +280,38 @@ def _err(exc, match, *args, **kwargs):
 def test_error_messages():
     q, k, v = _qkv()
     _err(TypeError, "q must be a torch.Tensor, got list", [1.0], k, v)
-    _err(TypeError, r"share one floating dtype, got q=torch.float32, k=torch.float64", q,
-         k.double(), v)
+    _err(
+        TypeError,
+        r"share one floating dtype, got q=torch.float32, k=torch.float64",
+        q,
+        k.double(),
+        v,
+    )
     _err(TypeError, "floating dtype", q.long(), k.long(), v.long())
-    _err(ValueError, r"head dims differ: q=\(2, 4, 5, 8\) \(E=8\), k=\(2, 4, 7, 6\)", q,
-         k[..., :6], v)
-    _err(ValueError, r"k and v must agree.*k=\(2, 4, 7, 8\), v=\(2, 4, 6, 8\)", q, k,
-         v[:, :, :6])
-    _err(ValueError, r"query heads \(4\) must be a multiple of key/value heads \(3\)", q,
-         k[:, :3], v[:, :3])
-    _err(ValueError, r"mask of shape \(3, 7\) does not broadcast to the scores' shape "
-         r"\(2, 4, 5, 7\)", q, k, v, torch.ones(3, 7, dtype=torch.bool))
+    _err(
+        ValueError,
+        r"head dims differ: q=\(2, 4, 5, 8\) \(E=8\), k=\(2, 4, 7, 6\)",
+        q,
+        k[..., :6],
+        v,
+    )
+    _err(ValueError, r"k and v must agree.*k=\(2, 4, 7, 8\), v=\(2, 4, 6, 8\)", q, k, v[:, :, :6])
+    _err(
+        ValueError,
+        r"query heads \(4\) must be a multiple of key/value heads \(3\)",
+        q,
+        k[:, :3],
+        v[:, :3],
+    )
+    _err(
+        ValueError,
+        r"mask of shape \(3, 7\) does not broadcast to the scores' shape "
+        r"\(2, 4, 5, 7\)",
+        q,
+        k,
+        v,
+        torch.ones(3, 7, dtype=torch.bool),
+    )
     _err(TypeError, "mask must be bool .* got torch.int64", q, k, v, torch.ones(5, 7).long())
     _err(ValueError, "scale must be a finite number, got nan", q, k, v, scale=float("nan"))
     _err(ValueError, "scale must be a finite number, got inf", q, k, v, scale=math.inf)
@@ -349,7 +378,7 @@ def test_low_precision_weights_path_is_as_accurate_as_fused(dtype, spread):
     fused_err = (sdpa(q, k, v, causal=True).double() - ref).abs().max().item()
     out, w = sdpa(q, k, v, causal=True, return_weights=True)
     assert out.dtype == w.dtype == dtype
-    step = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10  # one rounding of the result
+    step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # one rounding of the result
     assert (out.double() - ref).abs().max().item() <= max(2 * fused_err, 4 * step)
     assert (w.double() - ref_w).abs().max().item() <= 2 * step
 

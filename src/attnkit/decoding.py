@@ -261,8 +261,9 @@ def _cat_biases(linears: list[nn.Linear]) -> Tensor | None:
 
 def _attention_linears(attn: MultiHeadAttention) -> tuple[list[nn.Linear], nn.Linear]:
     """The query/key/value projections (one fused or three) and the output projection."""
-    names = [attn.qkv_name] if attn.fused_qkv else [attn.q_name, attn.k_name, attn.v_name]
-    return [getattr(attn, n) for n in names], getattr(attn, attn.out_name)
+    if attn.fused_qkv:
+        return [attn.qkv_proj], attn.out_proj
+    return [attn.q_proj, attn.k_proj, attn.v_proj], attn.out_proj
 
 
 def _block_parts(
