@@ -26,6 +26,10 @@ def test_vs_quick_table_and_json(tmp_path, capsys):
         assert job in out
     minilm = rows[("MiniLM encode", "sentence-transformers")]
     assert minilm["peer_s"] > 0 and float(minilm["note"].rsplit(" ", 1)[1]) < 1e-5
+    decode = rows[("decode llama-tiny", "transformers LlamaForCausalLM")]
+    assert (
+        decode["attnkit_s"] > 0 and decode["peer_s"] > 0 and "same tokens: True" in decode["note"]
+    )
     assert report["config"]["seq_len"] == 512 and report["machine"]["torch"]
     assert "x = peer time / attnkit time" in out
 

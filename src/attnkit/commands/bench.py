@@ -179,7 +179,7 @@ def _run_vs(args: argparse.Namespace) -> int:
     if args.quick:
         config = bench_vs.VsConfig(
             seq_len=512, window=32, documents=4, heads=2, head_dim=16, repeats=1, flex=args.flex,
-            texts=6, long_words=40,
+            texts=6, long_words=40, decode_models=("llama-tiny",), decode_compile=False,
         )  # fmt: skip
     else:
         seq_len = args.seq_len[0] if args.seq_len else 8192

@@ -11,12 +11,15 @@ warm-up call each that also checks the results agree), with both absolute times 
 * ``documents fwd`` / ``documents fwd+bwd``: causal attention within packed documents
   (``segment_ids``), same peers;
 * ``MiniLM encode``: :class:`attnkit.interop.SentenceEncoder` against sentence-transformers on
-  all-MiniLM-L6-v2, 128 texts of mixed length (one of 400 words), batch 32.
+  all-MiniLM-L6-v2, 128 texts of mixed length (one of 400 words), batch 32;
+* ``decode llama-3m`` / ``decode llama-100m`` (eager and ``compile``): cached greedy generation
+  against transformers' ``LlamaForCausalLM`` with the same weights, and the 100M model's bf16
+  weights against its fp32 ones (:mod:`attnkit.decoding_bench`; notes give tokens/s and the share
+  of the read-bandwidth bound).
 
 Peers that are not installed give a row that says so instead of a time. Rows come from the
-makers in :data:`ROW_MAKERS`, in order; a new comparison (e.g. cached decoding against
-transformers) is one function ``maker(config) -> list[VsRow]`` added there with
-:func:`register`.
+makers in :data:`ROW_MAKERS`, in order; a new comparison is one function
+``maker(config) -> list[VsRow]`` added there with :func:`register`.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class VsConfig:
         flex: Whether to compile and time FlexAttention.
         texts: Texts of the sentence-embedding row.
         long_words: Words of its one long text.
+        decode_models: Models of :data:`attnkit.decoding_bench.DECODE_MODELS` for the decoding
+            rows (cached greedy generation against transformers).
+        decode_compile: Also time ``generate(..., compile=True)`` (compiles once per model).
     """
 
     seq_len: int = 8192
@@ -62,6 +68,8 @@ class VsConfig:
     flex: bool = True
     texts: int = 128
     long_words: int = 400
+    decode_models: tuple[str, ...] = ("llama-3m", "llama-100m")
+    decode_compile: bool = True
 
 
 @dataclass
@@ -385,7 +393,19 @@ def _sentence_rows(config: VsConfig) -> list[VsRow]:
 register("window", lambda config: _structured_rows("window", config))
 register("documents", lambda config: _structured_rows("documents", config))
 register("sentence", _sentence_rows)
-# Decoding rows (cached generation against transformers) are registered here with register().
+
+
+def _decoding_rows(config: VsConfig) -> list[VsRow]:
+    """Cached greedy generation against transformers (see :mod:`attnkit.decoding_bench`)."""
+    from attnkit.decoding_bench import vs_rows
+
+    rows = vs_rows(
+        repeats=config.repeats, compile=config.decode_compile, names=config.decode_models
+    )
+    return [VsRow(**row) for row in rows]
+
+
+register("decoding", _decoding_rows)
 
 
 # --------------------------------------------------------------------------------------------
