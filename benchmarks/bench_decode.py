@@ -8,6 +8,8 @@ Usage::
 
     python benchmarks/bench_decode.py [--prompt 512] [--new 128] [--threads N] [--out PATH]
     python benchmarks/bench_decode.py --vs-hf [--model DIR] [--dtype bfloat16]
+    python benchmarks/bench_decode.py --rows [--models llama-3m llama-100m] [--no-compile]
+    python benchmarks/bench_decode.py --kernels
 
 Prints a table and writes JSON (default ``benchmarks/results/bench_decode.json``, with
 ``--vs-hf`` ``bench_decode_vs_hf.json``).
@@ -17,6 +19,12 @@ Face folder (``--model``, or a random Llama-shaped folder of the sizes above wri
 temporary folder): greedy decoding of ``--new`` tokens after a ``--prompt`` prefill (KV cache on
 both sides; the tokens must agree), the prefill forward alone, in interleaved rounds with
 medians; and the loading peak memory of each (RSS growth while loading, over the weights' bytes).
+
+``--rows`` prints issue 13's decoding rows (:func:`attnkit.decoding_bench.decode_rows`): the
+Llama-shaped 3M and 100M models against transformers' ``LlamaForCausalLM`` with copied weights,
+eager and ``compile=True``, bf16 weights, the share of the read-bandwidth bound, and each target
+with its shortfall (default ``benchmarks/results/bench_decode_rows.json``). ``--kernels`` prints
+the single-row product timings behind :mod:`attnkit.decoding`'s weight-layout rule.
 """
 
 from __future__ import annotations
@@ -73,12 +81,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", type=Path, default=None, help="Hugging Face folder (--vs-hf)")
     parser.add_argument("--hidden", type=int, default=688, help="MLP size of the random folder")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--rows", action="store_true", help="issue 13's decoding rows")
+    parser.add_argument(
+        "--models", nargs="+", default=["llama-3m", "llama-100m"], help="models of --rows"
+    )
+    parser.add_argument("--no-compile", action="store_true", help="--rows without compile=True")
+    parser.add_argument("--kernels", action="store_true", help="single-row product kernels")
     args = parser.parse_args(argv)
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.vs_hf:
         return vs_hf(args)
+    if args.rows:
+        return decode_rows_table(args)
+    if args.kernels:
+        return kernels(args)
     if args.out is None:
         args.out = Path(__file__).parent / "results" / "bench_decode.json"
     torch.manual_seed(0)
@@ -268,6 +286,55 @@ def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def decode_rows_table(args: argparse.Namespace) -> dict[str, Any]:
+    """``--rows``: issue 13's decoding rows and targets, printed and written as JSON."""
+    from attnkit.decoding_bench import decode_rows
+
+    report = decode_rows(
+        tuple(args.models),
+        repeats=max(args.repeats, 3),
+        compile=not args.no_compile,
+        progress=lambda msg: print(f"  {msg}", flush=True),
+    )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of interleaved runs"
+    )
+    head = (
+        f"{'model':<11} {'variant':<21} {'tok/s':>7} {'step tok/s':>10} {'x hf':>6} {'of bound':>8}"
+    )
+    print(head)
+    for r in report["rows"]:
+        bound = f"{r['of_fp32_bound']:.0%}" if "of_fp32_bound" in r else "-"
+        vs = f"{r['vs_transformers']:.2f}" if "vs_transformers" in r else "-"
+        print(
+            f"{r['model']:<11} {r['variant']:<21} {r['tokens_per_s']:>7.1f} "
+            f"{r['step_tokens_per_s']:>10.1f} {vs:>6} {bound:>8}"
+        )
+    for t in report["targets"]:
+        verdict = "met" if t["met"] else f"MISSED by {t['shortfall']:.0%}"
+        print(f"target {t['model']} {t['what']}: {t['measured']:.2f} (>= {t['target']}) {verdict}")
+    for note in report["notes"]:
+        print(f"note: {note}")
+    out = args.out or Path(__file__).parent / "results" / "bench_decode_rows.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def kernels(args: argparse.Namespace) -> dict[str, Any]:
+    """``--kernels``: single-row products through a 100M model's weights, per kernel/layout."""
+    from attnkit.decoding_bench import layout_table
+
+    table = layout_table(repeats=max(args.repeats, 7))
+    print(f"{'kernel':<24} {'ms':>8} {'GB/s':>6} {'x F.linear':>10}")
+    for r in table:
+        print(
+            f"{r['kernel']:<24} {r['seconds'] * 1e3:>8.1f} {r['bytes_per_s'] / 1e9:>6.1f} "
+            f"{r['vs_f32_linear']:>10.2f}"
+        )
+    return {"rows": table}
 
 
 if __name__ == "__main__":
