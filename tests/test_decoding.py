@@ -136,6 +136,20 @@ def test_greedy_generate_equals_uncached_generate() -> None:
     assert torch.equal(lm.generate(prompt, 12), cached)
 
 
+def test_interleaved_streams_do_not_share_a_cache() -> None:
+    lm = _lm(**LLAMA)
+    a, b = torch.randint(0, 50, (1, 5)), torch.randint(0, 50, (2, 3))
+    want_a, want_b = lm.generate(a, 6)[:, 5:], lm.generate(b, 6)[:, 3:]
+    sa, sb = lm.stream(a, 6), lm.stream(b, 6)
+    got_a, got_b = [], []
+    for ca, cb in zip(sa, sb, strict=True):
+        got_a.append(ca)
+        got_b.append(cb)
+    assert torch.equal(torch.stack(got_a, 1), want_a)
+    assert torch.equal(torch.stack(got_b, 1), want_b)
+    assert not decoder_for(lm).in_use  # released when the streams ended
+
+
 def test_decoders_do_not_keep_their_model_alive() -> None:
     lm = _lm(**LLAMA)
     lm.generate(torch.zeros(1, 2, dtype=torch.long), 2)

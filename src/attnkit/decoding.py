@@ -61,6 +61,10 @@ _DECODERS: weakref.WeakKeyDictionary[TransformerLM, dict[bool, Decoder]] = (
 def decoder_for(model: TransformerLM, *, compile: bool = False) -> Decoder:
     """The :class:`Decoder` of ``model`` (created on first use, then reused).
 
+    A caller that keeps it across several steps marks it ``in_use`` (as
+    :mod:`attnkit.generation` does while a stream is open); while it is, callers get a fresh
+    decoder of their own instead, so that interleaved streams never share a cache.
+
     Raises:
         TypeError: If ``model`` is not a :class:`attnkit.TransformerLM`.
     """
@@ -69,6 +73,8 @@ def decoder_for(model: TransformerLM, *, compile: bool = False) -> Decoder:
         decoder = Decoder(model, compile=compile)
         decoder._owner = None
         per_model[compile] = decoder
+    if per_model[compile].in_use:
+        return Decoder(model, compile=compile)
     return per_model[compile]
 
 
@@ -318,6 +324,7 @@ class Decoder:
         # decoder_for() drops this strong reference: it keeps decoders in a WeakKeyDictionary
         # keyed by their model, which a strong reference from the value would keep alive.
         self._owner: TransformerLM | None = model
+        self.in_use = False  # see decoder_for
         self.max_seq_len = model.max_seq_len
         self.compile = bool(compile)
         cfg = model.config

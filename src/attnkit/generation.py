@@ -320,8 +320,10 @@ def _decode(
     unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
     was_training = lm.training
     lm.eval()
+    decoder = decoder_for(lm, compile=compile) if use_cache else None
+    if decoder is not None:
+        decoder.in_use = True  # an interleaved stream of the same model gets its own
     try:
-        decoder = decoder_for(lm, compile=compile) if use_cache else None
         step_ids, step_pos = ids, positions  # what the next forward reads
         for step in range(max_new_tokens):
             S = P + step
@@ -354,6 +356,8 @@ def _decode(
                 return
     finally:
         lm.train(was_training)
+        if decoder is not None:
+            decoder.in_use = False
 
 
 def generate(
