@@ -319,3 +319,212 @@ def test_long_window_takes_block_sparse_path_and_matches_dense(monkeypatch):
         assert_close(a, b, atol=1e-4, rtol=1e-4)
     sdpa(q[:, :, :100], k[:, :, :100], v[:, :, :100], causal=True, window=48)
     assert len(calls) == 1  # short sequences stay on the dense kernel
+
+
+# ---------------------------------------------------------------- correct on every path
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_fp16_scores_beyond_the_fp16_range_do_not_overflow(return_weights):
+    # q.k = 80 * 256^2 = 5.2e6 overflows fp16; torch's SDPA gives 256 (every value is 256).
+    x = torch.full((1, 1, 4, 80), 256.0, dtype=torch.half)
+    res = sdpa(x, x, x, return_weights=return_weights)
+    out = res[0] if return_weights else res
+    assert out.dtype == torch.half
+    assert_close(out, torch.full_like(x, 256.0), rtol=0, atol=0)
+    if return_weights:
+        assert_close(res[1], torch.full((1, 1, 4, 4), 0.25, dtype=torch.half), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spread", [5.0, 300.0])
+def test_low_precision_weights_path_is_as_accurate_as_fused(dtype, spread):
+    # Against float64 math on the same (rounded) inputs: the weights path must be as accurate as
+    # the fused kernel (float32 inside), not low-precision math (0.6 off for bf16, issue 11).
+    g = torch.Generator().manual_seed(3)
+    q = (torch.rand(1, 2, 128, 80, generator=g) * spread).to(dtype)
+    k = (torch.rand(1, 2, 128, 80, generator=g) * spread).to(dtype)
+    v = torch.randn(1, 2, 128, 80, generator=g).to(dtype)
+    ref, ref_w = reference_attention(q, k, v, bottom_right_causal(128, 128))
+    fused_err = (sdpa(q, k, v, causal=True).double() - ref).abs().max().item()
+    out, w = sdpa(q, k, v, causal=True, return_weights=True)
+    assert out.dtype == w.dtype == dtype
+    step = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10  # one rounding of the result
+    assert (out.double() - ref).abs().max().item() <= max(2 * fused_err, 4 * step)
+    assert (w.double() - ref_w).abs().max().item() <= 2 * step
+
+
+def _masked_nan_case(kind: str, dtype: torch.dtype = torch.float32):
+    """q, k, v (1, 2, 6, 4), a mask and structure kwargs in which key 4 is masked for some
+    queries and attended by others; also the bool allowed mask, for the reference."""
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=dtype) for _ in range(3))
+    allowed = torch.ones(6, 6, dtype=torch.bool)
+    mask, kw = None, {}
+    if kind == "causal":
+        kw, allowed = {"causal": True}, bottom_right_causal(6, 6)
+    elif kind == "window":
+        kw, allowed = {"window": 2}, M.sliding_window_mask(6, window=2, causal=False)
+    elif kind == "key_lengths":
+        kw, allowed = {"key_lengths": torch.tensor([4])}, allowed & (torch.arange(6) < 4)
+    else:
+        allowed = torch.rand(6, 6) > 0.5
+        allowed[0, 4], allowed[1, 4], allowed[2] = True, False, False  # row 2 sees nothing
+        if kind == "bool":
+            mask = allowed
+        elif kind == "float":
+            mask = M.to_additive(allowed, dtype) + torch.randn(6, 6, dtype=dtype)
+        else:  # "finfo": masked entries are finfo.min, as in Hugging Face masks
+            mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
+    return q, k, v, mask, kw, allowed
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("kind", ["bool", "float", "finfo", "key_lengths", "window", "causal"])
+def test_nan_at_masked_positions_never_leaks(kind, where, return_weights):
+    q, k, v, mask, kw, allowed = _masked_nan_case(kind)
+    bias = mask if kind == "float" else None
+    clean_k, clean_v = k.clone(), v.clone()
+    {"k": k, "v": v}[where][0, 1, 4, 0] = float("nan")  # key 4 of head 1
+    {"k": clean_k, "v": clean_v}[where][0, 1, 4, 0] = 0.0
+    res = sdpa(q, k, v, mask, return_weights=return_weights, **kw)
+    out = res[0] if return_weights else res
+    expected = sdpa(q, clean_k, clean_v, mask, **kw)
+    sees = allowed.expand(6, 6)[:, 4]  # queries that may attend key 4
+    assert_close(out[0, 0], expected[0, 0])  # head 0 never reads the NaN
+    assert_close(out[0, 1, ~sees], expected[0, 1, ~sees])  # nor do the queries it is masked for
+    assert torch.isnan(out[0, 1, sees]).any(-1).all()  # NaN in an attended input propagates
+    if bias is None and kind not in ("bool", "finfo"):
+        ref, _ = reference_attention(q, clean_k, clean_v, allowed)
+        assert_close(out[0, 1, ~sees], ref[0, 1, ~sees].float(), atol=1e-5, rtol=1e-5)
+    if return_weights:
+        w = res[1]
+        assert torch.isfinite(w[0, 1, ~sees]).all() and torch.isfinite(w[0, 0]).all()
+        if where == "k":
+            assert torch.isnan(w[0, 1, sees]).all()  # NaN scores: NaN weights
+        else:
+            assert torch.isfinite(w).all()  # a NaN value leaves the weights alone
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("kind", ["bool", "float", "key_lengths", "window", "causal"])
+def test_masked_nan_does_not_reach_the_gradients(kind, where, return_weights):
+    # With gradients the backward must not carry 0 * NaN from the masked key either: a loss on
+    # the queries that may not attend key 4 has the gradients of the clean inputs.
+    q, k, v, mask, kw, allowed = _masked_nan_case(kind)
+    sees = allowed.expand(6, 6)[:, 4]
+    grads = []
+    for value in (float("nan"), 0.0):
+        qq, kk, vv = (t.clone() for t in (q, k, v))
+        {"k": kk, "v": vv}[where][0, 1, 4, 0] = value
+        qq, kk, vv = (t.requires_grad_() for t in (qq, kk, vv))
+        res = sdpa(qq, kk, vv, mask, return_weights=return_weights, **kw)
+        out = res[0] if return_weights else res
+        assert torch.isnan(out[0, 1, sees]).any(-1).all() == (value != 0.0) or not sees.any()
+        out[0, :, ~sees].square().sum().backward()
+        grads.append((qq.grad, kk.grad, vv.grad))
+    for got, want in zip(*grads, strict=True):
+        assert got is not None and want is not None
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_finite_queries_whose_sum_overflows_stay_finite(return_weights):
+    q = torch.full((1, 1, 3, 64), 1e37)  # every entry finite; the row sum is 6.4e38 > f32 max
+    k, v = torch.randn(1, 1, 5, 64) * 1e-38, torch.randn(1, 1, 5, 64)
+    res = sdpa(q, k, v, return_weights=return_weights)
+    out = res[0] if return_weights else res
+    ref, _ = reference_attention(q, k, v)
+    assert torch.isfinite(out).all()
+    assert_close(out, ref.float(), atol=1e-5, rtol=1e-4)
+    q64 = torch.full((1, 1, 3, 4), 1e308, dtype=torch.float64)  # the sum overflows float64 too
+    k64 = torch.randn(1, 1, 5, 4, dtype=torch.float64) * 1e-300
+    v64 = torch.randn(1, 1, 5, 4, dtype=torch.float64)
+    assert_close(sdpa(q64, k64, v64), reference_attention(q64, k64, v64)[0])
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_float_masks_at_finfo_min_count_as_masked(dtype, return_weights):
+    q, k, v = _qkv(B=1, H=2, K=2, L=4, S=5, dtype=dtype)
+    lo = torch.finfo(dtype).min
+    mask = torch.zeros(4, 5, dtype=dtype)
+    mask[0] = lo  # all finfo.min: no key, zeros like an all -inf row
+    mask[1, :3], mask[1, 3:] = lo, float("-inf")
+    mask[2, 1] = lo  # one key masked
+    wide_min = torch.tensor(torch.finfo(torch.float64).min, dtype=torch.float64)
+    mask[3, 0] = wide_min.to(dtype)  # -inf in dtype (or float64's min, in float64)
+    res = sdpa(q, k, v, mask, return_weights=return_weights)
+    out = res[0] if return_weights else res
+    allowed = torch.ones(4, 5, dtype=torch.bool)
+    allowed[:2], allowed[2, 1], allowed[3, 0] = False, False, False
+    ref, ref_w = reference_attention(q, k, v, allowed)
+    tol = {"atol": 1e-2, "rtol": 1e-2} if dtype in (torch.float16, torch.bfloat16) else {}
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else tol
+    assert (out[:, :, :2] == 0).all()
+    assert_close(out.double(), ref, **tol)
+    if return_weights:
+        assert_close(res[1].double(), ref_w, **tol)
+    # a float64 mask at float64's min counts as masked for float32 queries too
+    wide = torch.zeros(4, 5, dtype=torch.float64)
+    wide[0] = torch.finfo(torch.float64).min
+    assert (sdpa(q.float(), k.float(), v.float(), wide)[:, :, 0] == 0).all()
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_zero_heads_give_an_empty_output_like_torch(return_weights):
+    q, k, v = torch.randn(2, 0, 3, 4), torch.randn(2, 0, 5, 4), torch.randn(2, 0, 5, 6)
+    res = sdpa(q, k, v, causal=True, return_weights=return_weights)
+    out = res[0] if return_weights else res
+    assert out.shape == F.scaled_dot_product_attention(q, k, v).shape == (2, 0, 3, 6)
+    if return_weights:
+        assert res[1].shape == (2, 0, 3, 5)
+    with pytest.raises(ValueError, match=r"query heads \(2\) must be a multiple of key/value"):
+        sdpa(torch.randn(2, 2, 3, 4), k, v)
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_zero_head_dim_averages_the_values_like_torch(return_weights):
+    q, k, v = torch.randn(2, 2, 3, 0), torch.randn(2, 2, 5, 0), torch.randn(2, 2, 5, 6)
+    allowed = torch.tensor([[True, True, False, True, False]])
+    for mask in (None, allowed):
+        res = sdpa(q, k, v, mask, return_weights=return_weights)
+        out = res[0] if return_weights else res
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert_close(out, expected)
+        keys = v if mask is None else v[:, :, allowed[0]]
+        assert_close(out, keys.mean(-2, keepdim=True).expand_as(out))
+
+
+@pytest.mark.parametrize("S", [7, 1100])  # dense and block-sparse dispatch
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("arg", ["key_lengths", "segment_ids"])
+def test_structure_of_another_batch_size_is_an_error(arg, return_weights, S):
+    q, k, v = _qkv(B=1, H=2, K=2, L=S, S=S)
+    value = torch.tensor([3, 4]) if arg == "key_lengths" else torch.zeros(2, S, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"{arg} has batch size 2, expected 1"):
+        sdpa(q, k, v, window=4, return_weights=return_weights, **{arg: value})
+    one = value[:1]  # a batch of 1 broadcasts
+    out = sdpa(torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]), window=4, **{arg: one})
+    assert_close(out[0], out[1])
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_nan_in_every_attended_key_propagates(return_weights, grad):
+    # torch's fused kernel returns zeros for a row whose every score is NaN; attnkit gives NaN.
+    q, k, v = _qkv(B=1, H=2, K=2, L=3, S=4)
+    k[:, 0] = float("nan")  # head 0: every key
+    k[:, 1, :2] = float("nan")  # head 1: the keys that query 0 may attend
+    allowed = torch.tensor([[True, True, False, False], [True] * 4, [False, False, True, True]])
+    for mask in (None, allowed):
+        qq, kk, vv = (t.clone().requires_grad_(grad) for t in (q, k, v))
+        res = sdpa(qq, kk, vv, mask, return_weights=return_weights)
+        out = res[0] if return_weights else res
+        assert torch.isnan(out[0, 0]).all()
+        seen = [0, 1, 2] if mask is None else [0, 1]  # query 2 sees only keys 2, 3 (finite)
+        assert torch.isnan(out[0, 1, seen]).all()
+        if mask is not None:
+            ref, _ = reference_attention(q, k, v, allowed)
+            assert_close(out[0, 1, 2], ref[0, 1, 2].float(), atol=1e-5, rtol=1e-5)

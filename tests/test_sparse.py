@@ -226,3 +226,59 @@ def test_bench_cuda_without_cuda_skips(tmp_path, capsys):
     assert main(["bench", "--quick", "--device", "cuda", "--out", str(path)]) == 0
     assert "CUDA is not available" in capsys.readouterr().out
     assert json.loads(path.read_text())["skipped"] == "CUDA not available"
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("kind", ["window", "key_lengths", "documents"])
+def test_nan_at_masked_positions_never_leaks(kind, where, grad):
+    # Key 8 holds a NaN; the queries that may not attend it must not see it, those that may must.
+    kw = {
+        "window": dict(causal=True, window=5),
+        "key_lengths": dict(key_lengths=torch.tensor([8, 12])),  # batch 0: nobody sees key 8
+        "documents": dict(segment_ids=torch.tensor([[0] * 6 + [1] * 6, [0] * 9 + [1] * 3])),
+    }[kind]
+    q, k, v = (t.detach().requires_grad_(grad) for t in qkv(2, 2, 1, 12, 12))
+    bad = {"k": k, "v": v}[where].detach().clone()
+    bad[:, 0, 8, 0] = float("nan")
+    clean = bad.nan_to_num(0.0)
+    kv_bad, kv_clean = ((bad, v), (clean, v)) if where == "k" else ((k, bad), (k, clean))
+    out = block_sparse_attention(q, *kv_bad, block_size=4, **kw)
+    want = block_sparse_attention(q, *kv_clean, block_size=4, **kw)
+    sees = loop_mask(12, 12, **kw).expand(2, 1, 12, 12)[:, 0, :, 8]  # (B, L): may attend key 8
+    for b in range(2):
+        assert torch.isnan(out[b][:, sees[b]]).any(-1).all()
+        torch.testing.assert_close(out[b][:, ~sees[b]], want[b][:, ~sees[b]])
+    if grad:  # nor into the gradients through the queries that may not attend it
+        rows = ~sees[:, None, :, None]
+        g_out = torch.autograd.grad(out.where(rows, 0.0).sum(), q)[0]
+        g_want = torch.autograd.grad(want.where(rows, 0.0).sum(), q)[0]
+        torch.testing.assert_close(g_out, g_want)
+
+
+def test_nan_in_masked_keys_on_the_long_dispatch_path():
+    # functional dispatches this to the block-sparse kernel (long, windowed).
+    from attnkit.functional import scaled_dot_product_attention as sdpa
+
+    L = 1100
+    q, k, v = torch.randn(1, 2, L, 8), torch.randn(1, 2, L, 8), torch.randn(1, 2, L, 8)
+    k[0, :, 700] = float("nan")
+    v[0, :, 701] = float("nan")
+    out = sdpa(q, k, v, causal=True, window=16)
+    sees = (torch.arange(L) >= 700) & (torch.arange(L) < 701 + 16)
+    assert torch.isnan(out[0, :, sees]).all(-1).all()
+    assert torch.isfinite(out[0, :, ~sees]).all()
+    want = sdpa(q, k.nan_to_num(0.0), v.nan_to_num(0.0), causal=True, window=16)
+    torch.testing.assert_close(out[0, :, ~sees], want[0, :, ~sees])
+
+
+def test_nan_query_propagates_and_fully_masked_rows_stay_zero():
+    q, k, v = (t.detach() for t in qkv(1, 2, 1, 12, 12))
+    q[0, 1, 5, 0] = float("nan")
+    out = block_sparse_attention(q, k, v, causal=True, window=3, block_size=4)
+    assert torch.isnan(out[0, 1, 5]).all()
+    out[0, 1, 5] = 0.0
+    assert torch.isfinite(out).all()
+    q[0, 0, 0, 0] = float("nan")  # batch 0 with key_lengths 0: no key, so zero
+    out = block_sparse_attention(q, k, v, key_lengths=torch.tensor([0]), block_size=4)
+    assert (out == 0).all()

@@ -194,7 +194,8 @@ def block_sparse_attention(
             :class:`~attnkit.masks.Structure`.
 
     Returns:
-        The attention output; rows with no allowed key are exactly zero.
+        The attention output; rows with no allowed key are exactly zero. A non-finite query,
+        key or value makes NaN the rows that may attend it, and only those.
 
     Shape:
         q ``(..., H, L, E)``, k ``(..., K, S, E)``, v ``(..., K, S, Ev)`` (or ``(L, E)``,
@@ -207,7 +208,7 @@ def block_sparse_attention(
             out-of-range ``segment_ids``/``key_lengths``, bad ``scale``/``dropout_p``/
             ``block_size``.
     """
-    from attnkit.functional import check_inputs  # functional imports this module
+    from attnkit.functional import attend_tiles, check_inputs, resolve_scale  # (import cycle)
 
     check_inputs(q, k, v, None, scale, dropout_p)
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
@@ -217,8 +218,7 @@ def block_sparse_attention(
     rules = Structure(**structure)
     rules.check(L, S, batch=B)
     plan = _plan(L, S, rules, B, q.device, block_size)
-    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
-    return tiled_attention(q, k, v, plan, scale=scale, dropout_p=dropout_p)
+    return attend_tiles(q, k, v, plan, scale=resolve_scale(scale, E), dropout_p=dropout_p)
 
 
 def _plan(
