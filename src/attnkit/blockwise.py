@@ -8,11 +8,12 @@ in equally long documents) form a *run*: one call of
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` on ``as_strided`` views of ``q``,
 ``k``, ``v``, so nothing is gathered or copied. Like FlashAttention's block classification, each
 run is classified: a span whose every (query, key) pair is allowed gets no mask; a span where
-only causality or the window cuts (the diagonal of a causal window, the band of a window) gets
-one small additive mask shared by all tiles of the run; only tiles where documents or padding
-cut get their own mask. The backward is a custom :class:`torch.autograd.Function` that calls the
-kernel's own backward per run and adds the key/value gradients of overlapping spans; memory
-stays linear in the sequence length.
+only causality or the window cuts (the band of a window, a document's causal triangle) gets one
+small additive mask shared by all tiles of the run, or none with the kernel's ``is_causal`` when
+it is a square diagonal tile; padding only shortens spans; only tiles of a document whose id
+occurs in pieces get their own mask. The backward is a custom
+:class:`torch.autograd.Function` that calls the kernel's own backward per run and adds the
+key/value gradients of overlapping spans; memory stays linear in the sequence length.
 
 Why one span per tile and not several pieces merged by log-sum-exp (FlashAttention's split-KV,
 ring attention): on the 2-core CPU this was built on (torch 2.13, fp32, 8 heads, E=64, N=8192,
@@ -101,7 +102,9 @@ def tile_rows(L: int, window: int | None) -> int:
     """Queries per tile: 64 for a window (128 past 2048), else 1024.
 
     With a window the band computed per query is ``rows + window`` keys wide, so small tiles
-    waste less; 64 rows beat 32, 128 and 256 on CPU (``bench_blockwise.py --rows``). Without one
+    waste less; 64 rows beat 32, 128 and 256 on CPU at W=256 (``bench_blockwise.py --rows``).
+    Past W=2048 (not measured) 128 rows halve the number of calls and of overlapping key
+    gradients at a cost of 3% more scores. Without one
     (documents, padding, plain causal) a span is a whole document or prefix: large tiles mean
     fewer, larger kernel calls, smaller key-gradient buffers in the backward, and from 768 rows
     on the kernel's ``is_causal`` skips the blocks above the diagonal; 1024 beat 64-256.
@@ -140,10 +143,10 @@ def plan_runs(
         B: Batch size.
         L: Query length.
         S: Key length.
-        causal: As in :func:`blockwise_attention`.
-        window: As in :func:`blockwise_attention`.
-        segment_ids: ``(B or 1, S)`` integer ids, as in :func:`blockwise_attention`.
-        key_lengths: ``(B or 1,)`` integer lengths, as in :func:`blockwise_attention`.
+        causal: As in :class:`attnkit.masks.Structure`.
+        window: As in :class:`attnkit.masks.Structure`.
+        segment_ids: ``(B or 1, S)`` integer ids, as in :class:`attnkit.masks.Structure`.
+        key_lengths: ``(B or 1,)`` integer lengths, as in :class:`attnkit.masks.Structure`.
         rows: Queries per tile; defaults to :func:`tile_rows`.
 
     Returns:
@@ -210,6 +213,7 @@ def plan_runs(
                 if count > 1
                 else (0, 0, 0)
             )
+            shared = None
             if has_cut:
                 allowed = _tile_masks(
                     L, S, b0, i0, j0, db, di, dj, count, h, w,
@@ -224,8 +228,7 @@ def plan_runs(
                 no_key = ~allowed.any(-1)  # (count or 1, rows)
                 empty = no_key[:, None, :, None] if bool(no_key.any()) else None
             runs.append(
-                TileRun(b0, i0, j0, db, di, dj, count, h, w, allowed, square,
-                        None if has_cut else shared, empty)
+                TileRun(b0, i0, j0, db, di, dj, count, h, w, allowed, square, shared, empty)
             )  # fmt: skip
     return runs
 
