@@ -130,6 +130,7 @@ def plan_runs(
     segment_ids: Tensor | None = None,
     key_lengths: Tensor | None = None,
     rows: int | None = None,
+    device: torch.device | str | None = None,
 ) -> list[TileRun]:
     """Cut the queries into tiles, find each tile's key span and group the tiles into runs.
 
@@ -148,13 +149,17 @@ def plan_runs(
         segment_ids: ``(B or 1, S)`` integer ids, as in :class:`attnkit.masks.Structure`.
         key_lengths: ``(B or 1,)`` integer lengths, as in :class:`attnkit.masks.Structure`.
         rows: Queries per tile; defaults to :func:`tile_rows`.
+        device: Where the inputs (and so the masks) live; defaults to that of ``segment_ids``
+            or ``key_lengths``, else the CPU.
 
     Returns:
         The runs; tiles whose queries may attend no key at all belong to none.
     """
     if min(B, L, S) == 0:
         return []
-    device = next((t.device for t in (segment_ids, key_lengths) if t is not None), None)
+    if device is None:
+        device = next((t.device for t in (segment_ids, key_lengths) if t is not None), None)
+    device = torch.device("cpu" if device is None else device)
     seg = None if segment_ids is None else segment_ids.to(device, torch.long).expand(B, S)
     lengths = None if key_lengths is None else key_lengths.to(device, torch.long).expand(B)
     R = tile_rows(L, window) if rows is None else max(1, min(rows, L))
