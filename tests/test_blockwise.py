@@ -184,6 +184,9 @@ def test_nan_in_masked_out_keys_does_not_leak(where, Ev):
     torch.testing.assert_close(out[0, :, clean], ref[0, :, clean], atol=1e-10, rtol=1e-7)
     grads = torch.autograd.grad(out[0, :, clean].sum(), (q, k, v))  # nor reach the gradients
     assert all(torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():  # inference takes another guard
+        torch.testing.assert_close(block_sparse_attention(q, k, v, block_size=16, **kw), out,
+                                   equal_nan=True)  # fmt: skip
 
 
 def test_nan_in_window_key_reaches_exactly_the_window():
@@ -200,10 +203,14 @@ def test_nan_query_propagates_unless_its_row_has_no_key():
     with torch.no_grad():
         q[0, 1, 5, 0] = float("nan")
         q[0, 0, 11, 0] = float("nan")  # its window (keys 9-11) is all padding: stays zero
-    out = block_sparse_attention(q, k, v, causal=True, key_lengths=torch.tensor([8]), window=3)
+    kw = dict(causal=True, key_lengths=torch.tensor([8]), window=3)
+    out = block_sparse_attention(q, k, v, **kw)
     nan = torch.isnan(out).any(-1)[0]
     assert nan[1, 5] and nan.sum() == 1
     assert (out[0, 0, 11] == 0).all()
+    with torch.no_grad():
+        again = block_sparse_attention(q, k, v, **kw)
+    torch.testing.assert_close(again, out, equal_nan=True)
 
 
 def test_expanded_and_sliced_inputs():
