@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 import pytest
 import torch
 from torch import nn
@@ -307,6 +310,19 @@ def test_blog_attribute_names_are_read_only_aliases():
     assert cross.output_map is replacement and "output_map.weight" in cross.state_dict()
 
 
+def test_every_checkpoint_name_is_a_read_only_alias():
+    class Renamed(attnkit.MultiHeadAttention):
+        checkpoint_names: ClassVar[Mapping[str, str]] = {"q_proj": "query", "out_proj": "dense"}
+
+    m = Renamed(8, 2)
+    assert m.query is m.q_proj and m.dense is m.out_proj
+    assert "query.weight" in m.state_dict() and "q_proj.weight" not in m.state_dict()
+    with pytest.raises(AttributeError, match=r"'dense' is a read-only alias of 'out_proj'"):
+        m.dense = nn.Linear(8, 8)
+    for cls in (attnkit.Attention, attnkit.SelfAttention, attnkit.PositionalMultiHeadSelfAttention):
+        for alias in cls.checkpoint_names.values():
+            assert isinstance(getattr(cls, alias), property), (cls, alias)
+
 def test_blog_presets_share_one_forward():
     assert isinstance(attnkit.Attention(D, 16, 10), attnkit.MultiheadCrossAttention)
     assert isinstance(attnkit.SelfAttention(D, 16, 10), attnkit.MultiHeadSelfAttention)
@@ -366,3 +382,31 @@ def test_with_and_split_weights_are_inverse():
     ref_out, ref_w = reference_attention(q, q, q, M.causal_mask(4, 4))
     assert_close(o2, ref_out.float(), atol=1e-5, rtol=1e-5)
     assert_close(weights, ref_w.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: attnkit.MultiHeadAttention(8, 2),
+        lambda: attnkit.MultiHeadSelfAttention(8, 8, 8, 2),
+        lambda: attnkit.TransformerBlock(8, 16, 2),
+        lambda: attnkit.PositionalTransformerBlock(8, 16, 2, "sinusoidal"),
+    ],
+)
+def test_layer_keywords_are_checked(make):
+    layer, x = make(), torch.randn(1, 3, 8)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['postions'\]"):
+        layer(x, positions=None, postions=torch.arange(3))
+
+
+def test_blog_cross_attention_takes_the_layer_keywords():
+    # Decoding one token at a time through a KV cache equals attending with a causal mask.
+    torch.manual_seed(0)
+    attn = attnkit.MultiheadCrossAttention(D, 16, 10, 4).eval()
+    x = torch.randn(B, N, D)
+    full = attn(x, x, x, torch.ones(N, N, dtype=torch.bool).tril())
+    cache = attnkit.KVCache(B, 4, N, 4)
+    steps = [attn(t, t, t, kv_cache=cache) for t in x.split(1, dim=1)]  # each (B, 1, 10)
+    assert_close(torch.cat(steps, dim=1), full)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['cache'\]"):
+        attn(x, x, x, cache=cache)

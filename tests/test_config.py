@@ -170,3 +170,13 @@ def test_llama_tiny_preset_runs_and_uses_its_options() -> None:
     assert lm.rotary is not None and not lm.rotary.interleaved
     ids = torch.randint(0, 100, (1, 5))
     assert_close(lm.generate(ids, 3, use_cache=True), lm.generate(ids, 3, use_cache=False))
+
+
+def test_check_sizes_names_the_offending_values() -> None:
+    from attnkit.config import check_sizes
+
+    check_sizes({"dim": 4, "window": None})  # None: not given
+    with pytest.raises(TypeError, match=r"sizes must be ints, got \{'dim': True, 'heads': 2.0\}"):
+        check_sizes({"dim": True, "heads": 2.0, "layers": 3})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"KVCache sizes must be positive, got \{'capacity': 0\}"):
+        check_sizes({"capacity": 0, "head_dim": 1}, what="KVCache sizes")

@@ -1,4 +1,5 @@
-"""Importers from torch's MultiheadAttention / TransformerEncoderLayer, and mask conversion."""
+"""Importers from torch's MultiheadAttention / TransformerEncoderLayer, mask conversion, and the
+BERT encoder (padded and packed) against transformers' BertModel."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from attnkit.interop import (
     from_torch_multihead_attention,
     mask_from_torch,
 )
+from attnkit.interop.bert import BertConfig, BertEncoder, PackedBatch, bert_state_dict
+from tests.reference import reference_attention
 
 B, L, S, D, H = 2, 5, 7, 16, 4
 
@@ -167,3 +170,140 @@ def test_mask_from_torch() -> None:
         mask_from_torch(attn_mask=per_head)
     with pytest.raises(ValueError, match="key_padding_mask"):
         mask_from_torch(key_padding_mask=torch.zeros(4, dtype=torch.bool))
+
+
+# --------------------------------------------------------------------------------------------
+# BERT (interop/bert.py): padded and packed paths against transformers' BertModel.
+# --------------------------------------------------------------------------------------------
+
+TINY_BERT = BertConfig(
+    vocab_size=50,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=24,
+    max_position_embeddings=32,
+)
+
+
+def _hf_bert() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    c = TINY_BERT
+    config = transformers.BertConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        intermediate_size=c.intermediate_size,
+        max_position_embeddings=c.max_position_embeddings,
+        layer_norm_eps=c.layer_norm_eps,
+        hidden_act=c.hidden_act,
+        attn_implementation="eager",
+    )
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    with torch.no_grad():  # LayerNorms start as (1, 0): give them values that matter
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def _ours_from(hf: nn.Module) -> BertEncoder:
+    ours = BertEncoder(TINY_BERT).eval()
+    ours.load_state_dict(bert_state_dict(hf.state_dict(), TINY_BERT.num_hidden_layers))
+    return ours
+
+
+def _padded(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ids and token types right-padded to the longest, and the real-token mask."""
+    S = max(lengths)
+    real = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
+    ids = torch.randint(1, TINY_BERT.vocab_size, real.shape).masked_fill(~real, 0)
+    types = torch.randint(0, 2, real.shape).masked_fill(~real, 0)
+    return ids, types, real
+
+
+LENGTHS = {
+    "sorted": [9, 9, 7, 4, 4, 3, 1],
+    "unsorted": [2, 11, 5, 1, 8],
+    "equal": [6, 6, 6],
+    "one": [5],
+}
+
+
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+def test_bert_padded_and_packed_equal_transformers(lengths: list[int]) -> None:
+    hf = _hf_bert()
+    ours = _ours_from(hf)
+    ids, types, real = _padded(lengths)
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=real.long(), token_type_ids=types)
+        want = want.last_hidden_state[real]  # (N, D): real tokens, text by text
+        padded = ours(ids, real, types)[real]
+        for ratio in (1.0, 2.0, float("inf")):
+            batch = PackedBatch.from_lengths(lengths, group_ratio=ratio)
+            packed = ours.forward_packed(ids[real], batch, types[real])  # (N, D)
+            assert_close(packed, want, atol=2e-5, rtol=1e-4)
+    assert_close(padded, want, atol=2e-5, rtol=1e-4)
+
+
+def test_bert_attention_weights_equal_transformers() -> None:
+    hf = _hf_bert()
+    ours = _ours_from(hf)
+    ids, types, real = _padded([7, 4])
+    with torch.no_grad():
+        want = hf(
+            input_ids=ids, attention_mask=real.long(), token_type_ids=types, output_attentions=True
+        )
+        hidden, weights = ours(ids, real, types, return_weights=True)
+    assert weights.shape == (2, 2, 4, 7, 7)  # (layers, B, H, L, L)
+    assert_close(weights, torch.stack(want.attentions), atol=1e-5, rtol=0)
+    assert_close(hidden[real], want.last_hidden_state[real], atol=2e-5, rtol=1e-4)
+    assert_close(ours(ids, real, types), hidden, atol=1e-6, rtol=0)  # fused kernel: same values
+
+
+@pytest.mark.parametrize("ratio", [1.0, 1.5, float("inf")])
+def test_packed_attend_equals_per_text_reference(ratio: float) -> None:
+    lengths, H, E = [8, 8, 5, 3, 2, 1, 6], 2, 4
+    batch = PackedBatch.from_lengths(lengths, group_ratio=ratio)
+    qkv = torch.randn(sum(lengths), 3 * H * E)
+    got = batch.attend(qkv, num_heads=H, scale=0.3)
+    start = 0
+    for n in lengths:
+        q, k, v = qkv[start : start + n].view(n, 3, H, E).permute(1, 2, 0, 3)  # (H, n, E) each
+        want, _ = reference_attention(q, k, v, scale=0.3)  # (H, n, E)
+        assert_close(got[start : start + n], want.transpose(0, 1).flatten(1).float())
+        start += n
+
+
+def test_packed_layout_groups_and_mean() -> None:
+    batch = PackedBatch.from_lengths([9, 8, 4, 4, 2, 1])
+    assert batch.num_tokens == 28 and batch.max_length == 9
+    # ratio 2: [9, 8] | [4, 4, 2] | [1]; a group without padding needs no gather and no mask
+    assert [(g.count, g.width) for g in batch.groups] == [(2, 9), (3, 4), (1, 1)]
+    assert batch.groups[2].rows is None and batch.groups[2].real is None
+    assert batch.positions.tolist()[:11] == [*range(9), 0, 1]
+    assert batch.segments.tolist()[-4:] == [3, 4, 4, 5]
+    x = torch.randn(28, 3, dtype=torch.float64)
+    means = torch.stack([t.mean(dim=0) for t in x.split([9, 8, 4, 4, 2, 1])])
+    assert_close(batch.mean(x), means)
+    assert len(PackedBatch.from_lengths([9, 8, 4, 1], group_ratio=float("inf")).groups) == 1
+    assert len(PackedBatch.from_lengths([3, 3, 2], group_ratio=1.0).groups) == 2
+
+
+def test_packed_errors_name_the_values() -> None:
+    with pytest.raises(ValueError, match="at least one text"):
+        PackedBatch.from_lengths([])
+    with pytest.raises(ValueError, match=r"lengths \[0, -1\]"):
+        PackedBatch.from_lengths([3, 0, -1])
+    with pytest.raises(ValueError, match=r"group_ratio must be >= 1, got 0\.5"):
+        PackedBatch.from_lengths([3], group_ratio=0.5)
+    batch = PackedBatch.from_lengths([3, 2])
+    with pytest.raises(ValueError, match=r"\(N=5, 3 \* num_heads \* E\).*\(5, 16\)"):
+        batch.attend(torch.randn(5, 16), num_heads=2)
+    ours = BertEncoder(TINY_BERT)
+    with pytest.raises(ValueError, match=r"shape \(5,\).*got \(2, 3\)"):
+        ours.forward_packed(torch.zeros(2, 3, dtype=torch.long), batch)
+    too_long = PackedBatch.from_lengths([33])
+    with pytest.raises(ValueError, match="33 tokens exceeds the 32 learned positions"):
+        ours.forward_packed(torch.zeros(33, dtype=torch.long), too_long)

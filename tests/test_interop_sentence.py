@@ -80,6 +80,39 @@ def test_tokenization_and_truncation_equal_sentence_transformers(ours, reference
     assert (emb[0] - emb[1]).abs().max() == 0
 
 
+def test_mixed_lengths_workload_equals_sentence_transformers(ours, reference) -> None:
+    # the benchmark's shape in small: many lengths, one text truncated to 256 tokens, so that a
+    # batch packs texts into several attention groups (and one group without padding)
+    words = [
+        "attention",
+        "model",
+        "token",
+        "query",
+        "key",
+        "value",
+        "head",
+        "layer",
+        "ünïcode",
+        "😀",
+    ]
+    texts = [" ".join(words[: 1 + i % 10] * (1 + i % 4)) for i in range(21)]
+    texts[7] = " ".join(words * 40)
+    got = ours.encode(texts, batch_size=8)
+    assert (got - _st(reference, texts, 8)).abs().max() <= ATOL
+
+
+def test_packed_encode_equals_padded_forward(ours) -> None:
+    texts = [LONG, *TEXTS]
+    encodings = ours.tokenize(texts)
+    S = max(len(e.ids) for e in encodings)  # 256: one batch padded to the truncated long text
+    ids = torch.tensor([e.ids + [0] * (S - len(e.ids)) for e in encodings])  # (B, S)
+    types = torch.tensor([e.type_ids + [0] * (S - len(e.ids)) for e in encodings])  # (B, S)
+    real = torch.arange(S)[None, :] < torch.tensor([len(e.ids) for e in encodings])[:, None]
+    with torch.inference_mode():
+        padded = F.normalize(ours(ids, real, types), dim=-1)
+    assert_close(ours.encode(texts, batch_size=len(texts)), padded, atol=1e-6, rtol=0)
+
+
 def test_padding_does_not_change_embeddings(ours) -> None:
     alone = torch.cat([ours.encode([t]) for t in TEXTS])
     batched = ours.encode(TEXTS, batch_size=len(TEXTS))  # every text padded to the longest

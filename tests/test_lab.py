@@ -435,3 +435,20 @@ def test_cli_unwritable_out_dir(tmp_path: Path, capsys) -> None:
 def test_cli_resume_without_checkpoint(tmp_path: Path, capsys) -> None:
     assert main(["lab", "--out", str(tmp_path), "--resume", "--steps", "1", "--no-progress"]) == 2
     assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_rope_base_reaches_the_rotary_model_and_old_runs_keep_theirs() -> None:
+    rope = replace(TINY, positions="rope")
+    assert rope.rope_base == 100.0
+    assert build_model(rope).rotary.base == 100.0  # type: ignore[union-attr]
+    assert build_model(replace(rope, rope_base=500.0)).rotary.base == 500.0  # type: ignore[union-attr]
+    # the other encoders keep TransformerConfig's base (unused by them)
+    assert (
+        TINY.model_config().rope_base == TransformerConfig.__dataclass_fields__["rope_base"].default
+    )
+    # a config.json written before rope_base existed: its rotary model was trained with 10,000
+    saved = {k: v for k, v in rope.to_dict().items() if k != "rope_base"}
+    assert LabConfig.from_dict(saved).rope_base == 10_000.0
+    assert LabConfig.from_dict(rope.to_dict()) == rope
+    with pytest.raises(ValueError, match=r"rope_base must be a number > 1, got 1.0"):
+        replace(rope, rope_base=1.0)

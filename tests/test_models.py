@@ -23,6 +23,18 @@ def _lm(position: str = "rope", **kw: object) -> TransformerLM:
     return TransformerLM(40, 32, 2, 4, **options).eval()  # type: ignore[arg-type]
 
 
+def _logits_and_hidden(lm: TransformerLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lm(ids)`` and the hidden states its output head reads (the final norm's output)."""
+    seen: list[torch.Tensor] = []
+    handle = lm.norm.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        logits = lm(ids)
+    finally:
+        handle.remove()
+    assert len(seen) == 1
+    return logits, seen[0]
+
+
 # -------------------------------------------------------------------------- order and causality
 
 
@@ -119,8 +131,8 @@ def test_lm_head_is_tied_and_gqa_runs_through_the_stack() -> None:
     lm = _lm()
     assert not any("head" in k for k in lm.state_dict())
     ids = torch.randint(0, 40, (2, 5))
-    h, _ = lm._hidden(ids, None, positions=None, kv_caches=None, return_weights=False)
-    assert_close(lm(ids), h @ lm.embedding.weight.T)
+    logits, h = _logits_and_hidden(lm, ids)
+    assert_close(logits, h @ lm.embedding.weight.T)
     for block in lm.blocks:
         assert block.attention.num_kv_heads == 2
         assert block.attention.w_qkv.out_features == 32 + 2 * 2 * 8
@@ -341,8 +353,8 @@ def test_untied_head_is_a_separate_linear() -> None:
     assert isinstance(lm.lm_head, torch.nn.Linear) and lm.lm_head.bias is None
     assert "lm_head.weight" in lm.state_dict() and "lm_head.weight" not in _lm().state_dict()
     ids = torch.randint(0, 40, (2, 5))
-    h, _ = lm._hidden(ids, None, positions=None, kv_caches=None, return_weights=False)
-    assert_close(lm(ids), h @ lm.lm_head.weight.T)
+    logits, h = _logits_and_hidden(lm, ids)
+    assert_close(logits, h @ lm.lm_head.weight.T)
     assert not torch.equal(lm.lm_head.weight, lm.embedding.weight)
 
 

@@ -16,14 +16,17 @@ state_dict saved from the blog's code loads with ``strict=True`` and gives the s
 
 Every layer makes one attention call and passes the weights through: :func:`with_weights` and
 :func:`split_weights` convert between the public ``out`` / ``(out, weights)`` return and the
-``(out, weights_or_None)`` pair.
+``(out, weights_or_None)`` pair. The keywords every self-attention layer and block forward takes
+(``positions``, ``kv_cache``, ``return_weights``) are typed once, as :class:`LayerOptions`; a
+layer that only hands them on takes ``**options: Unpack[LayerOptions]``.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -31,8 +34,12 @@ from torch import Tensor, nn
 from attnkit import functional as F_attn
 from attnkit.cache import KVCache
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = [
     "Attention",
+    "LayerOptions",
     "MultiHeadAttention",
     "MultiHeadSelfAttention",
     "MultiheadCrossAttention",
@@ -65,32 +72,40 @@ def split_weights(result: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tenso
     return result if isinstance(result, tuple) else (result, None)
 
 
+class LayerOptions(TypedDict, total=False):
+    """The keyword options of every attention layer's and block's forward.
+
+    Attributes:
+        positions: Integer positions of the query tokens for rotary (or sinusoidal) positions,
+            shape ``(L,)`` or ``(B, L)``; defaults to ``cache length + arange(L)``.
+        kv_cache: The layer's :class:`attnkit.KVCache` for incremental decoding; the new
+            keys/values are appended and attention runs over all cached positions.
+        return_weights: Also return the attention weights ``(B, H, L, S)`` (default ``False``).
+    """
+
+    positions: Tensor | None
+    kv_cache: KVCache | None
+    return_weights: bool
+
+
 def attend(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     mask: Tensor | None = None,
     *,
-    causal: bool = False,
-    window: int | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
     return_weights: bool = False,
+    **options: Unpack[F_attn.Options],
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`attnkit.functional.scaled_dot_product_attention` as an ``(out, weights)`` pair.
 
-    ``weights`` is ``None`` unless ``return_weights`` (the fused kernel is used then).
+    ``weights`` is ``None`` unless ``return_weights`` (the fused kernel is used then); the other
+    keywords (``causal``, ``window``, ``scale``, ``dropout_p``, ...) are the kernel's.
 
     Shape:
         q ``(B, H, L, E)``, k/v ``(B, K, S, E)`` -> out ``(B, H, L, E)``,
         weights ``(B, H, L, S)``.
     """
-    options: dict[str, Any] = {
-        "causal": causal,
-        "window": window,
-        "scale": scale,
-        "dropout_p": dropout_p,
-    }
     if return_weights:
         return F_attn.scaled_dot_product_attention(q, k, v, mask, return_weights=True, **options)
     return F_attn.scaled_dot_product_attention(q, k, v, mask, **options), None
@@ -129,7 +144,8 @@ class MultiHeadAttention(nn.Module):
 
     #: Checkpoint key map, attribute -> name in state_dicts (e.g. ``{"qkv_proj": "w_qkv"}``).
     #: ``state_dict()`` writes these names and ``load_state_dict`` reads them (and the
-    #: attribute names); each mapped name is also a read-only alias of its attribute.
+    #: attribute names); each mapped name is also a read-only alias of its attribute (a
+    #: property that ``__init_subclass__`` installs unless the subclass defines one).
     checkpoint_names: ClassVar[Mapping[str, str]] = {}
 
     q_proj: nn.Linear  # separate projections (fused_qkv=False)
@@ -211,6 +227,14 @@ class MultiHeadAttention(nn.Module):
             self.register_load_state_dict_pre_hook(_load_checkpoint_names)
             self.register_load_state_dict_post_hook(_report_checkpoint_names)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give a subclass a read-only alias property for each of its checkpoint names."""
+        super().__init_subclass__(**kwargs)
+        for attr, alias in cls.checkpoint_names.items():
+            if not hasattr(cls, alias):
+                doc = f"The checkpoint name of ``{attr}`` (read-only)."
+                setattr(cls, alias, property(operator.attrgetter(attr), doc=doc))
+
     def __setattr__(self, name: str, value: Any) -> None:
         for attr, alias in self.checkpoint_names.items():
             if name == alias:
@@ -268,10 +292,7 @@ class MultiHeadAttention(nn.Module):
         key: Tensor | None = None,
         value: Tensor | None = None,
         mask: Tensor | None = None,
-        *,
-        positions: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        return_weights: bool = False,
+        **options: Unpack[LayerOptions],
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
 
@@ -281,19 +302,27 @@ class MultiHeadAttention(nn.Module):
             value: Value tokens (defaults to ``key``).
             mask: Bool (``True`` = may attend) or additive float mask, broadcastable to
                 ``(B, H, L, S)``.
-            positions: Integer positions of the query tokens for the rotary module, shape
-                ``(L,)`` or ``(B, L)``; defaults to ``cache length + arange(L)``.
-            kv_cache: Cache of this layer's keys/values for incremental decoding; the new
-                keys/values are appended and attention runs over all cached positions.
-            return_weights: Also return the attention weights ``(B, H, L, S)``.
+            **options: ``positions`` (of the query tokens, for the rotary module),
+                ``kv_cache`` (this layer's cache for incremental decoding) and
+                ``return_weights``: see :class:`LayerOptions`.
 
         Returns:
             ``out`` of shape ``(B, L, out_dim)``, or ``(out, weights)``.
+
+        Raises:
+            TypeError: For a keyword that is not a :class:`LayerOptions` key.
 
         Shape:
             query ``(B, L, D)``, key ``(B, S, kdim)``, value ``(B, S, vdim)`` ->
             ``(B, L, out_dim)``. Leading dims other than ``B`` also work (``(L, D)`` too).
         """
+        known = LayerOptions.__optional_keys__
+        if not options.keys() <= known:
+            raise TypeError(
+                f"{type(self).__name__}.forward got unexpected keyword arguments "
+                f"{sorted(options.keys() - known)}; it takes {sorted(known)}"
+            )
+        positions, kv_cache = options.get("positions"), options.get("kv_cache")
         q, k, v = self.project_qkv(query, key, value)
         if self.rotary is not None:
             if k.shape[-2] != q.shape[-2] and kv_cache is None:
@@ -314,7 +343,7 @@ class MultiHeadAttention(nn.Module):
             window=self.window,
             scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
-            return_weights=return_weights,
+            return_weights=options.get("return_weights", False),
         )  # (B, H, L, E), (B, H, L, S) or None
         return with_weights(self.out_proj(merge_heads(out)), weights)  # (B, L, out_dim)
 
@@ -407,10 +436,7 @@ class ScaleDotProductAttention(nn.Module):
 class _BlogNames(MultiHeadAttention):
     """Names the blog's multi-head classes share: ``output_map`` and ``dim_per_head``."""
 
-    @property
-    def output_map(self) -> nn.Linear:
-        """The blog's name for ``out_proj``."""
-        return self.out_proj
+    output_map: nn.Linear  # read-only aliases, installed from checkpoint_names
 
     @property
     def dim_per_head(self) -> int:
@@ -422,7 +448,9 @@ class MultiheadCrossAttention(_BlogNames):
     """The blog's multi-head attention with separate ``w_q``, ``w_k``, ``w_v`` projections.
 
     Its state_dict uses the blog's names ``w_q``, ``w_k``, ``w_v``, ``output_map`` (also
-    read-only aliases of ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``).
+    read-only aliases of ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``). Its forward is
+    :meth:`MultiHeadAttention.forward` with the blog's argument names ``(q, k, v, mask)`` and the
+    same keywords (:class:`LayerOptions`).
 
     Args:
         dim_in: Input dim of queries, keys and values.
@@ -438,23 +466,12 @@ class MultiheadCrossAttention(_BlogNames):
         "out_proj": "output_map",
     }
 
+    w_q: nn.Linear  # read-only aliases, installed from checkpoint_names
+    w_k: nn.Linear
+    w_v: nn.Linear
+
     def __init__(self, dim_in: int, dim_hidden: int, dim_out: int, num_heads: int) -> None:
         super().__init__(dim_in, num_heads, hidden_dim=dim_hidden, out_dim=dim_out)
-
-    @property
-    def w_q(self) -> nn.Linear:
-        """The blog's name for ``q_proj``."""
-        return self.q_proj
-
-    @property
-    def w_k(self) -> nn.Linear:
-        """The blog's name for ``k_proj``."""
-        return self.k_proj
-
-    @property
-    def w_v(self) -> nn.Linear:
-        """The blog's name for ``v_proj``."""
-        return self.v_proj
 
     def get_heads(self, tokens: Tensor, linear_layer: nn.Module) -> Tensor:
         """Project ``tokens`` and split heads: ``(B, N, dim_in) -> (B, H, N, E)``."""
@@ -466,11 +483,10 @@ class MultiheadCrossAttention(_BlogNames):
         k: Tensor,
         v: Tensor,
         mask: Tensor | None = None,
-        *,
-        return_weights: bool = False,
+        **options: Unpack[LayerOptions],
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Shape: q ``(B, L, dim_in)``, k/v ``(B, S, dim_in)`` -> ``(B, L, dim_out)``."""
-        return super().forward(q, k, v, mask, return_weights=return_weights)
+        return super().forward(q, k, v, mask, **options)
 
 
 class Attention(MultiheadCrossAttention):
@@ -511,6 +527,7 @@ class MultiHeadSelfAttention(_BlogNames):
     """
 
     checkpoint_names: ClassVar[Mapping[str, str]] = {"qkv_proj": "w_qkv", "out_proj": "output_map"}
+    w_qkv: nn.Linear  # read-only alias, installed from checkpoint_names
 
     def __init__(
         self,
@@ -544,28 +561,15 @@ class MultiHeadSelfAttention(_BlogNames):
             rotary=rotary,
         )
 
-    @property
-    def w_qkv(self) -> nn.Linear:
-        """The blog's name for ``qkv_proj``."""
-        return self.qkv_proj
-
     def forward(  # type: ignore[override]
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
-        positions: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        return_weights: bool = False,
+        self, x: Tensor, mask: Tensor | None = None, **options: Unpack[LayerOptions]
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Self-attention over ``x`` (see :meth:`MultiHeadAttention.forward` for the keywords).
+        """Self-attention over ``x`` (the keywords are :class:`LayerOptions`).
 
         Shape:
             x ``(B, N, in_dim)``, mask broadcastable to ``(B, H, N, N)`` -> ``(B, N, out_dim)``.
         """
-        return super().forward(
-            x, mask=mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
-        )
+        return super().forward(x, mask=mask, **options)
 
 
 class SelfAttention(MultiHeadSelfAttention):

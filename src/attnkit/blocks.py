@@ -11,15 +11,17 @@ sliding windows, dropout, a KV cache.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.attention import MultiHeadSelfAttention, split_weights, with_weights
-from attnkit.cache import KVCache
+from attnkit.attention import LayerOptions, MultiHeadSelfAttention, split_weights, with_weights
 from attnkit.positional import PositionalMultiHeadSelfAttention, SinusoidalPositionalEncoding
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["FeedForward", "PositionalTransformerBlock", "TransformerBlock", "make_norm"]
 
@@ -132,9 +134,10 @@ class TransformerBlock(nn.Module):
         mlp_bias: Biases of the feed-forward projections (default ``bias``).
         head_dim: Attention head dim ``E`` (default ``dim // num_heads``); the attention's
             projected width is ``num_heads * head_dim``.
-        attention: A prebuilt self-attention module to use instead (it must accept
-            ``(x, mask, *, positions, kv_cache, return_weights)``); the attention options above
-            are then ignored.
+        attention: A prebuilt self-attention module to use instead; it is called as
+            ``attention(x, mask, **options)`` with the keywords the block's caller gave (those
+            of :class:`attnkit.attention.LayerOptions`, each optional). The attention options
+            above are then ignored.
 
     Raises:
         ValueError: For bad sizes or option values.
@@ -195,13 +198,7 @@ class TransformerBlock(nn.Module):
         self.norm_first, self.dropout = norm_first, dropout
 
     def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
-        positions: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        return_weights: bool = False,
+        self, x: Tensor, mask: Tensor | None = None, **options: Unpack[LayerOptions]
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Apply the block.
 
@@ -209,19 +206,15 @@ class TransformerBlock(nn.Module):
             x: Input tokens.
             mask: Bool (``True`` = may attend) or additive float mask, broadcastable to
                 ``(B, H, L, S)``; a key-padding mask is ``(B, 1, 1, S)``.
-            positions: Positions for the rotary module (``(L,)`` or ``(B, L)``).
-            kv_cache: This block's cache for incremental decoding.
-            return_weights: Also return the attention weights.
+            **options: ``positions`` (for the rotary module), ``kv_cache`` (this block's cache)
+                and ``return_weights``, handed to the attention (see
+                :class:`attnkit.attention.LayerOptions`).
 
         Returns:
             ``x`` of shape ``(B, L, D)``, or ``(x, weights)`` with weights ``(B, H, L, S)``.
         """
         attn_in = self.norm1(x) if self.norm_first else x
-        attn_out, weights = split_weights(
-            self.attention(
-                attn_in, mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
-            )
-        )
+        attn_out, weights = split_weights(self.attention(attn_in, mask, **options))
         attn_out = F.dropout(attn_out, p=self.dropout, training=self.training)
         if self.norm_first:
             x = x + attn_out
@@ -280,22 +273,15 @@ class PositionalTransformerBlock(TransformerBlock):
         )
 
     def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
-        positions: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        return_weights: bool = False,
+        self, x: Tensor, mask: Tensor | None = None, **options: Unpack[LayerOptions]
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Add sinusoidal positions (if any), then apply the block (see
         :meth:`TransformerBlock.forward`). With a ``kv_cache`` and no ``positions``, positions
         continue after the cached ones."""
         if isinstance(self.position, SinusoidalPositionalEncoding):
-            if positions is None and kv_cache is not None and kv_cache.length:
+            kv_cache = options.get("kv_cache")
+            if options.get("positions") is None and kv_cache is not None and kv_cache.length:
                 start = kv_cache.length
-                positions = torch.arange(start, start + x.shape[-2], device=x.device)
-            x = self.position(x, positions)
-        return super().forward(
-            x, mask, positions=positions, kv_cache=kv_cache, return_weights=return_weights
-        )
+                options["positions"] = torch.arange(start, start + x.shape[-2], device=x.device)
+            x = self.position(x, options.get("positions"))
+        return super().forward(x, mask, **options)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from attnkit.config import check_sizes
+
 __all__ = ["KVCache"]
 
 
@@ -49,12 +51,7 @@ class KVCache(nn.Module):
             "capacity": capacity,
             "head_dim": head_dim,
         }
-        not_int = {n: v for n, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int)}
-        if not_int:
-            raise TypeError(f"KVCache sizes must be ints, got {not_int}")
-        bad = {name: n for name, n in sizes.items() if n < 1}
-        if bad:
-            raise ValueError(f"KVCache sizes must be positive, got {bad}")
+        check_sizes(sizes, what="KVCache sizes")
         shape = (batch_size, num_kv_heads, capacity, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)

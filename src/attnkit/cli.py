@@ -1,4 +1,5 @@
-"""The ``attnkit`` command line: ``lab``, ``complexity``, ``plot``, ``explain``, ``bench``.
+"""The ``attnkit`` command line: ``lab``, ``complexity``, ``plot``, ``explain``, ``bench``,
+``tour``.
 
 Each sub-command lives in ``attnkit.commands.<name>`` and exposes two functions:
 ``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported lazily so that
@@ -19,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "plot": "write the blog's pictures (scaling, softmax, positions, rotary) as PNG files",
     "explain": "attention maps and similarity from a real pretrained model (all-MiniLM-L6-v2)",
     "bench": "benchmark attnkit's attention against torch SDPA and the textbook implementation",
+    "tour": "measure every claim of the blog on attnkit's modules; write a report and claims.json",
 }
 
 

@@ -45,13 +45,17 @@ import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "Component",
     "CostBreakdown",
+    "CostOptions",
     "attention_cost",
     "crossover_seq_len",
     "dtype_size",
@@ -501,18 +505,32 @@ def crossover_seq_len(
     return (n if n * exact.denominator == exact.numerator else n + 1), exact
 
 
+class CostOptions(TypedDict, total=False):
+    """The keyword options :func:`attention_cost` and :func:`transformer_cost` share.
+
+    Attributes:
+        batch: B (default 1).
+        kv_len: S, the key length for cross-attention; defaults to ``seq_len``.
+        head_dim: E; defaults to ``dim // num_heads``.
+        num_kv_heads: K, key/value heads (grouped-query attention); defaults to ``num_heads``.
+        causal: Whether a causal mask is applied (changes ``useful_flops`` only; default
+            ``False``).
+        dtype: Element type for byte counts (``torch.dtype`` or a name like ``"bf16"``; default
+            ``float32``).
+        bias: Whether the linear layers have biases (changes ``params`` only; default ``True``).
+    """
+
+    batch: int
+    kv_len: int | None
+    head_dim: int | None
+    num_kv_heads: int | None
+    causal: bool
+    dtype: torch.dtype | str
+    bias: bool
+
+
 def attention_cost(
-    seq_len: int,
-    dim: int,
-    num_heads: int,
-    *,
-    batch: int = 1,
-    kv_len: int | None = None,
-    head_dim: int | None = None,
-    num_kv_heads: int | None = None,
-    causal: bool = False,
-    dtype: torch.dtype | str = torch.float32,
-    bias: bool = True,
+    seq_len: int, dim: int, num_heads: int, **options: Unpack[CostOptions]
 ) -> CostBreakdown:
     """FLOPs and memory of one multi-head attention layer, per component.
 
@@ -527,13 +545,8 @@ def attention_cost(
         seq_len: L, the query length.
         dim: D, the model dim.
         num_heads: H, query heads.
-        batch: B.
-        kv_len: S, the key length for cross-attention; defaults to ``seq_len``.
-        head_dim: E; defaults to ``dim // num_heads``.
-        num_kv_heads: K, key/value heads (grouped-query attention); defaults to ``num_heads``.
-        causal: Whether a causal mask is applied (changes ``useful_flops`` only).
-        dtype: Element type for byte counts (``torch.dtype`` or a name like ``"bf16"``).
-        bias: Whether the projections have biases (changes ``params`` only).
+        **options: ``batch``, ``kv_len``, ``head_dim``, ``num_kv_heads``, ``causal``, ``dtype``,
+            ``bias`` (see :class:`CostOptions`).
 
     Returns:
         A :class:`CostBreakdown` with ``ffn_dim=None`` and ``num_layers=1``.
@@ -541,11 +554,9 @@ def attention_cost(
     Raises:
         ValueError: For non-positive sizes, ``dim`` not divisible by ``num_heads`` (without
             ``head_dim``), ``num_heads`` not divisible by ``num_kv_heads``, or an unknown dtype.
-        TypeError: For sizes that are not ints.
+        TypeError: For sizes that are not ints, or unknown options.
     """
-    return _cost(
-        seq_len, dim, num_heads, batch, kv_len, head_dim, num_kv_heads, causal, dtype, bias, None, 1
-    )
+    return _cost(seq_len, dim, num_heads, ffn_dim=None, num_layers=1, **options)
 
 
 def transformer_cost(
@@ -555,13 +566,7 @@ def transformer_cost(
     *,
     ffn_dim: int | None = None,
     num_layers: int = 1,
-    batch: int = 1,
-    kv_len: int | None = None,
-    head_dim: int | None = None,
-    num_kv_heads: int | None = None,
-    causal: bool = False,
-    dtype: torch.dtype | str = torch.float32,
-    bias: bool = True,
+    **options: Unpack[CostOptions],
 ) -> CostBreakdown:
     """FLOPs and memory of a stack of transformer blocks (attention, feed-forward, two norms).
 
@@ -575,13 +580,7 @@ def transformer_cost(
         num_heads: H.
         ffn_dim: F; defaults to ``4 * dim``.
         num_layers: Number of blocks; totals are multiplied by it.
-        batch: B.
-        kv_len: S (cross-attention); defaults to ``seq_len``.
-        head_dim: E; defaults to ``dim // num_heads``.
-        num_kv_heads: K; defaults to ``num_heads``.
-        causal: Whether attention is causal.
-        dtype: Element type for byte counts.
-        bias: Whether the linear layers have biases.
+        **options: As :func:`attention_cost` (see :class:`CostOptions`).
 
     Returns:
         A :class:`CostBreakdown` whose components include ``ffn_up``, ``ffn_act``, ``ffn_down``
@@ -589,38 +588,26 @@ def transformer_cost(
 
     Raises:
         ValueError: As :func:`attention_cost`, and for non-positive ``ffn_dim``/``num_layers``.
-        TypeError: For sizes that are not ints.
+        TypeError: For sizes that are not ints, or unknown options.
     """
     ffn_dim = 4 * dim if ffn_dim is None else ffn_dim
-    return _cost(
-        seq_len,
-        dim,
-        num_heads,
-        batch,
-        kv_len,
-        head_dim,
-        num_kv_heads,
-        causal,
-        dtype,
-        bias,
-        ffn_dim,
-        num_layers,
-    )
+    return _cost(seq_len, dim, num_heads, ffn_dim=ffn_dim, num_layers=num_layers, **options)
 
 
-def _cost(  # positional: both callers pass every argument under its own name, in order
+def _cost(
     seq_len: int,
     dim: int,
     num_heads: int,
-    batch: int,
-    kv_len: int | None,
-    head_dim: int | None,
-    num_kv_heads: int | None,
-    causal: bool,
-    dtype: torch.dtype | str,
-    bias: bool,
+    *,
     ffn_dim: int | None,
     num_layers: int,
+    batch: int = 1,
+    kv_len: int | None = None,
+    head_dim: int | None = None,
+    num_kv_heads: int | None = None,
+    causal: bool = False,
+    dtype: torch.dtype | str = torch.float32,
+    bias: bool = True,
 ) -> CostBreakdown:
     _check_positive(
         seq_len=seq_len, batch=batch, kv_len=kv_len, ffn_dim=ffn_dim, num_layers=num_layers

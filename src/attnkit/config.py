@@ -10,10 +10,11 @@ and checkpoint loaders read and write it with :meth:`TransformerConfig.to_dict` 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
 
-__all__ = ["PRESETS", "ROPE_SCALING_KEYS", "TransformerConfig"]
+__all__ = ["PRESETS", "ROPE_SCALING_KEYS", "TransformerConfig", "check_sizes"]
 
 PositionType = Literal["none", "sinusoidal", "learned", "rope"]
 POSITIONS: tuple[str, ...] = ("none", "sinusoidal", "learned", "rope")
@@ -25,6 +26,26 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
+
+
+def check_sizes(sizes: Mapping[str, int | None], *, what: str = "sizes") -> None:
+    """Check that every given size is a positive int (``None`` means not given).
+
+    Args:
+        sizes: Name -> value.
+        what: How the messages name the sizes (e.g. ``"KVCache sizes"``).
+
+    Raises:
+        TypeError: Naming the values that are not ints (a bool is not a size).
+        ValueError: Naming the values below 1.
+    """
+    given = {k: v for k, v in sizes.items() if v is not None}
+    not_int = {k: v for k, v in given.items() if isinstance(v, bool) or not isinstance(v, int)}
+    if not_int:
+        raise TypeError(f"{what} must be ints, got {not_int}")
+    bad = {k: v for k, v in given.items() if v < 1}
+    if bad:
+        raise ValueError(f"{what} must be positive, got {bad}")
 
 
 def check_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -146,7 +167,7 @@ class TransformerConfig:
     tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        given: dict[str, int | None] = {
+        sizes: dict[str, int | None] = {
             "vocab_size": self.vocab_size,
             "dim": self.dim,
             "num_layers": self.num_layers,
@@ -157,13 +178,7 @@ class TransformerConfig:
             "max_seq_len": self.max_seq_len,
             "window": self.window,
         }
-        sizes = {k: v for k, v in given.items() if v is not None}
-        not_int = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int)}
-        if not_int:
-            raise TypeError(f"sizes must be ints, got {not_int}")
-        bad = {k: v for k, v in sizes.items() if v < 1}
-        if bad:
-            raise ValueError(f"sizes must be positive, got {bad}")
+        check_sizes(sizes)
         flags = ("causal", "norm_first", "bias", "rope_interleaved", "tie_embeddings")
         opt_flags = ("qkv_bias", "out_bias", "mlp_bias")
         not_bool = {k: getattr(self, k) for k in flags if not isinstance(getattr(self, k), bool)}

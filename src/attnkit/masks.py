@@ -93,7 +93,12 @@ def _check_key_lengths(name: str, lengths: Tensor, S: int) -> None:
         )
     if lengths.dim() != 1:
         raise ValueError(f"{name} must have shape (B,), got {tuple(lengths.shape)}")
-    if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > S):
+    # a compiled graph cannot branch on values (torch.compile(fullgraph=True)); it skips this
+    if (
+        not torch.compiler.is_compiling()
+        and lengths.numel()
+        and (int(lengths.min()) < 0 or int(lengths.max()) > S)
+    ):
         raise ValueError(f"{name} must be in [0, S={S}], got {lengths.tolist()}")
 
 
@@ -269,7 +274,8 @@ class Structure:
         if self.key_lengths is not None:
             _check_key_lengths("key_lengths", self.key_lengths, S)
             sizes.append(("key_lengths", self.key_lengths.shape[0]))
-        B = batch if batch is not None else max([n for _, n in sizes], default=1)
+        # no max(..., default=): torch.compile(fullgraph=True) cannot trace it
+        B = batch if batch is not None else (max(n for _, n in sizes) if sizes else 1)
         for name, n in sizes:
             if n not in (1, B):
                 raise ValueError(f"{name} has batch size {n}, expected {B} (or 1)")
@@ -324,7 +330,7 @@ class Structure:
             Bool ``(B or 1, 1, L, S)``: the batch of ``segment_ids``/``key_lengths``, else 1.
         """
         given = [t for t in (self.segment_ids, self.key_lengths) if t is not None]
-        B = max((t.shape[0] for t in given), default=1)
+        B = max(t.shape[0] for t in given) if given else 1  # no max(default=): see check
         device = given[0].device if device is None and given else device
         i = torch.arange(L, device=device).view(1, L, 1)
         j = torch.arange(S, device=device).view(1, 1, S)

@@ -49,6 +49,17 @@ __all__ = [
 RotaryConvention = Literal["interleaved", "split"]
 
 
+def _values_checkable() -> bool:
+    """Whether checks that read position values may run.
+
+    Under ``torch.compile`` they may not: a Python branch on a tensor's value (``positions.min()
+    < 0``) cannot be part of a graph, so ``torch.compile(model, fullgraph=True)`` would fail.
+    Compiled graphs keep the shape and dtype checks; an index past a table still fails there,
+    as an indexing error instead of a ValueError.
+    """
+    return not torch.compiler.is_compiling()
+
+
 def _check_positions(positions: Tensor, length: int) -> None:
     if (
         not isinstance(positions, Tensor)
@@ -61,15 +72,8 @@ def _check_positions(positions: Tensor, length: int) -> None:
             f"positions must have shape (L,) or (B, L) with L={length}, got "
             f"{tuple(positions.shape)}"
         )
-    if positions.numel() and int(positions.min()) < 0:
+    if _values_checkable() and positions.numel() and int(positions.min()) < 0:
         raise ValueError(f"positions must be non-negative, got min {int(positions.min())}")
-
-
-def _default_positions(positions: Tensor | None, length: int, device: torch.device) -> Tensor:
-    if positions is None:
-        return torch.arange(length, device=device)
-    _check_positions(positions, length)
-    return positions
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,7 +161,7 @@ class SinusoidalPositionalEncoding(nn.Module):
                 )
             return x + self.pe[:L].to(dtype=x.dtype, device=x.device)
         _check_positions(positions, L)
-        if positions.numel() and int(positions.max()) >= self.pe.shape[0]:
+        if _values_checkable() and positions.numel() and int(positions.max()) >= self.pe.shape[0]:
             raise ValueError(
                 f"position {int(positions.max())} (needs length {int(positions.max()) + 1}) "
                 f"exceeds max_seq_len {self.pe.shape[0]} of the sinusoidal table"
@@ -197,8 +201,13 @@ class LearnedPositionalEmbedding(nn.Module):
             x ``(B, L, dim)`` -> same; positions ``(L,)`` or ``(B, L)``.
         """
         L = x.shape[-2]
-        positions = _default_positions(positions, L, x.device)
-        top = L if positions.numel() == 0 else int(positions.max()) + 1
+        if positions is None:
+            top = L
+            positions = torch.arange(L, device=x.device)
+        else:
+            _check_positions(positions, L)
+            checkable = _values_checkable() and positions.numel()
+            top = int(positions.max()) + 1 if checkable else 0
         if top > self.max_seq_len:
             raise ValueError(
                 f"sequence needs {top} positions but max_seq_len is {self.max_seq_len}"
@@ -378,11 +387,15 @@ class RotaryEmbedding(nn.Module):
             n = max(16, 1 << max(length - 1, 0).bit_length())
             # Tables built during inference_mode would be unusable in a later training step.
             with torch.inference_mode(False):
-                inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling)
-                angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq  # (N, E/2)
-                self.cos = angles.cos().to(device=device, dtype=torch.float32)
-                self.sin = angles.sin().to(device=device, dtype=torch.float32)
+                cos, sin = self._cos_sin(torch.arange(n))  # (N, E/2) each
+                self.cos, self.sin = cos.to(device), sin.to(device)
         return self.cos, self.sin
+
+    def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Float32 cos and sin of the float64 angles of ``positions``: ``(..., E/2)`` each."""
+        inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling).to(positions.device)
+        angles = positions.to(torch.float64)[..., None] * inv_freq  # (..., E/2)
+        return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
 
     def forward(self, x: Tensor, positions: Tensor | None = None, *, offset: int = 0) -> Tensor:
         """Rotate ``x`` by its positions.
@@ -410,10 +423,13 @@ class RotaryEmbedding(nn.Module):
                 x, cos[offset : offset + L], sin[offset : offset + L], interleaved=self.interleaved
             )
         _check_positions(positions, L)
-        top = int(positions.max()) + 1 if positions.numel() else 0
-        cos, sin = self.tables(top, x.device)
         positions = positions.to(x.device)
-        cos, sin = cos[positions], sin[positions]  # (L, E/2) or (B, L, E/2)
+        if _values_checkable():
+            top = int(positions.max()) + 1 if positions.numel() else 0
+            cos, sin = self.tables(top, x.device)
+            cos, sin = cos[positions], sin[positions]  # (L, E/2) or (B, L, E/2)
+        else:  # compiled: no table sized by a value; the table's rows, computed per position
+            cos, sin = self._cos_sin(positions)  # (L, E/2) or (B, L, E/2)
         if positions.dim() == 2:
             cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (B, 1, L, E/2): broadcast heads
         return apply_rope(x, cos, sin, interleaved=self.interleaved)

@@ -49,9 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the breakdown (table or JSON); optionally plot and measure."""
-    from attnkit.complexity import attention_cost, transformer_cost
+    from attnkit.complexity import CostOptions, attention_cost, transformer_cost
 
-    common: dict[str, Any] = {
+    common: CostOptions = {
         "batch": args.batch,
         "kv_len": args.kv_len,
         "head_dim": args.head_dim,

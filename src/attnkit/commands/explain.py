@@ -1,8 +1,11 @@
 """``attnkit explain``: attention maps and similarity from a real model (all-MiniLM-L6-v2).
 
 ``attnkit explain "some sentence" [--layer L] [--head H] --out DIR`` writes one head's map
-(``head.png``), the layers x heads grid (``grid.png``) and ``index.html`` showing both with the
-tokens. ``attnkit explain --similarity "a" "b"`` prints the cosine similarity of two sentences.
+(``head.png``), the layers x heads grid (``grid.png``), the interactive attention explorer
+(``explorer.html``, see :mod:`attnkit.explorer`) and ``index.html`` showing them with the tokens.
+Given several sentences, each gets those files in ``DIR/text-K/`` (K from 0) and ``DIR/index.html``
+is the similarity view: the cosine similarity of every pair, linking each sentence's pages.
+``attnkit explain --similarity "a" "b"`` prints the cosine similarity of two sentences.
 Layers and heads count from 0; negative values count from the end, as Python indexes do.
 
 Needs the ``models`` extra (and matplotlib for the pictures).
@@ -13,13 +16,18 @@ from __future__ import annotations
 import argparse
 import html
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``explain`` options to ``parser``."""
-    parser.add_argument("text", nargs="?", help="the sentence whose attention to draw")
+    parser.add_argument(
+        "text",
+        nargs="*",
+        help="the sentence(s) whose attention to draw; several also get a similarity view",
+    )
     parser.add_argument(
         "--similarity",
         nargs=2,
@@ -39,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=Path("explain"),
-        help="directory for the PNG files and index.html (default: explain)",
+        help="directory for the PNG files, explorer.html and index.html (default: explain)",
     )
     parser.add_argument(
         "--model",
@@ -68,6 +76,7 @@ def _write_html(
     head: int,
     head_png: str,
     grid_png: str,
+    explorer: str,
     weights: Any,
 ) -> None:
     """A page with the sentence, its tokens, the two pictures and each token's top key."""
@@ -90,6 +99,8 @@ img{{max-width:100%}} td,th{{padding:2px 10px;text-align:left}}</style></head>
 <h1>Attention of all-MiniLM-L6-v2</h1>
 <p>Sentence: <q>{esc(text)}</q></p>
 <p>{len(tokens)} tokens: {chips}</p>
+<p><a href="{esc(explorer)}"><b>Open the interactive explorer</b></a>: hover tokens to see where
+each head looks, in every layer, and every layer x head map with exact weights.</p>
 <h2>Layer {layer}, head {head}</h2>
 <p>Row <i>i</i> shows how token <i>i</i> (query) spreads its attention over the tokens (keys).</p>
 <img src="{esc(head_png)}" alt="attention map of layer {layer}, head {head}">
@@ -103,25 +114,17 @@ img{{max-width:100%}} td,th{{padding:2px 10px;text-align:left}}</style></head>
     path.write_text(page, encoding="utf-8")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Print a similarity, or write the attention pictures and page; print what was written."""
-    from attnkit.interop import SentenceEncoder
-
-    if args.similarity is None and args.text is None:
-        raise ValueError("give a sentence to explain, or --similarity A B")
-    encoder = SentenceEncoder.from_pretrained(args.model)
-    if args.similarity is not None:
-        a, b = args.similarity
-        print(f"{encoder.similarity(a, b):.6f}")
-        return 0
-
+def _explain_one(encoder: Any, text: str, out: Path, layer_arg: int, head_arg: int) -> list[Path]:
+    """Pictures, explorer and page of one sentence in ``out``; the paths written."""
     from attnkit import viz
+    from attnkit.explorer import write_explorer
 
-    tokens, weights = encoder.attention_weights(args.text)  # (layers, heads, L, L)
+    tokens, weights = encoder.attention_weights(text)  # (layers, heads, L, L)
     n_layers, n_heads = weights.shape[:2]
-    layer = _index(args.layer, n_layers, "layer")
-    head = _index(args.head, n_heads, "head")
-    out: Path = args.out
+    layer = _index(layer_arg, n_layers, "layer")
+    head = _index(head_arg, n_heads, "head")
+    if len(tokens) < 2:  # pragma: no cover - the tokenizer always adds [CLS] and [SEP]
+        raise ValueError(f"{text!r} has fewer than 2 tokens: nothing to draw")
     out.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # tokens in scripts the default font lacks draw as boxes
         warnings.filterwarnings("ignore", message="Glyph .* missing", category=UserWarning)
@@ -130,11 +133,89 @@ def run(args: argparse.Namespace) -> int:
         )
         head_path = viz.save_figure(head_fig, out / "head.png")
         grid_fig = viz.attention_grid(
-            weights, tokens=tokens, title=f"attention of: {_shorten(args.text)}"
+            weights, tokens=tokens, title=f"attention of: {_shorten(text)}"
         )
         grid_path = viz.save_figure(grid_fig, out / "grid.png")
+    explorer_path = write_explorer(
+        out / "explorer.html",
+        tokens,
+        weights,
+        title="Attention of all-MiniLM-L6-v2",
+        description=f"Sentence: {text}",
+        layer=layer,  # opens on the --layer of the static map
+    )
     page = out / "index.html"
-    _write_html(page, args.text, tokens, layer, head, head_path.name, grid_path.name, weights)
-    for path in (head_path, grid_path, page):
+    _write_html(
+        page, text, tokens, layer, head, head_path.name, grid_path.name, explorer_path.name, weights
+    )
+    return [head_path, grid_path, explorer_path, page]
+
+
+def _similarity_html(path: Path, texts: Sequence[str], sims: Any, dirs: Sequence[str]) -> Path:
+    """The similarity view: every pair's cosine similarity, each sentence linking its pages."""
+    from matplotlib import colormaps
+
+    esc = html.escape
+    cmap = colormaps["viridis"]
+    head = "".join(f'<th title="{esc(t)}">{k}</th>' for k, t in enumerate(texts))
+    rows = []
+    for i, text in enumerate(texts):
+        cells = []
+        for j in range(len(texts)):
+            value = float(sims[i, j])
+            r, g, b, _ = cmap((value + 1) / 2)  # cosine in [-1, 1]
+            ink = "#000" if (value + 1) / 2 > 0.6 else "#fff"
+            cells.append(
+                f'<td class="sim" data-i="{i}" data-j="{j}" data-similarity="{value:.6f}" '
+                f'style="background:rgb({r * 255:.0f},{g * 255:.0f},{b * 255:.0f});color:{ink}" '
+                f'title="{esc(_shorten(text, 40))} / {esc(_shorten(texts[j], 40))}">'
+                f"{value:.3f}</td>"
+            )
+        rows.append(
+            f'<tr><th>{i}</th><td class=text><a href="{dirs[i]}/explorer.html">{esc(text)}</a> '
+            f'(<a href="{dirs[i]}/index.html">maps</a>)</td>{"".join(cells)}</tr>'
+        )
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>attnkit explain: similarity</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}
+td,th{{padding:4px 10px;text-align:left}} td.sim{{text-align:center;min-width:3.5em}}
+td.text{{max-width:32em}}</style></head>
+<body>
+<h1>Sentence similarity (all-MiniLM-L6-v2)</h1>
+<p>Cosine similarity of the sentence embeddings (mean-pooled, L2-normalized): 1 means the same
+direction, 0 unrelated. Each sentence links its interactive attention explorer and its maps.</p>
+<table><tr><th>#</th><th>sentence</th>{head}</tr>
+{"".join(rows)}
+</table>
+</body></html>
+"""
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print a similarity, or write the attention pictures and pages; print what was written."""
+    from attnkit.interop import SentenceEncoder
+
+    texts: list[str] = list(args.text or [])
+    if args.similarity is None and not texts:
+        raise ValueError("give a sentence to explain, or --similarity A B")
+    encoder = SentenceEncoder.from_pretrained(args.model)
+    if args.similarity is not None:
+        a, b = args.similarity
+        print(f"{encoder.similarity(a, b):.6f}")
+        return 0
+
+    out: Path = args.out
+    written: list[Path] = []
+    if len(texts) == 1:
+        written += _explain_one(encoder, texts[0], out, args.layer, args.head)
+    else:
+        dirs = [f"text-{k}" for k in range(len(texts))]
+        for text, name in zip(texts, dirs, strict=True):
+            written += _explain_one(encoder, text, out / name, args.layer, args.head)
+        emb = encoder.encode(texts)  # (N, D), L2-normalized
+        written.append(_similarity_html(out / "index.html", texts, emb @ emb.T, dirs))
+    for path in written:
         print(path)
     return 0

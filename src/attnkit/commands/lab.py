@@ -35,6 +35,7 @@ FIELD_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("model", "--seq-len", int, "training sequence length (16)"),
     ("model", "--num-symbols", int, "alphabet size (10)"),
     ("model", "--max-seq-len", int, "positions in the tables, for the length tests (4 x seq-len)"),
+    ("model", "--rope-base", float, "rotary wavelength base, with --positions rope (100)"),
     ("training", "--steps", int, "optimizer steps (400 for reverse)"),
     ("training", "--batch-size", int, "global batch, split over processes (64)"),
     ("training", "--lr", float, "peak learning rate (3e-3)"),
@@ -117,6 +118,7 @@ def _config(args: argparse.Namespace) -> LabConfig:
         seq_len=args.seq_len,
         num_symbols=args.num_symbols,
         max_seq_len=args.max_seq_len,
+        rope_base=args.rope_base,
         steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,
@@ -182,4 +184,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"metrics: {out / 'metrics.json'}")
         if "report" in metrics:
             print(f"report:  {out / metrics['report']}")
+        if metrics.get("explorers"):
+            print(f"explorer: {out / next(iter(metrics['explorers'].values()))}")
     return 0

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.interop.bert import BertConfig, BertEncoder, bert_state_dict
+from attnkit.interop.bert import BertConfig, BertEncoder, PackedBatch, bert_state_dict
 
 __all__ = ["SentenceEncoder", "cosine_similarity"]
 
@@ -90,7 +90,7 @@ class SentenceEncoder(nn.Module):
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
         self.do_lower_case = do_lower_case
-        tokenizer.no_padding()  # we pad each length-sorted batch to its own longest text
+        tokenizer.no_padding()  # encode packs texts without padding; _batch pads on its own
         tokenizer.enable_truncation(max_length=max_seq_length)
 
     @property
@@ -199,12 +199,22 @@ class SentenceEncoder(nn.Module):
         summed = (hidden * real).sum(dim=1)  # (B, D)
         return summed / real.sum(dim=1).clamp_min(1e-9)  # (B, D)
 
+    def _pack(self, encodings: Sequence[Any]) -> tuple[Tensor, Tensor, PackedBatch]:
+        """Concatenate encodings without padding: ids ``(N,)``, token types ``(N,)``, layout."""
+        device = self.model.embeddings.word_embeddings.weight.device
+        ids = torch.tensor([i for e in encodings for i in e.ids], device=device)  # (N,)
+        types = torch.tensor([t for e in encodings for t in e.type_ids], device=device)  # (N,)
+        batch = PackedBatch.from_lengths([len(e.ids) for e in encodings], device=device)
+        return ids, types, batch
+
     @torch.inference_mode()
     def encode(self, texts: Sequence[str], batch_size: int = 32, normalize: bool = True) -> Tensor:
         """Embed texts, as ``SentenceTransformer.encode`` does.
 
-        Texts are sorted by token count and batched, so that each batch pads little; the result is
-        in the order of ``texts``. Padding never changes a text's embedding.
+        Texts are sorted by token count and batched as sentence-transformers batches them; each
+        batch runs packed, without padding (:meth:`BertEncoder.forward_packed`), and its
+        attention runs per group of similar lengths. The result is in the order of ``texts``;
+        no text's embedding depends on the others in its batch.
 
         Args:
             texts: The texts (an empty list gives an empty result; empty strings are fine).
@@ -227,9 +237,9 @@ class SentenceEncoder(nn.Module):
         order = sorted(range(len(encodings)), key=lambda i: -len(encodings[i].ids))
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            ids, types, real = self._batch([encodings[i] for i in idx])
-            emb = self(ids, real, types)  # (b, D)
-            out[torch.tensor(idx, device=device)] = emb
+            ids, types, batch = self._pack([encodings[i] for i in idx])
+            hidden = self.model.forward_packed(ids, batch, types)  # (N, D)
+            out[torch.tensor(idx, device=device)] = batch.mean(hidden)  # (b, D)
         return F.normalize(out, p=2.0, dim=-1) if normalize else out
 
     def similarity(self, a: str, b: str) -> float:

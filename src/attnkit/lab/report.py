@@ -77,6 +77,8 @@ class ReportData:
         length_table: Positions name -> {length: accuracy or None}.
         compare: Positions name -> run, when ``--compare-pe`` was used.
         figures: Filled by :func:`write_report`.
+        explorers: Positions name -> (file, bytes) of the explorer pages; filled by
+            :func:`write_report`.
     """
 
     result: TrainResult
@@ -84,6 +86,7 @@ class ReportData:
     length_table: dict[str, dict[int, float | None]] = field(default_factory=dict)
     compare: dict[str, TrainResult] | None = None
     figures: list[FigureSpec] = field(default_factory=list)
+    explorers: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- figures
@@ -334,11 +337,41 @@ def _examples(result: TrainResult) -> list[page.Example]:
     return examples
 
 
-def write_report(out_dir: str | Path, data: ReportData) -> Path:
-    """Draw the figures into ``out_dir/figures`` and write ``out_dir/report.html``.
+def _write_explorers(out: Path, data: ReportData) -> dict[str, tuple[str, int]]:
+    """The interactive explorer of the main run (``explorer.html``) and, with ``--compare-pe``,
+    of each compared encoder (``explorer-<positions>.html``), all on the same held-out input."""
+    from attnkit.explorer import write_explorer
 
-    ``data.metrics`` gains ``"attention"`` (the best head and its alignment) and ``"figures"``
-    (the PNG paths, relative to ``out_dir``).
+    runs: dict[str, TrainResult] = {data.result.config.positions: data.result}
+    for name, res in (data.compare or {}).items():
+        runs.setdefault(name, res)
+    x, _ = _example(data.result)  # the first held-out example shown in the report
+    written: dict[str, tuple[str, int]] = {}
+    for index, (name, res) in enumerate(runs.items()):
+        cfg = res.config
+        task = cfg.make_task()
+        file = "explorer.html" if index == 0 else f"explorer-{name}.html"
+        layer, _, _ = _best_head(res)
+        what = task.description[:1].upper() + task.description[1:]
+        path = write_explorer(
+            out / file,
+            [f"{i}:{t}" for i, t in enumerate(task.labels(x[0]))],  # positions matter here
+            attention_weights(res.model, x[:1])[0],  # (layers, H, L, L)
+            title=f"attnkit lab: {cfg.task}, {PE_LABELS.get(name, name)} positions",
+            description=f"{what}. A held-out input the model never saw in training; it opens "
+            f"on layer {layer}, which holds the head that learned the task best.",
+            layer=layer,
+        )
+        written[name] = (file, path.stat().st_size)
+    return written
+
+
+def write_report(out_dir: str | Path, data: ReportData) -> Path:
+    """Draw the figures into ``out_dir/figures``, write the explorer and ``out_dir/report.html``.
+
+    ``data.metrics`` gains ``"attention"`` (the best head and its alignment), ``"figures"``
+    (the PNG paths, relative to ``out_dir``) and ``"explorers"`` (positions name -> explorer
+    page, relative to ``out_dir``).
 
     Returns:
         The path of ``report.html``.
@@ -348,6 +381,8 @@ def write_report(out_dir: str | Path, data: ReportData) -> Path:
     fig_dir.mkdir(parents=True, exist_ok=True)
     data.figures = _make_figures(data, fig_dir)
     data.metrics["figures"] = [f"figures/{f.name}" for f in data.figures]
+    data.explorers = _write_explorers(out, data)
+    data.metrics["explorers"] = {name: file for name, (file, _) in data.explorers.items()}
     text = _render(data)
     return atomic_write(out / "report.html", lambda tmp: Path(tmp).write_text(text, "utf-8"))
 
@@ -373,4 +408,5 @@ def _render(data: ReportData) -> str:
         figures=data.figures,
         lengths_table=data.length_table,
         compare=data.compare,
+        explorers=data.explorers,
     )

@@ -59,6 +59,12 @@ class LabConfig:
         seq_len: Training sequence length ``n``.
         num_symbols: Alphabet size.
         positions: ``"none"``, ``"sinusoidal"`` or ``"rope"``.
+        rope_base: Rotary wavelength base (used with ``positions="rope"``). 100, not the 10,000
+            of language models: a lab head has 16 dims, so 8 frequency pairs, and with 10,000
+            the slowest 5 barely turn over the lab's 16-64 positions, leaving rotary attention
+            little to tell positions apart by (reverse: 0.84 held-out accuracy after 400 steps,
+            and a seed reaching only 0.83 after 800; with 100 every pair turns by at least
+            ~1/64 rad per position and 4 seeds reach 0.97-0.99 in 400 steps).
         dim: Model dim ``D``.
         num_layers: Encoder blocks.
         num_heads: Attention heads ``H``.
@@ -81,6 +87,7 @@ class LabConfig:
     seq_len: int = 16
     num_symbols: int = 10
     positions: LabPositions = "sinusoidal"
+    rope_base: float = 100.0
     dim: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -139,6 +146,8 @@ class LabConfig:
             raise ValueError(
                 f"max_seq_len ({self.max_seq_len}) must be >= seq_len ({self.seq_len})"
             )
+        if not (math.isfinite(self.rope_base) and self.rope_base > 1.0):
+            raise ValueError(f"rope_base must be a number > 1, got {self.rope_base}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -159,7 +168,7 @@ class LabConfig:
     def model_config(self) -> TransformerConfig:
         """The encoder this run trains: the blog's post-norm ReLU blocks over the task's
         vocabulary, positions covering :attr:`table_len`."""
-        return TransformerConfig(
+        config = TransformerConfig(
             vocab_size=self.make_task().vocab_size,
             dim=self.dim,
             num_layers=self.num_layers,
@@ -172,6 +181,8 @@ class LabConfig:
             activation="relu",
             dropout=self.dropout,
         )
+        # the base matters only to rotary positions; the others keep TransformerConfig's
+        return config.replace(rope_base=self.rope_base) if self.positions == "rope" else config
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable dict."""
@@ -184,7 +195,8 @@ class LabConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown LabConfig fields {unknown}")
-        return cls(**data)
+        # runs saved before rope_base existed trained rotary models with the base of 10,000
+        return cls(**{"rope_base": 10_000.0, **data})
 
 
 def build_model(config: LabConfig) -> TransformerEncoder:

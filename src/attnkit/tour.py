@@ -1,0 +1,1023 @@
+"""``attnkit tour``: every claim of the blog, measured on attnkit's own modules.
+
+Each claim has a check function that runs attnkit's modules (the blog's classes, the positional
+modules, the models, the lab's training), measures what the claim says, and returns a
+:class:`ClaimResult` with a verdict, the numbers behind it and a figure. The modules under test can
+be swapped for others (a broken attention, a non-causal model, ...): the checks fail on them, which
+is how the tests show that each check can fail.
+
+:func:`run_tour` runs all ten in the blog's order and writes ``report.html``, ``claims.json`` and
+one PNG per claim under ``figures/``, plus ``explorer.html``: the trained model of claim 10 in the
+interactive explorer (:mod:`attnkit.explorer`).
+
+Needs matplotlib (the ``viz`` extra) for the figures and tqdm (``lab``) for the training.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import html
+import itertools
+import json
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from matplotlib.figure import Figure
+from torch import Tensor, nn
+
+from attnkit import complexity, profiling
+from attnkit.attention import MultiHeadAttention, ScaleDotProductAttention
+from attnkit.blocks import PositionalTransformerBlock, TransformerBlock
+from attnkit.models import TransformerEncoder, TransformerLM
+from attnkit.positional import RotaryEmbedding, SinusoidalPositionalEncoding
+
+__all__ = [
+    "CLAIMS",
+    "ClaimResult",
+    "check_causal",
+    "check_cost",
+    "check_frequencies",
+    "check_interpretable",
+    "check_permutation",
+    "check_rope_norm",
+    "check_rope_relative",
+    "check_saturation",
+    "check_scaled_scores",
+    "check_sinusoidal_shift",
+    "run_tour",
+    "train_tour_model",
+]
+
+Attend = Callable[[int], nn.Module]  # d -> a module called as m(q, k, v, return_weights=True)
+Rotate = Callable[[Tensor, Tensor], Tensor]  # (x (..., L, E), positions (L,)) -> rotated x
+
+
+@dataclass
+class ClaimResult:
+    """The verdict on one claim.
+
+    Attributes:
+        id: The claim's number in the issue's list (1..10).
+        claim: The claim, in one sentence.
+        section: The blog section it comes from.
+        passed: Whether the measurement supports it.
+        measured: The numbers behind the verdict (JSON-serialisable).
+        verdict: One sentence saying what was measured against what threshold.
+        figure: The picture of the measurement (saved by :func:`run_tour`).
+        explorer: Tokens and per-layer weights ``(H, L, L)`` to show in the explorer, if any.
+    """
+
+    id: int
+    claim: str
+    section: str
+    passed: bool
+    measured: dict[str, Any]
+    verdict: str
+    figure: Figure = field(repr=False)
+    explorer: tuple[list[str], list[Tensor]] | None = field(default=None, repr=False)
+
+    def to_dict(self, figure_path: str) -> dict[str, Any]:
+        """The ``claims.json`` entry: id, claim, passed, measured, figure (and section, verdict)."""
+        return {
+            "id": self.id,
+            "claim": self.claim,
+            "passed": self.passed,
+            "measured": self.measured,
+            "figure": figure_path,
+            "section": self.section,
+            "verdict": self.verdict,
+        }
+
+
+CLAIMS: dict[int, tuple[str, str]] = {
+    1: (
+        "Rescale factor",
+        "The scaled dot product q·k/√d of random unit-variance vectors has standard deviation "
+        "about 1 for every d; unscaled it grows as √d.",
+    ),
+    2: (
+        "Rescale factor",
+        "Without the scale, softmax saturates toward one-hot as d grows.",
+    ),
+    3: (
+        "Computational and memory complexity",
+        "The FLOPs split into n·d² terms (projections) and n²·d terms (scores and weighted sum); "
+        "the n² terms overtake at the predicted crossover n* = 2d, and measured time follows "
+        "the predicted shape.",
+    ),
+    4: (
+        "Transformer block and position embeddings",
+        "Attention without positions is permutation-equivariant: permuting the input tokens "
+        "permutes the output the same way.",
+    ),
+    5: (
+        "Sinusoidal positional embeddings",
+        "PE(p + k) is a fixed linear map of PE(p), a rotation per frequency pair, the same for "
+        "every p.",
+    ),
+    6: (
+        "Sinusoidal positional embeddings",
+        "Low dimensions vary fast (short range), high dimensions slowly (long range).",
+    ),
+    7: ("Rotary positional embeddings (RoPE)", "RoPE preserves vector norms."),
+    8: (
+        "Rotary positional embeddings (RoPE)",
+        "With RoPE, the score of a query at position p and a key at position s depends only on "
+        "s - p.",
+    ),
+    9: (
+        "Attention weight, attention mask and causal attention",
+        "Causal masking: the weights are lower-triangular, and changing future tokens never "
+        "changes earlier outputs.",
+    ),
+    10: (
+        "Attention weight, attention mask and causal attention",
+        "Attention weights are interpretable: a trained model's best head puts most of its "
+        "weight where the task says the answer is.",
+    ),
+}
+BLOG_ORDER = (1, 2, 10, 9, 3, 4, 5, 6, 7, 8)  # the order of the blog's sections
+
+
+def _result(
+    cid: int, passed: bool, measured: dict[str, Any], verdict: str, fig: Figure
+) -> ClaimResult:
+    section, claim = CLAIMS[cid]
+    return ClaimResult(cid, claim, section, bool(passed), measured, verdict, fig)
+
+
+def _figure(width: float, height: float, cols: int = 1) -> tuple[Figure, list[Any]]:
+    fig = Figure(figsize=(width, height), layout="constrained", facecolor="white")
+    axes = fig.subplots(1, cols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- 1, 2: the scale
+
+
+def _blog_attention(d: int) -> nn.Module:
+    return ScaleDotProductAttention(d_k=d)
+
+
+def _unscaled_attention(d: int) -> nn.Module:
+    return ScaleDotProductAttention(d_k=1)  # divides by sqrt(1): the raw dot product
+
+
+def _scores_std(attend: nn.Module, d: int, *, n: int, batch: int, seed: int) -> tuple[float, float]:
+    """Within-row std of the scores and the mean largest weight, read from the module's weights.
+
+    ``log w_ij = s_ij - logsumexp_j s_ij``: within a row, the log-weights are the scores up to a
+    constant, so their spread is the scores' spread. float64 keeps ``log w`` finite even when the
+    unscaled scores saturate the softmax.
+    """
+    gen = _gen(seed + d)
+    q = torch.randn(batch, n, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, n, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, n, 4, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        _, w = attend(q, k, v, return_weights=True)  # (batch, n, n)
+    logw = w.log()
+    centred = logw - logw.mean(-1, keepdim=True)
+    # unbiased within-row variance: n/(n-1) undoes the row mean's share
+    std = float((centred.pow(2).sum(-1) / (n - 1)).mean().sqrt())
+    return std, float(w.amax(-1).mean())
+
+
+def check_scaled_scores(
+    attention: Attend = _blog_attention,
+    unscaled: Attend = _unscaled_attention,
+    *,
+    dims: Sequence[int] = (4, 16, 64, 256, 1024),
+    n: int = 64,
+    tolerance: float = 0.1,
+    seed: int = 0,
+) -> ClaimResult:
+    """Claim 1: the std of the scaled scores is ~1 for every d; the unscaled std is ~√d.
+
+    Args:
+        attention: ``d -> module`` under test (default the blog's ``ScaleDotProductAttention``).
+        unscaled: ``d -> module`` without the scale (default ``ScaleDotProductAttention(d_k=1)``).
+        dims: Head dims to measure.
+        n: Queries and keys per example.
+        tolerance: Allowed relative deviation of each std from 1 (scaled) or √d (unscaled).
+        seed: Seed of the random vectors.
+
+    Returns:
+        The claim's result; measured: per d, the two stds.
+    """
+    rows = []
+    for d in dims:
+        s, _ = _scores_std(attention(d), d, n=n, batch=16, seed=seed)
+        u, _ = _scores_std(unscaled(d), d, n=n, batch=16, seed=seed)
+        rows.append(
+            {
+                "d": d,
+                "scaled_std": s,
+                "unscaled_std": u,
+                "unscaled_std_over_sqrt_d": u / math.sqrt(d),
+            }
+        )
+    ok_scaled = all(abs(r["scaled_std"] - 1) <= tolerance for r in rows)
+    ok_unscaled = all(abs(r["unscaled_std_over_sqrt_d"] - 1) <= tolerance for r in rows)
+    fig, (ax,) = _figure(6.4, 4.0)
+    ds = [r["d"] for r in rows]
+    ax.plot(ds, [r["unscaled_std"] for r in rows], "o-", color="#d62728", label="q·k (unscaled)")
+    ax.plot(ds, [math.sqrt(d) for d in ds], ":", color="#d62728", alpha=0.6, label="√d")
+    ax.plot(ds, [r["scaled_std"] for r in rows], "o-", color="#1f77b4", label="q·k / √d")
+    ax.axhline(1.0, color="#1f77b4", ls=":", alpha=0.6)
+    ax.set(xscale="log", yscale="log", xlabel="head dim d", ylabel="std of the scores")
+    ax.set_xticks(ds, [str(d) for d in ds])
+    ax.set_title("Std of random scores, read from the module's weights")
+    ax.legend()
+    verdict = (
+        f"scaled std within {tolerance:.0%} of 1 for every d: {ok_scaled}; unscaled std within "
+        f"{tolerance:.0%} of √d: {ok_unscaled}"
+    )
+    return _result(
+        1, ok_scaled and ok_unscaled, {"per_dim": rows, "tolerance": tolerance}, verdict, fig
+    )
+
+
+def check_saturation(
+    unscaled: Attend = _unscaled_attention,
+    attention: Attend = _blog_attention,
+    *,
+    dims: Sequence[int] = (1, 4, 16, 64, 256, 1024),
+    n: int = 64,
+    seed: int = 0,
+) -> ClaimResult:
+    """Claim 2: without the scale the largest softmax weight of a row tends to 1 as d grows.
+
+    Passes when the unscaled mean largest weight rises with d (non-decreasing up to 0.02) and
+    exceeds 0.9 at the largest d, while the scaled one stays below 0.35 for every d.
+
+    Args:
+        unscaled: ``d -> module`` without the scale (the one under test).
+        attention: ``d -> module`` with the scale, for comparison.
+        dims: Head dims.
+        n: Keys per row.
+        seed: Seed of the random vectors.
+
+    Returns:
+        The claim's result; measured: per d, both mean largest weights, and the blog's example.
+    """
+    rows = []
+    for d in dims:
+        _, top_u = _scores_std(unscaled(d), d, n=n, batch=16, seed=seed)
+        _, top_s = _scores_std(attention(d), d, n=n, batch=16, seed=seed)
+        rows.append({"d": d, "unscaled_max_weight": top_u, "scaled_max_weight": top_s})
+    tops = [r["unscaled_max_weight"] for r in rows]
+    rising = all(b >= a - 0.02 for a, b in itertools.pairwise(tops))
+    saturated = tops[-1] > 0.9
+    calm = all(r["scaled_max_weight"] < 0.35 for r in rows)
+    # the blog's example: softmax of scores [1, 2] and [10, 20], through attnkit's unscaled module
+    blog = {}
+    for scores in ((1.0, 2.0), (10.0, 20.0)):
+        q = torch.tensor([[1.0]], dtype=torch.float64)
+        k = torch.tensor([[scores[0]], [scores[1]]], dtype=torch.float64)
+        _, w = unscaled(1)(q, k, k, return_weights=True)
+        blog[str(list(scores))] = [float(x) for x in w[0]]
+    fig, (ax,) = _figure(6.4, 4.0)
+    ds = [r["d"] for r in rows]
+    ax.plot(ds, tops, "o-", color="#d62728", label="softmax(q·k): no scale")
+    ax.plot(
+        ds, [r["scaled_max_weight"] for r in rows], "o-", color="#1f77b4", label="softmax(q·k / √d)"
+    )
+    ax.axhline(1.0, color="gray", ls=":")
+    ax.axhline(1 / n, color="gray", ls="--", lw=0.8)
+    ax.text(ds[0], 1 / n * 1.15, f"uniform 1/{n}", fontsize=8, color="gray")
+    ax.set(xscale="log", ylim=(0, 1.05), xlabel="head dim d", ylabel="mean largest weight of a row")
+    ax.set_xticks(ds, [str(d) for d in ds])
+    ax.set_title(f"Softmax over {n} keys: one-hot without the scale")
+    ax.legend(loc="center right")
+    verdict = (
+        f"unscaled largest weight rises with d: {rising}, reaches {tops[-1]:.3f} (> 0.9): "
+        f"{saturated}; scaled stays below 0.35: {calm}"
+    )
+    measured = {"per_dim": rows, "blog_example_softmax": blog}
+    return _result(2, rising and saturated and calm, measured, verdict, fig)
+
+
+# --------------------------------------------------------------------------- 3: cost
+
+
+def _counted_flops(module: nn.Module, x: Tensor) -> tuple[int, int]:
+    """(linear, quadratic) matmul FLOPs that torch's FlopCounterMode counts for one forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        module(x, return_weights=True)  # the explicit path: its matmuls are what is counted
+    counts = counter.get_flop_counts()["Global"]
+    linear = quadratic = 0
+    for op, flops in counts.items():
+        name = str(op)
+        if "addmm" in name or name.endswith(".mm") or name == "aten.mm":
+            linear += int(flops)
+        else:  # bmm / baddbmm: Q K^T and weights V
+            quadratic += int(flops)
+    return linear, quadratic
+
+
+def check_cost(
+    module: nn.Module | None = None,
+    *,
+    dim: int = 64,
+    num_heads: int = 4,
+    lengths: Sequence[int] = (16, 32, 64, 96, 127, 128, 129, 192, 256, 512),
+    timed_lengths: Sequence[int] = (1024, 2048, 4096),
+    repeats: int = 5,
+) -> ClaimResult:
+    """Claim 3: per-component FLOPs, the n² terms overtaking at n* = 2d, time following the shape.
+
+    The FLOPs of ``attnkit.MultiHeadAttention`` are counted by ``FlopCounterMode`` while it runs
+    and compared with :func:`attnkit.complexity.attention_cost`'s components; the crossover is
+    where the counted n² FLOPs first reach the counted n·d² FLOPs. The forward is timed
+    (interleaved, medians) and the log-log slope of time over the two largest lengths is compared
+    with the slope of the predicted FLOPs there.
+
+    Args:
+        module: The attention under test, called as ``module(x, return_weights=True)`` on
+            ``(1, n, dim)``; default ``MultiHeadAttention(dim, num_heads)``. The prediction is
+            always that of ``MultiHeadAttention(dim, num_heads)``.
+        dim: Model dim D.
+        num_heads: Heads H.
+        lengths: Sequence lengths whose FLOPs are counted (include ``2*dim`` and its neighbours).
+        timed_lengths: Sequence lengths that are timed (at least 2).
+        repeats: Timings per length.
+
+    Returns:
+        The claim's result.
+    """
+    torch.manual_seed(0)
+    mha = (module if module is not None else MultiHeadAttention(dim, num_heads)).eval()
+    predicted_n, _ = complexity.crossover_seq_len(dim, num_heads)
+    rows = []
+    for n in lengths:
+        linear, quadratic = _counted_flops(mha, torch.randn(1, n, dim))
+        cost = complexity.attention_cost(n, dim, num_heads)
+        want_lin = sum(c.flops for c in cost.components if c.matmul and not c.quadratic)
+        want_quad = sum(c.flops for c in cost.components if c.matmul and c.quadratic)
+        rows.append(
+            {
+                "n": n,
+                "counted_linear": linear,
+                "counted_quadratic": quadratic,
+                "predicted_linear": want_lin,
+                "predicted_quadratic": want_quad,
+            }
+        )
+    counts_match = all(
+        r["counted_linear"] == r["predicted_linear"]
+        and r["counted_quadratic"] == r["predicted_quadratic"]
+        for r in rows
+    )
+    over = [r["n"] for r in rows if r["counted_quadratic"] >= r["counted_linear"]]
+    measured_n = min(over) if over else None
+    crossover_ok = measured_n == predicted_n
+    # time: interleaved rounds, so that load changes of a shared machine hit every length alike
+    xs = {n: torch.randn(1, n, dim) for n in timed_lengths}
+    with torch.inference_mode():
+        for n in timed_lengths:
+            mha(xs[n])  # warm-up
+        samples = profiling.time_interleaved(
+            {str(n): functools.partial(mha, xs[n]) for n in timed_lengths}, repeats=repeats
+        )
+    times = {n: samples[str(n)] for n in timed_lengths}
+    median = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+    flops = {n: complexity.attention_cost(n, dim, num_heads).flops for n in timed_lengths}
+    a, b = timed_lengths[-2], timed_lengths[-1]
+    slope_time = math.log(median[b] / median[a]) / math.log(b / a)
+    slope_flops = math.log(flops[b] / flops[a]) / math.log(b / a)
+    shape_ok = abs(slope_time - slope_flops) <= 0.6
+    fig, (ax1, ax2) = _figure(11.0, 4.4, cols=2)
+    ns = [r["n"] for r in rows]
+    ax1.plot(ns, [r["counted_linear"] for r in rows], "o-", label="n·d² terms: projections")
+    ax1.plot(ns, [r["counted_quadratic"] for r in rows], "o-", label="n²·d terms: QKᵀ, weights·V")
+    ax1.plot(ns, [r["predicted_linear"] for r in rows], "k:", lw=1, label="predicted (complexity)")
+    ax1.plot(ns, [r["predicted_quadratic"] for r in rows], "k:", lw=1)
+    ax1.axvline(predicted_n, color="gray", ls="--")
+    ax1.text(
+        predicted_n * 1.08, 0.04, f"n* = 2d = {predicted_n}", transform=ax1.get_xaxis_transform()
+    )
+    ax1.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel="matmul FLOPs")
+    ticks = [n for n in ns if n in (16, 32, 64, 128, 256, 512)]
+    ax1.set_xticks(ticks, [str(n) for n in ticks])
+    ax1.minorticks_off()
+    ax1.set_title(f"FLOPs counted by torch, MultiHeadAttention(D={dim}, H={num_heads})")
+    ax1.legend(fontsize=8)
+    tl = list(timed_lengths)
+    ax2.plot(tl, [median[n] * 1e3 for n in tl], "o-", label="measured (median)")
+    ax2.plot(
+        tl, [flops[n] / flops[b] * median[b] * 1e3 for n in tl], "k:", label="∝ predicted FLOPs"
+    )
+    ax2.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel="forward time (ms)")
+    ax2.set_xticks(tl, [str(n) for n in tl])
+    ax2.minorticks_off()
+    ax2.set_title(f"Time: slope {slope_time:.2f} vs FLOPs slope {slope_flops:.2f} ({a}→{b})")
+    ax2.legend(fontsize=8)
+    verdict = (
+        f"counted FLOPs equal the predicted components at every n: {counts_match}; n² terms "
+        f"first reach the n·d² terms at n = {measured_n} (predicted {predicted_n}); time slope "
+        f"{slope_time:.2f} within 0.6 of the FLOPs slope {slope_flops:.2f}: {shape_ok}"
+    )
+    measured = {
+        "flops": rows,
+        "predicted_crossover": predicted_n,
+        "measured_crossover": measured_n,
+        "median_time_s": {str(n): median[n] for n in tl},
+        "time_slope": slope_time,
+        "flops_slope": slope_flops,
+    }
+    return _result(3, counts_match and crossover_ok and shape_ok, measured, verdict, fig)
+
+
+# --------------------------------------------------------------------------- 4: permutation
+
+
+def _permutation_error(module: nn.Module, *, dim: int, seed: int) -> float:
+    gen = _gen(seed)
+    x = torch.randn(2, 12, dim, generator=gen)
+    perm = torch.randperm(12, generator=gen)
+    with torch.no_grad():
+        return float((module(x[:, perm]) - module(x)[:, perm]).abs().max())
+
+
+def check_permutation(
+    module: nn.Module | None = None, *, dim: int = 32, tolerance: float = 1e-5, seed: int = 0
+) -> ClaimResult:
+    """Claim 4: without positions, ``f(x[perm]) == f(x)[perm]``.
+
+    Args:
+        module: Maps ``(B, L, dim)`` to ``(B, L, dim)``; default the blog's ``TransformerBlock``.
+        dim: Model dim.
+        tolerance: Largest allowed ``|f(P x) - P f(x)|``.
+        seed: Seed of the input and the permutation.
+
+    Returns:
+        The claim's result; measured also holds the same error with sinusoidal and rotary
+        positions, for contrast.
+    """
+    torch.manual_seed(seed)
+    under_test = module if module is not None else TransformerBlock(dim, 2 * dim, 4)
+    err = _permutation_error(under_test.eval(), dim=dim, seed=seed)
+    contrast = {
+        kind: _permutation_error(
+            PositionalTransformerBlock(dim, 2 * dim, 4, position_type=kind).eval(),
+            dim=dim,
+            seed=seed,
+        )
+        for kind in ("sinusoidal", "rope")
+    }
+    passed = err <= tolerance
+    fig, (ax,) = _figure(6.4, 3.8)
+    labels = ["module under test" if module is not None else "no positions", "sinusoidal", "rotary"]
+    values = [err, contrast["sinusoidal"], contrast["rope"]]
+    ax.bar(labels, [max(v, 1e-10) for v in values], color=["#1f77b4", "#ff7f0e", "#2ca02c"])
+    ax.axhline(tolerance, color="gray", ls="--")
+    ax.text(2.4, tolerance * 1.5, "tolerance", ha="right", fontsize=8, color="gray")
+    ax.set(yscale="log", ylabel="max |f(P x) − P f(x)|", ylim=(1e-10, 10))
+    ax.set_title("Permute the tokens: does the output permute the same way?")
+    for i, v in enumerate(values):
+        ax.text(i, max(v, 1e-10) * 1.6, f"{v:.1e}", ha="center", fontsize=9)
+    verdict = f"max |f(Px) - P f(x)| = {err:.2e} (tolerance {tolerance:.0e})"
+    measured = {"max_error": err, "tolerance": tolerance, "with_positions": contrast}
+    return _result(4, passed, measured, verdict, fig)
+
+
+# --------------------------------------------------------------------------- 5, 6: sinusoidal
+
+
+def _sinusoidal_table(dim: int = 64, length: int = 512) -> Tensor:
+    return SinusoidalPositionalEncoding(dim=dim, max_seq_len=length).pe.double()  # (length, dim)
+
+
+def _pair_angles(table: Tensor) -> Tensor:
+    """Angle of each (even, odd) channel pair seen as a point (cos-part, sin-part): (N, dim/2)."""
+    pairs = table.reshape(table.shape[0], -1, 2)  # (N, dim/2, 2): (sin, cos) per the blog
+    return torch.atan2(pairs[..., 0], pairs[..., 1])
+
+
+def check_sinusoidal_shift(
+    table: Tensor | None = None,
+    *,
+    shifts: Sequence[int] = (1, 7, 50, 300),
+    tolerance: float = 1e-4,
+) -> ClaimResult:
+    """Claim 5: ``PE(p + k) = M_k PE(p)`` for every p, with ``M_k`` a rotation per channel pair.
+
+    For each shift ``k`` and pair, ``M_k`` is the rotation taking ``PE(0)`` to ``PE(k)`` (read off
+    the table); the check is that the same rotation takes ``PE(p)`` to ``PE(p + k)`` for every p.
+
+    Args:
+        table: ``(positions, dim)`` table under test; default ``SinusoidalPositionalEncoding``'s.
+        shifts: Shifts ``k``.
+        tolerance: Largest allowed ``|PE(p + k) - M_k PE(p)|``.
+
+    Returns:
+        The claim's result.
+    """
+    pe = (table if table is not None else _sinusoidal_table()).double()
+    N, dim = pe.shape
+    pairs = pe.reshape(N, dim // 2, 2)  # (N, P, 2)
+    errors: dict[str, float] = {}
+    per_pair: dict[int, Tensor] = {}
+    for k in shifts:
+        a, b = pairs[0], pairs[k]  # (P, 2)
+        # rotation angle from PE(0) to PE(k) in each pair's plane, and the ratio of lengths
+        theta = torch.atan2(a[:, 0] * b[:, 1] - a[:, 1] * b[:, 0], (a * b).sum(-1))  # (P,)
+        c, s = theta.cos(), theta.sin()
+        x, y = pairs[: N - k, :, 0], pairs[: N - k, :, 1]
+        rotated = torch.stack((c * x - s * y, s * x + c * y), dim=-1)  # (N-k, P, 2)
+        err = (rotated - pairs[k:]).abs().amax(-1)  # (N-k, P)
+        errors[str(k)] = float(err.max())
+        per_pair[k] = err.amax(0)
+    worst = max(errors.values())
+    passed = worst <= tolerance
+    fig, (ax1, ax2) = _figure(11.0, 4.3, cols=2)
+    # three pairs, positions 0..7; drawn at radii 1, 3/4, 1/2 so that they do not overlap
+    for pair, radius, colour in ((0, 1.0, "#1f77b4"), (2, 0.75, "#ff7f0e"), (5, 0.5, "#2ca02c")):
+        pts = (pairs[:8, pair] * radius).numpy()  # (8, 2)
+        ax1.plot(
+            pts[:, 0],
+            pts[:, 1],
+            "o-",
+            color=colour,
+            ms=4,
+            lw=0.8,
+            label=f"pair {pair} (dims {2 * pair}, {2 * pair + 1})",
+        )
+        for p_ in (0, 1, 2):
+            ax1.annotate(
+                f"p={p_}",
+                pts[p_],
+                fontsize=7,
+                color=colour,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    ax1.set_aspect("equal")
+    ax1.set(
+        xlabel="even channel (sin)", ylabel="odd channel (cos)", xlim=(-1.2, 1.2), ylim=(-1.2, 1.2)
+    )
+    ax1.set_title("Each pair turns by a fixed angle per position")
+    ax1.legend(fontsize=8, loc="lower left")
+    for k, err in per_pair.items():
+        ax2.plot(range(len(err)), err.clamp_min(1e-12).numpy(), "o-", ms=3, label=f"k = {k}")
+    ax2.axhline(tolerance, color="gray", ls="--")
+    ax2.set(yscale="log", xlabel="channel pair", ylabel="max over p of |PE(p+k) − R_k PE(p)|")
+    ax2.set_title("One rotation per pair maps every PE(p) to PE(p + k)")
+    ax2.legend(fontsize=8)
+    verdict = (
+        f"largest error over all p, pairs and k in {list(shifts)}: {worst:.2e} "
+        f"(tolerance {tolerance:.0e})"
+    )
+    return _result(
+        5,
+        passed,
+        {"max_error_per_shift": errors, "tolerance": tolerance, "positions": N, "dim": dim},
+        verdict,
+        fig,
+    )
+
+
+def check_frequencies(table: Tensor | None = None) -> ClaimResult:
+    """Claim 6: each channel pair turns at its own speed; low pairs fast, high pairs slowly.
+
+    Every pair's angular speed is measured from the table (the unwrapped angle's mean step); its
+    wavelength is ``2π / speed``. Passes when the wavelengths increase strictly with the pair
+    index, the first is under 10 positions and the last over 1000 times the first.
+
+    Args:
+        table: ``(positions, dim)`` table under test; default ``SinusoidalPositionalEncoding``'s.
+
+    Returns:
+        The claim's result.
+    """
+    pe = (table if table is not None else _sinusoidal_table()).double()
+    angles = _pair_angles(pe)  # (N, P)
+    step = torch.remainder(angles.diff(dim=0) + math.pi, 2 * math.pi) - math.pi  # wrapped steps
+    speed = step.mean(0).abs()  # (P,) radians per position
+    wavelength = (2 * math.pi / speed.clamp_min(1e-12)).tolist()
+    increasing = all(b > a for a, b in itertools.pairwise(wavelength))
+    short = wavelength[0] < 10
+    long = wavelength[-1] > 1000 * wavelength[0]
+    fig, (ax1, ax2) = _figure(11.0, 4.2, cols=2)
+    ax1.imshow(pe.T.numpy(), aspect="auto", cmap="coolwarm", interpolation="nearest")
+    ax1.set(xlabel="position p", ylabel="embedding dimension")
+    ax1.set_title("Sinusoidal table: low dimensions change fast")
+    ax2.plot(range(len(wavelength)), wavelength, "o-", ms=3)
+    ax2.set(yscale="log", xlabel="channel pair i", ylabel="wavelength (positions)")
+    ax2.set_title("Measured wavelength of each pair")
+    verdict = (
+        f"wavelengths rise with the pair index: {increasing}; shortest {wavelength[0]:.2f} "
+        f"positions (< 10: {short}); longest {wavelength[-1]:.0f} (> 1000x the shortest: {long})"
+    )
+    measured = {"wavelengths": wavelength, "radians_per_position": speed.tolist()}
+    return _result(6, increasing and short and long, measured, verdict, fig)
+
+
+# --------------------------------------------------------------------------- 7, 8: RoPE
+
+
+def _default_rotate(head_dim: int = 64) -> Rotate:
+    rope = RotaryEmbedding(head_dim)
+    return lambda x, positions: rope(x, positions)
+
+
+def check_rope_norm(
+    rotate: Rotate | None = None, *, head_dim: int = 64, tolerance: float = 1e-5, seed: int = 0
+) -> ClaimResult:
+    """Claim 7: ``|rope(x, p)| == |x|``, for every vector and every channel pair.
+
+    Args:
+        rotate: ``(x, positions) -> rotated x`` under test; default ``RotaryEmbedding``
+            (both pair conventions are measured when it is the default).
+        head_dim: E.
+        tolerance: Largest allowed relative change of a norm.
+        seed: Seed of the vectors.
+
+    Returns:
+        The claim's result.
+    """
+    gen = _gen(seed)
+    x = torch.randn(2, 4, 256, head_dim, generator=gen)  # (B, H, L, E)
+    positions = torch.cat([torch.arange(128), torch.arange(100_000, 100_128)])  # near and far
+    rotations = (
+        {"under test": rotate}
+        if rotate is not None
+        else {
+            "interleaved (blog)": _default_rotate(head_dim),
+            "split halves (NeoX)": (lambda r: lambda t, p: r(t, p))(
+                RotaryEmbedding(head_dim, interleaved=False)
+            ),
+        }
+    )
+    measured: dict[str, Any] = {"tolerance": tolerance}
+    worst = 0.0
+    fig, (ax,) = _figure(6.4, 4.0)
+    before = x.norm(dim=-1).flatten()
+    for name, fn in rotations.items():
+        with torch.no_grad():
+            y = fn(x, positions)
+        ratio = y.norm(dim=-1) / x.norm(dim=-1)
+        rel = float((ratio - 1).abs().max())
+        measured[name] = {"max_relative_norm_change": rel}
+        worst = max(worst, rel)
+        ax.scatter(
+            before.numpy(),
+            y.norm(dim=-1).flatten().numpy(),
+            s=3,
+            alpha=0.4,
+            label=f"{name}: max |Δ|/|x| = {rel:.1e}",
+        )
+    lo, hi = float(before.min()), float(before.max())
+    ax.plot([lo, hi], [lo, hi], "k:", lw=1)
+    ax.set(xlabel="|x|", ylabel="|rope(x, p)|")
+    ax.set_title("RoPE at positions 0..127 and 100000..100127")
+    ax.legend(fontsize=8)
+    verdict = f"largest relative change of a norm: {worst:.2e} (tolerance {tolerance:.0e})"
+    return _result(7, worst <= tolerance, measured, verdict, fig)
+
+
+def check_rope_relative(
+    rotate: Rotate | None = None,
+    *,
+    head_dim: int = 64,
+    length: int = 48,
+    far: int = 5000,
+    tolerance: float = 1e-4,
+    seed: int = 0,
+) -> ClaimResult:
+    """Claim 8: ``rope(q, p) · rope(k, s)`` depends only on ``s - p``.
+
+    Scores of one query and one key placed at every pair of positions form a matrix whose
+    diagonals (constant ``s - p``) must be constant, also when both positions move ``far`` ahead;
+    the scores must still vary across offsets (otherwise positions would carry nothing).
+
+    Args:
+        rotate: ``(x, positions) -> rotated x`` under test; default ``RotaryEmbedding``.
+        head_dim: E.
+        length: Positions ``0 .. length-1`` on each side.
+        far: Shift applied to both positions for the second matrix.
+        tolerance: Largest allowed spread along a diagonal, relative to the scores' scale.
+        seed: Seed of the query and key.
+
+    Returns:
+        The claim's result.
+    """
+    fn = rotate if rotate is not None else _default_rotate(head_dim)
+    gen = _gen(seed)
+    q = torch.randn(head_dim, generator=gen).expand(length, head_dim)
+    k = torch.randn(head_dim, generator=gen).expand(length, head_dim)
+    pos = torch.arange(length)
+    with torch.no_grad():
+        scores = fn(q, pos) @ fn(k, pos).T  # (p, s)
+        shifted = fn(q, pos + far) @ fn(k, pos + far).T
+    scale = float(scores.abs().max())
+    spread = 0.0
+    by_offset = []
+    for off in range(-(length - 1), length):
+        diag = torch.diagonal(scores, offset=off)
+        spread = max(spread, float(diag.max() - diag.min()))
+        by_offset.append(float(diag.mean()))
+    move = float((shifted - scores).abs().max())
+    varies = float(torch.tensor(by_offset).std()) > 0.05 * scale
+    ok = spread <= tolerance * scale and move <= tolerance * scale and varies
+    fig, (ax1, ax2) = _figure(11.0, 4.3, cols=2)
+    image = ax1.imshow(scores.numpy(), cmap="coolwarm", interpolation="nearest")
+    fig.colorbar(image, ax=ax1, shrink=0.85, label="score")
+    ax1.set(xlabel="key position s", ylabel="query position p")
+    ax1.set_title("rope(q, p) · rope(k, s): constant along diagonals")
+    ax2.plot(range(-(length - 1), length), by_offset, "-", lw=1.2)
+    ax2.set(xlabel="offset s − p", ylabel="score")
+    ax2.set_title(f"Score by offset (diagonal spread {spread:.0e})")
+    verdict = (
+        f"largest spread along a diagonal {spread:.2e}, change when both positions move by "
+        f"{far}: {move:.2e} (tolerance {tolerance:.0e} x scale {scale:.2f}); varies with the "
+        f"offset: {varies}"
+    )
+    measured = {
+        "diagonal_spread": spread,
+        "shift_change": move,
+        "scale": scale,
+        "varies_with_offset": varies,
+        "tolerance": tolerance,
+    }
+    return _result(8, ok, measured, verdict, fig)
+
+
+# --------------------------------------------------------------------------- 9: causal
+
+
+def check_causal(
+    model: nn.Module | None = None, *, vocab: int = 32, length: int = 16, seed: int = 0
+) -> ClaimResult:
+    """Claim 9: causal weights are lower-triangular and the future never changes the past.
+
+    Args:
+        model: Maps ids ``(B, L)`` to ``(logits, per-layer weights)`` with
+            ``return_weights=True``; default a small ``TransformerLM``.
+        vocab: Vocabulary of the random ids.
+        length: Sequence length.
+        seed: Seed of the model and the ids.
+
+    Returns:
+        The claim's result.
+    """
+    torch.manual_seed(seed)
+    lm = model if model is not None else TransformerLM(vocab, 32, 2, 4, max_seq_len=64)
+    lm.eval().double()  # float64: "never changes" is then checked to 1e-10, not float32 noise
+    gen = _gen(seed)
+    ids = torch.randint(0, vocab, (2, length), generator=gen)
+    with torch.no_grad():
+        logits, weights = lm(ids, return_weights=True)
+        upper = max(float(w.triu(diagonal=1).abs().max()) for w in weights)
+        past_change, future_change = [], []
+        for t in range(length - 1):
+            other = ids.clone()
+            other[:, t + 1 :] = (
+                ids[:, t + 1 :] + torch.randint(1, vocab, (2, length - t - 1), generator=gen)
+            ) % vocab
+            changed = (lm(other) - logits).abs().amax(dim=(0, 2))  # (L,) per position
+            past_change.append(float(changed[: t + 1].max()))
+            future_change.append(float(changed[t + 1 :].max()))
+    past = max(past_change)
+    uses_context = min(future_change) > 1e-4
+    ok = upper == 0.0 and past <= 1e-10 and uses_context
+    fig, (ax1, ax2) = _figure(11.0, 4.3, cols=2)
+    image = ax1.imshow(weights[-1][0, 0].numpy(), cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=ax1, shrink=0.85, label="weight")
+    ax1.set(xlabel="key position", ylabel="query position")
+    ax1.set_title("Last layer, head 0: nothing above the diagonal")
+    ax2.plot(
+        range(length - 1),
+        [max(v, 1e-18) for v in past_change],
+        "o-",
+        label="largest change at positions ≤ t",
+    )
+    ax2.plot(range(length - 1), future_change, "s-", label="largest change at positions > t")
+    ax2.set(yscale="log", xlabel="t: tokens after t replaced", ylabel="max |Δ logits|")
+    ax2.set_title("Changing the future")
+    ax2.legend(fontsize=8)
+    verdict = (
+        f"largest weight above the diagonal {upper:.1e} (must be 0); largest change of an "
+        f"earlier output {past:.1e} (<= 1e-10); later outputs do change: {uses_context}"
+    )
+    measured = {
+        "max_weight_above_diagonal": upper,
+        "max_past_change": past,
+        "min_future_change": min(future_change),
+    }
+    return _result(9, ok, measured, verdict, fig)
+
+
+# --------------------------------------------------------------------------- 10: interpretable
+
+
+def train_tour_model(*, steps: int = 300, seed: int = 0) -> Any:
+    """A small encoder trained on the lab's ``reverse`` task (a few seconds on a CPU).
+
+    Returns:
+        The lab's :class:`attnkit.lab.train.TrainResult`.
+    """
+    from attnkit.lab.train import LabConfig, train
+
+    config = LabConfig(
+        task="reverse",
+        seq_len=10,
+        dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        num_heads=4,
+        steps=steps,
+        eval_size=256,
+        eval_every=0,
+        seed=seed,
+    )
+    return train(config, progress=False)
+
+
+def check_interpretable(
+    model: TransformerEncoder | None = None, config: Any = None, *, threshold: float = 0.5
+) -> ClaimResult:
+    """Claim 10: the trained model's best head puts most of its weight on the answer's source.
+
+    On held-out inputs of the lab's task, each head's share of attention on the positions that
+    hold the answer (:func:`attnkit.lab.train.head_alignment`) is measured; the best head must
+    reach ``threshold`` (chance is 1/n).
+
+    Args:
+        model: A lab model; default one trained by :func:`train_tour_model`.
+        config: Its :class:`attnkit.lab.train.LabConfig` (needed with ``model``).
+        threshold: Share the best head must reach.
+
+    Returns:
+        The claim's result; ``measured`` holds the alignment of every head and the accuracy.
+    """
+    from attnkit import viz
+    from attnkit.lab.train import attention_weights, eval_set, evaluate, head_alignment
+
+    if model is None:
+        result = train_tour_model()
+        model, config = result.model, result.config
+    if config is None:
+        raise ValueError("pass the model's LabConfig with the model")
+    task = config.make_task()
+    x, y = eval_set(task, 256, config.seed + 1)
+    weights = attention_weights(model, x)  # (B, layers, H, L, L)
+    align = head_alignment(task, x, weights)  # (layers, H)
+    best = int(align.argmax())
+    layer, head = divmod(best, align.shape[1])
+    share = float(align[layer, head])
+    accuracy = evaluate(model, x, y)["accuracy"]
+    fig = viz.attention_map(
+        weights[0, layer, head],
+        query_tokens=task.labels(x[0]),
+        key_tokens=task.labels(x[0]),
+        title=f"layer {layer}, head {head} on a held-out input: {share:.0%} on the answer",
+    )
+    verdict = (
+        f"best head (layer {layer}, head {head}) puts {share:.3f} of its weight on the answer's "
+        f"position (threshold {threshold}; chance {1 / task.seq_len:.2f}); held-out accuracy "
+        f"{accuracy:.3f}"
+    )
+    measured = {
+        "best_layer": layer,
+        "best_head": head,
+        "best_share": share,
+        "threshold": threshold,
+        "chance": 1 / task.seq_len,
+        "alignment": align.tolist(),
+        "heldout_accuracy": accuracy,
+        "task": task.name,
+        "train_steps": config.steps,
+    }
+    res = _result(10, share >= threshold, measured, verdict, fig)
+    res.explorer = (task.labels(x[0]), list(weights[0].unbind(0)))  # layers x (H, L, L)
+    return res
+
+
+# --------------------------------------------------------------------------- the tour
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """Run with ``n`` torch threads (tiny ops stall on oversubscribed cores), then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_tour(out_dir: str | Path, *, log: Callable[[str], None] | None = None) -> list[ClaimResult]:
+    """Measure the ten claims and write ``report.html``, ``claims.json``, figures and explorer.
+
+    Args:
+        out_dir: Directory to write (created).
+        log: Called with one line per claim as it finishes.
+
+    Returns:
+        The results in the blog's order.
+    """
+    from attnkit import viz
+    from attnkit.explorer import write_explorer
+
+    out = Path(out_dir)
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    checks: dict[int, Callable[[], ClaimResult]] = {
+        1: check_scaled_scores,
+        2: check_saturation,
+        3: check_cost,
+        4: check_permutation,
+        5: check_sinusoidal_shift,
+        6: check_frequencies,
+        7: check_rope_norm,
+        8: check_rope_relative,
+        9: check_causal,
+        10: check_interpretable,
+    }
+    results: list[ClaimResult] = []
+    entries = []
+    explorer = None
+    with _threads(1):
+        for cid in BLOG_ORDER:
+            t0 = time.perf_counter()
+            res = checks[cid]()
+            if res.explorer is not None:
+                tokens, weights = res.explorer
+                explorer = write_explorer(
+                    out / "explorer.html",
+                    tokens,
+                    weights,
+                    title="Attention of the tour's trained model",
+                    description="The reverse task, a held-out input: output i needs input n-1-i.",
+                )
+            name = f"figures/claim-{cid:02d}.png"
+            viz.save_figure(res.figure, out / name)
+            res.measured["seconds"] = round(time.perf_counter() - t0, 3)
+            entries.append(res.to_dict(name))
+            results.append(res)
+            if log is not None:
+                log(f"claim {cid:2d} {'PASS' if res.passed else 'FAIL'}: {res.verdict}")
+    (out / "claims.json").write_text(
+        json.dumps(sorted(entries, key=lambda e: e["id"]), indent=2), encoding="utf-8"
+    )
+    (out / "report.html").write_text(_report(out, results, explorer), encoding="utf-8")
+    return results
+
+
+def _report(out: Path, results: Sequence[ClaimResult], explorer: Path | None) -> str:
+    esc = html.escape
+    passed = sum(r.passed for r in results)
+    parts = []
+    section = None
+    for r in results:
+        if r.section != section:
+            section = r.section
+            parts.append(f"<h2>{esc(section)}</h2>")
+        name = f"figures/claim-{r.id:02d}.png"
+        data = base64.b64encode((out / name).read_bytes()).decode("ascii")
+        badge = '<span class="pass">PASS</span>' if r.passed else '<span class="fail">FAIL</span>'
+        link = ""
+        if r.id == 10 and explorer is not None:
+            link = (
+                f'<p><a href="{esc(explorer.name)}"><b>Open the trained model in the interactive '
+                "explorer</b></a>: hover a token to see where every head looks.</p>"
+            )
+        parts.append(
+            f'<section class="claim" id="claim-{r.id}" data-passed="{str(r.passed).lower()}">'
+            f"<h3>{badge} Claim {r.id}. {esc(r.claim)}</h3>"
+            f"<p class=verdict>Measured: {esc(r.verdict)}.</p>{link}"
+            f'<figure><img src="data:image/png;base64,{data}" alt="figure of claim {r.id}" '
+            f'data-file="{name}"><figcaption><a href="{name}">{name}</a></figcaption></figure>'
+            "</section>"
+        )
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>attnkit tour: the blog's claims, measured</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}}
+h2{{border-bottom:1px solid #ddd;margin-top:1.6em}} h3{{font-size:1.05em}}
+img{{max-width:100%}} .pass{{background:#2ca02c;color:#fff;padding:1px 6px;border-radius:3px}}
+.fail{{background:#d62728;color:#fff;padding:1px 6px;border-radius:3px}}
+.verdict{{color:#333}} figcaption{{font-size:.8em;color:#666}}</style></head>
+<body>
+<h1>A tour of <i>All you need for attention</i>, measured</h1>
+<p>Each claim of the blog is checked on attnkit's own modules: the blog's classes, the positional
+encodings, the models and a model trained by the lab. <b>{passed} of {len(results)}</b> claims
+pass. The numbers are in <a href="claims.json">claims.json</a>.</p>
+{"".join(parts)}
+</body></html>
+"""
