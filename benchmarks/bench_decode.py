@@ -7,8 +7,16 @@ in one process (the machine is shared; ratios are what matter) and must produce 
 Usage::
 
     python benchmarks/bench_decode.py [--prompt 512] [--new 128] [--threads N] [--out PATH]
+    python benchmarks/bench_decode.py --vs-hf [--model DIR] [--dtype bfloat16]
 
-Prints a table and writes JSON (default ``benchmarks/results/bench_decode.json``).
+Prints a table and writes JSON (default ``benchmarks/results/bench_decode.json``, with
+``--vs-hf`` ``bench_decode_vs_hf.json``).
+
+``--vs-hf`` compares attnkit with ``transformers`` (which must be installed) on the same Hugging
+Face folder (``--model``, or a random Llama-shaped folder of the sizes above written to a
+temporary folder): greedy decoding of ``--new`` tokens after a ``--prompt`` prefill (KV cache on
+both sides; the tokens must agree), the prefill forward alone, in interleaved rounds with
+medians; and the loading peak memory of each (RSS growth while loading, over the weights' bytes).
 """
 
 from __future__ import annotations
@@ -16,12 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from attnkit.models import TransformerLM
-from attnkit.profiling import time_call
+from attnkit.profiling import peak_memory, time_call, time_interleaved
 
 
 def _time_generate(
@@ -55,13 +66,21 @@ def main(argv: list[str] | None = None) -> dict:
         help="torch intra-op threads (default: torch's choice). On a loaded "
         "machine 1 avoids OpenMP barrier stalls that dominate per-token ops",
     )
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "bench_decode.json"
+        "--vs-hf", action="store_true", help="compare with transformers on the same folder"
     )
+    parser.add_argument("--model", type=Path, default=None, help="Hugging Face folder (--vs-hf)")
+    parser.add_argument("--hidden", type=int, default=688, help="MLP size of the random folder")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = parser.parse_args(argv)
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.vs_hf:
+        return vs_hf(args)
+    if args.out is None:
+        args.out = Path(__file__).parent / "results" / "bench_decode.json"
     torch.manual_seed(0)
     model = (
         TransformerLM(
@@ -114,6 +133,140 @@ def main(argv: list[str] | None = None) -> dict:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _random_llama_folder(args: argparse.Namespace, path: Path) -> None:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.dim,
+        intermediate_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.prompt + args.new,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
+    """attnkit vs transformers on one folder: decode tokens/s, prefill time, loading memory."""
+    import transformers
+
+    from attnkit.interop import hf
+
+    out = args.out or Path(__file__).parent / "results" / "bench_decode_vs_hf.json"
+    dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.model
+        if folder is None:
+            folder = Path(tmp) / "llama"
+            _random_llama_folder(args, folder)
+        files = sorted(folder.glob("*.safetensors"))
+        weight_bytes = sum(
+            info[3] for f in files for info in hf.read_safetensors_header(f).values()
+        )
+
+        def load_ours() -> Any:
+            return TransformerLM.from_pretrained(folder, dtype=dtype)
+
+        def load_hf() -> Any:
+            return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+        load_ours(), load_hf()  # warm up imports and allocator
+        # Weights in the checkpoint's dtype; loading into another dtype scales them.
+        ckpt_dtype = next(iter(hf.read_safetensors_header(files[0]).values()))[0]
+        loaded_bytes = weight_bytes * dtype.itemsize // ckpt_dtype.itemsize
+        peaks = {"attnkit": peak_memory(load_ours), "transformers": peak_memory(load_hf)}
+        ours, ref = load_ours(), load_hf()
+        # Decode exactly --new tokens on both sides: no eos.
+        ours.generation_config.pop("eos_token_id", None)
+        ref.generation_config.eos_token_id = None
+        gen = torch.Generator().manual_seed(0)
+        vocab = ours.config.vocab_size
+        prompt = torch.randint(0, vocab, (args.batch, args.prompt), generator=gen)
+        results: dict[str, torch.Tensor] = {}
+
+        def ours_decode() -> None:
+            results["attnkit"] = ours.generate(prompt, args.new)
+
+        def hf_decode() -> None:
+            results["transformers"] = ref.generate(
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=args.new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+        def ours_prefill() -> None:
+            with torch.no_grad():
+                ours(prompt)
+
+        def hf_prefill() -> None:
+            with torch.no_grad():
+                ref(input_ids=prompt, use_cache=True)
+
+        fns = {
+            "attnkit decode": ours_decode,
+            "transformers decode": hf_decode,
+            "attnkit prefill": ours_prefill,
+            "transformers prefill": hf_prefill,
+        }
+        for fn in fns.values():
+            fn()  # warm up
+        samples = time_interleaved(fns, repeats=args.repeats)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    same = torch.equal(results["attnkit"], results["transformers"])
+    rows = []
+    for lib in ("attnkit", "transformers"):
+        decode_s = max(med[f"{lib} decode"] - med[f"{lib} prefill"], 1e-9)
+        peak = peaks[lib]
+        rows.append(
+            {
+                "library": lib,
+                "prefill_s": med[f"{lib} prefill"],
+                "generate_s": med[f"{lib} decode"],
+                "decode_tokens_per_s": args.batch * args.new / decode_s,
+                "load_peak_bytes": peak,
+                "load_peak_over_weights": None if peak is None else peak / loaded_bytes,
+            }
+        )
+    ratios = {
+        "decode_tokens_per_s attnkit/transformers": rows[0]["decode_tokens_per_s"]
+        / rows[1]["decode_tokens_per_s"],
+        "prefill_s attnkit/transformers": rows[0]["prefill_s"] / rows[1]["prefill_s"],
+    }
+    print(
+        f"{folder if args.model else 'random Llama'}: prompt {args.prompt}, new {args.new}, "
+        f"batch {args.batch}, {args.dtype}, {torch.get_num_threads()} threads, "
+        f"medians of {args.repeats} interleaved rounds; weights {loaded_bytes / 2**20:.1f} MiB"
+    )
+    print(f"{'library':<13} {'prefill s':>10} {'decode tok/s':>13} {'load peak/weights':>18}")
+    for r in rows:
+        ratio = r["load_peak_over_weights"]
+        print(
+            f"{r['library']:<13} {r['prefill_s']:>10.4f} {r['decode_tokens_per_s']:>13.1f} "
+            f"{'n/a' if ratio is None else f'{ratio:.2f}x':>18}"
+        )
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}")
+    print(f"same greedy tokens: {same}")
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "weight_bytes": loaded_bytes,
+        "rows": rows,
+        "ratios": ratios,
+        "same_tokens": same,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

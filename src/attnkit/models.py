@@ -11,15 +11,18 @@ Positions (``position=``):
   every block);
 * ``"rope"``: a :class:`attnkit.positional.RotaryEmbedding` shared by every attention layer.
 
-:meth:`TransformerLM.generate` decodes greedily or by sampling, with a preallocated
-:class:`attnkit.KVCache` per layer (``use_cache=True``) or by re-running the whole prefix.
+:meth:`TransformerLM.generate` / :meth:`TransformerLM.stream` decode greedily or by sampling,
+left-padded batches included, with a preallocated :class:`attnkit.KVCache` per layer
+(``use_cache=True``) or by re-running the whole prefix (the loop is :mod:`attnkit.generation`).
+:meth:`TransformerLM.from_pretrained` / :meth:`TransformerLM.save_pretrained` read and write
+Hugging Face decoder folders (:mod:`attnkit.interop.hf`).
 """
 
 from __future__ import annotations
 
-import math
-import numbers
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -329,6 +332,9 @@ class TransformerLM(_TransformerStack):
         self.lm_head = (
             None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         )
+        # Token ids generation defaults to (eos_token_id, pad_token_id, bos_token_id);
+        # from_pretrained fills them from the folder's generation_config.json.
+        self.generation_config: dict[str, Any] = {}
 
     def logits(self, h: Tensor) -> Tensor:
         """Output head (tied to the embedding, or ``lm_head``). Shape: ``(..., D) -> (..., V)``."""
@@ -399,120 +405,107 @@ class TransformerLM(_TransformerStack):
             for _ in range(self.num_layers)
         ]
 
-    @torch.no_grad()
     def generate(
         self,
         input_ids: Tensor,
         max_new_tokens: int,
         *,
+        attention_mask: Tensor | None = None,
+        pad_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         temperature: float = 0.0,
         top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
         use_cache: bool = True,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Extend each prompt by ``max_new_tokens`` tokens (runs in eval mode).
+        """Extend each prompt by up to ``max_new_tokens`` tokens (runs in eval mode).
+
+        See :func:`attnkit.generation.generate` for left-padded batches and eos handling.
 
         Args:
-            input_ids: Prompts ``(B, P)`` (no padding), ``P >= 1``.
-            max_new_tokens: Tokens to add.
+            input_ids: Prompts ``(B, P)``, left-padded when of different lengths.
+            max_new_tokens: Most tokens to add.
+            attention_mask: ``(B, P)``, ``True``/1 = real token (left padding).
+            pad_token_id: Fills rows that ended (default: ``generation_config``'s, else eos).
+            eos_token_id: One id or several; default ``generation_config``'s (``[]``: none).
             temperature: ``0`` = greedy (argmax); otherwise sample from
                 ``softmax(logits / temperature)``.
             top_k: Sample only among the ``top_k`` most likely tokens.
+            top_p: Sample only from the smallest set of tokens of total probability ``top_p``.
+            repetition_penalty: ``> 1`` discourages tokens already in the sequence.
             use_cache: Decode with a KV cache (prefill once, then one token per step) instead
                 of re-running the whole prefix every step. Both give the same tokens.
             generator: Random generator for sampling.
 
         Returns:
-            ``(B, P + max_new_tokens)`` token ids, prompt included.
+            ``(B, P + n)`` token ids, prompt included; ``n = max_new_tokens`` unless every row
+            ended with an eos token earlier.
 
         Raises:
             TypeError: If an argument has the wrong type (float ``max_new_tokens``, float
                 ``input_ids``, ...).
             ValueError: If ``P + max_new_tokens > max_seq_len``, or bad option values.
         """
-        _check_generate_args(input_ids, max_new_tokens, temperature, top_k, use_cache, generator)
-        max_new_tokens, top_k = int(max_new_tokens), None if top_k is None else int(top_k)
-        B, P = input_ids.shape
-        total = P + max_new_tokens
-        if total > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({P}) + max_new_tokens ({max_new_tokens}) = {total} "
-                f"exceeds max_seq_len {self.max_seq_len}"
-            )
-        was_training = self.training
-        self.eval()
-        try:
-            ids = input_ids
-            caches = self.make_kv_caches(B, total) if use_cache else None
-            step_input = ids
-            for _ in range(max_new_tokens):
-                if use_cache:
-                    h, _ = self._hidden(
-                        step_input, None, positions=None, kv_caches=caches, return_weights=False
-                    )
-                else:
-                    h, _ = self._hidden(
-                        ids, None, positions=None, kv_caches=None, return_weights=False
-                    )
-                logits = self.logits(h[:, -1])  # (B, V)
-                next_id = _pick(logits, temperature, top_k, generator)  # (B, 1)
-                ids = torch.cat([ids, next_id], dim=1)
-                step_input = next_id
-            return ids
-        finally:
-            self.train(was_training)
+        from attnkit import generation
 
+        return generation.generate(
+            self,
+            input_ids,
+            max_new_tokens,
+            attention_mask=attention_mask,
+            pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            use_cache=use_cache,
+            generator=generator,
+        )
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    def stream(self, input_ids: Tensor, max_new_tokens: int, **options: Any) -> Iterator[Tensor]:
+        """Yield each new column of tokens ``(B,)`` as it is chosen.
 
+        Takes the options of :meth:`generate`; stops early when every row has ended.
+        """
+        from attnkit import generation
 
-def _check_generate_args(
-    input_ids: Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    use_cache: bool,
-    generator: torch.Generator | None,
-) -> None:
-    """Validate :meth:`TransformerLM.generate`'s arguments, naming the offending values."""
-    if not isinstance(input_ids, Tensor):
-        raise TypeError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
-    if (
-        input_ids.dtype.is_floating_point
-        or input_ids.dtype.is_complex
-        or input_ids.dtype == torch.bool
-    ):
-        raise TypeError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must be (B, P) with P >= 1, got {tuple(input_ids.shape)}")
-    if not _is_int(max_new_tokens):
-        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a number, got {temperature!r}")
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if top_k is not None and not _is_int(top_k):
-        raise TypeError(f"top_k must be an int or None, got {top_k!r}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be positive, got {top_k}")
-    if not isinstance(use_cache, bool):
-        raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
+        return generation.stream(self, input_ids, max_new_tokens, **options)
 
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: torch.dtype | None = None
+    ) -> TransformerLM:
+        """Load a Hugging Face decoder folder (Llama, Mistral, Qwen2, GPT-2), in eval mode.
 
-def _pick(
-    logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-) -> Tensor:
-    """Greedy or (top-k) sampled next token. Shape: ``(B, V) -> (B, 1)``."""
-    if temperature == 0.0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)
+        See :func:`attnkit.interop.hf.from_pretrained`. ``generation_config`` gets the
+        folder's eos/pad/bos ids.
+
+        Args:
+            path: Folder with ``config.json`` and safetensors weights.
+            dtype: Parameter dtype (default float32); bf16/fp16 load straight into it.
+
+        Raises:
+            FileNotFoundError: Naming missing files.
+            ValueError: Unsupported architecture or option, bad or truncated weights.
+        """
+        from attnkit.interop import hf
+
+        lm = hf.from_pretrained(path, dtype=dtype)
+        if not isinstance(lm, cls):
+            raise TypeError(f"{cls.__name__}.from_pretrained built a {type(lm).__name__}")
+        return lm
+
+    def save_pretrained(self, path: str | Path, *, max_shard_size: int | None = None) -> Path:
+        """Write a Hugging Face folder ``transformers`` loads with the same outputs (atomic).
+
+        See :func:`attnkit.interop.hf.save_pretrained`.
+
+        Raises:
+            ValueError: Naming the option without a counterpart in Llama/Mistral/Qwen2/GPT-2.
+        """
+        from attnkit.interop import hf
+
+        return hf.save_pretrained(self, path, max_shard_size=max_shard_size)

@@ -1,0 +1,373 @@
+"""Autoregressive generation for :class:`attnkit.TransformerLM`, as ``transformers`` users expect.
+
+* Batches of prompts of different lengths, **left-padded**, with an ``attention_mask``
+  (``True``/1 = real token). Positions come from the mask as ``transformers`` computes them
+  (``cumsum - 1``, padding at 1), and the padding mask is carried through the preallocated KV
+  cache, so each row gives the tokens it would give alone.
+* ``eos_token_id`` (one id or several): a row that produced one is padded with ``pad_token_id``
+  from then on; generation stops when every row has ended (the result is then shorter than
+  ``P + max_new_tokens``).
+* Greedy decoding (``temperature=0``) or sampling with ``temperature``, ``top_k``, ``top_p`` and a
+  ``generator``; an optional ``repetition_penalty``. The logits are processed in ``transformers``'
+  order: repetition penalty, temperature, top-k, top-p.
+* :func:`stream` yields each new column of tokens as soon as it is chosen; :func:`generate`
+  collects them.
+
+A sliding-window model keeps its window in cached decoding: the attention kernel applies it
+over cache positions, so a new token sees at most ``window`` keys.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from attnkit.models import TransformerLM
+
+__all__ = ["GenerationOptions", "generate", "positions_from_mask", "process_logits", "stream"]
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How to choose each next token.
+
+    Attributes:
+        temperature: ``0`` = greedy (argmax); otherwise sample from ``softmax(logits / T)``.
+        top_k: Sample only among the ``top_k`` most likely tokens.
+        top_p: Sample only from the smallest set of tokens whose probability reaches ``top_p``.
+        repetition_penalty: ``> 1`` makes tokens already in the sequence less likely
+            (``transformers``' rule: positive logits divided, negative multiplied).
+
+    Raises:
+        ValueError: For out-of-range values (naming them).
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+
+    def __post_init__(self) -> None:
+        t, k, p, r = self.temperature, self.top_k, self.top_p, self.repetition_penalty
+        if not _is_real(t):
+            raise TypeError(f"temperature must be a number, got {t!r}")
+        if not (t >= 0 and math.isfinite(t)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t}")
+        if k is not None and not _is_int(k):
+            raise TypeError(f"top_k must be an int or None, got {k!r}")
+        if k is not None and k < 1:
+            raise ValueError(f"top_k must be positive, got {k}")
+        if p is not None and not _is_real(p):
+            raise TypeError(f"top_p must be a number or None, got {p!r}")
+        if p is not None and not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p}")
+        if r is not None and not _is_real(r):
+            raise TypeError(f"repetition_penalty must be a number or None, got {r!r}")
+        if r is not None and not (r > 0 and math.isfinite(r)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r}")
+        # numpy scalars and other numbers.Integral/Real become plain Python numbers.
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", None if k is None else int(k))
+        object.__setattr__(self, "top_p", None if p is None else float(p))
+        object.__setattr__(self, "repetition_penalty", None if r is None else float(r))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def positions_from_mask(mask: Tensor) -> Tensor:
+    """Positions of a left-padded batch: ``cumsum(mask) - 1``, with padding at position 1
+    (what ``transformers`` computes; padded positions are never attended to).
+
+    Shape:
+        mask ``(B, S)`` -> ``(B, S)`` int64.
+    """
+    positions = mask.long().cumsum(-1) - 1
+    return positions.masked_fill(~mask.bool(), 1)
+
+
+def process_logits(
+    logits: Tensor,
+    ids: Tensor,
+    options: GenerationOptions,
+) -> Tensor:
+    """Apply the repetition penalty, temperature, top-k and top-p to next-token logits.
+
+    Args:
+        logits: Next-token logits.
+        ids: Every token so far (prompt, padding included, as ``transformers`` does).
+        options: The generation options.
+
+    Returns:
+        Float32 logits; filtered tokens are ``-inf``. Greedy options only apply the penalty.
+
+    Shape:
+        logits ``(B, V)``, ids ``(B, S)`` -> ``(B, V)``.
+    """
+    logits = logits.float()
+    if options.repetition_penalty is not None and options.repetition_penalty != 1.0:
+        seen = logits.gather(-1, ids)  # (B, S)
+        penalty = options.repetition_penalty
+        seen = torch.where(seen < 0, seen * penalty, seen / penalty)
+        logits = logits.scatter(-1, ids, seen)
+    if options.temperature == 0:
+        return logits
+    logits = logits / options.temperature
+    if options.top_k is not None and options.top_k < logits.shape[-1]:
+        kth = logits.topk(options.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if options.top_p is not None and options.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1)  # ascending
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - options.top_p
+        drop[:, -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def _pick(logits: Tensor, options: GenerationOptions, generator: torch.Generator | None) -> Tensor:
+    """Greedy or sampled next token. Shape: ``(B, V) -> (B,)``."""
+    if options.temperature == 0:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+def _eos_tensor(eos: int | Sequence[int] | Tensor | None, device: torch.device) -> Tensor | None:
+    """The eos ids as a tensor; ``None`` for no eos (``None`` or ``[]``)."""
+    if eos is None:
+        return None
+    values: list[Any]
+    if isinstance(eos, Tensor):
+        values = eos.flatten().tolist()
+    elif _is_int(eos):
+        values = [eos]
+    elif isinstance(eos, Sequence) and not isinstance(eos, str):
+        values = list(eos)
+    else:
+        values = [eos]  # rejected below
+    if not all(_is_int(v) for v in values):
+        raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
+    if not values:  # [] turns off the model's default eos
+        return None
+    return torch.tensor([int(v) for v in values], dtype=torch.long, device=device)
+
+
+def _check_inputs(
+    lm: TransformerLM,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    attention_mask: Tensor | None,
+) -> Tensor | None:
+    """Validate the prompts; return the mask as bool (``None`` when there is no padding)."""
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+    if (
+        input_ids.dtype.is_floating_point
+        or input_ids.dtype.is_complex
+        or input_ids.dtype == torch.bool
+    ):
+        raise TypeError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be (B, P) with P >= 1, got {tuple(input_ids.shape)}")
+    if not _is_int(max_new_tokens):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    V = lm.config.vocab_size or 0
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= V):
+        raise ValueError(
+            f"token ids must be in [0, {V}), got min {int(input_ids.min())}, "
+            f"max {int(input_ids.max())}"
+        )
+    P = input_ids.shape[1]
+    total = P + max_new_tokens
+    if total > lm.max_seq_len:
+        raise ValueError(
+            f"prompt ({P}) + max_new_tokens ({max_new_tokens}) = {total} "
+            f"exceeds max_seq_len {lm.max_seq_len}"
+        )
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.dtype != torch.bool:
+        if attention_mask.dtype.is_floating_point or not bool(
+            ((attention_mask == 0) | (attention_mask == 1)).all()
+        ):
+            raise ValueError("attention_mask must be bool or hold only 0 and 1")
+        attention_mask = attention_mask.bool()
+    if not bool(attention_mask[:, -1].all()):
+        rows = (~attention_mask[:, -1]).nonzero().flatten().tolist()
+        raise ValueError(
+            f"attention_mask must be left-padded (each prompt ends at the last column); "
+            f"rows {rows} end with padding"
+        )
+    if bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()):
+        raise ValueError("attention_mask must be left-padded: padding only before the tokens")
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def stream(
+    lm: TransformerLM,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    attention_mask: Tensor | None = None,
+    pad_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> Iterator[Tensor]:
+    """Yield each new column of tokens ``(B,)`` as it is chosen (see :func:`generate`).
+
+    The arguments are checked at once; the model runs in eval mode while the iterator is
+    active and gets its mode back when it is exhausted or closed.
+
+    Raises:
+        ValueError: As :func:`generate`.
+        TypeError: As :func:`generate`.
+    """
+    options = GenerationOptions(temperature, top_k, top_p, repetition_penalty)
+    mask = _check_inputs(lm, input_ids, max_new_tokens, attention_mask)
+    max_new_tokens = int(max_new_tokens)
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
+    defaults = getattr(lm, "generation_config", {}) or {}
+    if eos_token_id is None:
+        eos_token_id = defaults.get("eos_token_id")
+    if pad_token_id is None:
+        pad_token_id = defaults.get("pad_token_id")
+    device = lm.embedding.weight.device
+    eos = _eos_tensor(eos_token_id, device)
+    if pad_token_id is None and eos is not None:
+        pad_token_id = int(eos[0])  # transformers' fallback
+    if pad_token_id is not None and not _is_int(pad_token_id):
+        raise TypeError(f"pad_token_id must be an int or None, got {pad_token_id!r}")
+    B, P = input_ids.shape
+    ids = input_ids.to(device)
+    # Real-token mask of the whole output, grown column by column; None = no padding anywhere.
+    full_mask: Tensor | None = None
+    if mask is None:
+        positions = torch.arange(P, device=device).expand(B, P)  # (B, P)
+    else:
+        full_mask = torch.ones(B, P + max_new_tokens, dtype=torch.bool, device=device)
+        full_mask[:, :P] = mask.to(device)
+        positions = positions_from_mask(full_mask[:, :P])  # (B, P)
+    return _decode(
+        lm,
+        ids,
+        positions,
+        full_mask,
+        max_new_tokens,
+        options,
+        eos,
+        pad_token_id,
+        use_cache,
+        generator,
+    )
+
+
+@torch.no_grad()
+def _decode(
+    lm: TransformerLM,
+    ids: Tensor,
+    positions: Tensor,
+    full_mask: Tensor | None,
+    max_new_tokens: int,
+    options: GenerationOptions,
+    eos: Tensor | None,
+    pad_token_id: int | None,
+    use_cache: bool,
+    generator: torch.Generator | None,
+) -> Iterator[Tensor]:
+    """The decoding loop of :func:`stream` (arguments validated there)."""
+    B, P = ids.shape
+    unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
+    was_training = lm.training
+    lm.eval()
+    try:
+        caches = lm.make_kv_caches(B, P + max_new_tokens) if use_cache else None
+        step_ids, step_pos = ids, positions  # what the next forward reads
+        for step in range(max_new_tokens):
+            S = P + step
+            key_mask = None if full_mask is None else full_mask[:, None, None, :S]  # (B,1,1,S)
+            if use_cache:
+                h, _ = lm._hidden(
+                    step_ids, key_mask, positions=step_pos, kv_caches=caches, return_weights=False
+                )
+            else:  # re-run the whole prefix
+                h, _ = lm._hidden(
+                    ids, key_mask, positions=positions, kv_caches=None, return_weights=False
+                )
+            logits = process_logits(lm.logits(h[:, -1]), ids, options)  # (B, V)
+            next_id = _pick(logits, options, generator)  # (B,)
+            if eos is not None:
+                next_id = torch.where(unfinished, next_id, pad_token_id)  # type: ignore[arg-type]
+                unfinished &= ~torch.isin(next_id, eos)
+            next_pos = positions[:, -1:] + 1  # (B, 1): the last column is always real
+            ids = torch.cat([ids, next_id[:, None]], dim=1)  # (B, S + 1)
+            positions = torch.cat([positions, next_pos], dim=1)  # (B, S + 1)
+            step_ids, step_pos = next_id[:, None], next_pos
+            yield next_id
+            if eos is not None and not bool(unfinished.any()):
+                return
+    finally:
+        lm.train(was_training)
+
+
+def generate(
+    lm: TransformerLM,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    **options: Any,
+) -> Tensor:
+    """Extend each prompt by up to ``max_new_tokens`` tokens.
+
+    Args:
+        lm: The model (run in eval mode, its mode restored after).
+        input_ids: Prompts ``(B, P)``, left-padded when of different lengths.
+        max_new_tokens: Most tokens to add.
+        **options: ``attention_mask`` (``(B, P)``, ``True``/1 = real token; left padding),
+            ``pad_token_id`` (fills rows that ended; default the folder's, else the first eos),
+            ``eos_token_id`` (int or list; default ``lm.generation_config``'s; ``[]``: none),
+            ``temperature``,
+            ``top_k``, ``top_p``, ``repetition_penalty``, ``use_cache`` (KV cache instead of
+            re-running the prefix; same tokens), ``generator``.
+
+    Returns:
+        ``(B, P + n)`` token ids, prompt included, with ``n <= max_new_tokens`` (fewer when
+        every row ended with an eos token).
+
+    Raises:
+        ValueError: For bad shapes, right padding, out-of-range ids or options, or
+            ``P + max_new_tokens > max_seq_len``.
+        TypeError: For non-integer ids, or a bad ``eos_token_id``.
+    """
+    columns = list(stream(lm, input_ids, max_new_tokens, **options))
+    ids = input_ids.to(lm.embedding.weight.device)
+    if not columns:
+        return ids
+    return torch.cat([ids, torch.stack(columns, dim=1)], dim=1)

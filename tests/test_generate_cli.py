@@ -1,0 +1,147 @@
+"""``attnkit generate`` on a tiny GPT-2 folder with a BPE tokenizer trained here."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from attnkit import TransformerLM
+from attnkit.cli import main
+from tests.test_hf import build_hf
+
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+
+CORPUS = [
+    "the cat sat on the mat and the dog sat on the log",
+    "attention is all you need, said the paper about attention",
+    "a small model generates a few tokens after the prompt",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<bos>", "<eos>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    path = tmp_path_factory.mktemp("gpt2-tok")
+    build_hf("gpt2", path, seed=5, vocab_size=tok.get_vocab_size())
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(["generate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_streams_prompt_then_greedy_continuation(
+    folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    prompt = "the cat sat on"
+    code, out, err = _run(
+        ["--model", str(folder), "--prompt", prompt, "--max-new-tokens", "6"], capsys
+    )
+    assert code == 0, err
+    lm = TransformerLM.from_pretrained(folder)
+    ids = torch.tensor([tok.encode(prompt).ids])
+    expected = lm.generate(ids, 6)[0].tolist()  # eos of the folder (2) applies too
+    assert out == tok.decode(expected, skip_special_tokens=True) + "\n"
+    assert out.startswith(prompt) and len(out) > len(prompt) + 1
+
+
+@pytest.mark.slow
+def test_prompt_from_stdin_sampling_seed_and_attention(
+    folder: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("attention is\n"))
+    args = [
+        "--model",
+        str(folder),
+        "--max-new-tokens",
+        "5",
+        "--temperature",
+        "1.2",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "50",
+        "--seed",
+        "3",
+        "--dtype",
+        "bfloat16",
+        "--attention",
+        str(tmp_path / "att"),
+        "--layer",
+        "0",
+        "-1",
+        "--head",
+        "1",
+    ]
+    code, out, err = _run(args, capsys)
+    assert code == 0, err
+    assert out.startswith("attention is")
+    monkeypatch.setattr("sys.stdin", io.StringIO("attention is\n"))
+    assert _run(args, capsys)[1] == out  # the seed makes sampling reproducible
+    names = {p.name for p in (tmp_path / "att").iterdir()}
+    assert {"layer0_head1.png", "layer1_head1.png", "grid.png"} <= names
+    explorer = importlib.util.find_spec("attnkit.explorer")
+    assert ("explorer.html" in names) == (explorer is not None)
+    assert all(str(tmp_path / "att" / n) in err for n in ("grid.png", "layer0_head1.png"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--top-p", "1.5"], "--top-p must be in"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--max-new-tokens", "-2"], "--max-new-tokens"),
+        (["--max-new-tokens", "5000"], "max_seq_len"),
+        (["--layer", "7", "--attention", "ATT"], "--layer must be in"),
+        (["--prompt", ""], "prompt is empty"),
+    ],
+)
+def test_bad_options_are_one_line_with_status_2(
+    folder: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    match: str,
+) -> None:
+    extra = [str(tmp_path / "att") if e == "ATT" else e for e in extra]
+    args = ["--model", str(folder), "--prompt", "the cat", "--max-new-tokens", "2", *extra]
+    code, _, err = _run(args, capsys)
+    assert code == 2
+    assert match in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_folders_are_one_line_with_status_2(
+    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cases: dict[str, Any] = {"nowhere": "does not exist"}
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes((folder / "config.json").read_bytes())
+    cases["bare"] = "lacks tokenizer.json"
+    for name, match in cases.items():
+        code, _, err = _run(["--model", str(tmp_path / name), "--prompt", "x"], capsys)
+        assert code == 2 and match in err and len(err.strip().splitlines()) == 1
+    (bare / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    code, _, err = _run(["--model", str(bare), "--prompt", "x"], capsys)
+    assert code == 2 and "model.safetensors" in err
