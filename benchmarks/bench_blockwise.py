@@ -1,4 +1,4 @@
-"""Benchmark attnkit.blockwise against dense-mask SDPA, attnkit.sparse and compiled FlexAttention.
+"""Benchmark attnkit's blockwise kernel against dense-mask SDPA and compiled FlexAttention.
 
 Usage:
     python benchmarks/bench_blockwise.py [--n 8192] [--window 256] [--docs 8] [--repeats 5]
@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.blockwise import blockwise_attention
-from attnkit.sparse import structured_mask
+from attnkit.sparse import block_sparse_attention, structured_mask
 
 Fn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -81,14 +80,8 @@ def _implementations(
     mask = structured_mask(a.n, a.n, **kw)  # (1, 1, N, N)
     fns: dict[str, Fn] = {}
     for r in rows:
-        fns[_name(r)] = lambda q, k, v, r=r: blockwise_attention(q, k, v, rows=r, **kw)
+        fns[_name(r)] = lambda q, k, v, r=r: block_sparse_attention(q, k, v, block_size=r, **kw)
     fns["dense-mask SDPA"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    try:  # the tiled gather path this module replaces, while it still exists
-        from attnkit.sparse import block_sparse_attention
-
-        fns["sparse (tiled)"] = lambda q, k, v: block_sparse_attention(q, k, v, **kw)
-    except ImportError:
-        pass
     if a.variants and case == "window":
         fns["two pieces + LSE"] = lambda q, k, v: _two_pieces(q, k, v, a.window)
     compile_s = None

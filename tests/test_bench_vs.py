@@ -43,6 +43,14 @@ def test_missing_peer_is_a_row_with_a_note(monkeypatch):
     assert "-" in bench_vs.format_vs_table([row], config).splitlines()[-1]
 
 
+def test_target_says_by_how_much_a_goal_is_missed():
+    row = bench_vs.VsRow("window fwd+bwd", "dense-mask SDPA", 1.0, 11.3, goal=12.0)
+    assert row.target == ">= 12x: 6% short"
+    assert bench_vs.VsRow("j", "p", 1.0, 12.5, goal=12.0).target == ">= 12x: met"
+    assert bench_vs.VsRow("j", "p", 1.0, None, goal=1.0).target == ">= 1x"
+    assert bench_vs.VsRow("j", "p", 1.0, 2.0).target == ""
+
+
 def test_registered_rows_join_the_table(monkeypatch):
     monkeypatch.setattr(bench_vs, "ROW_MAKERS", {})
     bench_vs.register("decoding", lambda c: [bench_vs.VsRow("decode", "transformers", 0.5, 1.0)])

@@ -1,14 +1,30 @@
-"""attnkit.blockwise equals float64 attention under the dense mask: values and gradients."""
+"""attnkit.blockwise equals float64 attention under the dense mask: values and gradients.
+
+The kernel is called directly (``attend_runs`` on a ``plan_runs`` plan), except where non-finite
+inputs are involved: keeping them from the queries that may not attend them is
+:mod:`attnkit.functional`'s job, tested through :func:`attnkit.sparse.block_sparse_attention`.
+"""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit.blockwise import TileRun, blockwise_attention, plan_runs, tile_rows
+from attnkit.blockwise import TileRun, attend_runs, plan_runs, tile_rows
+from attnkit.sparse import block_sparse_attention
 from tests.reference import reference_attention
+
+
+def blockwise_attention(q, k, v, *, rows=None, scale=None, dropout_p=0.0, **structure):
+    """The kernel on ``(B, H, L, E)`` inputs: plan, then run."""
+    B, _, L, E = q.shape
+    runs = plan_runs(B, L, k.shape[2], rows=rows, **structure)
+    scale = 1 / math.sqrt(E) if scale is None else scale
+    return attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
 
 
 def loop_mask(L, S, *, causal=False, window=None, segment_ids=None, key_lengths=None):
@@ -160,19 +176,24 @@ def test_nan_in_masked_out_keys_does_not_leak(where, Ev):
         t = {"k": k, "v": v}[where]
         t[0, 0, 4, 0] = float("nan")  # attended by queries 4-9 only
         t[0, 0, 19, 0] = float("nan")  # padding: attended by nobody
-    out = blockwise_attention(q, k, v, rows=16, **kw)  # one tile spans both documents
+    out = block_sparse_attention(q, k, v, block_size=16, **kw)  # one tile spans both documents
     assert torch.isnan(out[0, :, 4:10]).all(-1).all()
     ref, _ = reference_attention(q, k.nan_to_num(), v.nan_to_num(), loop_mask(20, 20, **kw))
     clean = torch.ones(20, dtype=torch.bool)
     clean[4:10] = False
     torch.testing.assert_close(out[0, :, clean], ref[0, :, clean], atol=1e-10, rtol=1e-7)
+    grads = torch.autograd.grad(out[0, :, clean].sum(), (q, k, v))  # nor reach the gradients
+    assert all(torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():  # inference takes another guard
+        torch.testing.assert_close(block_sparse_attention(q, k, v, block_size=16, **kw), out,
+                                   equal_nan=True)  # fmt: skip
 
 
 def test_nan_in_window_key_reaches_exactly_the_window():
     q, k, v = qkv(1, 1, 1, 40, 40)
     with torch.no_grad():
         v[0, 0, 10, 3] = float("nan")
-    out = blockwise_attention(q, k, v, causal=True, window=4, rows=8)
+    out = block_sparse_attention(q, k, v, causal=True, window=4, block_size=8)
     nan_rows = torch.isnan(out[0, 0]).any(-1)
     assert nan_rows.nonzero().flatten().tolist() == [10, 11, 12, 13]
 
@@ -182,10 +203,14 @@ def test_nan_query_propagates_unless_its_row_has_no_key():
     with torch.no_grad():
         q[0, 1, 5, 0] = float("nan")
         q[0, 0, 11, 0] = float("nan")  # its window (keys 9-11) is all padding: stays zero
-    out = blockwise_attention(q, k, v, causal=True, key_lengths=torch.tensor([8]), window=3)
+    kw = dict(causal=True, key_lengths=torch.tensor([8]), window=3)
+    out = block_sparse_attention(q, k, v, **kw)
     nan = torch.isnan(out).any(-1)[0]
     assert nan[1, 5] and nan.sum() == 1
     assert (out[0, 0, 11] == 0).all()
+    with torch.no_grad():
+        again = block_sparse_attention(q, k, v, **kw)
+    torch.testing.assert_close(again, out, equal_nan=True)
 
 
 def test_expanded_and_sliced_inputs():

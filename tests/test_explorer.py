@@ -18,7 +18,13 @@ import pytest
 import torch
 
 from attnkit import TransformerEncoder
-from attnkit.explorer import MAX_TOKENS, explorer_html, stack_weights, write_explorer
+from attnkit.explorer import (
+    MAX_TOKENS,
+    ExplorerOptions,
+    explorer_html,
+    stack_weights,
+    write_explorer,
+)
 from tests.browser import console_errors, open_page, start_browser
 
 TOKENS = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", ".", "[SEP]"]
@@ -84,6 +90,26 @@ def test_page_is_self_contained_and_reports_its_size(tmp_path: Path) -> None:
     size = re.search(r'<span id="page-size">([0-9.]+) KB</span>', page)
     assert size is not None
     assert abs(float(size.group(1)) * 1024 - path.stat().st_size) <= 0.05 * 1024 + 1
+
+
+def test_write_explorer_hands_on_every_option(tmp_path: Path) -> None:
+    w = _weights(2, 2, 3, 4)
+    options: ExplorerOptions = {
+        "key_tokens": list("wxyz"),
+        "title": "cross",
+        "description": "three queries, four keys",
+        "layer_names": ["enc", "dec"],
+        "layer": -1,
+        "precision": "uint8",
+    }
+    page = write_explorer(tmp_path / "e.html", list("abc"), w, **options).read_text("utf-8")
+    assert page == explorer_html(list("abc"), w, **options)
+    payload = _payload(page)
+    assert (payload["keyTokens"], payload["layerNames"]) == (list("wxyz"), ["enc", "dec"])
+    assert (payload["title"], payload["description"]) == ("cross", "three queries, four keys")
+    assert (payload["initialLayer"], payload["encoding"]) == (1, "uint8")
+    with pytest.raises(TypeError, match="colour"):
+        write_explorer(tmp_path / "f.html", list("abc"), w, colour="red")  # type: ignore[call-arg]
 
 
 def test_tokens_cannot_break_out_of_the_page() -> None:

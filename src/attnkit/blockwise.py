@@ -8,11 +8,12 @@ in equally long documents) form a *run*: one call of
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` on ``as_strided`` views of ``q``,
 ``k``, ``v``, so nothing is gathered or copied. Like FlashAttention's block classification, each
 run is classified: a span whose every (query, key) pair is allowed gets no mask; a span where
-only causality or the window cuts (the diagonal of a causal window, the band of a window) gets
-one small additive mask shared by all tiles of the run; only tiles where documents or padding
-cut get their own mask. The backward is a custom :class:`torch.autograd.Function` that calls the
-kernel's own backward per run and adds the key/value gradients of overlapping spans; memory
-stays linear in the sequence length.
+only causality or the window cuts (the band of a window, a document's causal triangle) gets one
+small additive mask shared by all tiles of the run, or none with the kernel's ``is_causal`` when
+it is a square diagonal tile; padding only shortens spans; only tiles of a document whose id
+occurs in pieces get their own mask. The backward is a custom
+:class:`torch.autograd.Function` that calls the kernel's own backward per run and adds the
+key/value gradients of overlapping spans; memory stays linear in the sequence length.
 
 Why one span per tile and not several pieces merged by log-sum-exp (FlashAttention's split-KV,
 ring attention): on the 2-core CPU this was built on (torch 2.13, fp32, 8 heads, E=64, N=8192,
@@ -24,13 +25,13 @@ same area, on a loaded machine (``benchmarks/bench_blockwise.py --variants`` re-
 What pays is a small tile height: the band computed per query is ``rows + window`` wide, and 64
 rows beat 128 and 256 (190 vs 262 vs 340 ms in the same run).
 
-Semantics are those of :func:`attnkit.functional.scaled_dot_product_attention`: query ``i``
-sits at key position ``p = i + (S - L)`` (bottom-right alignment) and may attend key ``j`` iff
-every given constraint holds: ``causal``: ``j <= p``; ``window``: ``|p - j| < window``;
-``segment_ids`` ``(B, S)``: ``segment_ids[b, j] == segment_ids[b, p]``; ``key_lengths``
-``(B,)``: ``j < key_lengths[b]``. A query with no allowed key gets a zero row and zero
-gradients. A NaN (or inf) in a key or value reaches exactly the queries allowed to attend it,
-and a non-finite query row is non-finite in the output: as in float64 math, nothing else.
+Semantics are those of :class:`attnkit.masks.Structure`: query ``i`` sits at key position
+``p = i + (S - L)`` (bottom-right alignment) and may attend key ``j`` iff every given constraint
+holds: ``causal``: ``j <= p``; ``window``: ``|p - j| < window``; ``segment_ids`` ``(B, S)``:
+``segment_ids[b, j] == segment_ids[b, p]``; ``key_lengths`` ``(B,)``: ``j < key_lengths[b]``.
+A query with no allowed key gets a zero row and zero gradients. Inputs come validated from
+:mod:`attnkit.sparse` / :mod:`attnkit.functional`, which also keeps non-finite inputs away from
+the queries that may not attend them.
 
 Shape legend: B batch, H query heads, K key/value heads, L query length, S key length,
 E head dim, Ev value head dim.
@@ -39,7 +40,6 @@ E head dim, Ev value head dim.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["TileRun", "attend_runs", "blockwise_attention", "plan_runs", "tile_rows"]
+__all__ = ["TileRun", "attend_runs", "plan_runs", "tile_rows"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -78,6 +78,9 @@ class TileRun:
             ``is_causal`` computes without a mask and skipping the blocks above the diagonal.
         shared: Arguments of :func:`_offset_mask` when ``allowed`` is shared by every tile
             (positional constraints only), so the additive mask comes from a cache.
+        empty: Bool ``(count or 1, 1, rows, 1)``: queries that may attend no key of the span
+            (their output is set to zero, which the kernel gives only for finite queries), or
+            ``None`` when every query has a key.
     """
 
     b: int
@@ -92,13 +95,16 @@ class TileRun:
     allowed: Tensor | None
     causal: bool = False
     shared: tuple[int, int, int, bool, int | None, Any] | None = None
+    empty: Tensor | None = None
 
 
 def tile_rows(L: int, window: int | None) -> int:
     """Queries per tile: 64 for a window (128 past 2048), else 1024.
 
     With a window the band computed per query is ``rows + window`` keys wide, so small tiles
-    waste less; 64 rows beat 32, 128 and 256 on CPU (``bench_blockwise.py --rows``). Without one
+    waste less; 64 rows beat 32, 128 and 256 on CPU at W=256 (``bench_blockwise.py --rows``).
+    Past W=2048 (not measured) 128 rows halve the number of calls and of overlapping key
+    gradients at a cost of 3% more scores. Without one
     (documents, padding, plain causal) a span is a whole document or prefix: large tiles mean
     fewer, larger kernel calls, smaller key-gradient buffers in the backward, and from 768 rows
     on the kernel's ``is_causal`` skips the blocks above the diagonal; 1024 beat 64-256.
@@ -124,6 +130,7 @@ def plan_runs(
     segment_ids: Tensor | None = None,
     key_lengths: Tensor | None = None,
     rows: int | None = None,
+    device: torch.device | str | None = None,
 ) -> list[TileRun]:
     """Cut the queries into tiles, find each tile's key span and group the tiles into runs.
 
@@ -137,18 +144,22 @@ def plan_runs(
         B: Batch size.
         L: Query length.
         S: Key length.
-        causal: As in :func:`blockwise_attention`.
-        window: As in :func:`blockwise_attention`.
-        segment_ids: ``(B or 1, S)`` integer ids, as in :func:`blockwise_attention`.
-        key_lengths: ``(B or 1,)`` integer lengths, as in :func:`blockwise_attention`.
+        causal: As in :class:`attnkit.masks.Structure`.
+        window: As in :class:`attnkit.masks.Structure`.
+        segment_ids: ``(B or 1, S)`` integer ids, as in :class:`attnkit.masks.Structure`.
+        key_lengths: ``(B or 1,)`` integer lengths, as in :class:`attnkit.masks.Structure`.
         rows: Queries per tile; defaults to :func:`tile_rows`.
+        device: Where the inputs (and so the masks) live; defaults to that of ``segment_ids``
+            or ``key_lengths``, else the CPU.
 
     Returns:
         The runs; tiles whose queries may attend no key at all belong to none.
     """
     if min(B, L, S) == 0:
         return []
-    device = next((t.device for t in (segment_ids, key_lengths) if t is not None), None)
+    if device is None:
+        device = next((t.device for t in (segment_ids, key_lengths) if t is not None), None)
+    device = torch.device("cpu" if device is None else device)
     seg = None if segment_ids is None else segment_ids.to(device, torch.long).expand(B, S)
     lengths = None if key_lengths is None else key_lengths.to(device, torch.long).expand(B)
     R = tile_rows(L, window) if rows is None else max(1, min(rows, L))
@@ -207,6 +218,7 @@ def plan_runs(
                 if count > 1
                 else (0, 0, 0)
             )
+            shared = None
             if has_cut:
                 allowed = _tile_masks(
                     L, S, b0, i0, j0, db, di, dj, count, h, w,
@@ -216,73 +228,24 @@ def plan_runs(
                 shared = (h, w, off, causal, window, device)
                 allowed = _offset_mask(*shared)
             square = causal and off == 0 and h == w and (window is None or window >= h)
+            empty = None
+            if allowed is not None and not square:
+                no_key = ~allowed.any(-1)  # (count or 1, rows)
+                empty = no_key[:, None, :, None] if bool(no_key.any()) else None
             runs.append(
-                TileRun(b0, i0, j0, db, di, dj, count, h, w, allowed, square,
-                        None if has_cut else shared)
+                TileRun(b0, i0, j0, db, di, dj, count, h, w, allowed, square, shared, empty)
             )  # fmt: skip
     return runs
-
-
-def blockwise_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = False,
-    window: int | None = None,
-    segment_ids: Tensor | None = None,
-    key_lengths: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    rows: int | None = None,
-) -> Tensor:
-    """Attention under structured constraints, computed on the tiles' key spans only.
-
-    Inputs are trusted: :func:`attnkit.functional.scaled_dot_product_attention` validates them
-    (shapes, dtypes, ``H % K == 0``, ``window >= 1``, id/length ranges) before calling this.
-
-    Args:
-        q: Queries.
-        k: Keys, ``K`` heads with ``H % K == 0`` (grouped-query attention).
-        v: Values.
-        causal: Query ``i`` may attend key ``j`` iff ``j <= i + (S - L)``.
-        window: Sliding window ``|i + (S - L) - j| < window``.
-        segment_ids: Integer document ids of the keys; queries take the last ``L`` ids.
-        key_lengths: Key ``j`` of batch ``b`` is real iff ``j < key_lengths[b]``.
-        scale: Multiplier of the scores; defaults to ``1 / sqrt(E)``.
-        dropout_p: Dropout on the attention weights (taken by a slower path through
-            ``torch.nn.functional.scaled_dot_product_attention``, as are ``Ev != E``, non-CPU
-            devices and dtypes the flash kernel lacks).
-        rows: Queries per tile; defaults to :func:`tile_rows`.
-
-    Returns:
-        The attention output; rows with no allowed key are exactly zero.
-
-    Shape:
-        q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)``, segment_ids
-        ``(B or 1, S)``, key_lengths ``(B or 1,)`` -> ``(B, H, L, Ev)``.
-    """
-    B, _, L, E = q.shape
-    runs = plan_runs(
-        B, L, k.shape[2], causal=causal, window=window, segment_ids=segment_ids,
-        key_lengths=key_lengths, rows=rows,
-    )  # fmt: skip
-    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
-    finite = bool(torch.isfinite(q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32)
-                                 + v.sum(dtype=torch.float32)))  # fmt: skip
-    if finite:
-        return attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
-    # Rare: attend on cleaned inputs, then set NaN the rows that may attend a non-finite input.
-    poison = _poisoned_rows(q, k, v, runs)  # (B, H, L)
-    q, k, v = (torch.where(torch.isfinite(t), t, 0.0) for t in (q, k, v))
-    out = attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
-    return out + torch.where(poison, float("nan"), 0.0).to(out.dtype).unsqueeze(-1)
 
 
 def attend_runs(
     q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], *, scale: float, dropout_p: float
 ) -> Tensor:
-    """Run a plan of :func:`plan_runs` on finite inputs.
+    """Run a plan of :func:`plan_runs` on inputs validated by :mod:`attnkit.functional`.
+
+    Non-finite inputs are :mod:`attnkit.functional`'s concern (``attend_tiles`` zeroes them and
+    marks the rows that may attend them): the kernels here would let a NaN reach every query of
+    a span (``0 * NaN``).
 
     Torch's CPU flash kernel on strided views with a custom backward where it applies (CPU,
     no dropout, ``Ev == E``, a dtype it takes), else ``torch.nn.functional.
@@ -336,6 +299,8 @@ class _FlashRuns(torch.autograd.Function):
                 _q_view(q, r), _k_view(k, r), _k_view(v, r), 0.0, r.causal,
                 attn_mask=mask, scale=scale,
             )  # fmt: skip  # (count, H, rows, Ev), (count, H, rows)
+            if r.empty is not None:
+                o = o.masked_fill(r.empty, 0.0)
             _q_view(out, r).copy_(o)
             masks.append(mask)
             outs.append(o)
@@ -537,28 +502,3 @@ def _add_spans(acc: Tensor, grad: Tensor, r: TileRun) -> None:
     for start in range(0, r.width, step):
         w = min(step, r.width - start)
         _k_view(acc, r, start, w).add_(grad[:, :, start : start + w])
-
-
-def _poisoned_rows(q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun]) -> Tensor:
-    """Bool ``(B, H, L)``: rows that attend a non-finite key/value or have a non-finite query
-    and at least one allowed key: exactly where float64 math gives a non-finite output."""
-    B, H, L, _ = q.shape
-    K, S = k.shape[1], k.shape[2]
-    bad_q = ~torch.isfinite(q).all(-1)  # (B, H, L)
-    bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, K, S)
-    poison = torch.zeros(B * L, H, dtype=torch.bool, device=q.device)
-    for r in runs:
-        qi = _tile_index(r.b, r.i, r.db, r.di, r.count, r.rows, L, q.device).flatten()
-        kj = _tile_index(r.b, r.j, r.db, r.dj, r.count, r.width, S, q.device)  # (count, w)
-        allowed = (
-            torch.ones(1, r.rows, r.width, dtype=torch.bool, device=q.device)
-            if r.allowed is None
-            else r.allowed
-        )
-        bad = bad_kv.transpose(1, 2).reshape(B * S, K)[kj]  # (count, w, K)
-        hit = (allowed.float() @ bad.float()) > 0  # (count, rows, K)
-        hit = hit.repeat_interleave(H // K, dim=-1)  # (count, rows, H)
-        row_ok = allowed.any(-1, keepdim=True)  # (count or 1, rows, 1)
-        bq = bad_q.transpose(1, 2).reshape(B * L, H)[qi].view(r.count, r.rows, H)
-        poison[qi] = (hit | (bq & row_ok)).reshape(-1, H)
-    return poison.view(B, L, H).transpose(1, 2)

@@ -32,12 +32,22 @@ import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_TOKENS", "Precision", "explorer_html", "stack_weights", "write_explorer"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = [
+    "MAX_TOKENS",
+    "ExplorerOptions",
+    "Precision",
+    "explorer_html",
+    "stack_weights",
+    "write_explorer",
+]
 
 Precision = Literal["auto", "float16", "uint8"]
 
@@ -47,6 +57,26 @@ MAX_TOKENS = 512
 _FLOAT16_MAX_VALUES = 4_000_000  # beyond this many weights, "auto" quantizes to uint8 (~1/2 size)
 _TOLERANCE = 1e-3  # weights may exceed [0, 1] by rounding only
 _SIZE = "\x00size\x00"  # placeholder: JSON escapes NUL, so no token can contain it
+
+
+class ExplorerOptions(TypedDict, total=False):
+    """The keyword options of :func:`explorer_html`, which :func:`write_explorer` hands on.
+
+    Attributes:
+        key_tokens: Labels of the keys; defaults to the query tokens.
+        title: Page title and heading.
+        description: A sentence under the heading (plain text).
+        layer_names: One label per layer.
+        layer: The layer the head view opens on.
+        precision: ``"auto"``, ``"float16"`` or ``"uint8"``.
+    """
+
+    key_tokens: Sequence[str] | None
+    title: str
+    description: str
+    layer_names: Sequence[str] | None
+    layer: int
+    precision: Precision
 
 
 def _asset(name: str) -> str:
@@ -264,13 +294,7 @@ def write_explorer(
     path: str | Path,
     tokens: Sequence[str],
     weights: Tensor | Sequence[Tensor],
-    *,
-    key_tokens: Sequence[str] | None = None,
-    title: str = "Attention explorer",
-    description: str = "",
-    layer_names: Sequence[str] | None = None,
-    layer: int = 0,
-    precision: Precision = "auto",
+    **options: Unpack[ExplorerOptions],
 ) -> Path:
     """Write the explorer page (see :func:`explorer_html`) to ``path``; parents are created.
 
@@ -278,33 +302,20 @@ def write_explorer(
         path: The HTML file to write.
         tokens: Labels of the queries.
         weights: Attention weights of one example, every layer and head.
-        key_tokens: Labels of the keys; defaults to ``tokens``.
-        title: Page title.
-        description: A sentence under the heading.
-        layer_names: One label per layer.
-        layer: The layer the head view opens on.
-        precision: ``"auto"``, ``"float16"`` or ``"uint8"``.
+        **options: ``key_tokens``, ``title``, ``description``, ``layer_names``, ``layer``,
+            ``precision``, as :func:`explorer_html` takes them (see :class:`ExplorerOptions`).
 
     Returns:
         The path written.
 
     Raises:
-        TypeError: As :func:`explorer_html`.
+        TypeError: As :func:`explorer_html`, and for an option it does not take.
         ValueError: As :func:`explorer_html`.
 
     Shape:
         weights: ``layers x (H, L, S)`` or ``(layers, H, L, S)``.
     """
-    page = explorer_html(
-        tokens,
-        weights,
-        key_tokens=key_tokens,
-        title=title,
-        description=description,
-        layer_names=layer_names,
-        layer=layer,
-        precision=precision,
-    )
+    page = explorer_html(tokens, weights, **options)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")

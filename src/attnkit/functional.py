@@ -203,7 +203,9 @@ def attend_tiles(
             return mask[0, 0]  # (L, S)
         return mask.expand(plan.B, 1, plan.L, plan.S).reshape(*q.shape[:-3], 1, plan.L, plan.S)
 
-    return _without_leaks(run, q, k, v, allowed)[0]
+    # Here L is about S, so reading k and v first (two sums) is cheaper than checking the
+    # output's rows afterwards (a sum and a zero-row scan): 32 vs 96 ms at N=8192, H=8, E=64.
+    return _without_leaks(run, q, k, v, allowed, search_first=True)[0]
 
 
 def _without_leaks(
@@ -212,6 +214,8 @@ def _without_leaks(
     k: Tensor,
     v: Tensor,
     allowed: Callable[[], Tensor | None],
+    *,
+    search_first: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``run(k, v)`` so that a non-finite query, key or value reaches exactly the queries that
     may attend it: their rows become NaN, and no other row changes.
@@ -233,6 +237,8 @@ def _without_leaks(
         v: The values.
         allowed: Builds the bool mask (``True`` = may attend) broadcastable to the scores, or
             ``None`` when every key may be attended; called only for non-finite inputs.
+        search_first: Search ``k`` and ``v`` before the kernel even without gradients (when
+            ``L`` is not small against ``S``, that is cheaper than checking the output).
 
     Returns:
         ``(out, weights or None)``.
@@ -241,10 +247,10 @@ def _without_leaks(
         return run(k, v)
     bad_k = bad_v = None
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if grads:
+    if grads or search_first:
         k, v, bad_k, bad_v = _zero_non_finite(k, v)
     out, weights = run(k, v)
-    if not grads and _may_hide_non_finite(out, weights):
+    if not (grads or search_first) and _may_hide_non_finite(out, weights):
         k, v, bad_k, bad_v = _zero_non_finite(k, v)
         if bad_k is not None or bad_v is not None:
             out, weights = run(k, v)

@@ -233,7 +233,7 @@ def _plan(
     rules = structure.to(B, S, device)
     runs = plan_runs(
         B, L, S, causal=rules.causal, window=rules.window, segment_ids=rules.segment_ids,
-        key_lengths=rules.key_lengths, rows=block_size,
+        key_lengths=rules.key_lengths, rows=block_size, device=device,
     )  # fmt: skip
     return TilePlan(rules, L, S, B, runs)
 

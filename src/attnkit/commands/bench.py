@@ -23,9 +23,10 @@ and the ratio to a measured bf16 matmul rate. Without CUDA it says so and exits 
 ``--flex`` adds torch's compiled FlexAttention (forward only: torch 2.13 has no FlexAttention
 backward on CPU); its first call, which compiles, is reported separately.
 
-Sizes: the default run (N = 1024 and 4096, textbook up to 2048) takes about 90 s on a 2-core
-CPU and shows a progress bar (tqdm, on stderr); ``--full`` adds N = 8192 and the textbook up to
-4096 (several minutes). ``--vs`` instead prints one table of attnkit against what a user would
+Sizes: the default run (N = 1024 and 4096, textbook up to 2048) shows a progress bar (tqdm, on
+stderr) and needs about 110 s of CPU time, about a minute on an idle 2-core CPU (3.6 min on the
+shared one it was measured on); ``--full`` adds N = 8192 and the textbook up to 4096 (several
+minutes). ``--vs`` instead prints one table of attnkit against what a user would
 pick instead (dense-mask SDPA, compiled FlexAttention, sentence-transformers), see
 :mod:`attnkit.commands.bench_vs`.
 """
