@@ -60,7 +60,7 @@ def test_vs_rows_compare_with_transformers() -> None:
     assert [r["job"] for r in rows] == ["decode tiny"]
     assert rows[0]["peer"] == "transformers LlamaForCausalLM"
     assert rows[0]["attnkit_s"] > 0 and rows[0]["peer_s"] > 0
-    assert "same tokens: True" in rows[0]["note"]
+    assert "same tokens: True" in rows[0]["note"] and rows[0]["goal"] is None
 
 
 def test_read_bandwidth_is_positive() -> None:
