@@ -23,12 +23,14 @@ import math
 import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from attnkit.models import TransformerLM
 
 __all__ = ["GenerationOptions", "generate", "positions_from_mask", "process_logits", "stream"]
@@ -224,6 +226,24 @@ def _check_inputs(
     return None if bool(attention_mask.all()) else attention_mask
 
 
+class GenerateOptions(TypedDict, total=False):
+    """The keyword options of :func:`generate`, :func:`stream` and ``TransformerLM.generate``.
+
+    Their meaning and defaults are those of :func:`stream`'s keywords.
+    """
+
+    attention_mask: Tensor | None
+    pad_token_id: int | None
+    eos_token_id: int | Sequence[int] | None
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    repetition_penalty: float | None
+    use_cache: bool
+    generator: torch.Generator | None
+    compile: bool
+
+
 def stream(
     lm: TransformerLM,
     input_ids: Tensor,
@@ -364,7 +384,7 @@ def generate(
     lm: TransformerLM,
     input_ids: Tensor,
     max_new_tokens: int,
-    **options: Any,
+    **options: Unpack[GenerateOptions],
 ) -> Tensor:
     """Extend each prompt by up to ``max_new_tokens`` tokens.
 

@@ -20,10 +20,10 @@ Hugging Face decoder folders (:mod:`attnkit.interop.hf`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,11 @@ from attnkit.positional import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from attnkit.generation import GenerateOptions
 
 __all__ = ["TransformerEncoder", "TransformerLM", "attention_mask_from_padding"]
 
@@ -406,20 +411,7 @@ class TransformerLM(_TransformerStack):
         ]
 
     def generate(
-        self,
-        input_ids: Tensor,
-        max_new_tokens: int,
-        *,
-        attention_mask: Tensor | None = None,
-        pad_token_id: int | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        repetition_penalty: float | None = None,
-        use_cache: bool = True,
-        generator: torch.Generator | None = None,
-        compile: bool = False,
+        self, input_ids: Tensor, max_new_tokens: int, **options: Unpack[GenerateOptions]
     ) -> Tensor:
         """Extend each prompt by up to ``max_new_tokens`` tokens (runs in eval mode).
 
@@ -428,18 +420,18 @@ class TransformerLM(_TransformerStack):
         Args:
             input_ids: Prompts ``(B, P)``, left-padded when of different lengths.
             max_new_tokens: Most tokens to add.
-            attention_mask: ``(B, P)``, ``True``/1 = real token (left padding).
-            pad_token_id: Fills rows that ended (default: ``generation_config``'s, else eos).
-            eos_token_id: One id or several; default ``generation_config``'s (``[]``: none).
-            temperature: ``0`` = greedy (argmax); otherwise sample from
-                ``softmax(logits / temperature)``.
-            top_k: Sample only among the ``top_k`` most likely tokens.
-            top_p: Sample only from the smallest set of tokens of total probability ``top_p``.
-            repetition_penalty: ``> 1`` discourages tokens already in the sequence.
-            use_cache: Decode with a KV cache (prefill once, then one token per step) instead
-                of re-running the whole prefix every step. Both give the same tokens.
-            generator: Random generator for sampling.
-            compile: With the cache, run each step as one compiled graph (see
+            **options: Keyword-only (:class:`attnkit.generation.GenerateOptions`):
+                ``attention_mask`` ``(B, P)``, ``True``/1 = real token (left padding);
+                ``pad_token_id`` fills rows that ended (default: ``generation_config``'s, else
+                eos); ``eos_token_id``, one id or several, default ``generation_config``'s
+                (``[]``: none); ``temperature``, ``0`` = greedy (argmax), otherwise sample from
+                ``softmax(logits / temperature)``; ``top_k``, sample only among the ``top_k``
+                most likely tokens; ``top_p``, sample only from the smallest set of tokens of
+                total probability ``top_p``; ``repetition_penalty``, ``> 1`` discourages tokens
+                already in the sequence; ``use_cache`` (default ``True``), decode with a KV cache
+                (prefill once, then one token per step) instead of re-running the whole prefix
+                every step, both give the same tokens; ``generator`` for sampling; ``compile``,
+                with the cache run each step as one compiled graph (see
                 :class:`attnkit.decoding.Decoder`; compiled once per batch size and length).
 
         Returns:
@@ -448,28 +440,16 @@ class TransformerLM(_TransformerStack):
 
         Raises:
             TypeError: If an argument has the wrong type (float ``max_new_tokens``, float
-                ``input_ids``, ...).
+                ``input_ids``, ...) or an option is unknown.
             ValueError: If ``P + max_new_tokens > max_seq_len``, or bad option values.
         """
         from attnkit import generation
 
-        return generation.generate(
-            self,
-            input_ids,
-            max_new_tokens,
-            attention_mask=attention_mask,
-            pad_token_id=pad_token_id,
-            eos_token_id=eos_token_id,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            use_cache=use_cache,
-            generator=generator,
-            compile=compile,
-        )
+        return generation.generate(self, input_ids, max_new_tokens, **options)
 
-    def stream(self, input_ids: Tensor, max_new_tokens: int, **options: Any) -> Iterator[Tensor]:
+    def stream(
+        self, input_ids: Tensor, max_new_tokens: int, **options: Unpack[GenerateOptions]
+    ) -> Iterator[Tensor]:
         """Yield each new column of tokens ``(B,)`` as it is chosen.
 
         Takes the options of :meth:`generate`; stops early when every row has ended.
