@@ -49,3 +49,29 @@ def bottom_right_causal(L: int, S: int) -> Tensor:
         for j in range(S):
             out[i, j] = j <= i + S - L
     return out
+
+
+def loop_mask(
+    L: int,
+    S: int,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    segment_ids: Tensor | None = None,
+    key_lengths: Tensor | None = None,
+) -> Tensor:
+    """The constraints written out one (b, i, j) at a time, independently of attnkit."""
+    B = next((len(t) for t in (segment_ids, key_lengths) if t is not None), 1)
+    segment_ids = None if segment_ids is None else segment_ids.tolist()
+    key_lengths = None if key_lengths is None else key_lengths.tolist()
+    out = [[[False] * S for _ in range(L)] for _ in range(B)]
+    for b in range(B):
+        for i in range(L):
+            p = i + S - L
+            for j in range(S):
+                ok = not causal or j <= p
+                ok = ok and (window is None or abs(p - j) < window)
+                ok = ok and (key_lengths is None or j < key_lengths[b])
+                ok = ok and (segment_ids is None or segment_ids[b][j] == segment_ids[b][p])
+                out[b][i][j] = ok
+    return torch.tensor(out, dtype=torch.bool).view(B, 1, L, S)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from attnkit.blockwise import TileRun, attend_runs, plan_runs, tile_rows
 from attnkit.sparse import block_sparse_attention
-from tests.reference import reference_attention
+from tests.reference import loop_mask, reference_attention
 
 
 def blockwise_attention(q, k, v, *, rows=None, scale=None, dropout_p=0.0, **structure):
@@ -26,23 +26,6 @@ def blockwise_attention(q, k, v, *, rows=None, scale=None, dropout_p=0.0, **stru
     scale = 1 / math.sqrt(E) if scale is None else scale
     return attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
 
-
-def loop_mask(L, S, *, causal=False, window=None, segment_ids=None, key_lengths=None):
-    """The constraints written out one (b, i, j) at a time, independently of attnkit."""
-    B = next((len(t) for t in (segment_ids, key_lengths) if t is not None), 1)
-    segment_ids = None if segment_ids is None else segment_ids.tolist()
-    key_lengths = None if key_lengths is None else key_lengths.tolist()
-    out = [[[False] * S for _ in range(L)] for _ in range(B)]
-    for b in range(B):
-        for i in range(L):
-            p = i + S - L
-            for j in range(S):
-                ok = not causal or j <= p
-                ok = ok and (window is None or abs(p - j) < window)
-                ok = ok and (key_lengths is None or j < key_lengths[b])
-                ok = ok and (segment_ids is None or segment_ids[b][j] == segment_ids[b][p])
-                out[b][i][j] = ok
-    return torch.tensor(out, dtype=torch.bool).view(B, 1, L, S)
 
 
 def documents(B, S, gen, max_docs=4, scramble=False):
