@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,16 +59,6 @@ def start_browser(width: int = 1280, height: int = 900) -> Any:
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(service=Service(executable_path=str(driver_path)), options=options)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    """One browser per test module (starting Chromium takes seconds)."""
-    driver = start_browser()
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def open_page(driver: Any, path: Path, ready: str | None = "ready", timeout: float = 30.0) -> None:

@@ -1,4 +1,6 @@
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +15,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Headless Chromium, one per test module (starting it takes seconds); see tests/browser.py."""
+    from tests.browser import start_browser  # selenium only for the tests that ask for it
+
+    driver = start_browser()
+    try:
+        yield driver
+    finally:
+        driver.quit()
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):

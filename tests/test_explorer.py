@@ -10,7 +10,6 @@ import argparse
 import base64
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from attnkit.explorer import (
     stack_weights,
     write_explorer,
 )
-from tests.browser import console_errors, open_page, start_browser
+from tests.browser import console_errors, open_page
 
 TOKENS = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", ".", "[SEP]"]
 FLOAT16_ATOL = 2.5e-4  # float16 rounding of a weight in [0, 1]
@@ -179,13 +178,6 @@ def test_bad_input_is_rejected(tokens, weights, kwargs, error, match) -> None:
 # --------------------------------------------------------------------------- in the browser
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    driver = start_browser()
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture(scope="module")
