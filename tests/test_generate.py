@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 from attnkit import TransformerConfig, TransformerLM
 from attnkit.generation import GenerationOptions, positions_from_mask, process_logits
-from tests.test_hf import VOCAB, build_hf, padded_batch, randomize
+from tests.test_hf import VOCAB, build_hf, hf_greedy, padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
 logits_process = pytest.importorskip("transformers.generation.logits_process")
@@ -49,23 +49,9 @@ def test_eos_ids_end_rows_and_pad_them(pair: Any) -> None:
     ref, lm = pair
     ids, mask = padded_batch(4)
     P = ids.shape[1]
-    free = ref.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=10,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
+    free = hf_greedy(ref, ids, mask, 10, eos_token_id=None)
     eos = [int(free[0, P + 1]), int(free[1, P + 3])]
-    expected = ref.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=10,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=eos,
-    )
+    expected = hf_greedy(ref, ids, mask, 10, eos_token_id=eos)
     got = lm.generate(ids, 10, attention_mask=mask, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(got, expected)
     row0 = got[0, P:].tolist()
@@ -80,29 +66,14 @@ def test_generation_stops_when_every_row_ended(pair: Any) -> None:
     first = lm.generate(ids, 1, attention_mask=mask)[:, -1].tolist()
     got = lm.generate(ids, 10, attention_mask=mask, eos_token_id=first)
     assert got.shape == (3, ids.shape[1] + 1)
-    expected = ref.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=10,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=first,
-    )
+    expected = hf_greedy(ref, ids, mask, 10, eos_token_id=first)
     assert torch.equal(got, expected)
 
 
 def test_repetition_penalty_greedy_equals_transformers(pair: Any) -> None:
     ref, lm = pair
     ids, mask = padded_batch(6)
-    expected = ref.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=8,
-        do_sample=False,
-        pad_token_id=0,
-        repetition_penalty=1.7,
-        eos_token_id=None,
-    )
+    expected = hf_greedy(ref, ids, mask, 8, repetition_penalty=1.7, eos_token_id=None)
     got = lm.generate(ids, 8, attention_mask=mask, repetition_penalty=1.7, eos_token_id=None)
     assert torch.equal(got, expected)
     assert not torch.equal(got, lm.generate(ids, 8, attention_mask=mask, eos_token_id=None))

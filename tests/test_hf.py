@@ -116,6 +116,20 @@ def padded_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(mask == 0, 0), mask
 
 
+def hf_greedy(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, **options: Any
+) -> torch.Tensor:
+    """transformers' greedy ``generate`` on a left-padded batch (pad id 0)."""
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        **options,
+    )
+
+
 def hf_logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     with torch.no_grad():
@@ -145,14 +159,7 @@ def test_greedy_generation_equals_transformers(case: Any) -> None:
     _kind, folder, ref = case
     lm = TransformerLM.from_pretrained(folder)
     ids, mask = padded_batch(1)
-    expected = ref.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=8,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
+    expected = hf_greedy(ref, ids, mask, 8, eos_token_id=2)
     got = lm.generate(ids, 8, attention_mask=mask, pad_token_id=0)  # eos 2 from the folder
     assert torch.equal(got, expected)
     assert torch.equal(lm.generate(ids, 8, attention_mask=mask, use_cache=False), expected)
