@@ -16,14 +16,7 @@ from attnkit.decoding_bench import (
     vs_rows,
 )
 from attnkit.models import TransformerLM
-
-LLAMA = {
-    "norm": "rmsnorm",
-    "activation": "swiglu",
-    "bias": False,
-    "rope_interleaved": False,
-    "num_kv_heads": 2,
-}
+from tests.test_decoding import LLAMA
 
 
 def _lm(**options: object) -> TransformerLM:

@@ -13,6 +13,7 @@ from attnkit.cache import KVCache
 from attnkit.config import TransformerConfig
 from attnkit.models import TransformerEncoder, TransformerLM, attention_mask_from_padding
 from attnkit.positional import convert_rotary_convention
+from tests.test_positional import LLAMA3
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 POSITIONS = ["none", "sinusoidal", "learned", "rope"]
@@ -302,15 +303,6 @@ def _copy_hf_weights(hf: torch.nn.Module, lm: TransformerLM) -> None:
                     target.copy_(sd[f"{p}{theirs}.{suffix}"])
         block.norm1.weight.copy_(sd[f"{p}input_layernorm.weight"])
         block.norm2.weight.copy_(sd[f"{p}post_attention_layernorm.weight"])
-
-
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 
 
 @pytest.mark.parametrize(
