@@ -27,7 +27,6 @@ def blockwise_attention(q, k, v, *, rows=None, scale=None, dropout_p=0.0, **stru
     return attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
 
 
-
 def documents(B, S, gen, max_docs=4, scramble=False):
     """(B, S) ids of random-length documents; ``scramble`` lets an id occur in pieces."""
     rows = []

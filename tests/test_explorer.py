@@ -178,8 +178,6 @@ def test_bad_input_is_rejected(tokens, weights, kwargs, error, match) -> None:
 # --------------------------------------------------------------------------- in the browser
 
 
-
-
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
     w = _weights(3, 4, len(TOKENS), seed=1)

@@ -3,6 +3,9 @@ BERT encoder (padded and packed) against transformers' BertModel."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -176,30 +179,21 @@ def test_mask_from_torch() -> None:
 # BERT (interop/bert.py): padded and packed paths against transformers' BertModel.
 # --------------------------------------------------------------------------------------------
 
-TINY_BERT = BertConfig(
-    vocab_size=50,
-    hidden_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=24,
-    max_position_embeddings=32,
-)
+# A Hugging Face BERT config.json (its layer_norm_eps and hidden_act take their defaults).
+TINY_BERT_JSON = {
+    "vocab_size": 50,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 24,
+    "max_position_embeddings": 32,
+}
+TINY_BERT = BertConfig.from_hf(TINY_BERT_JSON)
 
 
 def _hf_bert() -> nn.Module:
     transformers = pytest.importorskip("transformers")
-    c = TINY_BERT
-    config = transformers.BertConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        intermediate_size=c.intermediate_size,
-        max_position_embeddings=c.max_position_embeddings,
-        layer_norm_eps=c.layer_norm_eps,
-        hidden_act=c.hidden_act,
-        attn_implementation="eager",
-    )
+    config = transformers.BertConfig(**TINY_BERT_JSON, attn_implementation="eager")
     model = transformers.BertModel(config, add_pooling_layer=False).eval()
     with torch.no_grad():  # LayerNorms start as (1, 0): give them values that matter
         for name, p in model.named_parameters():
@@ -210,7 +204,7 @@ def _hf_bert() -> nn.Module:
 
 def _ours_from(hf: nn.Module) -> BertEncoder:
     ours = BertEncoder(TINY_BERT).eval()
-    ours.load_state_dict(bert_state_dict(hf.state_dict(), TINY_BERT.num_hidden_layers))
+    ours.load_state_dict(bert_state_dict(hf.state_dict(), TINY_BERT.model.num_layers))
     return ours
 
 
@@ -218,7 +212,7 @@ def _padded(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """Random ids and token types right-padded to the longest, and the real-token mask."""
     S = max(lengths)
     real = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
-    ids = torch.randint(1, TINY_BERT.vocab_size, real.shape).masked_fill(~real, 0)
+    ids = torch.randint(1, TINY_BERT.model.vocab_size, real.shape).masked_fill(~real, 0)
     types = torch.randint(0, 2, real.shape).masked_fill(~real, 0)
     return ids, types, real
 
@@ -274,6 +268,55 @@ def test_packed_attend_equals_per_text_reference(ratio: float) -> None:
         want, _ = reference_attention(q, k, v, scale=0.3)  # (H, n, E)
         assert_close(got[start : start + n], want.transpose(0, 1).flatten(1).float())
         start += n
+
+
+def test_bert_config_maps_the_hf_names(tmp_path: Path) -> None:
+    m = TINY_BERT.model
+    sizes = (m.vocab_size, m.dim, m.num_layers, m.num_heads, m.ffn_dim, m.max_seq_len)
+    assert sizes == (50, 16, 2, 4, 24, 32)
+    assert (m.position, m.causal, m.norm_first, m.activation, m.eps) == (
+        "learned",
+        False,
+        False,
+        "gelu",
+        1e-12,
+    )
+    assert (TINY_BERT.type_vocab_size, TINY_BERT.pad_token_id) == (2, 0)
+    relu = BertConfig.from_hf(TINY_BERT_JSON | {"hidden_act": "relu", "type_vocab_size": 3})
+    assert (relu.model.activation, relu.type_vocab_size) == ("relu", 3)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_BERT_JSON | {"model_type": "bert"}))
+    assert BertConfig.from_json(path) == TINY_BERT
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "roberta"}, "model_type 'bert', got 'roberta'"),
+        ({"position_embedding_type": "relative_key"}, "absolute position.*'relative_key'"),
+        (
+            {"hidden_act": "gelu_new"},
+            r"hidden_act must be one of \['gelu', 'relu'\], got 'gelu_new'",
+        ),
+        ({"hidden_size": None}, r"lacks the sizes \['hidden_size'\]"),
+        ({"pad_token_id": 50}, r"pad_token_id must be in \[0, vocab_size=50\), got 50"),
+        ({"hidden_size": 18}, r"dim \(18\) must be divisible by num_heads \(4\)"),
+    ],
+)
+def test_bert_config_errors_name_the_values(
+    tmp_path: Path, change: dict[str, object], message: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_BERT_JSON | change))
+    with pytest.raises(ValueError, match=f"config.json: .*{message}"):
+        BertConfig.from_json(path)
+
+
+def test_bert_config_needs_the_bert_layout() -> None:
+    with pytest.raises(ValueError, match=r"a BERT stack needs .*'norm_first': False.*got"):
+        BertConfig(TINY_BERT.model.replace(norm_first=True))
+    with pytest.raises(ValueError, match="type_vocab_size"):
+        BertConfig(TINY_BERT.model, type_vocab_size=0)
 
 
 def test_packed_layout_groups_and_mean() -> None:

@@ -21,7 +21,9 @@ from attnkit.attention import LayerOptions, MultiHeadSelfAttention, split_weight
 from attnkit.positional import PositionalMultiHeadSelfAttention, SinusoidalPositionalEncoding
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
+    from typing_extensions import Self, Unpack
+
+    from attnkit.config import TransformerConfig
 
 __all__ = ["FeedForward", "PositionalTransformerBlock", "TransformerBlock", "make_norm"]
 
@@ -196,6 +198,34 @@ class TransformerBlock(nn.Module):
         self.norm1 = make_norm(norm, dim, eps=eps)
         self.norm2 = make_norm(norm, dim, eps=eps)
         self.norm_first, self.dropout = norm_first, dropout
+
+    @classmethod
+    def from_config(cls, config: TransformerConfig, rotary: nn.Module | None = None) -> Self:
+        """One block of the stack that ``config`` describes.
+
+        Args:
+            config: The stack's sizes and options.
+            rotary: The stack's rotary module (shared by its blocks), for ``position="rope"``.
+        """
+        return cls(
+            config.dim,
+            config.ffn_dim,
+            config.num_heads,
+            config.causal,
+            norm_first=config.norm_first,
+            norm=config.norm,
+            activation=config.activation,
+            eps=config.eps,
+            dropout=config.dropout,
+            num_kv_heads=config.num_kv_heads,
+            rotary=rotary,
+            window=config.window,
+            bias=config.bias,
+            qkv_bias=config.qkv_bias,
+            out_bias=config.out_bias,
+            mlp_bias=config.mlp_bias,
+            head_dim=config.head_dim,
+        )
 
     def forward(
         self, x: Tensor, mask: Tensor | None = None, **options: Unpack[LayerOptions]

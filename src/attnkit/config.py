@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
 
-__all__ = ["PRESETS", "ROPE_SCALING_KEYS", "TransformerConfig", "check_sizes"]
+__all__ = ["FAMILIES", "PRESETS", "ROPE_SCALING_KEYS", "TransformerConfig", "check_sizes"]
 
 PositionType = Literal["none", "sinusoidal", "learned", "rope"]
 POSITIONS: tuple[str, ...] = ("none", "sinusoidal", "learned", "rope")
@@ -251,40 +251,44 @@ class TransformerConfig:
         return replace(self, **changes)
 
 
-# What Llama-family checkpoints share: GQA with 4 key/value heads, RMSNorm, SwiGLU, no biases,
-# rotary pairs in halves (Hugging Face's layout).
-_LLAMA: dict[str, Any] = {
-    "num_kv_heads": 4,
-    "max_seq_len": 2048,
-    "norm": "rmsnorm",
-    "activation": "swiglu",
-    "bias": False,
-    "rope_interleaved": False,
+#: What each model family sets beyond its sizes. The presets below, the models' keyword forms and
+#: the checkpoint loaders (:mod:`attnkit.interop`) all start from these.
+FAMILIES: dict[str, dict[str, Any]] = {
+    # The blog's encoder block: post-norm LayerNorm, ReLU, sinusoidal positions added once.
+    "blog": {"position": "sinusoidal", "causal": False, "norm_first": False, "activation": "relu"},
+    # BERT: the blog's layout with learned positions, exact GELU and LayerNorm eps 1e-12.
+    "bert": {
+        "position": "learned",
+        "causal": False,
+        "norm_first": False,
+        "activation": "gelu",
+        "eps": 1e-12,
+    },
+    # GPT-2: pre-norm LayerNorm, learned positions, tanh-approximated GELU, biases.
+    "gpt2": {"position": "learned", "activation": "gelu_tanh"},
+    # Llama (and Mistral, Qwen2): RMSNorm, SwiGLU, no biases, rotary pairs in halves (Hugging
+    # Face's layout).
+    "llama": {
+        "position": "rope",
+        "norm": "rmsnorm",
+        "activation": "swiglu",
+        "bias": False,
+        "rope_interleaved": False,
+    },
 }
+
+_BLOG, _GPT2 = FAMILIES["blog"], FAMILIES["gpt2"]
+# The Llama presets: GQA with 4 key/value heads, 2048 positions.
+_LLAMA = {**FAMILIES["llama"], "num_kv_heads": 4, "max_seq_len": 2048}
 
 PRESETS: dict[str, TransformerConfig] = {
     # The lab's tagger at its defaults (LabConfig().model_config(), reversal task vocabulary).
     "lab-default": TransformerConfig(
-        vocab_size=12,
-        dim=64,
-        num_layers=2,
-        num_heads=4,
-        hidden_dim=128,
-        max_seq_len=64,
-        position="sinusoidal",
-        causal=False,
-        norm_first=False,
-        activation="relu",
+        vocab_size=12, dim=64, num_layers=2, num_heads=4, hidden_dim=128, max_seq_len=64, **_BLOG
     ),
     # A GPT-2-small-shaped LM at attnkit's defaults.
     "gpt2-small": TransformerConfig(
-        vocab_size=50257,
-        dim=768,
-        num_layers=12,
-        num_heads=12,
-        max_seq_len=1024,
-        position="learned",
-        activation="gelu_tanh",
+        vocab_size=50257, dim=768, num_layers=12, num_heads=12, **_GPT2
     ),
     "llama-tiny": TransformerConfig(
         vocab_size=32000, dim=256, num_layers=4, num_heads=8, hidden_dim=688, **_LLAMA

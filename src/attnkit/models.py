@@ -33,7 +33,7 @@ from attnkit import masks as M
 from attnkit.attention import split_weights
 from attnkit.blocks import TransformerBlock, make_norm
 from attnkit.cache import KVCache
-from attnkit.config import TransformerConfig
+from attnkit.config import FAMILIES, TransformerConfig
 from attnkit.masks import attention_mask_from_padding
 from attnkit.positional import (
     LearnedPositionalEmbedding,
@@ -51,14 +51,9 @@ __all__ = ["TransformerEncoder", "TransformerLM", "attention_mask_from_padding"]
 Pooling = Literal["none", "mean", "first"]
 
 
-# Keyword defaults of TransformerEncoder where they differ from TransformerConfig's (the LM's).
-_ENCODER_DEFAULTS: dict[str, Any] = {
-    "max_seq_len": 512,
-    "position": "sinusoidal",
-    "causal": False,
-    "norm_first": False,
-    "activation": "relu",
-}
+# Keyword defaults of TransformerEncoder where they differ from TransformerConfig's (the LM's):
+# the blog's block.
+_ENCODER_DEFAULTS: dict[str, Any] = {**FAMILIES["blog"], "max_seq_len": 512}
 
 
 def _make_config(
@@ -126,26 +121,7 @@ class _TransformerStack(nn.Module):
         )
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
-            TransformerBlock(
-                config.dim,
-                config.ffn_dim,
-                config.num_heads,
-                config.causal,
-                norm_first=config.norm_first,
-                norm=config.norm,
-                activation=config.activation,
-                eps=config.eps,
-                dropout=config.dropout,
-                num_kv_heads=config.num_kv_heads,
-                rotary=self.rotary,
-                window=config.window,
-                bias=config.bias,
-                qkv_bias=config.qkv_bias,
-                out_bias=config.out_bias,
-                mlp_bias=config.mlp_bias,
-                head_dim=config.head_dim,
-            )
-            for _ in range(config.num_layers)
+            TransformerBlock.from_config(config, self.rotary) for _ in range(config.num_layers)
         )
         self.norm = (
             make_norm(config.norm, config.dim, eps=config.eps)

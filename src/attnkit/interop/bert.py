@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from attnkit import functional as F_attn
 from attnkit.attention import MultiHeadSelfAttention, split_weights, with_weights
-from attnkit.blocks import Activation, TransformerBlock
+from attnkit.blocks import TransformerBlock
+from attnkit.config import FAMILIES, TransformerConfig, check_sizes
 
 __all__ = [
     "BertConfig",
@@ -35,8 +36,6 @@ __all__ = [
     "PackedBatch",
     "bert_state_dict",
 ]
-
-_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "relu": "relu"}
 
 #: A packed batch's texts (longest first) share one attention call while the longest of the group
 #: is at most this factor longer than the shortest; a shorter text opens the next group. Each group
@@ -49,52 +48,96 @@ _ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "relu": "relu"}
 #: 2), with inf clearly behind (2.2x, 1.0x). 2 keeps the call count low at a small padding cost.
 GROUP_RATIO = 2.0
 
+# Hugging Face config.json key -> TransformerConfig field, for the sizes every BERT config has.
+_SIZES = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "dim",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "intermediate_size": "hidden_dim",
+}
+
 
 @dataclass(frozen=True)
 class BertConfig:
-    """The sizes of a BERT encoder (the fields of Hugging Face's ``config.json`` that matter)."""
+    """A BERT encoder: its stack as a :class:`attnkit.TransformerConfig` plus BERT's embedding
+    extras.
 
-    vocab_size: int = 30522
-    hidden_size: int = 384
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 12
-    intermediate_size: int = 1536
-    max_position_embeddings: int = 512
+    Build it from a Hugging Face ``config.json`` with :meth:`from_json` / :meth:`from_hf`; the
+    stack is then of the ``"bert"`` family of :data:`attnkit.config.FAMILIES` (post-norm
+    LayerNorm blocks, learned positions, exact GELU or ReLU).
+
+    Attributes:
+        model: The stack: vocabulary, sizes, positions (``max_seq_len``), norm eps, activation.
+        type_vocab_size: Token types (segments) of the embedding.
+        pad_token_id: The padding token, whose embedding row gets no gradient.
+
+    Raises:
+        ValueError: If ``model`` is not a post-norm, non-causal LayerNorm stack with learned
+            positions and a vocabulary, or a size is out of range.
+    """
+
+    model: TransformerConfig
     type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
-    hidden_act: str = "gelu"
     pad_token_id: int = 0
 
     def __post_init__(self) -> None:
-        if self.hidden_act not in _ACTIVATIONS:
+        m = self.model
+        layout = {k: FAMILIES["bert"][k] for k in ("position", "causal", "norm_first")}
+        layout["norm"] = "layernorm"
+        got = {k: getattr(m, k) for k in layout}
+        if got != layout:
+            raise ValueError(f"a BERT stack needs {layout}, got {got}")
+        if m.vocab_size is None:
+            raise ValueError("a BERT stack needs a vocab_size")
+        check_sizes({"type_vocab_size": self.type_vocab_size})
+        if not 0 <= self.pad_token_id < m.vocab_size:
             raise ValueError(
-                f"hidden_act must be one of {sorted(_ACTIVATIONS)}, got {self.hidden_act!r}"
-            )
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by "
-                f"num_attention_heads ({self.num_attention_heads})"
+                f"pad_token_id must be in [0, vocab_size={m.vocab_size}), got {self.pad_token_id}"
             )
 
     @classmethod
-    def from_json(cls, path: str | Path) -> BertConfig:
-        """Read a Hugging Face BERT ``config.json``.
+    def from_hf(cls, data: dict[str, Any]) -> BertConfig:
+        """Map a Hugging Face BERT ``config.json`` dict.
 
         Raises:
-            ValueError: If the model is not a BERT with absolute positions, or an activation
-                other than exact gelu/relu.
+            ValueError: If the model is not a BERT with absolute positions, uses an activation
+                other than exact gelu/relu, or lacks a size.
         """
-        raw: dict[str, Any] = json.loads(Path(path).read_text(encoding="utf-8"))
-        model_type = raw.get("model_type", "bert")
+        model_type = data.get("model_type", "bert")
         if model_type != "bert":
-            raise ValueError(f"{path}: expected model_type 'bert', got {model_type!r}")
-        positions = raw.get("position_embedding_type", "absolute")
+            raise ValueError(f"expected model_type 'bert', got {model_type!r}")
+        positions = data.get("position_embedding_type", "absolute")
         if positions != "absolute":
-            raise ValueError(
-                f"{path}: only absolute position embeddings are supported, got {positions!r}"
-            )
-        fields = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in raw.items() if k in fields and v is not None})
+            raise ValueError(f"only absolute position embeddings are supported, got {positions!r}")
+        act = data.get("hidden_act", "gelu")
+        if act not in ("gelu", "relu"):
+            raise ValueError(f"hidden_act must be one of ['gelu', 'relu'], got {act!r}")
+        missing = [k for k in _SIZES if data.get(k) is None]
+        if missing:
+            raise ValueError(f"the BERT config lacks the sizes {missing}")
+        model = TransformerConfig(
+            **{field: data[key] for key, field in _SIZES.items()},
+            max_seq_len=data.get("max_position_embeddings") or 512,
+            **(FAMILIES["bert"] | {"activation": act, "eps": data.get("layer_norm_eps") or 1e-12}),
+        )
+        extras = {
+            k: data[k] for k in ("type_vocab_size", "pad_token_id") if data.get(k) is not None
+        }
+        return cls(model, **extras)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> BertConfig:
+        """Read a Hugging Face BERT ``config.json`` (see :meth:`from_hf`).
+
+        Raises:
+            ValueError: As :meth:`from_hf`, naming the file.
+        """
+        data: dict[str, Any] = json.loads(Path(path).read_text(encoding="utf-8"))
+        try:
+            return cls.from_hf(data)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -262,11 +305,12 @@ class BertEmbeddings(nn.Module):
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        D = config.hidden_size
-        self.word_embeddings = nn.Embedding(config.vocab_size, D, padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, D)
+        m = config.model
+        V, D = cast(int, m.vocab_size), m.dim
+        self.word_embeddings = nn.Embedding(V, D, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(m.max_seq_len, D)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, D)
-        self.norm = nn.LayerNorm(D, eps=config.layer_norm_eps)
+        self.norm = nn.LayerNorm(D, eps=m.eps)
 
     def forward(
         self,
@@ -310,24 +354,11 @@ class BertLayer(TransformerBlock):
     """One BERT layer: attnkit's post-norm :class:`TransformerBlock` with BERT's sizes.
 
     Its ``forward`` is the block's (padded batches, masks, attention weights);
-    :meth:`forward_packed` runs the same layer on a :class:`PackedBatch`.
-
-    Args:
-        config: Sizes.
+    :meth:`forward_packed` runs the same layer on a :class:`PackedBatch`. Build it with
+    ``BertLayer.from_config(bert_config.model)``.
     """
 
     attention: MultiHeadSelfAttention
-
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__(
-            config.hidden_size,
-            config.intermediate_size,
-            config.num_attention_heads,
-            norm_first=False,
-            norm="layernorm",
-            activation=_ACTIVATIONS[config.hidden_act],
-            eps=config.layer_norm_eps,
-        )
 
     def forward_packed(self, x: Tensor, batch: PackedBatch) -> Tensor:
         """The layer on packed tokens: each text attends over its own tokens, then the post-norm
@@ -350,7 +381,7 @@ class BertLayer(TransformerBlock):
 
 
 class BertEncoder(nn.Module):
-    """BERT: embeddings, then ``num_hidden_layers`` post-norm attnkit ``TransformerBlock`` s.
+    """BERT: embeddings, then ``config.model.num_layers`` post-norm attnkit ``TransformerBlock`` s.
 
     Args:
         config: Sizes.
@@ -360,7 +391,9 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = BertEmbeddings(config)
-        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            BertLayer.from_config(config.model) for _ in range(config.model.num_layers)
+        )
 
     def forward(
         self,
@@ -425,7 +458,7 @@ class BertEncoder(nn.Module):
                 f"input_ids must have shape ({batch.num_tokens},) for this packed batch, "
                 f"got {tuple(input_ids.shape)}"
             )
-        limit = self.config.max_position_embeddings
+        limit = self.config.model.max_seq_len
         if batch.max_length > limit:
             raise ValueError(
                 f"a text of {batch.max_length} tokens exceeds the {limit} learned positions"

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from attnkit.config import TransformerConfig, check_rope_scaling
+from attnkit.config import FAMILIES, TransformerConfig, check_rope_scaling
 from attnkit.positional import permute_rotary_weight
 
 if TYPE_CHECKING:
@@ -254,19 +254,15 @@ def _llama_config(data: dict[str, Any], arch: str) -> TransformerConfig:
         head_dim=data.get("head_dim") or data["hidden_size"] // heads,
         hidden_dim=data["intermediate_size"],
         max_seq_len=data.get("max_position_embeddings", 2048),
-        position="rope",
-        norm="rmsnorm",
-        activation="swiglu",
         eps=float(data.get("rms_norm_eps", 1e-6)),
-        bias=False,
         qkv_bias=qkv_bias,
         out_bias=out_bias,
         mlp_bias=mlp_bias,
         window=window,
         rope_base=theta,
-        rope_interleaved=False,
         rope_scaling=scaling,
         tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+        **FAMILIES["llama"],
     )
 
 

@@ -71,7 +71,7 @@ class SentenceEncoder(nn.Module):
             uncased tokenizers already lower-case on their own).
 
     Raises:
-        ValueError: If ``max_seq_length`` is not in ``[2, max_position_embeddings]``.
+        ValueError: If ``max_seq_length`` is not in ``[2, learned positions]``.
     """
 
     def __init__(
@@ -83,7 +83,7 @@ class SentenceEncoder(nn.Module):
         do_lower_case: bool = False,
     ) -> None:
         super().__init__()
-        limit = model.config.max_position_embeddings
+        limit = model.config.model.max_seq_len
         if not 2 <= max_seq_length <= limit:
             raise ValueError(f"max_seq_length must be in [2, {limit}], got {max_seq_length}")
         self.model = model
@@ -96,7 +96,7 @@ class SentenceEncoder(nn.Module):
     @property
     def dim(self) -> int:
         """Embedding size (384 for all-MiniLM-L6-v2)."""
-        return self.model.config.hidden_size
+        return self.model.config.model.dim
 
     @classmethod
     def from_pretrained(
@@ -145,16 +145,16 @@ class SentenceEncoder(nn.Module):
         model = BertEncoder(config)
         weights = safetensors_torch.load_file(str(root / "model.safetensors"))
         try:
-            state = bert_state_dict(weights, config.num_hidden_layers)
+            state = bert_state_dict(weights, config.model.num_layers)
         except KeyError as err:
             raise ValueError(f"{root / 'model.safetensors'}: {err.args[0]}") from None
         model.load_state_dict(state, strict=True)
         tokenizer = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
-        max_len = int(st_config.get("max_seq_length") or config.max_position_embeddings)
+        max_len = int(st_config.get("max_seq_length") or config.model.max_seq_len)
         encoder = cls(
             model,
             tokenizer,
-            max_seq_length=min(max_len, config.max_position_embeddings),
+            max_seq_length=min(max_len, config.model.max_seq_len),
             do_lower_case=bool(st_config.get("do_lower_case", False)),
         )
         return encoder.to(device or "cpu").eval()

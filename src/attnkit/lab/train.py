@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.config import TransformerConfig
+from attnkit.config import FAMILIES, TransformerConfig
 from attnkit.lab import checkpoint as ckpt
 from attnkit.lab.distributed import DistContext
 from attnkit.lab.tasks import IGNORE, Task, get_task
@@ -175,11 +175,8 @@ class LabConfig:
             num_heads=self.num_heads,
             hidden_dim=self.ffn_dim,
             max_seq_len=self.table_len,
-            position=self.positions,
-            causal=False,
-            norm_first=False,
-            activation="relu",
             dropout=self.dropout,
+            **(FAMILIES["blog"] | {"position": self.positions}),
         )
         # the base matters only to rotary positions; the others keep TransformerConfig's
         return config.replace(rope_base=self.rope_base) if self.positions == "rope" else config
