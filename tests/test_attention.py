@@ -211,6 +211,11 @@ def test_constructor_and_input_errors():
     m = attnkit.MultiHeadAttention(12, 4)
     with pytest.raises(ValueError, match=r"query has last dim 5, expected embed_dim=12"):
         m(torch.randn(2, 3, 5))
+    cross = attnkit.MultiHeadAttention(12, 4, kdim=6, vdim=8)
+    with pytest.raises(ValueError, match=r"key has last dim 5, expected kdim=6 .*; value has "):
+        cross(torch.randn(2, 3, 12), torch.randn(2, 4, 5), torch.randn(2, 4, 9))
+    with pytest.raises(ValueError, match=r"key \(2, 4, 6\) and value \(2, 5, 8\) differ"):
+        cross(torch.randn(2, 3, 12), torch.randn(2, 4, 6), torch.randn(2, 5, 8))
     with pytest.raises(ValueError, match="fused_qkv attention is self-attention"):
         attnkit.MultiHeadAttention.forward(
             attnkit.MultiHeadSelfAttention(12, 12, 12, 4),
@@ -382,8 +387,8 @@ def test_with_and_split_weights_are_inverse():
     assert attnkit.attention.split_weights(out) == (out, None)
     assert attnkit.attention.split_weights((out, w)) == (out, w)
     q = torch.randn(1, 2, 4, 8)
-    o1, none = attnkit.attention.attend(q, q, q, causal=True)
-    o2, weights = attnkit.attention.attend(q, q, q, causal=True, return_weights=True)
+    o1, none = attnkit.functional.attend(q, q, q, causal=True)
+    o2, weights = attnkit.functional.attend(q, q, q, causal=True, return_weights=True)
     assert none is None and weights is not None
     assert_close(o1, o2)
     ref_out, ref_w = reference_attention(q, q, q, M.causal_mask(4, 4))

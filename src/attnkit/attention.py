@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 import torch
 from torch import Tensor, nn
 
-from attnkit import functional as F_attn
 from attnkit.cache import KVCache
+from attnkit.functional import attend
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -86,29 +86,6 @@ class LayerOptions(TypedDict, total=False):
     positions: Tensor | None
     kv_cache: KVCache | None
     return_weights: bool
-
-
-def attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None = None,
-    *,
-    return_weights: bool = False,
-    **options: Unpack[F_attn.Options],
-) -> tuple[Tensor, Tensor | None]:
-    """:func:`attnkit.functional.scaled_dot_product_attention` as an ``(out, weights)`` pair.
-
-    ``weights`` is ``None`` unless ``return_weights`` (the fused kernel is used then); the other
-    keywords (``causal``, ``window``, ``scale``, ``dropout_p``, ...) are the kernel's.
-
-    Shape:
-        q ``(B, H, L, E)``, k/v ``(B, K, S, E)`` -> out ``(B, H, L, E)``,
-        weights ``(B, H, L, S)``.
-    """
-    if return_weights:
-        return F_attn.scaled_dot_product_attention(q, k, v, mask, return_weights=True, **options)
-    return F_attn.scaled_dot_product_attention(q, k, v, mask, **options), None
 
 
 def _check_positive(**sizes: int | None) -> None:
@@ -244,6 +221,18 @@ class MultiHeadAttention(nn.Module):
                 )
         super().__setattr__(name, value)
 
+    def _check_last_dims(self, **inputs: Tensor) -> None:
+        """Raise naming each of ``query``/``key``/``value`` whose last dim is not this layer's."""
+        sizes = {"query": "embed_dim", "key": "kdim", "value": "vdim"}
+        bad = [
+            f"{name} has last dim {x.shape[-1]}, expected {sizes[name]}="
+            f"{getattr(self, sizes[name])} ({name} shape {tuple(x.shape)})"
+            for name, x in inputs.items()
+            if x.shape[-1] != getattr(self, sizes[name])
+        ]
+        if bad:
+            raise ValueError("; ".join(bad))
+
     def project_qkv(
         self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -253,11 +242,7 @@ class MultiHeadAttention(nn.Module):
             query ``(..., L, D)``, key ``(..., S, kdim)``, value ``(..., S, vdim)`` ->
             q ``(..., H, L, E)``, k ``(..., K, S, E)``, v ``(..., K, S, E)``.
         """
-        if query.shape[-1] != self.embed_dim:
-            raise ValueError(
-                f"query has last dim {query.shape[-1]}, expected embed_dim={self.embed_dim} "
-                f"(query shape {tuple(query.shape)})"
-            )
+        self._check_last_dims(query=query)
         is_self = key is None or (key is query and (value is None or value is query))
         if self.fused_qkv:
             if not is_self:
@@ -268,11 +253,7 @@ class MultiHeadAttention(nn.Module):
         else:
             key = query if key is None else key
             value = key if value is None else value
-            if key.shape[-1] != self.kdim or value.shape[-1] != self.vdim:
-                raise ValueError(
-                    f"key/value last dims ({key.shape[-1]}, {value.shape[-1]}) must equal "
-                    f"kdim={self.kdim}, vdim={self.vdim}"
-                )
+            self._check_last_dims(key=key, value=value)
             if key.shape[:-1] != value.shape[:-1]:
                 raise ValueError(
                     f"key {tuple(key.shape)} and value {tuple(value.shape)} differ "

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ from attnkit import sparse
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["attend", "scaled_dot_product_attention"]
 
 
 class Options(M.StructureArgs, total=False):
@@ -68,18 +68,7 @@ def scaled_dot_product_attention(
     **options: Unpack[Options],
 ) -> tuple[Tensor, Tensor]: ...
 def scaled_dot_product_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None = None,
-    *,
-    causal: bool = False,
-    window: int | None = None,
-    segment_ids: Tensor | None = None,
-    key_lengths: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    return_weights: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, **options: Any
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention: ``softmax(q k^T * scale + mask) v``.
 
@@ -124,6 +113,34 @@ def scaled_dot_product_attention(
             badly shaped or out-of-range ``segment_ids``/``key_lengths`` (or of another batch
             size than ``q``).
     """
+    out, weights = attend(q, k, v, mask, **options)
+    return out if weights is None else (out, weights)
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    segment_ids: Tensor | None = None,
+    key_lengths: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`scaled_dot_product_attention` as an ``(out, weights)`` pair, the call every
+    attention layer makes.
+
+    ``weights`` is ``None`` unless ``return_weights``; the arguments are those of
+    :func:`scaled_dot_product_attention`.
+
+    Shape:
+        q ``(..., H, L, E)``, k/v ``(..., K, S, E)`` -> out ``(..., H, L, Ev)``,
+        weights ``(..., H, L, S)``.
+    """
     check_inputs(q, k, v, mask, scale, dropout_p)
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = resolve_scale(scale, E)
@@ -145,7 +162,7 @@ def scaled_dot_product_attention(
             L, S, structure, batch=math.prod(q.shape[:-3]), device=q.device, backward=backward
         )
         if plan is not None:
-            return attend_tiles(q, k, v, plan, scale=scale, dropout_p=dropout_p)
+            return attend_tiles(q, k, v, plan, scale=scale, dropout_p=dropout_p), None
 
     # Fold causal/window/documents/padding into one bool constraint, unless plain causal can be
     # expressed as is_causal (L == S: top-left and bottom-right alignment coincide).
@@ -173,7 +190,7 @@ def scaled_dot_product_attention(
         return None if mask is None else _allowed(mask)
 
     out, weights = _without_leaks(run, q, k, v, allowed)
-    return (out, weights) if weights is not None and return_weights else out
+    return out, weights if return_weights else None
 
 
 def attend_tiles(
