@@ -254,6 +254,8 @@ def test_generation_config_defaults(pair: Any) -> None:
         ({"repetition_penalty": 0.0}, ValueError, "repetition_penalty"),
         ({"eos_token_id": "2"}, TypeError, "eos_token_id"),
         ({"eos_token_id": [2, 2.5]}, TypeError, "eos_token_id"),
+        ({"temprature": 0.5}, TypeError, r"unknown generation options \['temprature'\]"),
+        ({"use_cache": 1}, TypeError, "use_cache must be a bool"),
     ],
 )
 def test_bad_generation_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:

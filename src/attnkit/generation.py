@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
@@ -229,7 +229,21 @@ def _check_inputs(
 class GenerateOptions(TypedDict, total=False):
     """The keyword options of :func:`generate`, :func:`stream` and ``TransformerLM.generate``.
 
-    Their meaning and defaults are those of :func:`stream`'s keywords.
+    Attributes:
+        attention_mask: ``(B, P)``, ``True``/1 = real token (left padding); default: none.
+        pad_token_id: Fills the rows that ended; default the folder's, else the first eos.
+        eos_token_id: An int or a list of ints ending a row; default ``lm.generation_config``'s
+            (``[]``: none).
+        temperature: ``0`` (default) = greedy; see :class:`GenerationOptions`.
+        top_k: See :class:`GenerationOptions` (default ``None``).
+        top_p: See :class:`GenerationOptions` (default ``None``).
+        repetition_penalty: See :class:`GenerationOptions` (default ``None``).
+        use_cache: Decode with a KV cache instead of re-running the prefix (default ``True``;
+            same tokens).
+        generator: The ``torch.Generator`` of the sampling (default: torch's global one).
+        compile: Run each cached step as one compiled graph (default ``False``; see
+            :class:`attnkit.decoding.Decoder`); the first call per batch size and length pays
+            the compilation.
     """
 
     attention_mask: Tensor | None
@@ -245,20 +259,7 @@ class GenerateOptions(TypedDict, total=False):
 
 
 def stream(
-    lm: TransformerLM,
-    input_ids: Tensor,
-    max_new_tokens: int,
-    *,
-    attention_mask: Tensor | None = None,
-    pad_token_id: int | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float | None = None,
-    use_cache: bool = True,
-    generator: torch.Generator | None = None,
-    compile: bool = False,
+    lm: TransformerLM, input_ids: Tensor, max_new_tokens: int, **options: Unpack[GenerateOptions]
 ) -> Iterator[Tensor]:
     """Yield each new column of tokens ``(B,)`` as it is chosen (see :func:`generate`).
 
@@ -267,9 +268,20 @@ def stream(
 
     Raises:
         ValueError: As :func:`generate`.
-        TypeError: As :func:`generate`.
+        TypeError: As :func:`generate`, and for an unknown option.
     """
-    options = GenerationOptions(temperature, top_k, top_p, repetition_penalty)
+    known = GenerateOptions.__optional_keys__
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown generation options {unknown}; known: {sorted(known)}")
+    given: dict[str, Any] = dict(options)
+    choice = GenerationOptions(
+        **{f.name: given[f.name] for f in fields(GenerationOptions) if f.name in given}
+    )
+    attention_mask = options.get("attention_mask")
+    pad_token_id, eos_token_id = options.get("pad_token_id"), options.get("eos_token_id")
+    use_cache, compile = options.get("use_cache", True), options.get("compile", False)
+    generator = options.get("generator")
     mask = _check_inputs(lm, input_ids, max_new_tokens, attention_mask)
     max_new_tokens = int(max_new_tokens)
     if not isinstance(use_cache, bool):
@@ -305,7 +317,7 @@ def stream(
         positions,
         full_mask,
         max_new_tokens,
-        options,
+        choice,
         eos,
         pad_token_id,
         use_cache,
@@ -392,14 +404,9 @@ def generate(
         lm: The model (run in eval mode, its mode restored after).
         input_ids: Prompts ``(B, P)``, left-padded when of different lengths.
         max_new_tokens: Most tokens to add.
-        **options: ``attention_mask`` (``(B, P)``, ``True``/1 = real token; left padding),
-            ``pad_token_id`` (fills rows that ended; default the folder's, else the first eos),
-            ``eos_token_id`` (int or list; default ``lm.generation_config``'s; ``[]``: none),
-            ``temperature``,
-            ``top_k``, ``top_p``, ``repetition_penalty``, ``use_cache`` (KV cache instead of
-            re-running the prefix; same tokens), ``generator``, ``compile`` (run each cached
-            step as one compiled graph, see :class:`attnkit.decoding.Decoder`; the first call
-            per batch size and length pays the compilation).
+        **options: :class:`GenerateOptions` (``attention_mask``, ``pad_token_id``,
+            ``eos_token_id``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
+            ``use_cache``, ``generator``, ``compile``).
 
     Returns:
         ``(B, P + n)`` token ids, prompt included, with ``n <= max_new_tokens`` (fewer when
@@ -408,7 +415,7 @@ def generate(
     Raises:
         ValueError: For bad shapes, right padding, out-of-range ids or options, or
             ``P + max_new_tokens > max_seq_len``.
-        TypeError: For non-integer ids, or a bad ``eos_token_id``.
+        TypeError: For non-integer ids, a bad ``eos_token_id`` or an unknown option.
     """
     columns = list(stream(lm, input_ids, max_new_tokens, **options))
     ids = input_ids.to(lm.embedding.weight.device)
