@@ -40,7 +40,7 @@ E head dim, Ev value head dim.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -218,12 +218,12 @@ def plan_runs(
                 if count > 1
                 else (0, 0, 0)
             )
+            tile = TileRun(b0, i0, j0, db, di, dj, count, h, w, None)
             shared = None
             if has_cut:
                 allowed = _tile_masks(
-                    L, S, b0, i0, j0, db, di, dj, count, h, w,
-                    causal=causal, window=window, seg=seg, lengths=lengths,
-                )  # fmt: skip
+                    L, S, tile, causal=causal, window=window, seg=seg, lengths=lengths
+                )
             else:
                 shared = (h, w, off, causal, window, device)
                 allowed = _offset_mask(*shared)
@@ -232,9 +232,7 @@ def plan_runs(
             if allowed is not None and not square:
                 no_key = ~allowed.any(-1)  # (count or 1, rows)
                 empty = no_key[:, None, :, None] if bool(no_key.any()) else None
-            runs.append(
-                TileRun(b0, i0, j0, db, di, dj, count, h, w, allowed, square, shared, empty)
-            )  # fmt: skip
+            runs.append(replace(tile, allowed=allowed, causal=square, shared=shared, empty=empty))
     return runs
 
 
@@ -290,15 +288,9 @@ class _FlashRuns(torch.autograd.Function):
         out = alloc(B, L, H, Ev, dtype=q.dtype, device=q.device).transpose(1, 2)  # (B,H,L,Ev)
         masks, outs, lses = [], [], []
         for r in runs:
-            mask = (
-                None if r.causal or r.allowed is None
-                else _offset_additive(*r.shared, q.dtype) if r.shared is not None
-                else _additive(r.allowed, q.dtype)
-            )  # fmt: skip
-            o, lse = _flash(
-                _q_view(q, r), _k_view(k, r), _k_view(v, r), 0.0, r.causal,
-                attn_mask=mask, scale=scale,
-            )  # fmt: skip  # (count, H, rows, Ev), (count, H, rows)
+            mask = _kernel_mask(r, q.dtype)
+            o, lse = _flash(*_views(r, q, k, v), 0.0, r.causal, attn_mask=mask, scale=scale)
+            # o (count, H, rows, Ev), lse (count, H, rows)
             if r.empty is not None:
                 o = o.masked_fill(r.empty, 0.0)
             _q_view(out, r).copy_(o)
@@ -320,9 +312,15 @@ class _FlashRuns(torch.autograd.Function):
         dv = torch.zeros_like(v, dtype=acc)
         for r, mask, o, lse in zip(ctx.runs, ctx.masks, ctx.outs, ctx.lses, strict=True):
             gq, gk, gv = _flash_backward(
-                _q_view(grad_out, r), _q_view(q, r), _k_view(k, r), _k_view(v, r), o, lse,
-                0.0, r.causal, attn_mask=mask, scale=ctx.scale,
-            )  # fmt: skip
+                _q_view(grad_out, r),
+                *_views(r, q, k, v),
+                o,
+                lse,
+                0.0,
+                r.causal,
+                attn_mask=mask,
+                scale=ctx.scale,
+            )
             _q_view(dq, r).copy_(gq)
             _add_spans(dk, gk, r)
             _add_spans(dv, gv, r)
@@ -391,15 +389,7 @@ def _arithmetic_runs(tiles: list[tuple[int, int, int]]) -> list[tuple[int, int]]
 def _tile_masks(
     L: int,
     S: int,
-    b: int,
-    i: int,
-    j: int,
-    db: int,
-    di: int,
-    dj: int,
-    count: int,
-    rows: int,
-    width: int,
+    tile: TileRun,
     *,
     causal: bool,
     window: int | None,
@@ -408,10 +398,11 @@ def _tile_masks(
 ) -> Tensor | None:
     """Bool ``(count, rows, width)``: every constraint evaluated on each tile of a run."""
     device = seg.device if seg is not None else None
+    count, rows, width = tile.count, tile.rows, tile.width
     u = torch.arange(count, device=device).view(count, 1, 1)
-    p = i + u * di + torch.arange(rows, device=device).view(1, rows, 1) + (S - L)
-    kj = j + u * dj + torch.arange(width, device=device).view(1, 1, width)
-    bb = b + u * db
+    p = tile.i + u * tile.di + torch.arange(rows, device=device).view(1, rows, 1) + (S - L)
+    kj = tile.j + u * tile.dj + torch.arange(width, device=device).view(1, 1, width)
+    bb = tile.b + u * tile.db
     ok = torch.ones(count, rows, width, dtype=torch.bool, device=device)
     if causal:
         ok &= kj <= p
@@ -470,6 +461,21 @@ def _additive(allowed: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, float("-inf"))
     return mask[0] if len(mask) == 1 else mask.unsqueeze(1)  # (rows, w) or (count, 1, rows, w)
+
+
+def _kernel_mask(r: TileRun, dtype: torch.dtype) -> Tensor | None:
+    """The additive mask the kernel gets for run ``r``: none for ``is_causal`` or unmasked runs,
+    a cached one when the mask is shared by every tile."""
+    if r.causal or r.allowed is None:
+        return None
+    if r.shared is not None:
+        return _offset_additive(*r.shared, dtype)
+    return _additive(r.allowed, dtype)
+
+
+def _views(r: TileRun, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The run's query tiles and key/value spans as strided views (see :func:`_q_view`)."""
+    return _q_view(q, r), _k_view(k, r), _k_view(v, r)
 
 
 def _q_view(t: Tensor, r: TileRun) -> Tensor:

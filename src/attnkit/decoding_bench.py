@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit.config import TransformerConfig
+from attnkit.config import FAMILIES, PRESETS, TransformerConfig
 from attnkit.decoding import _attention_linears, _block_parts, _huge_page_empty
 from attnkit.models import TransformerLM
 from attnkit.positional import LearnedPositionalEmbedding
@@ -39,33 +39,23 @@ __all__ = [
     "vs_rows",
 ]
 
+_LLAMA = FAMILIES["llama"]
 #: name -> (config, prompt length, new tokens); "llama-tiny" is for quick smoke runs.
 DECODE_MODELS: dict[str, tuple[TransformerConfig, int, int]] = {
     "llama-tiny": (
-        TransformerConfig(
-            256, 64, 2, 4, num_kv_heads=2, hidden_dim=172, max_seq_len=64, norm="rmsnorm",
-            activation="swiglu", bias=False, rope_interleaved=False,
-        ),
+        TransformerConfig(256, 64, 2, 4, num_kv_heads=2, hidden_dim=172, max_seq_len=64, **_LLAMA),
         32,
         8,
     ),
     "llama-3m": (
         TransformerConfig(
-            1024, 256, 4, 8, num_kv_heads=4, hidden_dim=688, max_seq_len=1024, norm="rmsnorm",
-            activation="swiglu", bias=False, rope_interleaved=False,
+            1024, 256, 4, 8, num_kv_heads=4, hidden_dim=688, max_seq_len=1024, **_LLAMA
         ),
         512,
         128,
     ),
-    "llama-100m": (
-        TransformerConfig(
-            32000, 768, 12, 12, num_kv_heads=4, hidden_dim=2048, max_seq_len=1024,
-            norm="rmsnorm", activation="swiglu", bias=False, rope_interleaved=False,
-        ),
-        128,
-        64,
-    ),
-}  # fmt: skip
+    "llama-100m": (PRESETS["llama-100m"].replace(max_seq_len=1024), 128, 64),
+}
 
 
 def llama_config(name: str) -> TransformerConfig:
@@ -314,9 +304,13 @@ def decode_rows(
 
             def run_hf(n: int, hf: Any = hf, prompt: Tensor = prompt) -> Tensor:
                 return hf.generate(
-                    prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                    pad_token_id=0, eos_token_id=None,
-                )  # fmt: skip
+                    prompt,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
 
             runners["transformers"] = run_hf
         runners["attnkit"] = _runner(model, prompt)

@@ -179,15 +179,28 @@ def _run_vs(args: argparse.Namespace) -> int:
 
     if args.quick:
         config = bench_vs.VsConfig(
-            seq_len=512, window=32, documents=4, heads=2, head_dim=16, repeats=1, flex=args.flex,
-            texts=6, long_words=40, decode_models=("llama-tiny",), decode_compile=False,
-        )  # fmt: skip
+            seq_len=512,
+            window=32,
+            documents=4,
+            heads=2,
+            head_dim=16,
+            repeats=1,
+            flex=args.flex,
+            texts=6,
+            long_words=40,
+            decode_models=("llama-tiny",),
+            decode_compile=False,
+        )
     else:
         seq_len = args.seq_len[0] if args.seq_len else 8192
         config = bench_vs.VsConfig(
-            seq_len=seq_len, window=args.window, heads=args.heads, head_dim=args.head_dim,
-            repeats=args.repeats, flex=True,
-        )  # fmt: skip
+            seq_len=seq_len,
+            window=args.window,
+            heads=args.heads,
+            head_dim=args.head_dim,
+            repeats=args.repeats,
+            flex=True,
+        )
     rows = bench_vs.run_vs(config, progress=not args.quick)
     print(bench_vs.format_vs_table(rows, config))
     if args.out is not None:
@@ -203,8 +216,10 @@ def _progress(points: list[tuple[int, str, str]], *, enabled: bool) -> Iterable[
     try:
         from tqdm import tqdm
     except ImportError:
-        print(f"attnkit bench: {len(points)} points (install tqdm for a progress bar)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"attnkit bench: {len(points)} points (install tqdm for a progress bar)",
+            file=sys.stderr,
+        )
         return points
     return tqdm(points, desc="attnkit bench", file=sys.stderr, unit="point")
 

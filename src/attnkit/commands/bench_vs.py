@@ -112,6 +112,8 @@ class VsRow:
         return self.peer_s / self.attnkit_s
 
 
+#: The FlexAttention peer's name in the table.
+FLEX = "FlexAttention (compiled)"
 RowMaker = Callable[[VsConfig], list[VsRow]]
 #: The row makers of the table, in order. Each measures its job side by side in one process.
 ROW_MAKERS: dict[str, RowMaker] = {}
@@ -169,8 +171,8 @@ def format_vs_table(rows: list[VsRow], config: VsConfig) -> str:
     widths = [max(len(row[c]) for row in table) for c in range(len(cols) - 1)]
     lines = [head]
     for row in table:
-        cells = [f"{x:<{w}}" if c in (0, 2, 5) else f"{x:>{w}}" for c, (x, w) in enumerate(
-            zip(row[:-1], widths, strict=True))]  # fmt: skip
+        pairs = enumerate(zip(row[:-1], widths, strict=True))
+        cells = [f"{x:<{w}}" if c in (0, 2, 5) else f"{x:>{w}}" for c, (x, w) in pairs]
         lines.append("  ".join(cells) + "  " + row[-1])
     return "\n".join(lines)
 
@@ -213,7 +215,7 @@ def _structured_rows(case: str, config: VsConfig) -> list[VsRow]:
         size = f"{config.documents}x{doc} in N={n}"
     goals = {
         "dense-mask SDPA": {"fwd": 10.0, "fwd+bwd": 12.0},
-        "FlexAttention (compiled)": {"fwd": 1.0},
+        FLEX: {"fwd": 1.0},
     }
     mask = structured_mask(n, n, **kw)  # (1, 1, N, N)
     scale = config.head_dim**-0.5
@@ -231,7 +233,7 @@ def _structured_rows(case: str, config: VsConfig) -> list[VsRow]:
     if config.flex:
         flex, first_s, why = _flex(q, kw, scale)
         if flex is not None:
-            peers["FlexAttention (compiled)"] = flex
+            peers[FLEX] = flex
             flex_note = f"Flex first call (compile) {first_s:.1f} s"
         else:
             flex_note = why
@@ -254,9 +256,8 @@ def _structured_rows(case: str, config: VsConfig) -> list[VsRow]:
             note += f"; max diff {err[peer]:.1e}"
             goal = goals[peer].get(mode)
             rows.append(VsRow(f"{case} {mode}", peer, times["attnkit"], times[peer], note, goal))
-        if config.flex and "FlexAttention (compiled)" not in peers and not backward:
-            rows.append(VsRow(f"{case} {mode}", "FlexAttention (compiled)", times["attnkit"],
-                              None, flex_note))  # fmt: skip
+        if config.flex and FLEX not in peers and not backward:
+            rows.append(VsRow(f"{case} {mode}", FLEX, times["attnkit"], None, flex_note))
     return rows
 
 
