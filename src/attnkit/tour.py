@@ -159,6 +159,12 @@ def _figure(width: float, height: float, cols: int = 1) -> tuple[Figure, list[An
     return fig, list(axes)
 
 
+def _title(ax: Any, title: str) -> None:
+    """Title a panel and give it the tour's small legend."""
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -415,8 +421,7 @@ def check_cost(
     ticks = [n for n in ns if n in (16, 32, 64, 128, 256, 512)]
     ax1.set_xticks(ticks, [str(n) for n in ticks])
     ax1.minorticks_off()
-    ax1.set_title(f"FLOPs counted by torch, MultiHeadAttention(D={dim}, H={num_heads})")
-    ax1.legend(fontsize=8)
+    _title(ax1, f"FLOPs counted by torch, MultiHeadAttention(D={dim}, H={num_heads})")
     tl = list(timed_lengths)
     ax2.plot(tl, [median[n] * 1e3 for n in tl], "o-", label="measured (median)")
     ax2.plot(
@@ -425,8 +430,7 @@ def check_cost(
     ax2.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel="forward time (ms)")
     ax2.set_xticks(tl, [str(n) for n in tl])
     ax2.minorticks_off()
-    ax2.set_title(f"Time: slope {slope_time:.2f} vs FLOPs slope {slope_flops:.2f} ({a}→{b})")
-    ax2.legend(fontsize=8)
+    _title(ax2, f"Time: slope {slope_time:.2f} vs FLOPs slope {slope_flops:.2f} ({a}→{b})")
     verdict = (
         f"counted FLOPs equal the predicted components at every n: {counts_match}; n² terms "
         f"first reach the n·d² terms at n = {measured_n} (predicted {predicted_n}); time slope "
@@ -577,8 +581,7 @@ def check_sinusoidal_shift(
         ax2.plot(range(len(err)), err.clamp_min(1e-12).numpy(), "o-", ms=3, label=f"k = {k}")
     ax2.axhline(tolerance, color="gray", ls="--")
     ax2.set(yscale="log", xlabel="channel pair", ylabel="max over p of |PE(p+k) − R_k PE(p)|")
-    ax2.set_title("One rotation per pair maps every PE(p) to PE(p + k)")
-    ax2.legend(fontsize=8)
+    _title(ax2, "One rotation per pair maps every PE(p) to PE(p + k)")
     verdict = (
         f"largest error over all p, pairs and k in {list(shifts)}: {worst:.2e} "
         f"(tolerance {tolerance:.0e})"
@@ -685,8 +688,7 @@ def check_rope_norm(
     lo, hi = float(before.min()), float(before.max())
     ax.plot([lo, hi], [lo, hi], "k:", lw=1)
     ax.set(xlabel="|x|", ylabel="|rope(x, p)|")
-    ax.set_title("RoPE at positions 0..127 and 100000..100127")
-    ax.legend(fontsize=8)
+    _title(ax, "RoPE at positions 0..127 and 100000..100127")
     verdict = f"largest relative change of a norm: {worst:.2e} (tolerance {tolerance:.0e})"
     return _result(7, worst <= tolerance, measured, verdict, fig)
 
@@ -809,8 +811,7 @@ def check_causal(
     )
     ax2.plot(range(length - 1), future_change, "s-", label="largest change at positions > t")
     ax2.set(yscale="log", xlabel="t: tokens after t replaced", ylabel="max |Δ logits|")
-    ax2.set_title("Changing the future")
-    ax2.legend(fontsize=8)
+    _title(ax2, "Changing the future")
     verdict = (
         f"largest weight above the diagonal {upper:.1e} (must be 0); largest change of an "
         f"earlier output {past:.1e} (<= 1e-10); later outputs do change: {uses_context}"
