@@ -30,7 +30,7 @@ def test_vs_quick_table_and_json(tmp_path, capsys):
     assert (
         decode["attnkit_s"] > 0 and decode["peer_s"] > 0 and "same tokens: True" in decode["note"]
     )
-    assert report["config"]["seq_len"] == 512 and report["machine"]["torch"]
+    assert report["config"]["attention"]["seq_len"] == 512 and report["machine"]["torch"]
     assert "x = peer time / attnkit time" in out
 
 

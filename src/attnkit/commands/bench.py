@@ -178,29 +178,13 @@ def _run_vs(args: argparse.Namespace) -> int:
     from attnkit.commands import bench_vs
 
     if args.quick:
-        config = bench_vs.VsConfig(
-            seq_len=512,
-            window=32,
-            documents=4,
-            heads=2,
-            head_dim=16,
-            repeats=1,
-            flex=args.flex,
-            texts=6,
-            long_words=40,
-            decode_models=("llama-tiny",),
-            decode_compile=False,
-        )
+        config = bench_vs.VsConfig.quick(flex=args.flex)
     else:
         seq_len = args.seq_len[0] if args.seq_len else 8192
-        config = bench_vs.VsConfig(
-            seq_len=seq_len,
-            window=args.window,
-            heads=args.heads,
-            head_dim=args.head_dim,
-            repeats=args.repeats,
-            flex=True,
+        job = bench_vs.AttentionJob(
+            seq_len=seq_len, window=args.window, heads=args.heads, head_dim=args.head_dim
         )
+        config = bench_vs.VsConfig(job, repeats=args.repeats, flex=True)
     rows = bench_vs.run_vs(config, progress=not args.quick)
     print(bench_vs.format_vs_table(rows, config))
     if args.out is not None:

@@ -31,13 +31,40 @@ import random
 import statistics
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ROW_MAKERS", "VsConfig", "VsRow", "format_vs_table", "register", "run_vs"]
+__all__ = [
+    "ROW_MAKERS",
+    "AttentionJob",
+    "VsConfig",
+    "VsRow",
+    "format_vs_table",
+    "register",
+    "run_vs",
+]
+
+
+@dataclass(frozen=True)
+class AttentionJob:
+    """The attention problem of the window and documents rows: one sequence, fp32.
+
+    Attributes:
+        seq_len: Tokens ``N``.
+        window: Sliding window of the window rows.
+        documents: Equal documents packed into ``seq_len`` for the documents rows.
+        heads: Attention heads.
+        head_dim: Head dim E.
+    """
+
+    seq_len: int = 8192
+    window: int = 256
+    documents: int = 8
+    heads: int = 8
+    head_dim: int = 64
 
 
 @dataclass(frozen=True)
@@ -45,11 +72,7 @@ class VsConfig:
     """What the ``--vs`` rows measure.
 
     Attributes:
-        seq_len: Tokens of the attention jobs.
-        window: Sliding window of the window rows.
-        documents: Equal documents packed into ``seq_len`` for the documents rows.
-        heads: Attention heads.
-        head_dim: Head dim E.
+        attention: The problem of the structured-attention rows.
         repeats: Timed rounds per row (medians).
         flex: Whether to compile and time FlexAttention.
         texts: Texts of the sentence-embedding row.
@@ -59,17 +82,26 @@ class VsConfig:
         decode_compile: Also time ``generate(..., compile=True)`` (compiles once per model).
     """
 
-    seq_len: int = 8192
-    window: int = 256
-    documents: int = 8
-    heads: int = 8
-    head_dim: int = 64
+    attention: AttentionJob = field(default_factory=AttentionJob)
     repeats: int = 3
     flex: bool = True
     texts: int = 128
     long_words: int = 400
     decode_models: tuple[str, ...] = ("llama-3m", "llama-100m")
     decode_compile: bool = True
+
+    @classmethod
+    def quick(cls, *, flex: bool = False) -> VsConfig:
+        """Sizes small enough to run every row in seconds (a smoke test, not a measurement)."""
+        return cls(
+            AttentionJob(seq_len=512, window=32, documents=4, heads=2, head_dim=16),
+            repeats=1,
+            flex=flex,
+            texts=6,
+            long_words=40,
+            decode_models=("llama-tiny",),
+            decode_compile=False,
+        )
 
 
 @dataclass
@@ -204,23 +236,24 @@ def _structured_rows(case: str, config: VsConfig) -> list[VsRow]:
     from attnkit.functional import scaled_dot_product_attention
     from attnkit.masks import structured_mask
 
-    n = config.seq_len
+    job = config.attention
+    n = job.seq_len
     if case == "window":
-        kw: dict[str, Any] = {"causal": True, "window": config.window}
-        size = f"N={n} W={config.window}"
+        kw: dict[str, Any] = {"causal": True, "window": job.window}
+        size = f"N={n} W={job.window}"
     else:
-        doc = n // config.documents
-        seg = (torch.arange(n) // doc).clamp(max=config.documents - 1).view(1, n)
+        doc = n // job.documents
+        seg = (torch.arange(n) // doc).clamp(max=job.documents - 1).view(1, n)
         kw = {"causal": True, "segment_ids": seg}
-        size = f"{config.documents}x{doc} in N={n}"
+        size = f"{job.documents}x{doc} in N={n}"
     goals = {
         "dense-mask SDPA": {"fwd": 10.0, "fwd+bwd": 12.0},
         FLEX: {"fwd": 1.0},
     }
     mask = structured_mask(n, n, **kw)  # (1, 1, N, N)
-    scale = config.head_dim**-0.5
+    scale = job.head_dim**-0.5
     gen = torch.Generator().manual_seed(0)
-    shape = (1, n, config.heads, config.head_dim)  # projections give (B, L, H, E) memory
+    shape = (1, n, job.heads, job.head_dim)  # projections give (B, L, H, E) memory
     q, k, v = (torch.randn(shape, generator=gen).transpose(1, 2) for _ in range(3))
     grad = torch.randn(q.shape, generator=gen)
 
@@ -246,7 +279,7 @@ def _structured_rows(case: str, config: VsConfig) -> list[VsRow]:
         }
         times, err = _time_attention(fns, q, k, v, grad, backward, config.repeats)
         for peer in peers:
-            note = f"{size}, fp32, H={config.heads}, E={config.head_dim}"
+            note = f"{size}, fp32, H={job.heads}, E={job.head_dim}"
             if peer.startswith("Flex"):
                 if backward:
                     why = "no FlexAttention backward on CPU in torch 2.13"
