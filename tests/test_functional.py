@@ -279,6 +279,9 @@ def _err(exc, match, *args, **kwargs):
 
 def test_error_messages():
     q, k, v = _qkv()
+    _err(
+        TypeError, r"unknown attention options \['causl'\]; known: \['causal'", q, k, v, causl=True
+    )
     _err(TypeError, "q must be a torch.Tensor, got list", [1.0], k, v)
     _err(
         TypeError,

@@ -123,19 +123,17 @@ def attend(
     v: Tensor,
     mask: Tensor | None = None,
     *,
-    causal: bool = False,
-    window: int | None = None,
-    segment_ids: Tensor | None = None,
-    key_lengths: Tensor | None = None,
+    return_weights: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    return_weights: bool = False,
+    **structure: Unpack[M.StructureArgs],
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`scaled_dot_product_attention` as an ``(out, weights)`` pair, the call every
     attention layer makes.
 
     ``weights`` is ``None`` unless ``return_weights``; the arguments are those of
-    :func:`scaled_dot_product_attention`.
+    :func:`scaled_dot_product_attention` (``structure``: ``causal``, ``window``,
+    ``segment_ids``, ``key_lengths``).
 
     Shape:
         q ``(..., H, L, E)``, k/v ``(..., K, S, E)`` -> out ``(..., H, L, Ev)``,
@@ -145,34 +143,39 @@ def attend(
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = resolve_scale(scale, E)
     gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
-    structure = M.Structure(causal, window, segment_ids, key_lengths)
-    if structure.batched and q.dim() != 4:
+    try:
+        rules = M.Structure(**structure)
+    except TypeError:
+        unknown = sorted(set(structure) - M.StructureArgs.__optional_keys__)
+        known = sorted(Options.__optional_keys__ | {"return_weights"})
+        raise TypeError(f"unknown attention options {unknown}; known: {known}") from None
+    if rules.batched and q.dim() != 4:
         raise ValueError(
             f"segment_ids/key_lengths need q with batch and head dims (B, H, L, E), got "
             f"{tuple(q.shape)}"
         )
-    structure.check(L, S, batch=q.shape[0] if structure.batched else None)
+    rules.check(L, S, batch=q.shape[0] if rules.batched else None)
     if mask is not None and mask.dtype != torch.bool:
         mask = _additive(mask, q.dtype)
 
-    if structure.sparse and mask is None and not return_weights and S > 0:
+    if rules.sparse and mask is None and not return_weights and S > 0:
         grads = q.requires_grad or k.requires_grad or v.requires_grad
         backward = torch.is_grad_enabled() and grads
         plan = sparse.faster_plan(
-            L, S, structure, batch=math.prod(q.shape[:-3]), device=q.device, backward=backward
+            L, S, rules, batch=math.prod(q.shape[:-3]), device=q.device, backward=backward
         )
         if plan is not None:
             return attend_tiles(q, k, v, plan, scale=scale, dropout_p=dropout_p), None
 
     # Fold causal/window/documents/padding into one bool constraint, unless plain causal can be
     # expressed as is_causal (L == S: top-left and bottom-right alignment coincide).
-    is_causal = causal and not structure.sparse and mask is None and L == S and not return_weights
+    is_causal = rules.causal and not rules.sparse and mask is None and L == S and not return_weights
     constraint = None
-    if structure.sparse:
-        constraint = structure.mask(L, S, device=q.device)  # (B or 1, 1, L, S)
-        if not structure.batched:
+    if rules.sparse:
+        constraint = rules.mask(L, S, device=q.device)  # (B or 1, 1, L, S)
+        if not rules.batched:
             constraint = constraint[0, 0]  # window only: (L, S) broadcasts against any q
-    elif causal and not is_causal and L > 1:  # a single query at the end sees every key
+    elif rules.causal and not is_causal and L > 1:  # a single query at the end sees every key
         constraint = M.causal_mask(L, S, device=q.device)
     mask = _merge(mask, constraint)
 
