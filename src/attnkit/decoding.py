@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from attnkit import functional as F_attn
 from attnkit.attention import MultiHeadAttention
 from attnkit.blocks import FeedForward, TransformerBlock
+from attnkit.generation import positions_from_mask
 from attnkit.models import TransformerLM
 from attnkit.positional import (
     LearnedPositionalEmbedding,
@@ -560,7 +561,7 @@ class Decoder:
             if mask is None:
                 positions = torch.arange(P, device=device).expand(B, P)
             else:
-                positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+                positions = positions_from_mask(mask)
         else:
             if positions.dtype.is_floating_point or positions.dtype == torch.bool:
                 raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
