@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnkit.blockwise import TileRun, attend_runs, plan_runs, tile_rows
+from attnkit.masks import Structure
 from attnkit.sparse import block_sparse_attention
 from tests.reference import loop_mask, reference_attention
 
@@ -22,7 +23,7 @@ from tests.reference import loop_mask, reference_attention
 def blockwise_attention(q, k, v, *, rows=None, scale=None, dropout_p=0.0, **structure):
     """The kernel on ``(B, H, L, E)`` inputs: plan, then run."""
     B, _, L, E = q.shape
-    runs = plan_runs(B, L, k.shape[2], rows=rows, **structure)
+    runs = plan_runs(B, L, k.shape[2], Structure(**structure), rows=rows)
     scale = 1 / math.sqrt(E) if scale is None else scale
     return attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
 
@@ -229,7 +230,7 @@ def test_dropout_path_keeps_masked_rows_zero_and_is_random():
 
 
 def test_window_plan_is_one_strided_run_with_a_shared_mask():
-    runs = plan_runs(1, 8192, 8192, causal=True, window=256)
+    runs = plan_runs(1, 8192, 8192, Structure(causal=True, window=256))
     interior = max(runs, key=lambda r: r.count)
     assert (interior.rows, interior.width, interior.di, interior.dj) == (64, 319, 64, 64)
     assert interior.count == 8192 // 64 - 4 and interior.allowed is not None
@@ -239,22 +240,24 @@ def test_window_plan_is_one_strided_run_with_a_shared_mask():
 
 def test_equal_documents_plan_is_one_causal_run_without_mask():
     seg = (torch.arange(8192) // 1024).view(1, -1)
-    (run,) = plan_runs(1, 8192, 8192, causal=True, segment_ids=seg)
+    (run,) = plan_runs(1, 8192, 8192, Structure(causal=True, segment_ids=seg))
     assert (run.count, run.rows, run.width, run.di, run.dj) == (8, 1024, 1024, 1024, 1024)
     assert run.causal  # the kernel's is_causal, no mask tensor
-    (run,) = plan_runs(1, 8192, 8192, segment_ids=seg)  # bidirectional: every pair allowed
+    (run,) = plan_runs(
+        1, 8192, 8192, Structure(segment_ids=seg)
+    )  # bidirectional: every pair allowed
     assert run.allowed is None
 
 
 def test_padding_only_needs_no_mask_and_skips_padded_keys():
-    runs = plan_runs(3, 100, 100, key_lengths=torch.tensor([40, 0, 100]), rows=32)
+    runs = plan_runs(3, 100, 100, Structure(key_lengths=torch.tensor([40, 0, 100])), rows=32)
     assert all(r.allowed is None for r in runs)
     assert {(r.b, r.width) for r in runs} == {(0, 40), (2, 100)}  # batch 1: nothing to do
 
 
 def test_tiles_never_straddle_documents():
     seg = torch.tensor([[0] * 5 + [1] * 20 + [2] * 3])
-    runs = plan_runs(1, 28, 28, causal=True, segment_ids=seg, rows=8)
+    runs = plan_runs(1, 28, 28, Structure(causal=True, segment_ids=seg), rows=8)
     tiles = sorted((r.i + u * r.di, r.rows) for r in runs for u in range(r.count))
     assert tiles == [(0, 5), (5, 8), (13, 8), (21, 4), (25, 3)]  # the grid restarts per doc
 
@@ -262,4 +265,4 @@ def test_tiles_never_straddle_documents():
 def test_tile_rows_rule():
     assert tile_rows(8192, 256) == 64 and tile_rows(8192, 4096) == 128
     assert tile_rows(8192, None) == 1024 and tile_rows(10, None) == 10
-    assert isinstance(plan_runs(1, 5, 5, causal=True)[0], TileRun)
+    assert isinstance(plan_runs(1, 5, 5, Structure(causal=True))[0], TileRun)

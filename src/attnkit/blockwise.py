@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit.masks import Structure
+
 __all__ = ["TileRun", "attend_runs", "plan_runs", "tile_rows"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -124,11 +126,8 @@ def plan_runs(
     B: int,
     L: int,
     S: int,
+    structure: Structure,
     *,
-    causal: bool = False,
-    window: int | None = None,
-    segment_ids: Tensor | None = None,
-    key_lengths: Tensor | None = None,
     rows: int | None = None,
     device: torch.device | str | None = None,
 ) -> list[TileRun]:
@@ -138,16 +137,13 @@ def plan_runs(
     tile share one document. A tile's span is the hull of the keys its queries may attend; as
     padding only shortens it, a span needs a mask only where causality or the window cuts it
     (the same mask for every tile at the same offset: shared along a run) or where a document
-    id occurs in pieces (then the tile gets its own mask).
+    id occurs in pieces (then the tile gets its own mask, from :meth:`Structure.allows`).
 
     Args:
         B: Batch size.
         L: Query length.
         S: Key length.
-        causal: As in :class:`attnkit.masks.Structure`.
-        window: As in :class:`attnkit.masks.Structure`.
-        segment_ids: ``(B or 1, S)`` integer ids, as in :class:`attnkit.masks.Structure`.
-        key_lengths: ``(B or 1,)`` integer lengths, as in :class:`attnkit.masks.Structure`.
+        structure: The checked constraints (ids and lengths of batch ``B`` or 1).
         rows: Queries per tile; defaults to :func:`tile_rows`.
         device: Where the inputs (and so the masks) live; defaults to that of ``segment_ids``
             or ``key_lengths``, else the CPU.
@@ -158,10 +154,12 @@ def plan_runs(
     if min(B, L, S) == 0:
         return []
     if device is None:
-        device = next((t.device for t in (segment_ids, key_lengths) if t is not None), None)
+        given = (structure.segment_ids, structure.key_lengths)
+        device = next((t.device for t in given if t is not None), None)
     device = torch.device("cpu" if device is None else device)
-    seg = None if segment_ids is None else segment_ids.to(device, torch.long).expand(B, S)
-    lengths = None if key_lengths is None else key_lengths.to(device, torch.long).expand(B)
+    rules = structure.to(B, S, device)  # ids (B, S), lengths (B,): long, on device
+    causal, window = rules.causal, rules.window
+    seg, lengths = rules.segment_ids, rules.key_lengths
     R = tile_rows(L, window) if rows is None else max(1, min(rows, L))
 
     idx = torch.arange(L, device=device).expand(B, L)
@@ -221,9 +219,7 @@ def plan_runs(
             tile = TileRun(b0, i0, j0, db, di, dj, count, h, w, None)
             shared = None
             if has_cut:
-                allowed = _tile_masks(
-                    L, S, tile, causal=causal, window=window, seg=seg, lengths=lengths
-                )
+                allowed = _tile_masks(L, S, tile, rules)
             else:
                 shared = (h, w, off, causal, window, device)
                 allowed = _offset_mask(*shared)
@@ -386,32 +382,16 @@ def _arithmetic_runs(tiles: list[tuple[int, int, int]]) -> list[tuple[int, int]]
     return runs
 
 
-def _tile_masks(
-    L: int,
-    S: int,
-    tile: TileRun,
-    *,
-    causal: bool,
-    window: int | None,
-    seg: Tensor | None,
-    lengths: Tensor | None,
-) -> Tensor | None:
-    """Bool ``(count, rows, width)``: every constraint evaluated on each tile of a run."""
+def _tile_masks(L: int, S: int, tile: TileRun, rules: Structure) -> Tensor | None:
+    """Bool ``(count, rows, width)``: the rules evaluated on each tile of a run (``None`` if
+    they allow every pair); ``rules`` as made by :meth:`Structure.to`."""
+    seg = rules.segment_ids
     device = seg.device if seg is not None else None
-    count, rows, width = tile.count, tile.rows, tile.width
-    u = torch.arange(count, device=device).view(count, 1, 1)
-    p = tile.i + u * tile.di + torch.arange(rows, device=device).view(1, rows, 1) + (S - L)
-    kj = tile.j + u * tile.dj + torch.arange(width, device=device).view(1, 1, width)
-    bb = tile.b + u * tile.db
-    ok = torch.ones(count, rows, width, dtype=torch.bool, device=device)
-    if causal:
-        ok &= kj <= p
-    if window is not None:
-        ok &= (p - kj).abs() < window
-    if lengths is not None:
-        ok &= kj < lengths[bb]
-    if seg is not None:
-        ok &= seg[bb, kj] == seg[bb, p]
+    u = torch.arange(tile.count, device=device).view(tile.count, 1, 1)
+    i = tile.i + u * tile.di + torch.arange(tile.rows, device=device).view(1, tile.rows, 1)
+    j = tile.j + u * tile.dj + torch.arange(tile.width, device=device).view(1, 1, tile.width)
+    b = tile.b + u * tile.db
+    ok = rules.allows(i, j, b, L=L, S=S).expand(tile.count, tile.rows, tile.width)
     return None if bool(ok.all()) else ok
 
 

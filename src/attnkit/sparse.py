@@ -231,17 +231,7 @@ def _plan(
 ) -> TilePlan:
     """The :class:`TilePlan` of a checked structure (tiles of ``block_size`` or the default)."""
     rules = structure.to(B, S, device)
-    runs = plan_runs(
-        B,
-        L,
-        S,
-        causal=rules.causal,
-        window=rules.window,
-        segment_ids=rules.segment_ids,
-        key_lengths=rules.key_lengths,
-        rows=block_size,
-        device=device,
-    )
+    runs = plan_runs(B, L, S, rules, rows=block_size, device=device)
     return TilePlan(rules, L, S, B, runs)
 
 
