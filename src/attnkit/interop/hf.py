@@ -199,12 +199,9 @@ def _gpt2_config(data: dict[str, Any]) -> TransformerConfig:
         num_heads=data["n_head"],
         hidden_dim=data.get("n_inner") or 4 * data["n_embd"],
         max_seq_len=data["n_positions"],
-        position="learned",
-        norm="layernorm",
-        activation=acts[act],  # type: ignore[arg-type]
         eps=float(data.get("layer_norm_epsilon", 1e-5)),
-        bias=True,
         tie_embeddings=bool(data.get("tie_word_embeddings", True)),
+        **(FAMILIES["gpt2"] | {"activation": acts[act]}),
     )
 
 
