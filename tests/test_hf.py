@@ -466,6 +466,17 @@ def test_truncated_safetensors(llama_folder: Path, tmp_path: Path) -> None:
         TransformerLM.from_pretrained(d)
 
 
+# A GPT-2 config.json small enough for the rejection cases below.
+TINY_GPT2_JSON = {
+    "architectures": ["GPT2LMHeadModel"],
+    "model_type": "gpt2",
+    "n_embd": 16,
+    "n_layer": 1,
+    "n_head": 2,
+    "n_positions": 8,
+}
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
@@ -495,27 +506,11 @@ def test_truncated_safetensors(llama_folder: Path, tmp_path: Path) -> None:
             "layer_types",
         ),
         (
-            {
-                "architectures": ["GPT2LMHeadModel"],
-                "model_type": "gpt2",
-                "n_embd": 16,
-                "n_layer": 1,
-                "n_head": 2,
-                "n_positions": 8,
-                "scale_attn_by_inverse_layer_idx": True,
-            },
+            TINY_GPT2_JSON | {"scale_attn_by_inverse_layer_idx": True},
             "scale_attn_by_inverse_layer_idx",
         ),
         (
-            {
-                "architectures": ["GPT2LMHeadModel"],
-                "model_type": "gpt2",
-                "n_embd": 16,
-                "n_layer": 1,
-                "n_head": 2,
-                "n_positions": 8,
-                "activation_function": "tanh",
-            },
+            TINY_GPT2_JSON | {"activation_function": "tanh"},
             "activation_function",
         ),
     ],
