@@ -250,6 +250,29 @@ class MultiHeadAttention(nn.Module):
         v = split_heads(v, self.num_kv_heads)  # (..., K, S, E)
         return q, k, v
 
+    def _rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotary positions on queries and keys; one call over both heads when they lie side by
+        side in the fused projection's output (fewer small ops per decoding step)."""
+        assert self.rotary is not None
+        H = q.shape[-3]
+        if (
+            self.fused_qkv
+            and q.dim() == 4
+            and q.shape[-2] == k.shape[-2]
+            and k.data_ptr() == q.data_ptr() + H * q.shape[-1] * q.element_size()
+            and all(  # strides agree wherever they matter (dims longer than 1)
+                a == b or n == 1 for a, b, n in zip(q.stride(), k.stride(), k.shape, strict=True)
+            )
+            and q.stride(1) == q.shape[-1]  # heads side by side
+        ):
+            # q and k are column blocks of one (B, L, (H+2K)*E) projection: view them as one
+            # (B, H+K, L, E) tensor.
+            B, _, L, E = q.shape
+            qk = torch.as_strided(q, (B, H + k.shape[-3], L, E), q.stride())
+            qk = self.rotary(qk, positions)  # (B, H+K, L, E)
+            return qk[:, :H], qk[:, H:]
+        return self.rotary(q, positions), self.rotary(k, positions)
+
     def forward(
         self,
         query: Tensor,
@@ -302,8 +325,7 @@ class MultiHeadAttention(nn.Module):
             if positions is None:
                 start = 0 if kv_cache is None else kv_cache.length
                 positions = torch.arange(start, start + q.shape[-2], device=q.device)
-            q = self.rotary(q, positions)
-            k = self.rotary(k, positions)
+            q, k = self._rotate(q, k, positions)
         causal, window = self.causal, self.window
         if kv_cache is not None and cache_position is not None:
             k, v = kv_cache.write(k, v, cache_position)  # (B, K, C, E): every slot

@@ -182,7 +182,9 @@ def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
 
     Every plain ``nn.Linear`` (exactly that type) is replaced by a :class:`PreparedLinear` over
     the same parameters; subclasses (quantized or LoRA linears, a user's own) are kept as they
-    are. The prepared weights of CPU models are gathered into huge-page blocks. Outputs are
+    are. Plain ``nn.Embedding`` tables get the same layout (a tied output head reads them as a
+    matrix; looking up a few rows does not mind). The prepared weights of CPU models are
+    gathered into huge-page blocks. Outputs are
     unchanged up to the rounding of another summation order. Tied weights stay tied.
 
     Returns:
@@ -196,7 +198,12 @@ def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, PreparedLinear.from_linear(child, compiled=compiled))
+    if not compiled:  # a tied output head reads the embedding table as a matrix
+        for m in model.modules():
+            if type(m) is nn.Embedding and layout_for(m.weight) == "transposed":
+                m.weight.data = m.weight.data.t().contiguous().t()
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, PreparedLinear)}
+    weights |= {id(m.weight): m.weight for m in model.modules() if type(m) is nn.Embedding}
     _gather_on_huge_pages(list(weights.values()))
     return model
 
