@@ -19,8 +19,10 @@ import torch
 from attnkit import TransformerEncoder
 from attnkit.explorer import (
     MAX_TOKENS,
+    ExplorerInput,
     ExplorerOptions,
     explorer_html,
+    explorer_page,
     stack_weights,
     write_explorer,
 )
@@ -37,10 +39,12 @@ def _weights(layers: int, heads: int, L: int, S: int | None = None, seed: int = 
     return scores.softmax(-1)  # (layers, H, L, S)
 
 
-def _payload(page: str) -> dict[str, Any]:
+def _payload(page: str, index: int = 0) -> dict[str, Any]:
+    """The page's embedded data, with the fields of input ``index`` merged in."""
     match = re.search(r'<script type="application/json" id="attn-data">(.*?)</script>', page, re.S)
     assert match is not None
-    return json.loads(match.group(1))
+    data = json.loads(match.group(1))
+    return {**data, **data["inputs"][index]}
 
 
 def _decode(payload: dict[str, Any]) -> torch.Tensor:
@@ -173,6 +177,33 @@ def test_cross_attention_takes_key_tokens() -> None:
 def test_bad_input_is_rejected(tokens, weights, kwargs, error, match) -> None:
     with pytest.raises(error, match=match):
         explorer_html(tokens, weights, **kwargs)
+
+
+def test_several_inputs_in_one_page() -> None:
+    a, b = _weights(2, 3, 4, seed=3), _weights(2, 3, 6, 5, seed=4)
+    page = explorer_page(
+        [
+            ExplorerInput(list("abcd"), a, label="first", note="accuracy 1.0"),
+            ExplorerInput(list("uvwxyz"), list(b), key_tokens=list("VWXYZ")),
+        ],
+        layer=1,
+    )
+    first, second = _payload(page, 0), _payload(page, 1)
+    assert (first["label"], first["note"], second["label"]) == ("first", "accuracy 1.0", "input 1")
+    assert (second["L"], second["S"], second["keyTokens"]) == (6, 5, list("VWXYZ"))
+    torch.testing.assert_close(_decode(first), a, atol=FLOAT16_ATOL, rtol=0)
+    torch.testing.assert_close(_decode(second), b, atol=FLOAT16_ATOL, rtol=0)
+    assert "2 inputs of up to 6 tokens, 2 layers x 3 heads" in page
+    assert 'id="input-chooser" hidden' not in page
+    assert 'id="input-chooser" hidden' in explorer_html(list("abcd"), a)  # one input: no selector
+    with pytest.raises(ValueError, match=r"same \(layers, heads\), got \[\(1, 3\), \(2, 3\)\]"):
+        explorer_page([ExplorerInput(list("abcd"), a), ExplorerInput(list("abcd"), a[:1])])
+    with pytest.raises(ValueError, match="empty"):
+        explorer_page([])
+    with pytest.raises(TypeError, match=r"inputs\[1\] must be an ExplorerInput, got tuple"):
+        explorer_page([ExplorerInput(list("abcd"), a), (list("abcd"), a)])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="list of ExplorerInput"):
+        explorer_page(ExplorerInput(list("abcd"), a))  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- in the browser
@@ -389,6 +420,64 @@ def test_model_view_heatmaps_match_the_weights(browser, small) -> None:
             assert text is not None
             assert text.group(1, 2, 3, 4) == (str(i), TOKENS[i], str(j), TOKENS[j])
             assert float(text.group(5)) == pytest.approx(float(w[layer, head, i, j]), abs=3e-4)
+    assert console_errors(browser) == []
+
+
+def test_input_selector_switches_both_views(browser, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    a, b = _weights(2, 3, 5, seed=5), _weights(2, 3, 7, seed=6)
+    path = tmp_path / "inputs.html"
+    path.write_text(
+        explorer_page(
+            [
+                ExplorerInput(list("abcde"), a, label="short", note="the short one"),
+                ExplorerInput(list("ABCDEFG"), b, label="long", note="the long one"),
+            ]
+        ),
+        encoding="utf-8",
+    )
+    open_page(browser, path)
+    chooser = Select(browser.find_element(By.ID, "input-select"))
+    assert [o.text for o in chooser.options] == ["short", "long"]
+    assert browser.find_element(By.ID, "input-note").text == "the short one"
+    _hover(browser, "q", 1)
+    _check_focus_lines(browser, a, 0, "q", 1, [0, 1, 2])
+    browser.find_element(By.ID, "tab-model").click()
+    _open_map(browser, 1, 2)
+    browser.find_element(By.ID, "tab-head").click()
+    chooser.select_by_visible_text("long")
+    assert browser.find_element(By.ID, "input-note").text == "the long one"
+    assert browser.execute_script(
+        "return [attnExplorer.input, attnExplorer.L, attnExplorer.S]"
+    ) == [
+        1,
+        7,
+        7,
+    ]
+    shown = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#key-tokens .token text'))"
+        ".map((t) => t.textContent)"
+    )
+    assert shown == list("ABCDEFG")
+    _select_layer(browser, 1)
+    _hover(browser, "q", 6)
+    _check_focus_lines(browser, b, 1, "q", 6, [0, 1, 2])
+    # the model view follows: thumbnails and the open map are the new input's
+    browser.find_element(By.ID, "tab-model").click()
+    peaks = {
+        (int(t.get_attribute("data-layer")), int(t.get_attribute("data-head"))): float(
+            t.get_attribute("data-max")
+        )
+        for t in browser.find_elements(By.CSS_SELECTOR, "canvas.thumb")
+    }
+    assert peaks == pytest.approx(
+        {(lay, h): float(b[lay, h].max()) for lay in range(2) for h in range(3)}, abs=FLOAT16_ATOL
+    )
+    canvas = browser.find_element(By.ID, "detail-canvas")
+    info = _hover_cell(browser, canvas, 6, 3)
+    assert float(info["weight"]) == pytest.approx(float(b[1, 2, 6, 3]), abs=FLOAT16_ATOL)
     assert console_errors(browser) == []
 
 
