@@ -26,10 +26,17 @@ from attnkit.explorer import (
     stack_weights,
     write_explorer,
 )
-from tests.browser import console_errors, open_page
+from tests.browser import (
+    FLOAT16_ATOL,
+    LINES_JS,
+    check_focus_lines,
+    console_errors,
+    hover_token,
+    open_page,
+    select_layer,
+)
 
 TOKENS = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", ".", "[SEP]"]
-FLOAT16_ATOL = 2.5e-4  # float16 rounding of a weight in [0, 1]
 
 
 def _weights(layers: int, heads: int, L: int, S: int | None = None, seed: int = 0) -> torch.Tensor:
@@ -216,81 +223,19 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]
     return path, w
 
 
-_LINES_JS = """
-return Array.from(document.querySelectorAll('#lines line')).map((l) => ({
-  layer: +l.dataset.layer, head: +l.dataset.head, query: +l.dataset.query, key: +l.dataset.key,
-  weight: +l.dataset.weight, opacity: +l.getAttribute('stroke-opacity'),
-  cls: l.getAttribute('class'), stroke: l.getAttribute('stroke'),
-  y1: +l.getAttribute('y1'), y2: +l.getAttribute('y2')}));
-"""
-_TOKEN_Y_JS = """
-const ys = (id) => Array.from(document.querySelectorAll('#' + id + ' .token text'))
-  .map((t) => +t.getAttribute('y'));
-return [ys('query-tokens'), ys('key-tokens')];
-"""
-
-
-def _hover(driver: Any, side: str, index: int) -> None:
-    from selenium.webdriver.common.action_chains import ActionChains
-    from selenium.webdriver.common.by import By
-
-    group = "query-tokens" if side == "q" else "key-tokens"
-    token = driver.find_elements(By.CSS_SELECTOR, f"#{group} .token")[index]
-    ActionChains(driver).move_to_element(token).perform()
-
-
-def _select_layer(driver: Any, layer: int) -> None:
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
-
-    Select(driver.find_element(By.ID, "layer-select")).select_by_value(str(layer))
-
-
-def _check_focus_lines(
-    driver: Any, w: torch.Tensor, layer: int, side: str, index: int, heads: list[int]
-) -> list[dict[str, Any]]:
-    """The drawn lines are exactly the selected token's weights, the brightest on the argmax."""
-    lines = driver.execute_script(_LINES_JS)
-    q_y, k_y = driver.execute_script(_TOKEN_Y_JS)
-    row_h = q_y[1] - q_y[0]
-    assert sorted({line["head"] for line in lines}) == heads
-    colours = {line["head"]: line["stroke"] for line in lines}
-    assert len(set(colours.values())) == len(heads)  # one colour per head
-    for h in heads:
-        own = [line for line in lines if line["head"] == h]
-        values = w[layer, h, index] if side == "q" else w[layer, h, :, index]  # (S,) or (L,)
-        for line in own:
-            assert line["cls"] == "focus" and line["layer"] == layer
-            assert line[{"q": "query", "k": "key"}[side]] == index
-            other = line["key"] if side == "q" else line["query"]
-            assert line["weight"] == pytest.approx(float(values[other]), abs=FLOAT16_ATOL)
-            # absolute scale (few tokens): opacity is the weight itself
-            assert line["opacity"] == pytest.approx(float(values[other]), abs=1e-3)
-            # the line joins the two tokens it stands for
-            assert abs(line["y1"] - q_y[line["query"]]) < row_h / 2
-            assert abs(line["y2"] - k_y[line["key"]]) < row_h / 2
-        # every weight visible at 1% opacity has its line, none more
-        assert len(own) == int((values >= 0.0105).sum()) or len(own) == int(
-            (values >= 0.0095).sum()
-        )
-        brightest = max(own, key=lambda line: line["opacity"])
-        assert (brightest["key"] if side == "q" else brightest["query"]) == int(values.argmax())
-    return lines
-
-
 def test_head_view_draws_the_hovered_tokens_attention(browser, small) -> None:
     path, w = small
     open_page(browser, path)
     # nothing selected on a small input: a faint overview of every head's lines
-    overview = browser.execute_script(_LINES_JS)
+    overview = browser.execute_script(LINES_JS)
     assert overview and {line["cls"] for line in overview} == {"overview"}
     for layer in (0, 2, 1):
-        _select_layer(browser, layer)
+        select_layer(browser, layer)
         for index in (0, 4, 8):
-            _hover(browser, "q", index)
-            _check_focus_lines(browser, w, layer, "q", index, [0, 1, 2, 3])
-            _hover(browser, "k", index)  # the other direction: who attends to this key
-            _check_focus_lines(browser, w, layer, "k", index, [0, 1, 2, 3])
+            hover_token(browser, "q", index)
+            check_focus_lines(browser, w, layer, "q", index, [0, 1, 2, 3])
+            hover_token(browser, "k", index)  # the other direction: who attends to this key
+            check_focus_lines(browser, w, layer, "k", index, [0, 1, 2, 3])
     info = browser.find_element("id", "selection-info").text
     best = int(w[1, 0, :, 8].argmax())
     assert info.startswith("Key 8 “[SEP]”, layer 1") and f"head 0: {TOKENS[best]}" in info
@@ -308,20 +253,20 @@ def test_head_toggles_pin_and_relative_scale(browser, small) -> None:
     toggles[1].click()
     toggles[3].click()
     assert toggles[1].get_attribute("aria-pressed") == "false"
-    _hover(browser, "q", 2)
-    _check_focus_lines(browser, w, 0, "q", 2, [0, 2])
+    hover_token(browser, "q", 2)
+    check_focus_lines(browser, w, 0, "q", 2, [0, 2])
     browser.find_element(By.ID, "heads-none").click()
-    assert browser.execute_script(_LINES_JS) == []
+    assert browser.execute_script(LINES_JS) == []
     browser.find_element(By.ID, "heads-all").click()  # the pointer leaves the token: hover again
-    _hover(browser, "q", 2)
-    _check_focus_lines(browser, w, 0, "q", 2, [0, 1, 2, 3])
+    hover_token(browser, "q", 2)
+    check_focus_lines(browser, w, 0, "q", 2, [0, 1, 2, 3])
     # click pins the token: moving away keeps its lines
     browser.find_elements(By.CSS_SELECTOR, "#query-tokens .token")[5].click()
     ActionChains(browser).move_to_element(browser.find_element(By.TAG_NAME, "h1")).perform()
-    _check_focus_lines(browser, w, 0, "q", 5, [0, 1, 2, 3])
+    check_focus_lines(browser, w, 0, "q", 5, [0, 1, 2, 3])
     # relative scale: each head's largest weight is drawn fully opaque
     browser.find_element(By.ID, "relative-scale").click()
-    lines = browser.execute_script(_LINES_JS)
+    lines = browser.execute_script(LINES_JS)
     for h in range(4):
         own = [line for line in lines if line["head"] == h]
         top = max(own, key=lambda line: line["opacity"])
@@ -442,8 +387,8 @@ def test_input_selector_switches_both_views(browser, tmp_path: Path) -> None:
     chooser = Select(browser.find_element(By.ID, "input-select"))
     assert [o.text for o in chooser.options] == ["short", "long"]
     assert browser.find_element(By.ID, "input-note").text == "the short one"
-    _hover(browser, "q", 1)
-    _check_focus_lines(browser, a, 0, "q", 1, [0, 1, 2])
+    hover_token(browser, "q", 1)
+    check_focus_lines(browser, a, 0, "q", 1, [0, 1, 2])
     browser.find_element(By.ID, "tab-model").click()
     _open_map(browser, 1, 2)
     browser.find_element(By.ID, "tab-head").click()
@@ -461,9 +406,9 @@ def test_input_selector_switches_both_views(browser, tmp_path: Path) -> None:
         ".map((t) => t.textContent)"
     )
     assert shown == list("ABCDEFG")
-    _select_layer(browser, 1)
-    _hover(browser, "q", 6)
-    _check_focus_lines(browser, b, 1, "q", 6, [0, 1, 2])
+    select_layer(browser, 1)
+    hover_token(browser, "q", 6)
+    check_focus_lines(browser, b, 1, "q", 6, [0, 1, 2])
     # the model view follows: thumbnails and the open map are the new input's
     browser.find_element(By.ID, "tab-model").click()
     peaks = {
@@ -498,12 +443,12 @@ def test_512_tokens_quantized(browser, tmp_path: Path) -> None:
     )
     for row, (layer, head, i) in zip(decoded, [(0, 0, 0), (1, 2, 300), (1, 1, 511)], strict=True):
         assert (row - w[layer, head, i]).abs().max() <= float(w[layer, head].max()) / 510 + 1e-6
-    _select_layer(browser, 1)
+    select_layer(browser, 1)
     browser.execute_script(
         "document.querySelectorAll('#query-tokens .token')[300].scrollIntoView({block: 'center'})"
     )
-    _hover(browser, "q", 300)
-    lines = browser.execute_script(_LINES_JS)
+    hover_token(browser, "q", 300)
+    lines = browser.execute_script(LINES_JS)
     for h in range(3):
         own = [line for line in lines if line["head"] == h]
         brightest = max(own, key=lambda line: line["opacity"])
@@ -546,9 +491,9 @@ def test_explain_pages_in_the_browser(browser, tmp_path: Path) -> None:
             ".map((t) => t.textContent)"
         )
         assert shown == [f"query {i}: {t}" for i, t in enumerate(tokens)]
-        _select_layer(browser, 4)
-        _hover(browser, "q", 2)
-        _check_focus_lines(browser, weights, 4, "q", 2, list(range(weights.shape[1])))
+        select_layer(browser, 4)
+        hover_token(browser, "q", 2)
+        check_focus_lines(browser, weights, 4, "q", 2, list(range(weights.shape[1])))
         assert console_errors(browser) == []
     open_page(browser, tmp_path / "index.html", ready=None)
     cells = browser.find_elements(By.CSS_SELECTOR, "td.sim")
@@ -612,8 +557,8 @@ def test_lab_report_links_the_explorer_of_the_trained_model(browser, tmp_path: P
         layer = int(browser.find_element(By.ID, "layer-select").get_attribute("value"))
         if file == "explorer.html":  # the main run opens on its best head's layer
             assert layer == metrics["attention"]["best_layer"]
-        _hover(browser, "q", 3)
-        _check_focus_lines(browser, want, layer, "q", 3, list(range(want.shape[1])))
+        hover_token(browser, "q", 3)
+        check_focus_lines(browser, want, layer, "q", 3, list(range(want.shape[1])))
         assert console_errors(browser) == []
 
 
