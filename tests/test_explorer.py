@@ -515,6 +515,9 @@ def test_lab_report_links_the_explorer_of_the_trained_model(browser, tmp_path: P
 
     pytest.importorskip("matplotlib")
     pytest.importorskip("tqdm")
+    from selenium.webdriver.support.ui import Select
+
+    from attnkit.lab.report import EXPLORER_INPUTS
     from attnkit.lab.runner import run_lab
     from attnkit.lab.train import LabConfig, attention_weights, load_trained
 
@@ -536,29 +539,40 @@ def test_lab_report_links_the_explorer_of_the_trained_model(browser, tmp_path: P
     ids_of = {label: i for i, label in enumerate(task.labels(range(task.vocab_size)))}
     for name, file in metrics["explorers"].items():
         open_page(browser, tmp_path / file)
-        tokens = browser.execute_script(
-            "return JSON.parse(document.getElementById('attn-data').textContent).queryTokens"
-        )
-        assert [int(t.split(":")[0]) for t in tokens] == list(range(len(tokens)))
-        ids = torch.tensor([[ids_of[t.split(":")[1]] for t in tokens]])  # the held-out input
         model, _, _ = load_trained(tmp_path / f"pe-{name}")
-        want = attention_weights(model, ids)[0]  # (layers, H, L, L), live from the checkpoint
-        got = torch.tensor(
-            browser.execute_script(
-                "const e = window.attnExplorer, out = [];"
-                "for (let l = 0; l < e.layers; l++) { const a = []; out.push(a);"
-                " for (let h = 0; h < e.heads; h++) { const b = []; a.push(b);"
-                "  for (let i = 0; i < e.L; i++) { const r = []; b.push(r);"
-                "   for (let j = 0; j < e.S; j++) r.push(e.weight(l, h, i, j)); } } }"
-                "return out;"
+        count = browser.execute_script("return window.attnExplorer.inputs")
+        assert count == EXPLORER_INPUTS
+        labels = [o.text for o in Select(browser.find_element(By.ID, "input-select")).options]
+        for k in (0, count - 1):
+            browser.execute_script(f"window.attnExplorer.selectInput({k})")
+            tokens = browser.execute_script(
+                "return Array.from(document.querySelectorAll('#query-tokens .token title'))"
+                ".map((t) => t.textContent.replace(/^query \\d+: /, ''))"
             )
-        )
-        torch.testing.assert_close(got, want, atol=FLOAT16_ATOL, rtol=0)
-        layer = int(browser.find_element(By.ID, "layer-select").get_attribute("value"))
-        if file == "explorer.html":  # the main run opens on its best head's layer
-            assert layer == metrics["attention"]["best_layer"]
-        hover_token(browser, "q", 3)
-        check_focus_lines(browser, want, layer, "q", 3, list(range(want.shape[1])))
+            assert [int(t.split(":")[0]) for t in tokens] == list(range(len(tokens)))
+            ids = torch.tensor([[ids_of[t.split(":")[1]] for t in tokens]])  # a held-out input
+            want = attention_weights(model, ids)[0]  # (layers, H, L, L), live from the checkpoint
+            got = torch.tensor(
+                browser.execute_script(
+                    "const e = window.attnExplorer, out = [];"
+                    "for (let l = 0; l < e.layers; l++) { const a = []; out.push(a);"
+                    " for (let h = 0; h < e.heads; h++) { const b = []; a.push(b);"
+                    "  for (let i = 0; i < e.L; i++) { const r = []; b.push(r);"
+                    "   for (let j = 0; j < e.S; j++) r.push(e.weight(l, h, i, j)); } } }"
+                    "return out;"
+                )
+            )
+            torch.testing.assert_close(got, want, atol=FLOAT16_ATOL, rtol=0)
+            # the selector names the model's accuracy on this input, computed here afresh
+            with torch.no_grad():
+                right = int((model(ids).argmax(-1) == ids.flip(-1)).sum())  # reverse's target
+            want_label = f"input {k}: {right / len(tokens):.0%} of {len(tokens)} right"
+            assert labels[k].startswith(want_label), (labels[k], want_label)
+            layer = int(browser.find_element(By.ID, "layer-select").get_attribute("value"))
+            if file == "explorer.html":  # the main run opens on its best head's layer
+                assert layer == metrics["attention"]["best_layer"]
+            hover_token(browser, "q", 3)
+            check_focus_lines(browser, want, layer, "q", 3, list(range(want.shape[1])))
         assert console_errors(browser) == []
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -125,7 +126,7 @@ def iframe(document: str, *, height: int = 720, title: str = "attnkit page") -> 
     )
 
 
-def table(header: list[str], rows: list[list[object]], *, left: int = 1) -> str:
+def table(header: Sequence[str], rows: Sequence[Sequence[object]], *, left: int = 1) -> str:
     """An HTML table: ``header`` is plain text (escaped), the cells are HTML.
 
     Args:
