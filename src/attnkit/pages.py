@@ -70,14 +70,16 @@ def page(title: str, body: str, *, css: str = "", base_css: bool = True, head: s
     )
 
 
-def figure(path: str | Path, caption: str, *, file: str | None = None) -> str:
-    """A ``<figure>`` with the PNG at ``path`` embedded (base64) and a link to its file.
+def figure(path: str | Path, caption: str, *, file: str | None = None, embed: bool = True) -> str:
+    """A ``<figure>`` showing the PNG at ``path``, with its caption and a link to its file.
 
     Args:
         path: The PNG on disk.
         caption: What it shows (plain text): the caption and the image's alt text.
         file: The link to the file, relative to the page (default: the file's name). The image
             carries it as ``data-file``.
+        embed: Embed the image as base64 (the page stands alone) rather than refer to ``file``
+            (the page is read beside its files).
 
     Returns:
         The figure's HTML.
@@ -91,9 +93,9 @@ def figure(path: str | Path, caption: str, *, file: str | None = None) -> str:
         raise ValueError(f"{path} is not a PNG file")
     link = html.escape(file if file is not None else Path(path).name)
     text = html.escape(caption)
-    encoded = base64.b64encode(data).decode("ascii")
+    source = "data:image/png;base64," + base64.b64encode(data).decode("ascii") if embed else link
     return (
-        f'<figure><img src="data:image/png;base64,{encoded}" alt="{text}" data-file="{link}">'
+        f'<figure><img src="{source}" alt="{text}" data-file="{link}">'
         f'<figcaption>{text} <a href="{link}">{link}</a></figcaption></figure>'
     )
 
