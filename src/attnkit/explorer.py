@@ -356,12 +356,12 @@ def explorer_page(
         if chosen == "float16"
         else "uint8 quantized per map: weight = byte / 255 x the map's max (base64)"
     )
-    first = entries[0]
-    if len(entries) == 1:
-        shape = f"{first['L']} query tokens x {first['S']} key tokens"
+    if len(checked) == 1:
+        L, S = checked[0][0].shape[2:]
+        shape = f"{L} query tokens x {S} key tokens"
     else:
-        longest = max(max(e["L"], e["S"]) for e in entries)
-        shape = f"{len(entries)} inputs of up to {longest} tokens"
+        longest = max(max(w.shape[2:]) for w, _, _ in checked)
+        shape = f"{len(checked)} inputs of up to {longest} tokens"
     body = Template(asset("explorer.html")).substitute(
         title=html.escape(title),
         description=html.escape(description),

@@ -150,7 +150,7 @@ def show(
             raise TypeError(
                 "with a model, tokens must be a tensor of token ids (give their text as labels=)"
             )
-        weights = _model_weights(weights_or_model, tokens)
+        weights: Tensor | Sequence[Tensor] = _model_weights(weights_or_model, tokens)
         names = [str(int(i)) for i in tokens.flatten()] if labels is None else list(labels)
     else:
         if isinstance(tokens, Tensor):
@@ -222,8 +222,9 @@ def show_model(
         "layer": layer,
         "precision": precision,
     }
-    if tokenizer is None and hasattr(model, "attention_weights"):
-        tokens, weights = model.attention_weights(text)  # SentenceEncoder: (layers, H, L, L)
+    attention_weights = getattr(model, "attention_weights", None)
+    if tokenizer is None and callable(attention_weights):
+        tokens, weights = attention_weights(text)  # SentenceEncoder: (layers, H, L, L)
         return _view(list(tokens), weights, height, options)
     if tokenizer is None:
         raise TypeError(f"{name} has no tokenizer of its own: pass tokenizer=")

@@ -9,6 +9,7 @@ positional-encoding comparison when it was run) and the training curves.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -393,9 +394,13 @@ def _write_explorers(out: Path, data: ReportData) -> dict[str, tuple[str, int]]:
             "the task best.",
             layer=layer,
         )
-        path = atomic_write(out / file, lambda tmp, text=text: Path(tmp).write_text(text, "utf-8"))
+        path = atomic_write(out / file, functools.partial(_write_text, text=text))
         written[name] = (file, path.stat().st_size)
     return written
+
+
+def _write_text(path: str, *, text: str) -> None:
+    Path(path).write_text(text, encoding="utf-8")
 
 
 def write_report(out_dir: str | Path, data: ReportData) -> Path:
@@ -416,7 +421,7 @@ def write_report(out_dir: str | Path, data: ReportData) -> Path:
     data.explorers = _write_explorers(out, data)
     data.metrics["explorers"] = {name: file for name, (file, _) in data.explorers.items()}
     text = _render(data)
-    return atomic_write(out / "report.html", lambda tmp: Path(tmp).write_text(text, "utf-8"))
+    return atomic_write(out / "report.html", functools.partial(_write_text, text=text))
 
 
 def _model_cost(cfg: LabConfig, seq_len: int, *, batch: int = 1, layers: int = 1) -> CostBreakdown:
