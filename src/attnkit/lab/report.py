@@ -359,13 +359,15 @@ def explorer_inputs(result: TrainResult, x: torch.Tensor, y: torch.Tensor) -> li
         scored = y[b] != IGNORE
         right, total = int(((pred[b] == y[b]) & scored).sum()), int(scored.sum())
         shown = torch.where(scored, pred[b], torch.full_like(pred[b], -1))
+        want = torch.where(scored, y[b], torch.full_like(y[b], -1))
         mark = "all right" if right == total else f"{total - right} wrong"
         inputs.append(
             ExplorerInput(
                 [f"{i}:{t}" for i, t in enumerate(task.labels(x[b]))],  # positions matter here
                 weights[b],
                 label=f"input {b}: {right / max(total, 1):.0%} of {total} right ({mark})",
-                note=f"model output: {' '.join(task.labels(shown))}",
+                note=f"target: {' '.join(task.labels(want))}; "
+                f"model output: {' '.join(task.labels(shown))}",
             )
         )
     return inputs
