@@ -420,7 +420,10 @@ def test_input_selector_switches_both_views(browser, tmp_path: Path) -> None:
     assert peaks == pytest.approx(
         {(lay, h): float(b[lay, h].max()) for lay in range(2) for h in range(3)}, abs=FLOAT16_ATOL
     )
-    canvas = browser.find_element(By.ID, "detail-canvas")
+    canvas = browser.find_element(By.ID, "detail-canvas")  # the open map is redrawn too
+    assert float(canvas.get_attribute("data-max")) == pytest.approx(
+        float(b[1, 2].max()), abs=FLOAT16_ATOL
+    )
     info = _hover_cell(browser, canvas, 6, 3)
     assert float(info["weight"]) == pytest.approx(float(b[1, 2, 6, 3]), abs=FLOAT16_ATOL)
     assert console_errors(browser) == []

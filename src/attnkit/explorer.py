@@ -1,5 +1,7 @@
 """An interactive attention explorer: one self-contained HTML file per model run.
 
+In a notebook, :func:`attnkit.show` embeds the same page in a cell (:mod:`attnkit.notebook`).
+
 The page has two views of the attention weights of every layer and head:
 
 - **head view**: the tokens in two columns (queries left, keys right). Hovering a token draws its
@@ -15,9 +17,9 @@ inputs with the model's accuracy on each); a selector above the views switches b
 The page needs no network: its template, script and style are the files ``explorer.html``,
 ``explorer.js`` and ``explorer.css`` of ``attnkit/assets``, inlined into the shared page shell of
 :mod:`attnkit.pages` (vanilla JS, SVG for the lines, canvas for the heatmaps, so 512 tokens stay
-responsive). The weights are
-embedded compactly as base64: IEEE float16 (absolute error <= 2.5e-4 for weights in [0, 1]), or,
-for large inputs, uint8 quantized per map (``round(255 * w / max)``, absolute error <= max/510).
+responsive). The weights are embedded compactly as base64: IEEE float16 (absolute error <= 2.5e-4
+for weights in [0, 1]), or, for large inputs, uint8 quantized per map (``round(255 * w / max)``,
+absolute error <= max/510).
 The page states which encoding it uses and its own size.
 
 What the page draws is readable from the DOM (``data-weight`` on every line and heatmap, a

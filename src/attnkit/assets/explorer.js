@@ -473,14 +473,14 @@
       Object.assign(detailInfo.dataset, { query: i, key: j, weight: w });
     });
 
+    function refresh() { // draw the grid (and the open map) of the current input, once
+      if (drawn) return;
+      drawGrid();
+      if (state.detail) openDetail(state.detail.layer, state.detail.head);
+    }
     return {
-      show: () => { visible = true; if (!drawn) drawGrid(); },
-      setInput: () => { // a new input: redraw what is on screen, the rest when it is shown
-        drawn = false;
-        if (!visible) return;
-        drawGrid();
-        if (state.detail) openDetail(state.detail.layer, state.detail.head);
-      },
+      setVisible: (on) => { visible = on; if (visible) refresh(); },
+      setInput: () => { drawn = false; if (visible) refresh(); }, // hidden: redrawn when shown
     };
   }
 
@@ -509,7 +509,7 @@
           t.setAttribute("aria-selected", t === tab ? "true" : "false");
           document.getElementById(t.dataset.view).hidden = t !== tab;
         });
-        if (tab.dataset.view === "model-view") modelView.show();
+        modelView.setVisible(tab.dataset.view === "model-view");
       });
     });
   }
