@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import functional
+from attnkit import masks as M
 from attnkit.cache import KVCache
 
 if TYPE_CHECKING:
@@ -308,7 +309,7 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache.write(k, v, cache_position)  # (B, K, C, E): every slot
             # Slots after a token's own are empty or stale: the (L, C) slot mask holds the
             # causal order and the window.
-            mask = _restrict(mask, kv_cache.slot_mask(cache_position, window=window))
+            mask = M.restrict(mask, kv_cache.slot_mask(cache_position, window=window))
             causal, window = False, None
         elif kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, K, cached + L, E)
@@ -337,14 +338,3 @@ class MultiHeadAttention(nn.Module):
         if self.window is not None:
             parts.append(f"window={self.window}")
         return ", ".join(parts)
-
-
-def _restrict(mask: Tensor | None, allowed: Tensor | None) -> Tensor | None:
-    """``mask`` (bool or additive float) further limited to the ``allowed`` keys."""
-    if allowed is None:
-        return mask
-    if mask is None:
-        return allowed
-    if mask.dtype == torch.bool:
-        return mask & allowed
-    return mask.masked_fill(~allowed, float("-inf"))

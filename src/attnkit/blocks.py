@@ -214,11 +214,10 @@ class TransformerLayer(nn.Module):
         if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
             raise TypeError(f"head_dim must be an int, got {head_dim!r}")
         if attention is None:
-            attention = MultiHeadAttention(
+            attention = self._build_attention(
                 dim,
                 num_heads,
                 head_dim=head_dim,
-                fused_qkv=True,
                 causal=causal,
                 num_kv_heads=num_kv_heads,
                 rotary=rotary,
@@ -318,6 +317,10 @@ class TransformerLayer(nn.Module):
             ff_out = self.feed_forward(x)
             x = self.norm2(x + F.dropout(ff_out, p=self.dropout, training=self.training))
         return x, weights
+
+    def _build_attention(self, dim: int, num_heads: int, **options: Any) -> nn.Module:
+        """The block's self-attention: a :class:`MultiHeadAttention` with one fused q/k/v."""
+        return MultiHeadAttention(dim, num_heads, fused_qkv=True, **options)
 
     def _attend(
         self, x: Tensor, mask: Tensor | None, options: LayerOptions

@@ -186,7 +186,7 @@ def attend(
             constraint = constraint[0, 0]  # window only: (L, S) broadcasts against any q
     elif rules.causal and not is_causal and L > 1:  # a single query at the end sees every key
         constraint = M.causal_mask(L, S, device=q.device)
-    mask = _merge(mask, constraint)
+    mask = M.restrict(mask, constraint)
 
     def run(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
         if explicit or S == 0:
@@ -376,17 +376,6 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     if mask.dtype != dtype:
         masked = masked | (mask <= torch.finfo(mask.dtype).min)
     return out.masked_fill(masked, float("-inf"))
-
-
-def _merge(mask: Tensor | None, constraint: Tensor | None) -> Tensor | None:
-    """AND a bool constraint into a user mask (bool, or additive float kept additive)."""
-    if constraint is None:
-        return mask
-    if mask is None:
-        return constraint
-    if mask.dtype == torch.bool:
-        return mask & constraint
-    return mask.masked_fill(~constraint, float("-inf"))
 
 
 def _allowed(mask: Tensor) -> Tensor:
