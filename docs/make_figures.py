@@ -43,7 +43,10 @@ def _sinusoidal() -> Figure:
 def _complexity() -> Figure:
     seq_lens = [2**i for i in range(6, 15)]
     costs = [complexity.attention_cost(n, 512, 8) for n in seq_lens]
-    series = {c.name: [cost.components[i].flops for cost in costs] for i, c in enumerate(costs[0].components)}
+    series = {
+        c.name: [cost.components[i].flops for cost in costs]
+        for i, c in enumerate(costs[0].components)
+    }
     series["total"] = [cost.flops for cost in costs]
     return viz.complexity_curves(
         seq_lens,
@@ -56,9 +59,18 @@ def _complexity() -> Figure:
 def _model_attention() -> Figure:
     torch.manual_seed(0)
     config = attnkit.TransformerConfig(
-        vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=64,
-        norm="rmsnorm", activation="swiglu", bias=False, rope_interleaved=False, window=6,
-    )  # fmt: skip
+        vocab_size=64,
+        dim=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        hidden_dim=64,
+        norm="rmsnorm",
+        activation="swiglu",
+        bias=False,
+        rope_interleaved=False,
+        window=6,
+    )
     lm = attnkit.TransformerLM(config).eval()
     with torch.no_grad():
         _, weights = lm(torch.randint(0, 64, (1, 12)), return_weights=True)
@@ -114,8 +126,13 @@ def render(names: list[str] | None = None) -> dict[str, bytes]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for the PNG files")
-    parser.add_argument("names", nargs="*", help=f"figures to draw (default: all of {list(FIGURES)})")
+    parser.add_argument(
+        "names", nargs="*", help=f"figures to draw (default: all of {list(FIGURES)})"
+    )
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.names) - set(FIGURES))
+    if unknown:
+        parser.error(f"unknown figures {unknown}; known: {sorted(FIGURES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     for name, png in render(args.names or None).items():
         path = args.out / name
