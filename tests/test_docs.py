@@ -166,6 +166,41 @@ def test_make_figures_script_runs(tmp_path: Path):
     assert bad.returncode == 2 and "nope.png" in bad.stderr
 
 
+def _hooks() -> object:
+    pytest.importorskip("mkdocs")
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docstring_roles_become_reference_links():
+    hooks = _hooks()
+    resolve = hooks._resolve  # type: ignore[attr-defined]
+    functional = ["attnkit.functional"]
+    assert resolve("scaled_dot_product_attention", functional) == (
+        "attnkit.functional.scaled_dot_product_attention"
+    )
+    assert resolve("attnkit.masks.Structure", functional) == "attnkit.masks.Structure"
+    assert resolve("TransformerLM.generate", ["attnkit.models"]) == (
+        "attnkit.models.TransformerLM.generate"
+    )
+
+    class FakePage:
+        markdown = "::: attnkit.functional\n"
+
+    html = hooks.on_page_content(  # type: ignore[attr-defined]
+        "see :func:<code>attend</code> and :class:<code>~attnkit.masks.Structure</code>.",
+        FakePage(),
+    )
+    assert html == (
+        'see <autoref identifier="attnkit.functional.attend" optional><code>attend</code></autoref>'
+        ' and <autoref identifier="attnkit.masks.Structure" optional><code>Structure</code>'
+        "</autoref>."
+    )
+
+
 def _inventory(path: Path) -> set[str]:
     """Object names in a Sphinx ``objects.inv`` (what mkdocstrings rendered)."""
     data = path.read_bytes()
@@ -224,6 +259,7 @@ def test_site_builds_strict_offline(tmp_path: Path):
         png = (site / "figures" / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000, name
     for page in site.rglob("*.html"):
+        assert ":func:<code>" not in page.read_text(), page
         fetched = re.findall(
             r"<(?:script|link|img)[^>]+(?:src|href)=\"(https?://[^\"]+)", page.read_text()
         )
