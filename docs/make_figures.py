@@ -64,7 +64,7 @@ def _model_attention() -> Figure:
         num_layers=2,
         num_heads=4,
         num_kv_heads=2,
-        hidden_dim=64,
+        ffn_dim=64,
         norm="rmsnorm",
         activation="swiglu",
         bias=False,
