@@ -137,33 +137,19 @@ def test_figures_used_by_the_guide_are_the_ones_the_script_draws():
     assert used_names == set(_figures().FIGURES)  # type: ignore[attr-defined]
 
 
-def _run_script(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-    }
-    return subprocess.run(
-        [sys.executable, str(DOCS / "make_figures.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-
-
 @pytest.mark.slow
-def test_make_figures_script_runs(tmp_path: Path):
-    """The script draws the figures it is asked for (the site build draws all of them)."""
+def test_make_figures_script_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """The script's command line draws the figures it is asked for (the site build draws all)."""
     pytest.importorskip("matplotlib")
-    done = _run_script("--out", str(tmp_path), "masks.png", "softmax.png")
-    assert done.returncode == 0, done.stderr
+    script = _figures()
+    assert script.main(["--out", str(tmp_path), "masks.png", "softmax.png"]) == 0  # type: ignore[attr-defined]
     assert {p.name for p in tmp_path.iterdir()} == {"masks.png", "softmax.png"}
     for path in tmp_path.iterdir():
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 5_000, path  # a drawn figure, not an empty canvas
-    bad = _run_script("--out", str(tmp_path), "nope.png")
-    assert bad.returncode == 2 and "nope.png" in bad.stderr
+    with pytest.raises(SystemExit) as exited:
+        script.main(["--out", str(tmp_path), "nope.png"])  # type: ignore[attr-defined]
+    assert exited.value.code == 2 and "nope.png" in capsys.readouterr().err
 
 
 def _hooks() -> object:
