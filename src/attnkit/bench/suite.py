@@ -1,45 +1,35 @@
-"""``attnkit bench``: attnkit's block-sparse attention against torch SDPA and the textbook math.
+"""The suite of ``attnkit bench``: block-sparse attention against torch SDPA and the textbook math.
 
 Cases (all self-attention, ``L == S == N``):
 
 * ``causal``: causal only;
 * ``padding``: every batch row has ``N // 2`` real keys (encoder-style key padding);
-* ``window``: causal sliding window of ``--window`` keys;
-* ``documents``: causal attention inside packed documents of about ``--doc-len`` tokens.
+* ``window``: causal sliding window of ``window`` keys;
+* ``documents``: causal attention inside packed documents of about ``doc_len`` tokens.
 
 Each case runs three implementations side by side in one process: ``block_sparse``
 (:func:`attnkit.sparse.block_sparse_attention`), ``torch_sdpa`` (torch's fused kernel given the
 equivalent dense bool mask) and ``textbook`` (materialized ``softmax(QK^T * scale + mask) V``,
-skipped above ``--textbook-max``). Times are medians of ``--repeats`` interleaved runs, for the
-forward and for forward+backward. Peak memory is the extra resident memory during one call: on
-CPU the kernel's high-water mark (``VmHWM``) is reset through ``/proc/self/clear_refs`` and the
-resident size before the call is subtracted (memory the allocator keeps cached from earlier calls
-is not counted again, so CPU numbers are lower bounds); on CUDA ``torch.cuda.max_memory_allocated``.
-
-With ``--device cuda`` (bf16, N up to 32k by default) the table also shows the achieved TFLOP/s
-counting useful FLOPs only (``4 * E`` per allowed (query, key) pair forward, 2.5x that backward)
-and the ratio to a measured bf16 matmul rate. Without CUDA it says so and exits with 0.
-
-``--flex`` adds torch's compiled FlexAttention (forward only: torch 2.13 has no FlexAttention
-backward on CPU); its first call, which compiles, is reported separately.
-
-Sizes: the default run (N = 1024 and 4096, textbook up to 2048) shows a progress bar (tqdm, on
-stderr) and needs about 110 s of CPU time, about a minute on an idle 2-core CPU (3.6 min on the
-shared one it was measured on); ``--full`` adds N = 8192 and the textbook up to 4096 (several
-minutes). ``--vs`` instead prints one table of attnkit against what a user would
-pick instead (dense-mask SDPA, compiled FlexAttention, sentence-transformers), see
-:mod:`attnkit.commands.bench_vs`.
+skipped above ``textbook_max``), and optionally compiled FlexAttention (forward only: torch 2.13
+has no FlexAttention backward on CPU; its first, compiling call is reported separately). Times
+are medians of ``repeats`` interleaved runs, for the forward and for forward+backward. Peak
+memory is the extra resident memory during one call: on CPU the kernel's high-water mark
+(``VmHWM``) is reset through ``/proc/self/clear_refs`` and the resident size before the call is
+subtracted (memory the allocator keeps cached from earlier calls is not counted again, so CPU
+numbers are lower bounds); on CUDA ``torch.cuda.max_memory_allocated``. On CUDA the table also
+shows the achieved TFLOP/s counting useful FLOPs only (``4 * E`` per allowed (query, key) pair
+forward, 2.5x that backward) and the ratio to a measured matmul rate.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
 import statistics
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,147 +40,116 @@ CASES = ("causal", "padding", "window", "documents")
 IMPLS = ("block_sparse", "torch_sdpa", "textbook")
 DTYPES = ("float32", "bfloat16", "float16")
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``bench`` options to ``parser``."""
-    parser.add_argument(
-        "--seq-len",
-        type=int,
-        nargs="+",
-        metavar="N",
-        help="sequence lengths (default 1024 4096, --full 1024 4096 8192, --vs 8192; "
-        "cuda: 4096 8192 16384 32768)",
-    )
-    parser.add_argument("--heads", type=int, default=8, help="heads H (default 8)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head dim E (default 64)")
-    parser.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
-    parser.add_argument("--window", type=int, default=256, help="sliding window W (default 256)")
-    parser.add_argument("--doc-len", type=int, default=1024, help="mean document length")
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--dtype", choices=DTYPES, help="default float32 (cuda: bfloat16)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
-    parser.add_argument(
-        "--textbook-max",
-        type=int,
-        metavar="N",
-        help="skip the textbook implementation above this N (it materializes B*H*N*N scores; "
-        "default 2048, --full 4096)",
-    )
-    parser.add_argument("--no-backward", action="store_true", help="forward only")
-    parser.add_argument("--flex", action="store_true", help="add compiled FlexAttention (fwd)")
-    parser.add_argument(
-        "--out", "--json", type=Path, metavar="FILE.json", help="write results as JSON"
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (for tests)")
-    parser.add_argument("--full", action="store_true", help="the whole sweep (several minutes)")
-    parser.add_argument(
-        "--vs",
-        action="store_true",
-        help="one table of attnkit against the alternatives (dense-mask SDPA, compiled "
-        "FlexAttention, sentence-transformers), side by side",
-    )
+__all__ = ["CASES", "DTYPES", "IMPLS", "SuiteConfig", "format_table", "run_suite", "write_json"]
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the suite, print a table and optionally write JSON."""
+@dataclass(frozen=True)
+class SuiteConfig:
+    """What ``attnkit bench`` measures.
+
+    Attributes:
+        seq_lens: Sequence lengths ``N`` (self-attention, ``L == S == N``).
+        cases: Cases of :data:`CASES`.
+        batch: Batch ``B``.
+        heads: Heads ``H``.
+        head_dim: Head dim ``E``.
+        window: Sliding window of the ``window`` case.
+        doc_len: Mean document length of the ``documents`` case.
+        dtype: Name of a torch float dtype.
+        device: Device name.
+        repeats: Timed interleaved rounds per point (medians).
+        textbook_max: Largest ``N`` for the textbook implementation.
+        backward: Also time forward+backward.
+        flex: Add compiled FlexAttention (forward only).
+        progress: Show a progress bar on stderr.
+    """
+
+    seq_lens: tuple[int, ...] = (1024, 4096)
+    cases: tuple[str, ...] = CASES
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    window: int = 256
+    doc_len: int = 1024
+    dtype: str = "float32"
+    device: str = "cpu"
+    repeats: int = 3
+    textbook_max: int = 2048
+    backward: bool = True
+    flex: bool = False
+    progress: bool = True
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first size that is not positive."""
+        for name, value in (
+            ("heads", self.heads),
+            ("head-dim", self.head_dim),
+            ("window", self.window),
+            ("doc-len", self.doc_len),
+            ("repeats", self.repeats),
+            ("batch", self.batch),
+        ):
+            if value < 1:
+                raise ValueError(f"--{name} must be >= 1, got {value}")
+        if any(n < 1 for n in self.seq_lens):
+            raise ValueError(f"--seq-len values must be >= 1, got {list(self.seq_lens)}")
+
+
+def run_suite(config: SuiteConfig) -> dict[str, Any]:
+    """Measure every (N, case, mode) point of ``config``.
+
+    Returns:
+        ``{"config": ..., "matmul_tflops": ..., "results": [...]}``, one result per
+        implementation and point (see :func:`format_table`).
+
+    Raises:
+        ValueError: For sizes that are not positive or an unknown case.
+    """
     import torch
 
-    cuda = str(args.device).startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        print("attnkit bench: CUDA is not available on this machine; skipping the GPU benchmark.")
-        if args.out is not None:
-            _write(args.out, {"skipped": "CUDA not available", "device": args.device})
-        return 0
-    if args.vs:
-        return _run_vs(args)
-    if args.quick:
-        seq_lens, heads, head_dim, window, doc_len = [256], 2, 16, 32, 64
-        repeats = min(args.repeats, 2)
-    else:
-        cpu_lens = [1024, 4096, 8192] if args.full else [1024, 4096]
-        seq_lens = args.seq_len or ([4096, 8192, 16384, 32768] if cuda else cpu_lens)
-        heads, head_dim, window, doc_len = args.heads, args.head_dim, args.window, args.doc_len
-        repeats = args.repeats
-    for name, value in (
-        ("heads", heads),
-        ("head-dim", head_dim),
-        ("window", window),
-        ("doc-len", doc_len),
-        ("repeats", repeats),
-        ("batch", args.batch),
-    ):
-        if value < 1:
-            raise ValueError(f"--{name} must be >= 1, got {value}")
-    if any(n < 1 for n in seq_lens):
-        raise ValueError(f"--seq-len values must be >= 1, got {seq_lens}")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
-    device = torch.device(args.device)
-
-    config = {
-        "seq_lens": seq_lens,
-        "batch": args.batch,
-        "heads": heads,
-        "head_dim": head_dim,
-        "window": window,
-        "doc_len": doc_len,
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": str(device),
-        "repeats": repeats,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cases": args.cases,
-    }
     from attnkit.profiling import matmul_flops_per_second
 
+    config.check()
+    dtype = getattr(torch, config.dtype)
+    device = torch.device(config.device)
+    summary = {
+        "seq_lens": list(config.seq_lens),
+        "batch": config.batch,
+        "heads": config.heads,
+        "head_dim": config.head_dim,
+        "window": config.window,
+        "doc_len": config.doc_len,
+        "dtype": config.dtype,
+        "device": str(device),
+        "repeats": config.repeats,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cases": list(config.cases),
+    }
     results: list[dict[str, Any]] = []
     matmul = matmul_flops_per_second(dtype, device) / 1e12
-    modes = ["fwd"] if args.no_backward else ["fwd", "fwd+bwd"]
-    textbook_max = args.textbook_max or (4096 if args.full else 2048)
-    points = [(n, case, mode) for n in seq_lens for case in args.cases for mode in modes]
-    for n, case, mode in _progress(points, enabled=not args.quick):
-        kw = _case_kwargs(case, n, batch=args.batch, window=window, doc_len=doc_len, device=device)
+    modes = ["fwd", "fwd+bwd"] if config.backward else ["fwd"]
+    points = [(n, case, mode) for n in config.seq_lens for case in config.cases for mode in modes]
+    for n, case, mode in _progress(points, enabled=config.progress):
+        kw = _case_kwargs(
+            case, n, batch=config.batch, window=config.window, doc_len=config.doc_len, device=device
+        )
         results += _bench_point(
             case,
             mode,
             n,
             kw,
-            batch=args.batch,
-            heads=heads,
-            head_dim=head_dim,
+            batch=config.batch,
+            heads=config.heads,
+            head_dim=config.head_dim,
             dtype=dtype,
             device=device,
-            repeats=repeats,
-            textbook=n <= textbook_max,
-            flex=args.flex and mode == "fwd",
+            repeats=config.repeats,
+            textbook=n <= config.textbook_max,
+            flex=config.flex and mode == "fwd",
             matmul=matmul,
         )
-    report = {"config": config, "matmul_tflops": matmul, "results": results}
-    print(format_table(report))
-    if args.out is not None:
-        _write(args.out, report)
-        print(f"wrote {args.out}")
-    return 0
-
-
-def _run_vs(args: argparse.Namespace) -> int:
-    """``--vs``: the table of attnkit against the alternatives, optionally as JSON."""
-    from attnkit.commands import bench_vs
-
-    if args.quick:
-        config = bench_vs.VsConfig.quick(flex=args.flex)
-    else:
-        seq_len = args.seq_len[0] if args.seq_len else 8192
-        job = bench_vs.AttentionJob(
-            seq_len=seq_len, window=args.window, heads=args.heads, head_dim=args.head_dim
-        )
-        config = bench_vs.VsConfig(job, repeats=args.repeats, flex=True)
-    rows = bench_vs.run_vs(config, progress=not args.quick)
-    print(bench_vs.format_vs_table(rows, config))
-    if args.out is not None:
-        _write(args.out, bench_vs.rows_as_json(rows, config))
-        print(f"wrote {args.out}")
-    return 0
+    return {"config": summary, "matmul_tflops": matmul, "results": results}
 
 
 def _progress(points: list[tuple[int, str, str]], *, enabled: bool) -> Iterable[Any]:
@@ -383,42 +342,17 @@ def _flex_fn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, Any], scale: float
 ) -> tuple[Callable[[], torch.Tensor] | None, float | None]:
     """Compiled FlexAttention for a case and the seconds its first (compiling) call took."""
-    import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    from attnkit.profiling import time_call
-
-    n = q.shape[-2]
-    causal, window = kw.get("causal", False), kw.get("window")
-    seg, lengths = kw.get("segment_ids"), kw.get("key_lengths")
-
-    def mask_mod(
-        b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
-    ) -> torch.Tensor:
-        ok = j >= 0
-        if causal:
-            ok = ok & (j <= i)
-        if window is not None:
-            ok = ok & (i - j < window) & (j - i < window)
-        if lengths is not None:
-            ok = ok & (j < lengths[b])
-        if seg is not None:
-            ok = ok & (seg[b, i] == seg[b, j])
-        return ok
+    from attnkit.bench.flex import compiled_flex
 
     try:
-        block_mask = create_block_mask(mask_mod, q.shape[0], None, n, n, device=str(q.device))
-        compiled = torch.compile(flex_attention)
-        with torch.no_grad():
-            first = time_call(
-                lambda: compiled(q, k, v, block_mask=block_mask, scale=scale), q.device
-            )
+        flex, first = compiled_flex(q, k, scale=scale, **kw)
     except Exception as err:  # compilation needs a C++ toolchain; report and go on
         print(f"attnkit bench: FlexAttention unavailable: {err}", file=sys.stderr)
         return None, None
-    return (lambda: compiled(q, k, v, block_mask=block_mask, scale=scale)), first
+    return (lambda: flex(q, k, v)), first
 
 
-def _write(path: Path, report: dict[str, Any]) -> None:
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` as indented JSON, creating the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
