@@ -7,8 +7,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import attnkit
@@ -236,38 +234,6 @@ def test_segments_and_key_lengths_equal_dense_masks():
 
 
 # ---------------------------------------------------------------- property tests
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    B=st.integers(1, 2),
-    K=st.integers(1, 2),
-    groups=st.integers(1, 3),
-    L=st.integers(1, 6),
-    S=st.integers(1, 6),
-    E=st.integers(1, 5),
-    causal=st.booleans(),
-    mask_kind=st.sampled_from(["none", "bool", "float"]),
-    seed=st.integers(0, 2**16),
-)
-def test_property_all_paths_agree_with_reference(B, K, groups, L, S, E, causal, mask_kind, seed):
-    g = torch.Generator().manual_seed(seed)
-    H = K * groups
-    q = torch.randn(B, H, L, E, generator=g)
-    k = torch.randn(B, K, S, E, generator=g)
-    v = torch.randn(B, K, S, E, generator=g)
-    allowed = torch.rand(B, 1, L, S, generator=g) > 0.4
-    mask = {"none": None, "bool": allowed, "float": M.to_additive(allowed)}[mask_kind]
-    full = torch.ones(L, S, dtype=torch.bool) if mask is None else allowed
-    if causal:
-        full = full & bottom_right_causal(L, S)
-    ref, ref_w = reference_attention(q, k, v, full)
-    fused = sdpa(q, k, v, mask, causal=causal)
-    explicit, w = sdpa(q, k, v, mask, causal=causal, return_weights=True)
-    assert torch.isfinite(fused).all() and torch.isfinite(explicit).all()
-    assert_close(fused, ref.float(), atol=2e-5, rtol=1e-4)
-    assert_close(explicit, ref.float(), atol=2e-5, rtol=1e-4)
-    assert_close(w, ref_w.float().expand_as(w), atol=2e-6, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- errors
@@ -503,6 +469,17 @@ def test_float_masks_at_finfo_min_count_as_masked(dtype, return_weights):
     wide = torch.zeros(4, 5, dtype=torch.float64)
     wide[0] = torch.finfo(torch.float64).min
     assert (sdpa(q.float(), k.float(), v.float(), wide)[:, :, 0] == 0).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 0, 5, 4), (1, 2, 0, 4)])
+def test_block_sparse_attention_of_empty_inputs_is_empty(shape):
+    # torch's flash kernel divides by the head count (a crash, not an error, at 0 heads)
+    q = torch.randn(shape, requires_grad=True)
+    k, v = torch.randn(1, shape[1], 5, 4), torch.randn(1, shape[1], 5, 3)
+    out = block_sparse_attention(q, k, v, causal=True, block_size=2)
+    assert out.shape == (*shape[:-1], 3)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
 
 
 @pytest.mark.parametrize("return_weights", [False, True])

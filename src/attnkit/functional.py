@@ -225,15 +225,16 @@ def attend_tiles(
             return mask[0, 0]  # (L, S)
         return mask.expand(plan.B, 1, plan.L, plan.S).reshape(*q.shape[:-3], 1, plan.L, plan.S)
 
+    # torch's flash kernel divides by the head count: empty inputs take the dense path.
+    empty = 0 in (q.numel(), k.numel(), v.numel())
+
     def run(k: Tensor, v: Tensor, drop: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        if drop is not None:  # a -inf score on a non-finite key: the tiles take no extra mask
-            gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
-            dense = allowed() & ~drop
-            fused = _fused_attention
-            return fused(
-                q, k, v, dense, is_causal=False, scale=scale, dropout_p=dropout_p, gqa=gqa
-            ), None
-        return sparse.tiled_attention(q, k, v, plan, scale=scale, dropout_p=dropout_p), None
+        if drop is None and not empty:
+            return sparse.tiled_attention(q, k, v, plan, scale=scale, dropout_p=dropout_p), None
+        # Dense: empty inputs, or pairs to drop (a -inf score on a non-finite key), which the
+        # tiles have no mask for.
+        mask = allowed() if drop is None else allowed() & ~drop
+        return _explicit_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)[0], None
 
     # Here L is about S, so reading k and v first (two sums) is cheaper than checking the
     # output's rows afterwards (a sum and a zero-row scan): 32 vs 96 ms at N=8192, H=8, E=64.
