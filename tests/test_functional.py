@@ -11,8 +11,8 @@ from torch.testing import assert_close
 
 import attnkit
 from attnkit import masks as M
+from attnkit.functional import block_sparse_attention
 from attnkit.functional import scaled_dot_product_attention as sdpa
-from attnkit.sparse import block_sparse_attention
 from tests.reference import bottom_right_causal, reference_attention
 
 

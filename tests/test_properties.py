@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from torch import Tensor
 from torch.testing import assert_close
 
+from attnkit.functional import block_sparse_attention
 from attnkit.functional import scaled_dot_product_attention as sdpa
-from attnkit.sparse import block_sparse_attention
 from tests.reference import loop_mask, reference_attention
 
 PROFILE = settings(

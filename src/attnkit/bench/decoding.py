@@ -16,6 +16,7 @@ Rows:
 
 from __future__ import annotations
 
+import copy
 import statistics
 import tempfile
 import time
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit import decoding
 from attnkit.config import FAMILIES, PRESETS, TransformerConfig
 from attnkit.models import TransformerLM
 from attnkit.positional import LearnedPositionalEmbedding
@@ -45,14 +47,12 @@ _LLAMA = FAMILIES["llama"]
 #: name -> (config, prompt length, new tokens); "llama-tiny" is for quick smoke runs.
 DECODE_MODELS: dict[str, tuple[TransformerConfig, int, int]] = {
     "llama-tiny": (
-        TransformerConfig(256, 64, 2, 4, num_kv_heads=2, hidden_dim=172, max_seq_len=64, **_LLAMA),
+        TransformerConfig(256, 64, 2, 4, num_kv_heads=2, ffn_dim=172, max_seq_len=64, **_LLAMA),
         32,
         8,
     ),
     "llama-3m": (
-        TransformerConfig(
-            1024, 256, 4, 8, num_kv_heads=4, hidden_dim=688, max_seq_len=1024, **_LLAMA
-        ),
+        TransformerConfig(1024, 256, 4, 8, num_kv_heads=4, ffn_dim=688, max_seq_len=1024, **_LLAMA),
         512,
         128,
     ),
@@ -147,8 +147,12 @@ def _weight_bytes(model: TransformerLM) -> int:
 def _runner(
     model: TransformerLM, prompt: Tensor, *, compile: bool = False
 ) -> Callable[[int], Tensor]:
+    """Greedy ``generate`` of a copy of ``model`` whose linears :func:`attnkit.decoding.prepare`
+    laid out for one-row products (eager, or for the compiled step)."""
+    prepared = decoding.prepare(copy.deepcopy(model), compiled=compile)
+
     def run(new: int) -> Tensor:
-        return model.generate(prompt, new, compile=compile)
+        return prepared.generate(prompt, new, compile=compile)
 
     return run
 
