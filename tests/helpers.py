@@ -83,6 +83,39 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen2Config",
         LLAMA | {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0},
     ),
+    "qwen2-mixed-layers": (
+        "Qwen2Config",
+        LLAMA
+        | {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 3}
+        | {"max_window_layers": 1},
+    ),
+    "qwen3-qknorm-headdim": ("Qwen3Config", LLAMA | {"num_key_value_heads": 2, "head_dim": 12}),
+    "qwen3-mixed-bias": (
+        "Qwen3Config",
+        LLAMA
+        | {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}
+        | {"attention_bias": True},
+    ),
+    "phi3-fused": ("Phi3Config", LLAMA | {"num_key_value_heads": 2, "pad_token_id": 0}),
+    "gemma2-softcap-alternating": (
+        "Gemma2Config",
+        LLAMA
+        | {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 3}
+        | {"attn_logit_softcapping": 4.0, "final_logit_softcapping": 3.0}
+        | {"query_pre_attn_scalar": 12},
+    ),
+    "gemma3-qknorm-local-rope": (
+        "Gemma3TextConfig",
+        LLAMA
+        | {"num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 3}
+        | {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+        | {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 100_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+            }
+        },
+    ),
     "gpt2": ("GPT2Config", GPT2),
     "gpt2-untied-relu": (
         "GPT2Config",

@@ -16,8 +16,11 @@ def reference_attention(
     *,
     scale: float | None = None,
     bias: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Textbook attention in float64, with fully-masked rows defined as zero output.
+
+    ``softcap`` caps the scores with ``tanh(s / softcap) * softcap`` before the mask.
 
     ``allowed`` is a bool mask (True = may attend) broadcastable to the scores, ``bias`` a
     finite float mask added to the scores. k/v heads are repeated to the query heads
@@ -32,6 +35,8 @@ def reference_attention(
         v = v.repeat_interleave(g, dim=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.einsum("...le,...se->...ls", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias.double()
     if allowed is None:

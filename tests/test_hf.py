@@ -67,7 +67,9 @@ def test_save_pretrained_round_trip(case: Any, tmp_path: Path) -> None:
         "model.safetensors",
     ]
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(back).__name__ == type(ref).__name__
+    # Phi-3's fused checkpoint is the Llama architecture with fused tensors: saved as Llama.
+    same = {"Phi3ForCausalLM": "LlamaForCausalLM"}
+    assert type(back).__name__ == same.get(type(ref).__name__, type(ref).__name__)
     ids, mask = padded_batch(2)
     real = mask.bool()
     assert_close(
@@ -329,8 +331,9 @@ def test_unsupported_architecture_lists_supported(llama_folder: Path, tmp_path: 
     d = _copy(llama_folder, tmp_path / "bert", architectures=["BertForMaskedLM"], model_type="bert")
     with pytest.raises(
         ValueError,
-        match=r"BertForMaskedLM.*LlamaForCausalLM, MistralForCausalLM, "
-        r"Qwen2ForCausalLM, GPT2LMHeadModel",
+        match=r"BertForMaskedLM.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+        r"Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
+        r"GPT2LMHeadModel",
     ):
         TransformerLM.from_pretrained(d)
 
@@ -388,15 +391,6 @@ TINY_GPT2_JSON = {
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized.*gptq"),
         ({"pretraining_tp": 2}, "pretraining_tp"),
-        (
-            {
-                "architectures": ["Qwen2ForCausalLM"],
-                "model_type": "qwen2",
-                "layer_types": ["sliding_attention", "full_attention"],
-                "sliding_window": 4,
-            },
-            "layer_types",
-        ),
         (
             TINY_GPT2_JSON | {"scale_attn_by_inverse_layer_idx": True},
             "scale_attn_by_inverse_layer_idx",

@@ -47,6 +47,7 @@ class Options(M.StructureArgs, total=False):
 
     scale: float | None
     dropout_p: float
+    softcap: float | None
 
 
 @overload
@@ -94,6 +95,10 @@ def scaled_dot_product_attention(
         scale: Multiplier of the scores; defaults to ``1 / sqrt(E)`` (1 for ``E = 0``, where
             every score is 0 and the output is the mean of the attended values, as in torch).
         dropout_p: Dropout probability on the attention weights (pass 0 at evaluation).
+        softcap: Cap the scores smoothly to ``(-softcap, softcap)`` with
+            ``tanh(s / softcap) * softcap`` before the mask (Gemma 2's attention-logit
+            soft-capping). torch's fused kernels cannot modify scores, so this runs the explicit
+            path (float32 for half-precision inputs).
         return_weights: Also return the attention weights (forces the explicit path, computed in
             float32 for half-precision inputs and cast back).
 
@@ -128,6 +133,7 @@ def attend(
     return_weights: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    softcap: float | None = None,
     **structure: Unpack[M.StructureArgs],
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`scaled_dot_product_attention` as an ``(out, weights)`` pair, the call every
@@ -142,6 +148,8 @@ def attend(
         weights ``(..., H, L, S)``.
     """
     check_inputs(q, k, v, mask, scale, dropout_p)
+    if softcap is not None and not (isinstance(softcap, int | float) and 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = resolve_scale(scale, E)
     gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
@@ -160,7 +168,8 @@ def attend(
     if mask is not None and mask.dtype != torch.bool:
         mask = _additive(mask, q.dtype)
 
-    if rules.sparse and mask is None and not return_weights and S > 0:
+    explicit = return_weights or softcap is not None  # the fused kernels cannot cap scores
+    if rules.sparse and mask is None and not explicit and S > 0:
         grads = q.requires_grad or k.requires_grad or v.requires_grad
         backward = torch.is_grad_enabled() and grads
         plan = sparse.faster_plan(
@@ -171,7 +180,7 @@ def attend(
 
     # Fold causal/window/documents/padding into one bool constraint, unless plain causal can be
     # expressed as is_causal (L == S: top-left and bottom-right alignment coincide).
-    is_causal = rules.causal and not rules.sparse and mask is None and L == S and not return_weights
+    is_causal = rules.causal and not rules.sparse and mask is None and L == S and not explicit
     constraint = None
     if rules.sparse:
         constraint = rules.mask(L, S, device=q.device)  # (B or 1, 1, L, S)
@@ -179,7 +188,7 @@ def attend(
             constraint = constraint[0, 0]  # window only: (L, S) broadcasts against any q
     elif rules.causal and not is_causal and L > 1:  # a single query at the end sees every key
         constraint = M.causal_mask(L, S, device=q.device)
-    mask = _merge(mask, constraint)
+    mask = M.restrict(mask, constraint)
 
     def allowed() -> Tensor | None:
         if is_causal:
@@ -189,15 +198,18 @@ def attend(
     def run(k: Tensor, v: Tensor, drop: Tensor | None) -> tuple[Tensor, Tensor | None]:
         this_mask, this_causal = mask, is_causal
         if drop is not None:  # is_causal cannot take extra masked pairs: spell it out
-            this_mask, this_causal = _merge(mask if mask is not None else allowed(), ~drop), False
-        if return_weights or S == 0:
-            return _explicit_attention(q, k, v, this_mask, scale=scale, dropout_p=dropout_p)
+            this_mask = M.restrict(mask if mask is not None else allowed(), ~drop)
+            this_causal = False
+        if explicit or S == 0:
+            return _explicit_attention(
+                q, k, v, this_mask, scale=scale, dropout_p=dropout_p, softcap=softcap
+            )
         out = _fused_attention(
             q, k, v, this_mask, is_causal=this_causal, scale=scale, dropout_p=dropout_p, gqa=gqa
         )
         return out, None
 
-    out, weights = _without_leaks(run, q, k, v, allowed, scale=scale)
+    out, weights = _without_leaks(run, q, k, v, allowed, scale=scale, softcap=softcap)
     return out, weights if return_weights else None
 
 
@@ -300,6 +312,7 @@ def _without_leaks(
     allowed: Callable[[], Tensor | None],
     *,
     scale: float,
+    softcap: float | None = None,
     search_first: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``run(k, v, None)`` so that a non-finite query, key or value reaches exactly the queries
@@ -328,6 +341,7 @@ def _without_leaks(
         allowed: Builds the bool mask (``True`` = may attend) broadcastable to the scores, or
             ``None`` when every key may be attended; called only for non-finite inputs.
         scale: Multiplier of the scores (for the scores of non-finite keys).
+        softcap: The scores' soft cap, if any (see :func:`_bad_key_scores`).
         search_first: Search ``k`` and ``v`` before the kernel even without gradients (when
             ``L`` is not small against ``S``, that is cheaper than checking the output).
 
@@ -351,7 +365,7 @@ def _without_leaks(
     mask = allowed()
     poisoned = drop = None
     if bad_k is not None:
-        poisoned, drop = _bad_key_scores(q, given_k, bad_k, mask, scale=scale)
+        poisoned, drop = _bad_key_scores(q, given_k, bad_k, mask, scale=scale, softcap=softcap)
     out, weights = run(k, v, drop)
     return _propagate_non_finite(out, weights, q, poisoned, bad_v, mask)
 
@@ -393,17 +407,6 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     if mask.dtype != dtype:
         masked = masked | (mask <= torch.finfo(mask.dtype).min)
     return out.masked_fill(masked, float("-inf"))
-
-
-def _merge(mask: Tensor | None, constraint: Tensor | None) -> Tensor | None:
-    """AND a bool constraint into a user mask (bool, or additive float kept additive)."""
-    if constraint is None:
-        return mask
-    if mask is None:
-        return constraint
-    if mask.dtype == torch.bool:
-        return mask & constraint
-    return mask.masked_fill(~constraint, float("-inf"))
 
 
 def _allowed(mask: Tensor) -> Tensor:
@@ -458,13 +461,21 @@ def _to_query_heads(flags: Tensor, q: Tensor) -> Tensor:
 
 
 def _bad_key_scores(
-    q: Tensor, k: Tensor, bad_k: Tensor, mask: Tensor | None, *, scale: float
+    q: Tensor,
+    k: Tensor,
+    bad_k: Tensor,
+    mask: Tensor | None,
+    *,
+    scale: float,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """What the math makes of the non-finite keys: which rows they poison, which pairs they drop.
 
     Only the scores against the key positions flagged somewhere are computed (in the compute
     dtype, like the kernels): a NaN or ``+inf`` score makes the softmax of its row NaN, a
-    ``-inf`` score gives its key weight 0 in that row.
+    ``-inf`` score gives its key weight 0 in that row. With ``softcap`` an infinite score is
+    capped to a finite one that the zeroed key cannot reproduce, so every row that may attend a
+    non-finite key is poisoned.
 
     Args:
         q: Queries ``(..., H, L, E)``.
@@ -472,6 +483,7 @@ def _bad_key_scores(
         bad_k: ``(..., K, S)`` flags of non-finite key rows.
         mask: Bool ``True`` = may attend, broadcastable to the scores, or None (all may).
         scale: Multiplier of the scores.
+        softcap: The scores' soft cap, or None.
 
     Returns:
         ``(poisoned, drop)``: bool ``(..., H, L, 1)`` rows with a NaN or ``+inf`` score on a key
@@ -487,6 +499,8 @@ def _bad_key_scores(
     bad = _to_query_heads(bad_k, q).index_select(-1, cols).unsqueeze(-2)  # (..., H, 1, n)
     if mask is not None:
         bad = bad & (mask if mask.shape[-1] == 1 else mask.index_select(-1, cols))
+    if softcap is not None:
+        return bad.any(dim=-1, keepdim=True).expand(*scores.shape[:-1], 1), None
     poisoned = (bad & ~(scores < float("inf"))).any(dim=-1, keepdim=True)  # NaN or +inf
     dropped = bad & (scores == float("-inf"))
     if not bool(dropped.any()):
@@ -595,8 +609,13 @@ def _explicit_attention(
     *,
     scale: float,
     dropout_p: float,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The textbook math, in float32 for half-precision inputs; fully-masked rows are zero."""
+    """The textbook math, in float32 for half-precision inputs; fully-masked rows are zero.
+
+    With ``softcap`` the scores are capped smoothly to ``(-softcap, softcap)`` by
+    ``tanh(s / softcap) * softcap`` before the mask (Gemma 2's attention-logit soft-capping).
+    """
     dtype = q.dtype
     q, k, v = (t.to(_compute_dtype(dtype)) for t in (q, k, v))  # no copy for float32/float64
     if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
@@ -604,6 +623,8 @@ def _explicit_attention(
         k = k.repeat_interleave(groups, dim=-3)  # (..., H, S, E)
         v = v.repeat_interleave(groups, dim=-3)  # (..., H, S, Ev)
     scores = (q @ k.transpose(-2, -1)) * scale  # (..., H, L, S)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     row_ok = None
     if mask is not None:
         if mask.dtype == torch.bool:
