@@ -1,7 +1,7 @@
 """Property-based checks of every attention path against the float64 reference.
 
 Random shapes (``L != S``, grouped-query heads, odd head dims, empty dims), dtypes, bool and
-float masks, and every structure option (causal, window, segment_ids, key_lengths), through
+float masks, every structure option (causal, window, segment_ids, key_lengths) and softcap, through
 each path of :mod:`attnkit.functional`: the fused kernel, the explicit path that returns weights
 and the block-sparse tiles of :mod:`attnkit.sparse`. Outputs and gradients are compared with the
 textbook math in float64 (:func:`tests.reference.reference_attention`) under the mask rules
@@ -52,24 +52,32 @@ class Case:
     allowed: Tensor  # bool (B, 1, L, S): the mask's and the structure's pairs
     bias: Tensor | None  # the finite part of a float mask, for the reference
     path: str
+    softcap: float | None = None  # Gemma 2's score cap (fused and weights paths)
 
     def run(self, *, check_weights: bool = True) -> Tensor:
         """The attention output on this case's path (the weights checked on the way)."""
         if self.path == "block_sparse":
             return block_sparse_attention(self.q, self.k, self.v, block_size=2, **self.structure)
         if self.path == "weights":
+            q, k, v = self.inputs()
             out, weights = sdpa(
-                self.q, self.k, self.v, self.mask, return_weights=True, **self.structure
+                q, k, v, self.mask, return_weights=True, softcap=self.softcap, **self.structure
             )
             if check_weights:
-                ref_w = reference_attention(*self.inputs(), self.allowed, bias=self.bias)[1]
+                ref_w = self.reference()[1]
                 atol, rtol = TOL[self.q.dtype]
                 assert_close(weights.double(), ref_w.expand_as(weights), atol=atol, rtol=rtol)
             return out
-        return sdpa(self.q, self.k, self.v, self.mask, **self.structure)
+        return sdpa(self.q, self.k, self.v, self.mask, softcap=self.softcap, **self.structure)
 
     def inputs(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.q, self.k, self.v
+
+    def reference(self) -> tuple[Tensor, Tensor]:
+        """The float64 textbook output and weights of this case."""
+        return reference_attention(
+            *self.inputs(), self.allowed, bias=self.bias, softcap=self.softcap
+        )
 
 
 @st.composite
@@ -118,7 +126,10 @@ def cases(draw: st.DrawFn, *, dtypes: tuple[torch.dtype, ...], grad: bool) -> Ca
         else:  # additive: finite values where allowed, -inf elsewhere
             bias = torch.randn(B, 1, L, S, generator=g, dtype=torch.float64).to(dtype)
             mask = bias.masked_fill(~pairs, float("-inf"))
-    return Case(q, k, v, mask, structure, allowed, bias, path)
+    softcap = None
+    if path != "block_sparse" and draw(st.booleans()):
+        softcap = draw(st.sampled_from([0.5, 2.0, 30.0]))
+    return Case(q, k, v, mask, structure, allowed, bias, path, softcap)
 
 
 @settings(PROFILE, max_examples=200)
@@ -126,7 +137,7 @@ def cases(draw: st.DrawFn, *, dtypes: tuple[torch.dtype, ...], grad: bool) -> Ca
 def test_outputs_and_gradients_equal_the_float64_reference(case: Case) -> None:
     atol, rtol = TOL[case.q.dtype]
     out = case.run()
-    ref, _ = reference_attention(*case.inputs(), case.allowed, bias=case.bias)
+    ref, _ = case.reference()
     assert out.dtype == case.q.dtype and out.shape == ref.shape
     assert torch.isfinite(out).all()
     assert_close(out.double(), ref, atol=atol, rtol=rtol)
@@ -150,7 +161,7 @@ def test_half_precision_outputs_are_within_rounding_of_the_reference(case: Case)
     # The reference runs on the same rounded inputs: what is left is the kernels' arithmetic.
     atol, rtol = TOL[case.q.dtype]
     out = case.run()
-    ref, _ = reference_attention(*case.inputs(), case.allowed, bias=case.bias)
+    ref, _ = case.reference()
     assert out.dtype == case.q.dtype and out.shape == ref.shape
     assert_close(out.double(), ref, atol=atol, rtol=rtol)
 
@@ -177,6 +188,7 @@ def test_a_non_finite_key_or_value_reaches_the_rows_the_math_says(
     bad = t.clone()
     bad[b, h, j, e] = value
     q, k, v = case.q, (bad if where == "k" else case.k), (bad if where == "v" else case.v)
+    # (without a softcap: a capped infinite score is finite, see functional._bad_key_scores)
     bad_case = Case(q, k, v, case.mask, case.structure, case.allowed, case.bias, case.path)
     out = bad_case.run(check_weights=False)
 
@@ -225,6 +237,7 @@ def test_the_strategy_reaches_every_path_and_option() -> None:
                 ("decode", L == 1 and S > 1),
                 ("bool mask", case.mask is not None and case.mask.dtype == torch.bool),
                 ("float mask", case.mask is not None and case.mask.dtype != torch.bool),
+                ("softcap", case.softcap is not None),
             )
             if hit
         )
@@ -234,5 +247,5 @@ def test_the_strategy_reaches_every_path_and_option() -> None:
         expected = {"causal", "window", "segment_ids", "key_lengths", "L != S", "gqa", "odd E"}
         expected |= {"Ev != E", "empty", "decode"}
         if path != "block_sparse":
-            expected |= {"bool mask", "float mask"}
+            expected |= {"bool mask", "float mask", "softcap"}
         assert expected <= seen[path], (path, sorted(expected - seen[path]))
