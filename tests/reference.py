@@ -15,14 +15,16 @@ def reference_attention(
     allowed: Tensor | None = None,
     *,
     scale: float | None = None,
+    bias: Tensor | None = None,
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Textbook attention in float64, with fully-masked rows defined as zero output.
 
     ``softcap`` caps the scores with ``tanh(s / softcap) * softcap`` before the mask.
 
-    ``allowed`` is a bool mask (True = may attend) broadcastable to the scores. k/v heads are
-    repeated to the query heads (grouped-query attention) by ``repeat_interleave``.
+    ``allowed`` is a bool mask (True = may attend) broadcastable to the scores, ``bias`` a
+    finite float mask added to the scores. k/v heads are repeated to the query heads
+    (grouped-query attention) by ``repeat_interleave``.
 
     Returns (out, weights) in float64.
     """
@@ -35,10 +37,15 @@ def reference_attention(
     scores = torch.einsum("...le,...se->...ls", q, k) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.double()
     if allowed is None:
         allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)
     allowed = allowed.expand(scores.shape)
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if scores.shape[-1] == 0:  # no keys: every row is fully masked
+        weights = scores.masked_fill(~allowed, 0.0)
+        return weights @ v, weights
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     exp = torch.exp(scores - row_max) * allowed

@@ -15,16 +15,10 @@ from attnkit import decoding
 from attnkit.config import TransformerConfig
 from attnkit.decoding import PreparedLinear
 from attnkit.models import TransformerLM
+from tests.helpers import LLAMA_OPTIONS as LLAMA
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
-LLAMA = {
-    "norm": "rmsnorm",
-    "activation": "swiglu",
-    "bias": False,
-    "rope_interleaved": False,
-    "num_kv_heads": 2,
-}
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": LLAMA,
     "gpt-default": {},

@@ -12,7 +12,7 @@ import torch
 
 from attnkit import TransformerLM
 from attnkit.cli import main
-from tests.test_hf import build_hf
+from tests.helpers import build_hf
 
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
