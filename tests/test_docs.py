@@ -263,7 +263,7 @@ def test_modules_named_in_reference_import():
                     "attnkit.viz",
                     "attnkit.tour",
                     "attnkit.explorer",
-                    "attnkit.decoding_bench",
+                    "attnkit.bench",
                 )
             ):
                 pytest.importorskip("matplotlib")
