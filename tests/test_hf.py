@@ -16,9 +16,10 @@ import torch
 from torch.testing import assert_close
 
 from attnkit import TransformerConfig, TransformerLM
-from attnkit.interop import hf
+from attnkit.interop import hf, safetensors_io
 
 transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
 
 VOCAB = 61
 
@@ -215,11 +216,11 @@ def test_base_model_checkpoints_without_prefix(kind: str, prefix: str, tmp_path:
     path = tmp_path / "model.safetensors"
     lm = TransformerLM.from_pretrained(tmp_path)
     tensors = {}
-    for key, (dtype, shape, start, nbytes) in hf.read_safetensors_header(path).items():
-        raw = bytearray(path.read_bytes()[start : start + nbytes])
-        tensors[key.removeprefix(prefix)] = torch.frombuffer(raw, dtype=dtype).view(shape)
+    with safetensors.safe_open(path, "pt") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            tensors[key.removeprefix(prefix)] = f.get_tensor(key)
     assert not any(k.startswith(prefix) for k in tensors)
-    hf._write_safetensors(path, tensors)
+    safetensors_io.write_safetensors(path, tensors)
     stripped = TransformerLM.from_pretrained(tmp_path)
     for (name, p), q in zip(lm.named_parameters(), stripped.parameters(), strict=True):
         assert torch.equal(p, q), name
@@ -238,7 +239,7 @@ def test_loading_in_blocks_of_rows(case: Any, monkeypatch: pytest.MonkeyPatch) -
     """Tensors above the block size are read a few rows at a time (here: every tensor)."""
     _kind, folder, _ = case
     whole = TransformerLM.from_pretrained(folder, dtype=torch.float16)
-    monkeypatch.setattr(hf, "_CHUNK_BYTES", 100)
+    monkeypatch.setattr(safetensors_io, "_CHUNK_BYTES", 100)
     blocks = TransformerLM.from_pretrained(folder, dtype=torch.float16)
     for (name, p), q in zip(whole.named_parameters(), blocks.parameters(), strict=True):
         assert torch.equal(p, q), name
@@ -291,8 +292,8 @@ def test_save_pretrained_is_atomic(
             raise OSError("disk full")
         real_write(path, tensors)
 
-    real_write = hf._write_safetensors
-    monkeypatch.setattr(hf, "_write_safetensors", fail_second)
+    real_write = hf.write_safetensors
+    monkeypatch.setattr(hf, "write_safetensors", fail_second)
     with torch.no_grad():
         lm.embedding.weight.add_(1.0)
     with pytest.raises(OSError, match="disk full"):
@@ -539,11 +540,10 @@ def test_legacy_rope_keys_and_bad_dtype(llama_folder: Path, tmp_path: Path) -> N
         TransformerLM.from_pretrained(llama_folder, dtype=torch.int64)
 
 
-def test_safetensors_reader_matches_the_safetensors_package(llama_folder: Path) -> None:
-    safetensors = pytest.importorskip("safetensors")
+def test_safetensors_header_matches_the_tensors(llama_folder: Path) -> None:
     header = hf.read_safetensors_header(llama_folder / "model.safetensors")
     with safetensors.safe_open(llama_folder / "model.safetensors", "pt") as f:
         assert sorted(header) == sorted(f.keys())
         for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            dtype, shape, _, _ = header[key]
-            assert (dtype, shape) == (f.get_tensor(key).dtype, tuple(f.get_tensor(key).shape))
+            t = f.get_tensor(key)
+            assert header[key] == (t.dtype, tuple(t.shape), t.nbytes)
