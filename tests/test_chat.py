@@ -1,10 +1,5 @@
-"""Chat templates rendered by attnkit against transformers' ``apply_chat_template``.
-
-The templates below follow the structure of the published Llama 3/3.1, Qwen2, Qwen3, Gemma 3
-and Phi-3 templates (bos handling, default system prompts, ``namespace``, ``raise_exception``,
-``tojson``, ``strftime_now``, trimming and ``enable_thinking``); one byte-level BPE tokenizer
-trained here carries every family's special tokens.
-"""
+"""Chat templates rendered by attnkit against transformers' ``apply_chat_template`` (the
+templates of :mod:`tests.chat_templates`), the sandbox, and ``attnkit chat``."""
 
 from __future__ import annotations
 
@@ -13,210 +8,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from attnkit import TransformerLM
 from attnkit.chat import ChatTemplateError, ChatTokenizer, format_chat
+from attnkit.cli import main
+from tests.chat_templates import (
+    CONVERSATION,
+    FAMILIES,
+    PHI3,
+    QWEN2,
+    TOOLS,
+    train_tokenizer,
+    write_chat_folder,
+)
 
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-LLAMA3 = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{% endif %}"
-)
-LLAMA31_TOOLS = """{{- bos_token }}
-{%- if not date_string is defined %}
-    {%- set date_string = strftime_now("%d %b %Y") %}
-{%- endif %}
-{%- if messages[0]['role'] == 'system' %}
-    {%- set system_message = messages[0]['content']|trim %}
-    {%- set messages = messages[1:] %}
-{%- else %}
-    {%- set system_message = "" %}
-{%- endif %}
-{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
-{{- "Today Date: " + date_string + "\\n\\n" }}
-{%- if tools is not none %}
-    {{- "You have these functions:\\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\\n\\n" }}
-    {%- endfor %}
-{%- endif %}
-{{- system_message }}
-{{- "<|eot_id|>" }}
-{%- for message in messages %}
-    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
-    {{- message['content'] | trim + '<|eot_id|>' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
-{%- endif %}
-"""
-QWEN2 = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-QWEN3 = """{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.role == "system" or message.role == "user" %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set content = message.content %}
-        {%- if '</think>' in content %}
-            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + content }}
-        {%- else %}
-            {{- '<|im_start|>assistant\\n' + content }}
-        {%- endif %}
-        {{- '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\\n\\n</think>\\n\\n' }}
-    {%- endif %}
-{%- endif %}"""
-GEMMA3 = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
-    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
-    {{ message['content'] | trim }}
-    {{ '<end_of_turn>\\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\\n'}}
-{%- endif -%}
-"""
-PHI3 = """{% for message in messages %}
-    {% if message['role'] == 'system' %}
-        {{ '<|system|>\n' + message['content'] + '<|end|>\n' }}
-    {% elif message['role'] == 'user' %}
-        {{ '<|user|>\n' + message['content'] + '<|end|>\n' }}
-    {% elif message['role'] == 'assistant' %}
-        {{ '<|assistant|>\n' + message['content'] + '<|end|>\n' }}
-    {% endif %}
-{% endfor %}
-{% if add_generation_prompt %}
-    {{ '<|assistant|>\n' }}
-{% else %}
-    {{ eos_token }}
-{% endif %}
-"""
-
-# family -> (template, bos, eos, end-of-turn ids' tokens in generation_config.json)
-FAMILIES: dict[str, tuple[str, str, str, list[str]]] = {
-    "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>", ["<|end_of_text|>", "<|eot_id|>"]),
-    "llama31-tools": (LLAMA31_TOOLS, "<|begin_of_text|>", "<|eot_id|>", ["<|eot_id|>"]),
-    "qwen2": (QWEN2, "<|endoftext|>", "<|im_end|>", ["<|im_end|>", "<|endoftext|>"]),
-    "qwen3": (QWEN3, "<|endoftext|>", "<|im_end|>", ["<|im_end|>"]),
-    "gemma3": (GEMMA3, "<bos>", "<eos>", ["<eos>", "<end_of_turn>"]),
-    "phi3": (PHI3, "<s>", "<|endoftext|>", ["<|end|>", "<|endoftext|>"]),
-}
-SPECIALS = sorted(
-    {
-        "<|begin_of_text|>",
-        "<|end_of_text|>",
-        "<|start_header_id|>",
-        "<|end_header_id|>",
-        "<|eot_id|>",
-        "<|im_start|>",
-        "<|im_end|>",
-        "<|endoftext|>",
-        "<bos>",
-        "<eos>",
-        "<start_of_turn>",
-        "<end_of_turn>",
-        "<s>",
-        "<|system|>",
-        "<|user|>",
-        "<|assistant|>",
-        "<|end|>",
-        "<think>",
-        "</think>",
-    }
-)
-CORPUS = [
-    "You are a helpful assistant. Explain attention in one sentence.",
-    "Attention weighs every token by how well its key matches the query.",
-    "Today Date: 01 Dec 2026. The weather is fine, thank you!",
-] * 10
-
-CONVERSATION = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "  Explain attention in one sentence.  "},
-    {"role": "assistant", "content": "<think>\nkeys, queries\n</think>\n\nIt weighs tokens."},
-    {"role": "user", "content": "Et en français ? Ça marche ✓"},
-]
-TOOLS = [{"name": "get_weather", "parameters": {"city": {"type": "string"}}}]
-
-
-def _tokenizer() -> Any:
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
-
-
-def write_chat_folder(
-    folder: Path, family: str, *, template_in_config: bool = False, tok: Any = None
-) -> Path:
-    """A folder with ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``
-    and the family's chat template (in ``chat_template.jinja`` unless ``template_in_config``)."""
-    template, bos, eos, stops = FAMILIES[family]
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = tok or _tokenizer()
-    tok.save(str(folder / "tokenizer.json"))
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": {"__type": "AddedToken", "content": eos, "special": True},
-        "pad_token": eos,
-    }
-    if template_in_config:
-        config["chat_template"] = template
-    else:
-        (folder / "chat_template.jinja").write_text(template)
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    ids = [tok.token_to_id(t) for t in stops]
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
-    return folder
-
 
 @pytest.fixture(scope="module")
 def shared_tokenizer() -> Any:
-    return _tokenizer()
+    return train_tokenizer()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -335,3 +148,95 @@ def test_bad_inputs_are_named(tmp_path: Path, shared_tokenizer: Any) -> None:
         format_chat(folder, CONVERSATION)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         format_chat(tmp_path / "nowhere", CONVERSATION)
+
+
+# --------------------------------------------------------------------------------------------
+# attnkit chat
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory, shared_tokenizer: Any) -> Path:
+    """A tiny random Llama with the Qwen2 chat template."""
+    pytest.importorskip("transformers")
+    from tests.test_hf import build_hf
+
+    path = tmp_path_factory.mktemp("chat-model")
+    vocab = shared_tokenizer.get_vocab_size()
+    build_hf("llama-gqa-untied", path, seed=4, vocab_size=vocab, max_position_embeddings=256)
+    return write_chat_folder(path, "qwen2", tok=shared_tokenizer)
+
+
+def _reply(folder: Path, history: list[dict[str, str]], new: int) -> str:
+    """The greedy reply to ``history``, by the Python API."""
+    chat = ChatTokenizer.from_folder(folder)
+    lm = TransformerLM.from_pretrained(folder)
+    ids = chat.encode(history)
+    out = lm.generate(torch.tensor([ids]), new, eos_token_id=list(chat.stop_ids))
+    return chat.decode(out[0, len(ids) :].tolist())
+
+
+def _chat(
+    folder: Path, lines: str, capsys: pytest.CaptureFixture[str], *extra: str
+) -> tuple[int, str, str]:
+    import io
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("sys.stdin", io.StringIO(lines))
+        code = main(["chat", "--model", str(folder), "--max-new-tokens", "6", *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_chat_keeps_history_resets_and_exits(
+    chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = "Explain attention.\n\n/reset\nExplain attention.\nAnd then?\n/exit\nnever read\n"
+    code, out, err = _chat(chat_model, lines, capsys, "--system", "Be brief.")
+    assert code == 0, err
+    first, again, then = out.split("\n")[:3]
+    system = {"role": "system", "content": "Be brief."}
+    history = [system, {"role": "user", "content": "Explain attention."}]
+    assert first == again == _reply(chat_model, history, 6)
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "And then?"}]
+    assert then == _reply(chat_model, history, 6)
+    assert out.count("\n") == 3
+    assert "reset" in err and err.count("tokens/s") == 3
+
+
+def test_ctrl_c_stops_a_reply_not_the_chat(
+    chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from attnkit.commands import generate
+
+    real = generate.Session.stream
+    calls: list[int] = []
+
+    def interrupted(self: Any, prompt_ids: list[int], args: Any) -> Any:
+        calls.append(len(prompt_ids))
+        for i, token in enumerate(real(self, prompt_ids, args)):
+            if len(calls) == 1 and i == 2:
+                raise KeyboardInterrupt
+            yield token
+
+    monkeypatch.setattr(generate.Session, "stream", interrupted)
+    code, out, err = _chat(chat_model, "Explain attention.\nAnd then?\n", capsys, "--quiet")
+    assert code == 0, err
+    shown, then = out.split("\n")[:2]
+    history = [{"role": "user", "content": "Explain attention."}]
+    full, kept = _reply(chat_model, history, 6), _reply(chat_model, history, 2)
+    assert full.startswith(kept) and kept.startswith(shown) and len(kept) < len(full)
+    assert "[stopped]" in err
+    history += [{"role": "assistant", "content": kept}, {"role": "user", "content": "And then?"}]
+    assert then == _reply(chat_model, history, 6)
+
+
+def test_chat_drops_the_oldest_turns_to_fit(
+    chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    long = "Ça marche ✓ " * 6  # about 80 tokens: three turns do not fit in 256
+    code, out, err = _chat(chat_model, f"{long}\n{long}\n{long}\n", capsys, "--quiet")
+    assert code == 0, err
+    assert out.count("\n") == 3 and "oldest turn was dropped" in err
+    code, out, err = _chat(chat_model, " ".join([long] * 4) + "\n", capsys, "--quiet")
+    assert code == 0 and out == "" and "has no room" in err

@@ -226,6 +226,35 @@ class ChatTokenizer:
         self._compiled: Any = None
 
     @classmethod
+    def from_path(cls, path: str | Path) -> ChatTokenizer:
+        """:meth:`from_folder` for a folder, :meth:`from_gguf` for a ``.gguf`` file."""
+        path = Path(path)
+        if path.suffix == ".gguf" and not path.is_dir():
+            return cls.from_gguf(path)
+        return cls.from_folder(path)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> ChatTokenizer:
+        """The vocabulary, special tokens, end-of-turn ids and chat template (metadata key
+        ``tokenizer.chat_template``) of a llama.cpp GGUF file.
+
+        Raises:
+            ValueError: If the file has no chat template, or is not a readable GGUF file.
+        """
+        from attnkit.interop import gguf
+
+        found = gguf.read_tokenizer(path)
+        if found.chat_template is None:
+            raise ValueError(
+                f"{path} has no chat template (metadata tokenizer.chat_template); it is not a "
+                "chat model, drop --chat"
+            )
+        source = f"{path} (tokenizer.chat_template)"
+        return cls(
+            found.tokenizer, found.chat_template, found.special_tokens, found.stop_ids, source
+        )
+
+    @classmethod
     def from_folder(cls, folder: str | Path) -> ChatTokenizer:
         """Read ``tokenizer.json``, the chat template and the special and end-of-turn tokens.
 
@@ -346,7 +375,8 @@ def format_chat(
 
     Args:
         folder_or_tokenizer: A model folder (``tokenizer.json`` plus ``chat_template.jinja`` or
-            ``tokenizer_config.json``'s ``chat_template``) or a :class:`ChatTokenizer`.
+            ``tokenizer_config.json``'s ``chat_template``), a ``.gguf`` file or a
+            :class:`ChatTokenizer`.
         messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
         add_generation_prompt: End with the header of the assistant's turn (so that the model
             writes the reply).
@@ -366,7 +396,7 @@ def format_chat(
     tok = (
         folder_or_tokenizer
         if isinstance(folder_or_tokenizer, ChatTokenizer)
-        else ChatTokenizer.from_folder(folder_or_tokenizer)
+        else ChatTokenizer.from_path(folder_or_tokenizer)
     )
     options = template_kwargs | {"add_generation_prompt": add_generation_prompt}
     return tok.encode(messages, **options) if tokenize else tok.render(messages, **options)
