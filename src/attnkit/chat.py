@@ -241,9 +241,9 @@ class ChatTokenizer:
         Raises:
             ValueError: If the file has no chat template, or is not a readable GGUF file.
         """
-        from attnkit.interop import gguf
+        from attnkit.interop.gguf import read_tokenizer
 
-        found = gguf.read_tokenizer(path)
+        found = read_tokenizer(path)
         if found.chat_template is None:
             raise ValueError(
                 f"{path} has no chat template (metadata tokenizer.chat_template); it is not a "

@@ -187,9 +187,9 @@ def read_tokenizer(path: Path) -> Any:
         ValueError: If it cannot be read (naming the file).
     """
     if path.suffix == ".gguf" and not path.is_dir():
-        from attnkit.interop import gguf
+        from attnkit.interop.gguf import read_tokenizer
 
-        return gguf.read_tokenizer(path).tokenizer
+        return read_tokenizer(path).tokenizer
     from tokenizers import Tokenizer
 
     try:

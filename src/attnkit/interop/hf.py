@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from attnkit.interop import gguf
 from attnkit.interop.hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, hf_config_from
 from attnkit.interop.hf_weights import (
     ParameterFiller,
@@ -147,6 +148,8 @@ def from_pretrained(
         TypeError: If ``dtype`` is not a floating torch dtype.
     """
     path = Path(path)
+    if path.suffix == ".gguf" and not path.is_dir():
+        return gguf.from_gguf(path, dtype=dtype, device=device)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
     if not (path / "config.json").is_file():
