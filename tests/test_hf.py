@@ -547,3 +547,36 @@ def test_safetensors_header_matches_the_tensors(llama_folder: Path) -> None:
         for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
             t = f.get_tensor(key)
             assert header[key] == (t.dtype, tuple(t.shape), t.nbytes)
+
+
+def test_to_transformers_computes_the_same_function(case: Any) -> None:
+    """The transformers peer built from the mapping (no folder in between) equals the model."""
+    _kind, folder, _ = case
+    lm = TransformerLM.from_pretrained(folder)
+    peer = hf.to_transformers(lm)
+    ids, mask = padded_batch()
+    real = mask.bool()
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        assert_close(hf_logits(peer, ids, mask)[real], lm(ids, real, positions=pos)[real])
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        torch.device("cpu"),
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+    ],
+)
+def test_device_loads_straight_to_the_device(llama_folder: Path, device: Any) -> None:
+    lm = hf.from_pretrained(llama_folder, dtype=torch.float16, device=device)
+    assert {p.device.type for p in lm.parameters()} == {torch.device(device).type}
+    cpu = TransformerLM.from_pretrained(llama_folder, dtype=torch.float16)
+    for (name, p), q in zip(lm.named_parameters(), cpu.parameters(), strict=True):
+        assert torch.equal(p.cpu(), q), name
+    with pytest.raises(TypeError, match="device"):
+        hf.from_pretrained(llama_folder, device="warp-drive")
