@@ -99,9 +99,20 @@ def write_gguf(
     tokenizer_model: str = "gpt2",
     arch: str = "llama",
 ) -> Path:
-    """A tiny random Llama GGUF file whose 2-D weights are of ``type_name``."""
-    tok = train_tokenizer()
-    vocab = tok.get_vocab_size()
+    """A tiny random Llama GGUF file whose 2-D weights are of ``type_name``, with a byte-level
+    BPE vocabulary (``tokenizer_model="gpt2"``) or a SentencePiece one (``"llama"``)."""
+    if tokenizer_model == "llama":
+        tokens, types, scores = sentencepiece_vocab()
+        merges: list[str] = []
+    else:
+        tok = train_tokenizer()
+        data = json.loads(tok.to_str())
+        tokens = [t for t, _ in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1])]
+        specials = {a["content"] for a in data["added_tokens"]}
+        types = [3 if t in specials else 1 for t in tokens]
+        merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+        scores = []
+    vocab = len(tokens)
     config = transformers.LlamaConfig(**LLAMA, vocab_size=vocab, tie_word_embeddings=tie)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -121,19 +132,21 @@ def write_gguf(
     w.add_rope_dimension_count(LLAMA["hidden_size"] // LLAMA["num_attention_heads"])
     w.add_layer_norm_rms_eps(LLAMA["rms_norm_eps"])
     w.add_rope_freq_base(LLAMA["rope_theta"])
-    data = json.loads(tok.to_str())
-    tokens = [t for t, _ in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1])]
-    specials = {a["content"] for a in data["added_tokens"]}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre("llama-bpe")
     w.add_token_list(tokens)
-    w.add_token_types([3 if t in specials else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|endoftext|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_eot_token_id(tokens.index("<|eot_id|>"))
-    w.add_add_bos_token(False)
+    w.add_token_types(types)
+    if tokenizer_model == "llama":
+        w.add_token_scores(scores)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+    else:
+        w.add_tokenizer_pre("llama-bpe")
+        w.add_token_merges(merges)
+        w.add_bos_token_id(tokens.index("<|endoftext|>"))
+        w.add_eos_token_id(tokens.index("<|im_end|>"))
+        w.add_eot_token_id(tokens.index("<|eot_id|>"))
+        w.add_add_bos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     heads = {"q_proj": LLAMA["num_attention_heads"], "k_proj": LLAMA["num_key_value_heads"]}
@@ -163,6 +176,26 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
+    """A SentencePiece-style vocabulary: unk/bos/eos, the 256 byte tokens, pieces with the
+    \u2581 word marker learned here, scores falling with the merge order."""
+    import tokenizers
+
+    sp = tokenizers.SentencePieceBPETokenizer()
+    sp.train_from_iterator(
+        ["the cat sat on the mat", "attention is all you need", "Explain attention briefly"] * 20,
+        vocab_size=120,
+        special_tokens=[],
+        show_progress=False,
+    )
+    learned = sorted(sp.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [t for t, _ in learned if t not in tokens]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    return tokens, types, scores
 
 
 @pytest.fixture(scope="module", params=TYPES)
@@ -291,10 +324,23 @@ def test_truncated_and_foreign_files(small_file: Path, tmp_path: Path) -> None:
         TransformerLM.from_pretrained(tmp_path / "none.gguf")
 
 
+def test_sentencepiece_tokenizer_equals_transformers(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "sp.gguf", "F16", tokenizer_model="llama", chat_template=None)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    tok = ak_gguf.read_tokenizer(path).tokenizer
+    texts = ["the cat sat on the mat", " Explain  attention!", "Ça marche ✓\n<s>x</s>", "a"]
+    for text in texts:
+        ids = tok.encode(text).ids
+        assert ids == ref(text)["input_ids"], text
+        assert tok.decode(ids, skip_special_tokens=True) == ref.decode(
+            ids, skip_special_tokens=True
+        )
+    assert tok.encode("the cat").ids[0] == 1  # bos added, as llama.cpp does
+    # bos, the word marker, and the two UTF-8 bytes of Ç as byte-fallback tokens <0xC3> <0x87>
+    assert tok.encode("Ç").ids == [1, tok.token_to_id("\u2581"), 3 + 0xC3, 3 + 0x87]
+
+
 def test_unsupported_metadata_is_named(small_file: Path, tmp_path: Path) -> None:
-    sentencepiece = write_gguf(tmp_path / "sp.gguf", "F16", tokenizer_model="llama")
-    with pytest.raises(ValueError, match=r"sp\.gguf: tokenizer model 'llama' is not supported"):
-        ak_gguf.read_tokenizer(sentencepiece)
     other = write_gguf(tmp_path / "qwen.gguf", "F16", arch="qwen2")
     with pytest.raises(ValueError, match=r"qwen\.gguf: GGUF architecture 'qwen2' is not supp"):
         TransformerLM.from_pretrained(other)

@@ -494,41 +494,10 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def read_tokenizer(path: str | Path) -> GGUFTokenizer:
-    """Build the byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``, as Llama 3,
-    Qwen2 and SmolLM files have) a GGUF file describes, with ``tokenizers``.
+def _byte_level(file: _File, tokens: list[str]) -> tuple[Any, dict[str, int]]:
+    """GPT-2-style byte-level BPE: the file's merges, its split regex, no prefix space."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added
-    tokens; ``tokenizer.ggml.add_bos_token`` prepends the bos token on encoding; the split
-    regex follows ``tokenizer.ggml.pre``.
-
-    Raises:
-        FileNotFoundError: If ``path`` does not exist.
-        ValueError: For a damaged file, no vocabulary, or a tokenizer model other than gpt2.
-    """
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    file = _open(path)
-    model = file.value("tokenizer.ggml.model")
-    tokens: list[str] = file.value("tokenizer.ggml.tokens") or []
-    if not tokens:
-        raise ValueError(f"{path} has no vocabulary (tokenizer.ggml.tokens)")
-    if model != "gpt2":
-        raise ValueError(
-            f"{path}: tokenizer model {model!r} is not supported (supported: gpt2, the byte-level "
-            "BPE of Llama 3, Qwen2, SmolLM)"
-        )
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     vocab = {
@@ -548,9 +517,96 @@ def read_tokenizer(path: str | Path) -> GGUFTokenizer:
             ]
         )
     tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer, vocab
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two
+    tokens, best-scored merged token first (ties: shorter left, then right piece last)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found: list[tuple[str, str, float]] = []
+    for token, score in zip(tokens, scores, strict=True):
+        local = [
+            (token[:i], token[i:], score)
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        found += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in found]
+
+
+def _sentencepiece(file: _File, tokens: list[str]) -> tuple[Any, dict[str, int]]:
+    """SentencePiece BPE (Llama 2, Mistral, TinyLlama files): byte fallback, a prefix space on
+    the first piece, merges from the file or from the scores."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    given = file.value("tokenizer.ggml.merges")
+    if given:
+        merges = [tuple(m.split(" ", 1)) for m in given]
+    else:
+        scores = file.value("tokenizer.ggml.scores") or []
+        if len(scores) != len(tokens):
+            raise ValueError(
+                f"{file.path}: {len(scores)} tokenizer.ggml.scores for {len(tokens)} tokens"
+            )
+        merges = _merges_from_scores(tokens, [float(x) for x in scores])
+    tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first", split=False
+    )
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
+    )
+    return tokenizer, vocab
+
+
+def read_tokenizer(path: str | Path) -> GGUFTokenizer:
+    """Build the tokenizer a GGUF file describes, with ``tokenizers``.
+
+    ``tokenizer.ggml.model`` ``gpt2`` is byte-level BPE (Llama 3, Qwen2, SmolLM: the file's
+    merges, the split regex of ``tokenizer.ggml.pre``); ``llama`` is SentencePiece BPE (Llama 2,
+    Mistral, TinyLlama: byte fallback, merges from the file or recovered from the scores, bos
+    added unless ``tokenizer.ggml.add_bos_token`` is false). Control tokens (type 3) become
+    special added tokens, user-defined ones (type 4) plain added tokens.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        ValueError: For a damaged file, no vocabulary, or another tokenizer model.
+    """
+    from tokenizers import AddedToken, processors
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    file = _open(path)
+    model = file.value("tokenizer.ggml.model")
+    tokens: list[str] = file.value("tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise ValueError(f"{path} has no vocabulary (tokenizer.ggml.tokens)")
+    if model == "gpt2":
+        tokenizer, vocab = _byte_level(file, tokens)
+        spelled = set(_byte_alphabet().values())
+        add_bos = bool(file.value("tokenizer.ggml.add_bos_token", False))
+    elif model == "llama":
+        tokenizer, vocab = _sentencepiece(file, tokens)
+        spelled = None
+        add_bos = bool(file.value("tokenizer.ggml.add_bos_token", True))
+    else:
+        raise ValueError(
+            f"{path}: tokenizer model {model!r} is not supported (supported: gpt2, the byte-level "
+            "BPE of Llama 3, Qwen2, SmolLM; llama, the SentencePiece BPE of Llama 2, Mistral)"
+        )
     types = file.value("tokenizer.ggml.token_type") or []
-    control = [t for t, k in zip(tokens, types, strict=False) if k == 3 and set(t) <= spelled]
-    user = [t for t, k in zip(tokens, types, strict=False) if k == 4 and t in vocab]
+    pairs = list(zip(tokens, types, strict=False))
+    control = [t for t, k in pairs if k == 3 and (spelled is None or set(t) <= spelled)]
+    user = [t for t, k in pairs if k == 4 and t in vocab]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
     special: dict[str, str] = {}
@@ -558,10 +614,12 @@ def read_tokenizer(path: str | Path) -> GGUFTokenizer:
         index = file.value(f"tokenizer.ggml.{key}_token_id")
         if index is not None and 0 <= int(index) < len(tokens):
             special[f"{name}_token"] = tokens[int(index)]
-    if file.value("tokenizer.ggml.add_bos_token") and "bos_token" in special:
+    if add_bos and "bos_token" in special:
         bos = special["bos_token"]
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, vocab[bos])],
         )
     template = file.value("tokenizer.chat_template")
     return GGUFTokenizer(tokenizer, special, tuple(_stop_ids(file)), template)
