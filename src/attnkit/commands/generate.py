@@ -60,7 +60,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=DTYPES, default="float32", help="parameter dtype (default: float32)"
     )
     parser.add_argument(
-        "--system", default=None, metavar="TEXT", help="a system message (implies --chat)"
+        "--system", default=None, metavar="TEXT", help="a system message (generate: implies --chat)"
     )
     parser.add_argument(
         "--quiet",
