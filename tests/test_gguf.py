@@ -210,6 +210,7 @@ def _ids() -> torch.Tensor:
 
 
 def test_logits_equal_transformers_gguf_loading(gguf_file: Path) -> None:
+    pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
     ).eval()
@@ -223,7 +224,7 @@ def test_logits_equal_transformers_gguf_loading(gguf_file: Path) -> None:
 
 
 def test_generation_config_and_hf_loader_dispatch(gguf_file: Path) -> None:
-    lm = hf.from_pretrained(gguf_file, dtype=torch.bfloat16)
+    lm = hf.from_pretrained(gguf_file, cls=TransformerLM, dtype=torch.bfloat16)
     assert next(lm.parameters()).dtype == torch.bfloat16
     tok = ak_gguf.read_tokenizer(gguf_file).tokenizer
     eos = lm.generation_config["eos_token_id"]

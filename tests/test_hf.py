@@ -309,7 +309,7 @@ def test_save_pretrained_is_atomic(
 def test_attnkit_trained_models_save_when_they_map(tmp_path: Path) -> None:
     """Configs built in attnkit (not loaded) map onto the architectures too."""
     torch.manual_seed(0)
-    base = dict(vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, hidden_dim=40, max_seq_len=64)
+    base = dict(vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, ffn_dim=40, max_seq_len=64)
     llama = dict(norm="rmsnorm", activation="swiglu", bias=False, rope_interleaved=False)
     configs = [
         (
@@ -573,10 +573,10 @@ def test_to_transformers_computes_the_same_function(case: Any) -> None:
     ],
 )
 def test_device_loads_straight_to_the_device(llama_folder: Path, device: Any) -> None:
-    lm = hf.from_pretrained(llama_folder, dtype=torch.float16, device=device)
+    lm = hf.from_pretrained(llama_folder, cls=TransformerLM, dtype=torch.float16, device=device)
     assert {p.device.type for p in lm.parameters()} == {torch.device(device).type}
     cpu = TransformerLM.from_pretrained(llama_folder, dtype=torch.float16)
     for (name, p), q in zip(lm.named_parameters(), cpu.parameters(), strict=True):
         assert torch.equal(p.cpu(), q), name
     with pytest.raises(TypeError, match="device"):
-        hf.from_pretrained(llama_folder, device="warp-drive")
+        hf.from_pretrained(llama_folder, cls=TransformerLM, device="warp-drive")

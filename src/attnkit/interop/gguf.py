@@ -34,17 +34,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from attnkit.interop.hf_config import config_from_hf
-from attnkit.interop.hf_weights import ParameterFiller, allocate
+from attnkit.interop.hf_weights import ModelClass, ParameterFiller, allocate
 from attnkit.positional import permute_rotary_weight
-
-if TYPE_CHECKING:
-    from attnkit.models import TransformerLM
 
 __all__ = [
     "GGML_TYPES",
@@ -379,13 +376,15 @@ _CHUNK_VALUES = 4 * 2**20
 def from_gguf(
     path: str | Path,
     *,
+    cls: ModelClass,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
-) -> TransformerLM:
-    """Load a Llama-architecture GGUF file into a :class:`attnkit.TransformerLM` (eval mode).
+) -> Any:
+    """Load a Llama-architecture GGUF file into ``cls(config)`` (eval mode).
 
     Args:
         path: The ``.gguf`` file.
+        cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
         dtype: Parameter dtype (default: torch's default dtype); quantized tensors are
             dequantized to float32 a block of rows at a time and cast.
         device: Where the parameters are allocated (default: CPU).
@@ -405,9 +404,9 @@ def from_gguf(
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     file = _open(path)
     _, config = config_from_hf(_hf_config(file))
-    lm = allocate(config, dtype=dtype, device=device)
+    lm = allocate(cls, config, dtype=dtype, device=device)
     filler = ParameterFiller(lm, "llama GGUF", str(path))
-    rotary = {"attn_q.weight": config.num_heads, "attn_k.weight": config.kv_heads}
+    rotary = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
     with torch.no_grad():
         for name, tensor in file.tensors.items():
             entry = filler.entry(hf_name(name))

@@ -19,14 +19,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from attnkit.config import TransformerConfig
 from attnkit.interop import gguf
 from attnkit.interop.hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, hf_config_from
 from attnkit.interop.hf_weights import (
+    ModelClass,
     ParameterFiller,
     WeightEntry,
     allocate,
@@ -39,9 +41,6 @@ from attnkit.interop.safetensors_io import (
     read_safetensors_header,
     write_safetensors,
 )
-
-if TYPE_CHECKING:
-    from attnkit.models import TransformerLM
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -124,15 +123,19 @@ def read_generation_config(path: str | Path) -> dict[str, Any]:
 def from_pretrained(
     path: str | Path,
     *,
+    cls: ModelClass,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
-) -> TransformerLM:
-    """Load a Hugging Face decoder folder or a ``.gguf`` file into a :class:`attnkit.TransformerLM`
-    (eval mode).
+) -> Any:
+    """Load a Hugging Face decoder folder or a ``.gguf`` file into ``cls(config)`` (eval mode).
+
+    ``TransformerLM.from_pretrained`` calls this with ``cls=TransformerLM``; the loader itself
+    knows only the config and the parameter names, so it sits below the models.
 
     Args:
         path: Folder with ``config.json`` and safetensors weights, or a llama.cpp ``.gguf`` file
             (see :func:`attnkit.interop.gguf.from_gguf`).
+        cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
         dtype: Parameter dtype (default: torch's default dtype, float32); ``torch.bfloat16`` or
             ``torch.float16`` load straight into that dtype.
         device: Where the parameters are allocated and the weights copied to (default: CPU), e.g.
@@ -149,7 +152,7 @@ def from_pretrained(
     """
     path = Path(path)
     if path.suffix == ".gguf" and not path.is_dir():
-        return gguf.from_gguf(path, dtype=dtype, device=device)
+        return gguf.from_gguf(path, cls=cls, dtype=dtype, device=device)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
     if not (path / "config.json").is_file():
@@ -157,7 +160,7 @@ def from_pretrained(
     arch, config = config_from_hf(read_json(path / "config.json"))
     files = _weight_files(path)
     headers = {f: read_safetensors_header(f) for f in files}  # errors before any allocation
-    lm = allocate(config, dtype=dtype, device=device)
+    lm = allocate(cls, config, dtype=dtype, device=device)
     base_prefix = "transformer." if arch == "GPT2LMHeadModel" else "model."
     filler = ParameterFiller(lm, arch, str(path), base_prefix=base_prefix)
     with torch.no_grad():
@@ -173,7 +176,7 @@ def from_pretrained(
     return lm.eval()
 
 
-def to_transformers(lm: TransformerLM) -> Any:
+def to_transformers(lm: nn.Module) -> Any:
     """The ``transformers`` model computing the same function as ``lm`` (eval mode, float32).
 
     Built from :func:`hf_config_from` and :func:`hf_state_dict`, the mapping
@@ -185,15 +188,15 @@ def to_transformers(lm: TransformerLM) -> Any:
     """
     import transformers
 
-    data = hf_config_from(lm.config)
+    config: TransformerConfig = lm.config  # type: ignore[assignment]
+    data = hf_config_from(config)
     arch = data["architectures"][0]
-    config = transformers.AutoConfig.for_model(**data)
-    model = getattr(transformers, arch)(config).eval()
+    model = getattr(transformers, arch)(transformers.AutoConfig.for_model(**data)).eval()
     state = dict(hf_state_dict(lm, arch))
-    if lm.config.tie_embeddings:
+    if config.tie_embeddings:
         model.tie_weights()
     missing, unexpected = model.load_state_dict(state, strict=False)
-    left = [k for k in missing if not (k == "lm_head.weight" and lm.config.tie_embeddings)]
+    left = [k for k in missing if not (k == "lm_head.weight" and config.tie_embeddings)]
     if left or unexpected:  # pragma: no cover - the mapping and transformers disagree
         raise ValueError(f"transformers {arch}: missing {left}, unexpected {unexpected}")
     return model
@@ -204,9 +207,7 @@ def to_transformers(lm: TransformerLM) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def save_pretrained(
-    lm: TransformerLM, path: str | Path, *, max_shard_size: int | None = None
-) -> Path:
+def save_pretrained(lm: nn.Module, path: str | Path, *, max_shard_size: int | None = None) -> Path:
     """Write ``lm`` as a Hugging Face folder ``transformers`` loads with the same outputs.
 
     Writes ``config.json``, ``generation_config.json`` (when ``lm.generation_config`` has ids)
@@ -228,13 +229,13 @@ def save_pretrained(
         ValueError: If an option of the model has no counterpart (naming it), or a bad
             ``max_shard_size``.
     """
-    config = lm.config
+    config: TransformerConfig = lm.config  # type: ignore[assignment]
     hf = hf_config_from(config)
     arch = hf["architectures"][0]
     if max_shard_size is not None and max_shard_size < 1:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
     dtype = next(lm.parameters()).dtype
-    gen = dict(lm.generation_config)
+    gen: dict[str, Any] = dict(getattr(lm, "generation_config", {}))
     hf |= {k: v for k, v in gen.items() if k in ("eos_token_id", "bos_token_id", "pad_token_id")}
     hf["dtype"] = hf["torch_dtype"] = _HF_DTYPE_NAMES.get(dtype, "float32")
     path = Path(path)

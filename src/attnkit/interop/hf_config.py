@@ -140,7 +140,7 @@ def _gpt2_config(data: dict[str, Any]) -> TransformerConfig:
         dim=data["n_embd"],
         num_layers=data["n_layer"],
         num_heads=data["n_head"],
-        hidden_dim=data.get("n_inner") or 4 * data["n_embd"],
+        ffn_dim=data.get("n_inner") or 4 * data["n_embd"],
         max_seq_len=data["n_positions"],
         eps=float(data.get("layer_norm_epsilon", 1e-5)),
         tie_embeddings=bool(data.get("tie_word_embeddings", True)),
@@ -192,7 +192,7 @@ def _llama_config(data: dict[str, Any], arch: str) -> TransformerConfig:
         num_heads=heads,
         num_kv_heads=data.get("num_key_value_heads") or heads,
         head_dim=data.get("head_dim") or data["hidden_size"] // heads,
-        hidden_dim=data["intermediate_size"],
+        ffn_dim=data["intermediate_size"],
         max_seq_len=data.get("max_position_embeddings", 2048),
         eps=float(data.get("rms_norm_eps", 1e-6)),
         qkv_bias=qkv_bias,
@@ -245,8 +245,8 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
         if c.activation not in acts:
             problems.append(f"activation={c.activation!r} (needs one of {sorted(acts)} in {fam})")
         need("bias", (qkv_bias, out_bias, mlp_bias), (True, True, True), fam)
-        need("num_kv_heads", c.kv_heads, c.num_heads, fam)
-        need("head_dim", c.attn_head_dim, c.dim // c.num_heads, fam)
+        need("num_kv_heads", c.num_kv_heads, c.num_heads, fam)
+        need("head_dim", c.head_dim, c.dim // c.num_heads, fam)
         need("window", c.window, None, fam)
         check()
         return {
@@ -279,8 +279,8 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
         "intermediate_size": c.ffn_dim,
         "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.kv_heads,
-        "head_dim": c.attn_head_dim,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": c.max_seq_len,
         "rms_norm_eps": c.eps,

@@ -8,20 +8,28 @@ tensors read one at a time (by the safetensors and GGUF readers) into a model's 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from attnkit.config import TransformerConfig
 from attnkit.positional import permute_rotary_weight
 
-if TYPE_CHECKING:
-    from attnkit.models import TransformerLM
+# The model class a loader builds: ``cls(config)`` (:class:`attnkit.TransformerLM`, which sits
+# above this package and passes itself in).
+ModelClass = Callable[[TransformerConfig], nn.Module]
 
-__all__ = ["ParameterFiller", "WeightEntry", "allocate", "hf_state_dict", "weight_map"]
+__all__ = [
+    "ModelClass",
+    "ParameterFiller",
+    "WeightEntry",
+    "allocate",
+    "hf_state_dict",
+    "weight_map",
+]
 
 # Tensors some checkpoints carry that are recomputed buffers, not weights.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -55,7 +63,7 @@ def weight_map(arch: str, config: TransformerConfig) -> dict[str, WeightEntry]:
         One entry per tensor the checkpoint holds (``lm_head.weight`` only when untied).
     """
     c = config
-    q_rows, kv_rows = c.num_heads * c.attn_head_dim, c.kv_heads * c.attn_head_dim
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     qkv_rows = {
         "q": (0, q_rows),
         "k": (q_rows, q_rows + kv_rows),
@@ -91,21 +99,22 @@ def weight_map(arch: str, config: TransformerConfig) -> dict[str, WeightEntry]:
             hf, ak = f"model.layers.{i}.", f"blocks.{i}."
             attn = f"{ak}attention."
             for name, rows in qkv_rows.items():
-                heads = {"q": c.num_heads, "k": c.kv_heads}.get(name)
+                heads = {"q": c.num_heads, "k": c.num_kv_heads}.get(name)
                 for kind in ("weight", "bias") if qkv_bias else ("weight",):
                     out[f"{hf}self_attn.{name}_proj.{kind}"] = WeightEntry(
                         f"{attn}{_QKV}.{kind}", rows, rotary_heads=heads
                     )
-            linears = [
-                ("self_attn.o_proj", f"{attn}{_OUT}", out_bias),
-                ("mlp.gate_proj", f"{ak}feed_forward.gate", mlp_bias),
-                ("mlp.up_proj", f"{ak}feed_forward.linear1", mlp_bias),
-                ("mlp.down_proj", f"{ak}feed_forward.linear2", mlp_bias),
+            F = c.ffn_dim  # gate and up are the two row halves of the fused gate_up
+            linears: list[tuple[str, str, bool, tuple[int, int] | None]] = [
+                ("self_attn.o_proj", f"{attn}{_OUT}", out_bias, None),
+                ("mlp.gate_proj", f"{ak}feed_forward.gate_up", mlp_bias, (0, F)),
+                ("mlp.up_proj", f"{ak}feed_forward.gate_up", mlp_bias, (F, 2 * F)),
+                ("mlp.down_proj", f"{ak}feed_forward.linear2", mlp_bias, None),
             ]
-            for part, target, bias in linears:
-                out[f"{hf}{part}.weight"] = WeightEntry(f"{target}.weight")
+            for part, target, bias, span in linears:
+                out[f"{hf}{part}.weight"] = WeightEntry(f"{target}.weight", span)
                 if bias:
-                    out[f"{hf}{part}.bias"] = WeightEntry(f"{target}.bias")
+                    out[f"{hf}{part}.bias"] = WeightEntry(f"{target}.bias", span)
             out[f"{hf}input_layernorm.weight"] = WeightEntry(f"{ak}norm1.weight")
             out[f"{hf}post_attention_layernorm.weight"] = WeightEntry(f"{ak}norm2.weight")
     if not c.tie_embeddings:
@@ -114,19 +123,19 @@ def weight_map(arch: str, config: TransformerConfig) -> dict[str, WeightEntry]:
 
 
 def allocate(
+    cls: ModelClass,
     config: TransformerConfig,
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
-) -> TransformerLM:
-    """A :class:`attnkit.TransformerLM` of ``config`` with uninitialised parameters, built on the
-    meta device and allocated once in ``dtype`` on ``device`` (for a loader to fill).
+) -> Any:
+    """``cls(config)`` with uninitialised parameters, built on the meta device and allocated
+    once in ``dtype`` on ``device`` (for a loader to fill).
 
     Raises:
         TypeError: If ``dtype`` is not a floating torch dtype or ``device`` not a device.
+        ValueError: If the model holds a non-empty buffer (a loader could not fill it).
     """
-    from attnkit.models import TransformerLM
-
     if dtype is None:
         dtype = torch.get_default_dtype()
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -136,7 +145,7 @@ def allocate(
     except (RuntimeError, TypeError) as err:
         raise TypeError(f"device must be a torch.device or its name, got {device!r}") from err
     with torch.device("meta"):
-        lm = TransformerLM(config)
+        lm = cls(config)
     lm = lm.to(dtype).to_empty(device=target)
     for name, buf in lm.named_buffers():
         if buf.numel():  # to_empty left them uninitialised; every buffer here is recomputable
@@ -158,10 +167,10 @@ class ParameterFiller:
             the original gpt2, omit ``transformer.``/``model.``).
     """
 
-    def __init__(self, lm: TransformerLM, arch: str, where: str, *, base_prefix: str = "") -> None:
+    def __init__(self, lm: nn.Module, arch: str, where: str, *, base_prefix: str = "") -> None:
         self.arch, self.where, self.base_prefix = arch, where, base_prefix
-        self.config = lm.config
-        self.entries = weight_map(arch, lm.config)
+        self.config: TransformerConfig = lm.config  # type: ignore[assignment]
+        self.entries = weight_map(arch, self.config)
         self.params = dict(lm.named_parameters())
         self.filled = dict.fromkeys(self.params, 0)
         self.unexpected: list[str] = []
@@ -209,7 +218,7 @@ class ParameterFiller:
             raise ValueError(f"{self.where}: the weights lack tensors for {missing[:8]}")
 
 
-def hf_state_dict(lm: TransformerLM, arch: str) -> Iterator[tuple[str, Tensor]]:
+def hf_state_dict(lm: nn.Module, arch: str) -> Iterator[tuple[str, Tensor]]:
     """The tensors of ``lm`` under the names of Hugging Face architecture ``arch``, one by one.
 
     Each is a contiguous CPU tensor (a copy only where a row range, a transpose or the rotary
@@ -218,7 +227,7 @@ def hf_state_dict(lm: TransformerLM, arch: str) -> Iterator[tuple[str, Tensor]]:
     Yields:
         ``(checkpoint name, tensor)`` in :func:`weight_map` order.
     """
-    config = lm.config
+    config: TransformerConfig = lm.config  # type: ignore[assignment]
     params = dict(lm.named_parameters())
     for key, entry in weight_map(arch, config).items():
         t = params[entry.param].detach()
