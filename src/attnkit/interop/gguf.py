@@ -320,6 +320,7 @@ def _hf_config(file: _File) -> dict[str, Any]:
     vocab = embed.shape[0] if embed is not None else len(file.value("tokenizer.ggml.tokens", []))
     data: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "silu",  # llama.cpp's llama graph: SwiGLU
         "vocab_size": int(file.value("llama.vocab_size", vocab)),
         "hidden_size": dim,
         "intermediate_size": int(need("feed_forward_length")),

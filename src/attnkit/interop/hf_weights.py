@@ -53,15 +53,7 @@ class WeightEntry:
 
 
 def weight_map(arch: str, config: TransformerConfig) -> dict[str, WeightEntry]:
-    """Checkpoint tensor name -> attnkit parameter (name, row range, transpose).
-
-    Args:
-        arch: A Hugging Face architecture (one of ``hf_config.SUPPORTED_ARCHITECTURES``).
-        config: The attnkit config the checkpoint maps to.
-
-    Returns:
-        One entry per tensor the checkpoint holds (``lm_head.weight`` only when untied).
-    """
+    """Checkpoint tensor name -> attnkit parameter (name, row range, transpose)."""
     c = config
     q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     qkv_rows = {
@@ -95,28 +87,49 @@ def weight_map(arch: str, config: TransformerConfig) -> dict[str, WeightEntry]:
     else:
         out["model.embed_tokens.weight"] = WeightEntry("embedding.weight")
         out["model.norm.weight"] = WeightEntry("norm.weight")
+        F = int(c.ffn_dim or 4 * c.dim)
+        fused = arch == "Phi3ForCausalLM"  # Phi-3 stores q/k/v and gate/up fused, as attnkit
         for i in range(c.num_layers):
             hf, ak = f"model.layers.{i}.", f"blocks.{i}."
             attn = f"{ak}attention."
-            for name, rows in qkv_rows.items():
-                heads = {"q": c.num_heads, "k": c.num_kv_heads}.get(name)
-                for kind in ("weight", "bias") if qkv_bias else ("weight",):
-                    out[f"{hf}self_attn.{name}_proj.{kind}"] = WeightEntry(
-                        f"{attn}{_QKV}.{kind}", rows, rotary_heads=heads
-                    )
-            F = c.ffn_dim  # gate and up are the two row halves of the fused gate_up
+            if fused:
+                out[f"{hf}self_attn.qkv_proj.weight"] = WeightEntry(f"{attn}{_QKV}.weight")
+            else:
+                for name, rows in qkv_rows.items():
+                    heads = {"q": c.num_heads, "k": c.num_kv_heads}.get(name)
+                    for kind in ("weight", "bias") if qkv_bias else ("weight",):
+                        out[f"{hf}self_attn.{name}_proj.{kind}"] = WeightEntry(
+                            f"{attn}{_QKV}.{kind}", rows, rotary_heads=heads
+                        )
             linears: list[tuple[str, str, bool, tuple[int, int] | None]] = [
                 ("self_attn.o_proj", f"{attn}{_OUT}", out_bias, None),
-                ("mlp.gate_proj", f"{ak}feed_forward.gate_up", mlp_bias, (0, F)),
-                ("mlp.up_proj", f"{ak}feed_forward.gate_up", mlp_bias, (F, 2 * F)),
                 ("mlp.down_proj", f"{ak}feed_forward.linear2", mlp_bias, None),
             ]
+            if fused:
+                linears.append(("mlp.gate_up_proj", f"{ak}feed_forward.gate_up", mlp_bias, None))
+            else:
+                linears.append(("mlp.gate_proj", f"{ak}feed_forward.gate_up", mlp_bias, (0, F)))
+                linears.append(("mlp.up_proj", f"{ak}feed_forward.gate_up", mlp_bias, (F, 2 * F)))
             for part, target, bias, span in linears:
                 out[f"{hf}{part}.weight"] = WeightEntry(f"{target}.weight", span)
                 if bias:
                     out[f"{hf}{part}.bias"] = WeightEntry(f"{target}.bias", span)
-            out[f"{hf}input_layernorm.weight"] = WeightEntry(f"{ak}norm1.weight")
-            out[f"{hf}post_attention_layernorm.weight"] = WeightEntry(f"{ak}norm2.weight")
+            norms = {"input_layernorm": "norm1"}
+            if c.post_norms:  # Gemma: a norm after attention and one before and after the MLP
+                norms |= {
+                    "post_attention_layernorm": "post_attn_norm",
+                    "pre_feedforward_layernorm": "norm2",
+                    "post_feedforward_layernorm": "post_ffn_norm",
+                }
+            else:
+                norms["post_attention_layernorm"] = "norm2"
+            for theirs, ours in norms.items():
+                out[f"{hf}{theirs}.weight"] = WeightEntry(f"{ak}{ours}.weight")
+            if c.qk_norm:
+                for name in ("q", "k"):
+                    out[f"{hf}self_attn.{name}_norm.weight"] = WeightEntry(
+                        f"{attn}{name}_norm.weight"
+                    )
     if not c.tie_embeddings:
         out["lm_head.weight"] = WeightEntry("lm_head.weight")
     return out
