@@ -185,7 +185,7 @@ def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
             _random_llama_folder(args, folder)
         files = sorted(folder.glob("*.safetensors"))
         weight_bytes = sum(
-            info[3] for f in files for info in hf.read_safetensors_header(f).values()
+            info.nbytes for f in files for info in hf.read_safetensors_header(f).values()
         )
 
         def load_ours() -> Any:
@@ -196,7 +196,7 @@ def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
 
         load_ours(), load_hf()  # warm up imports and allocator
         # Weights in the checkpoint's dtype; loading into another dtype scales them.
-        ckpt_dtype = next(iter(hf.read_safetensors_header(files[0]).values()))[0]
+        ckpt_dtype = next(iter(hf.read_safetensors_header(files[0]).values())).dtype
         loaded_bytes = weight_bytes * dtype.itemsize // ckpt_dtype.itemsize
         peaks = {"attnkit": peak_memory(load_ours), "transformers": peak_memory(load_hf)}
         ours, ref = load_ours(), load_hf()

@@ -16,10 +16,11 @@ import torch
 from torch.testing import assert_close
 
 from attnkit import TransformerConfig, TransformerLM
-from attnkit.interop import hf
+from attnkit.interop import hf, safetensors_io
 from tests.helpers import CASES, VOCAB, build_hf, hf_greedy, padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
 
 
 def hf_logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -109,11 +110,11 @@ def test_base_model_checkpoints_without_prefix(kind: str, prefix: str, tmp_path:
     path = tmp_path / "model.safetensors"
     lm = TransformerLM.from_pretrained(tmp_path)
     tensors = {}
-    for key, (dtype, shape, start, nbytes) in hf.read_safetensors_header(path).items():
-        raw = bytearray(path.read_bytes()[start : start + nbytes])
-        tensors[key.removeprefix(prefix)] = torch.frombuffer(raw, dtype=dtype).view(shape)
+    with safetensors.safe_open(path, "pt") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            tensors[key.removeprefix(prefix)] = f.get_tensor(key)
     assert not any(k.startswith(prefix) for k in tensors)
-    hf._write_safetensors(path, tensors)
+    safetensors_io.write_safetensors(path, tensors)
     stripped = TransformerLM.from_pretrained(tmp_path)
     for (name, p), q in zip(lm.named_parameters(), stripped.parameters(), strict=True):
         assert torch.equal(p, q), name
@@ -132,7 +133,7 @@ def test_loading_in_blocks_of_rows(case: Any, monkeypatch: pytest.MonkeyPatch) -
     """Tensors above the block size are read a few rows at a time (here: every tensor)."""
     _kind, folder, _ = case
     whole = TransformerLM.from_pretrained(folder, dtype=torch.float16)
-    monkeypatch.setattr(hf, "_CHUNK_BYTES", 100)
+    monkeypatch.setattr(safetensors_io, "_CHUNK_BYTES", 100)
     blocks = TransformerLM.from_pretrained(folder, dtype=torch.float16)
     for (name, p), q in zip(whole.named_parameters(), blocks.parameters(), strict=True):
         assert torch.equal(p, q), name
@@ -185,8 +186,8 @@ def test_save_pretrained_is_atomic(
             raise OSError("disk full")
         real_write(path, tensors)
 
-    real_write = hf._write_safetensors
-    monkeypatch.setattr(hf, "_write_safetensors", fail_second)
+    real_write = hf.write_safetensors
+    monkeypatch.setattr(hf, "write_safetensors", fail_second)
     with torch.no_grad():
         lm.embedding.weight.add_(1.0)
     with pytest.raises(OSError, match="disk full"):
@@ -202,7 +203,7 @@ def test_save_pretrained_is_atomic(
 def test_attnkit_trained_models_save_when_they_map(tmp_path: Path) -> None:
     """Configs built in attnkit (not loaded) map onto the architectures too."""
     torch.manual_seed(0)
-    base = dict(vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, hidden_dim=40, max_seq_len=64)
+    base = dict(vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, ffn_dim=40, max_seq_len=64)
     llama = dict(norm="rmsnorm", activation="swiglu", bias=False, rope_interleaved=False)
     configs = [
         (
@@ -425,11 +426,43 @@ def test_legacy_rope_keys_and_bad_dtype(llama_folder: Path, tmp_path: Path) -> N
         TransformerLM.from_pretrained(llama_folder, dtype=torch.int64)
 
 
-def test_safetensors_reader_matches_the_safetensors_package(llama_folder: Path) -> None:
-    safetensors = pytest.importorskip("safetensors")
+def test_safetensors_header_matches_the_tensors(llama_folder: Path) -> None:
     header = hf.read_safetensors_header(llama_folder / "model.safetensors")
     with safetensors.safe_open(llama_folder / "model.safetensors", "pt") as f:
         assert sorted(header) == sorted(f.keys())
         for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            dtype, shape, _, _ = header[key]
-            assert (dtype, shape) == (f.get_tensor(key).dtype, tuple(f.get_tensor(key).shape))
+            t = f.get_tensor(key)
+            assert header[key] == (t.dtype, tuple(t.shape), t.nbytes)
+
+
+def test_to_transformers_computes_the_same_function(case: Any) -> None:
+    """The transformers peer built from the mapping (no folder in between) equals the model."""
+    _kind, folder, _ = case
+    lm = TransformerLM.from_pretrained(folder)
+    peer = hf.to_transformers(lm)
+    ids, mask = padded_batch()
+    real = mask.bool()
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        assert_close(hf_logits(peer, ids, mask)[real], lm(ids, real, positions=pos)[real])
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        torch.device("cpu"),
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+    ],
+)
+def test_device_loads_straight_to_the_device(llama_folder: Path, device: Any) -> None:
+    lm = hf.from_pretrained(llama_folder, cls=TransformerLM, dtype=torch.float16, device=device)
+    assert {p.device.type for p in lm.parameters()} == {torch.device(device).type}
+    cpu = TransformerLM.from_pretrained(llama_folder, dtype=torch.float16)
+    for (name, p), q in zip(lm.named_parameters(), cpu.parameters(), strict=True):
+        assert torch.equal(p.cpu(), q), name
+    with pytest.raises(TypeError, match="device"):
+        hf.from_pretrained(llama_folder, cls=TransformerLM, device="warp-drive")
