@@ -71,11 +71,10 @@ _TOLERANCE = 1e-3  # weights may exceed [0, 1] by rounding only
 _SIZE = "\x00size\x00"  # placeholder: JSON escapes NUL, so no token can contain it
 
 
-class ExplorerOptions(TypedDict, total=False):
-    """The keyword options of :func:`explorer_html`, which :func:`write_explorer` hands on.
+class PageOptions(TypedDict, total=False):
+    """The keyword options of every explorer page (:func:`explorer_page`).
 
     Attributes:
-        key_tokens: Labels of the keys; defaults to the query tokens.
         title: Page title and heading.
         description: A sentence under the heading (plain text).
         layer_names: One label per layer.
@@ -83,12 +82,18 @@ class ExplorerOptions(TypedDict, total=False):
         precision: ``"auto"``, ``"float16"`` or ``"uint8"``.
     """
 
-    key_tokens: Sequence[str] | None
     title: str
     description: str
     layer_names: Sequence[str] | None
     layer: int
     precision: Precision
+
+
+class ExplorerOptions(PageOptions, total=False):
+    """The keyword options of :func:`explorer_html`, which :func:`write_explorer` hands on:
+    :class:`PageOptions` and ``key_tokens``, the labels of the keys (default: the queries')."""
+
+    key_tokens: Sequence[str] | None
 
 
 def stack_weights(weights: Tensor | Sequence[Tensor]) -> Tensor:
@@ -227,11 +232,7 @@ def explorer_html(
     weights: Tensor | Sequence[Tensor],
     *,
     key_tokens: Sequence[str] | None = None,
-    title: str = "Attention explorer",
-    description: str = "",
-    layer_names: Sequence[str] | None = None,
-    layer: int = 0,
-    precision: Precision = "auto",
+    **options: Unpack[PageOptions],
 ) -> str:
     """The explorer page of one input as one self-contained HTML string.
 
@@ -262,25 +263,10 @@ def explorer_html(
         weights: ``layers x (H, L, S)`` or ``(layers, H, L, S)``; ``len(tokens) == L``,
         ``len(key_tokens) == S``.
     """
-    return explorer_page(
-        [ExplorerInput(tokens, weights, key_tokens)],
-        title=title,
-        description=description,
-        layer_names=layer_names,
-        layer=layer,
-        precision=precision,
-    )
+    return explorer_page([ExplorerInput(tokens, weights, key_tokens)], **options)
 
 
-def explorer_page(
-    inputs: Sequence[ExplorerInput],
-    *,
-    title: str = "Attention explorer",
-    description: str = "",
-    layer_names: Sequence[str] | None = None,
-    layer: int = 0,
-    precision: Precision = "auto",
-) -> str:
+def explorer_page(inputs: Sequence[ExplorerInput], **options: Unpack[PageOptions]) -> str:
     """The explorer page of one or more inputs of one model, with a selector over the inputs.
 
     Args:
@@ -304,6 +290,15 @@ def explorer_page(
     Shape:
         each input's weights: ``layers x (H, L, S)`` or ``(layers, H, L, S)``.
     """
+    unknown = sorted(set(options) - PageOptions.__optional_keys__)
+    if unknown:
+        raise TypeError(
+            f"unknown explorer options {unknown}; known: {sorted(PageOptions.__optional_keys__)}"
+        )
+    title = options.get("title", "Attention explorer")
+    description = options.get("description", "")
+    layer_names, layer = options.get("layer_names"), options.get("layer", 0)
+    precision = options.get("precision", "auto")
     if isinstance(inputs, ExplorerInput) or not isinstance(inputs, Sequence):
         raise TypeError(f"inputs must be a list of ExplorerInput, got {type(inputs).__name__}")
     if not inputs:

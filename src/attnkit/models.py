@@ -471,22 +471,28 @@ class TransformerLM(_TransformerStack):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, dtype: torch.dtype | None = None
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> TransformerLM:
-        """Load a Hugging Face decoder folder (Llama, Mistral, Qwen2, GPT-2), in eval mode.
+        """Load a Hugging Face decoder folder or a llama.cpp ``.gguf`` file, in eval mode.
 
-        See :func:`attnkit.interop.hf.from_pretrained`. ``generation_config`` gets the
-        folder's eos/pad/bos ids.
+        Folders: Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3 and GPT-2 (see
+        :func:`attnkit.interop.hf.from_pretrained`); ``.gguf``: Llama-architecture files (see
+        :mod:`attnkit.interop.gguf`). ``generation_config`` gets the eos/pad/bos ids.
 
         Args:
-            path: Folder with ``config.json`` and safetensors weights.
+            path: Folder with ``config.json`` and safetensors weights, or a ``.gguf`` file.
             dtype: Parameter dtype (default float32); bf16/fp16 load straight into it.
+            device: Where the parameters are allocated and the weights streamed to.
 
         Raises:
             FileNotFoundError: Naming missing files.
             ValueError: Unsupported architecture or option, bad or truncated weights.
         """
-        lm = hf.from_pretrained(path, cls=cls, dtype=dtype)
+        lm = hf.from_pretrained(path, cls=cls, dtype=dtype, device=device)
         if not isinstance(lm, cls):
             raise TypeError(f"{cls.__name__}.from_pretrained built a {type(lm).__name__}")
         return lm

@@ -34,24 +34,6 @@ from attnkit import (
     profiling,
 )
 
-__all__ = [
-    "BLOG_ORDER",
-    "CHECKS",
-    "CLAIMS",
-    "ClaimResult",
-    "check_causal",
-    "check_cost",
-    "check_frequencies",
-    "check_interpretable",
-    "check_permutation",
-    "check_rope_norm",
-    "check_rope_relative",
-    "check_saturation",
-    "check_scaled_scores",
-    "check_sinusoidal_shift",
-    "train_tour_model",
-]
-
 Attend = Callable[[int], nn.Module]  # d -> a module called as m(q, k, v, return_weights=True)
 Rotate = Callable[[Tensor, Tensor], Tensor]  # (x (..., L, E), positions (L,)) -> rotated x
 
