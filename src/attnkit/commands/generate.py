@@ -143,7 +143,7 @@ class Session:
         """
         import torch
 
-        from attnkit import TransformerLM
+        from attnkit import TransformerLM, decoding
         from attnkit.chat import ChatTokenizer
 
         if chat:
@@ -153,6 +153,7 @@ class Session:
             chat_tokenizer = None
             tokenizer = read_tokenizer(args.model)
         lm = TransformerLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+        decoding.prepare(lm)  # inference only: linears laid out for one-token steps
         return cls(lm, tokenizer, chat_tokenizer)
 
     def stream(self, prompt_ids: list[int], args: argparse.Namespace) -> Generator[int, None, None]:
