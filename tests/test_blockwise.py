@@ -23,10 +23,9 @@ from tests.reference import loop_mask, reference_attention
 def blockwise_attention(q, k, v, *, rows=None, scale=None, dropout_p=0.0, **structure):
     """The kernel on ``(B, H, L, E)`` inputs: plan, then run."""
     B, _, L, E = q.shape
-    rules = Structure(**structure)
-    runs = plan_runs(B, L, k.shape[2], rules, rows=rows)
+    runs = plan_runs(B, L, k.shape[2], Structure(**structure), rows=rows)
     scale = 1 / math.sqrt(E) if scale is None else scale
-    return attend_runs(q, k, v, runs, rules, scale=scale, dropout_p=dropout_p)
+    return attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
 
 
 def documents(B, S, gen, max_docs=4, scramble=False):

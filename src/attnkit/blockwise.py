@@ -49,21 +49,12 @@ from torch import Tensor
 
 from attnkit.masks import Structure
 
-__all__ = [
-    "TileRun",
-    "attend_runs",
-    "flash_backward",
-    "key_tile_rows",
-    "plan_key_runs",
-    "plan_runs",
-    "tile_rows",
-]
+__all__ = ["TileRun", "attend_runs", "plan_runs", "tile_rows"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 #: Dtypes the CPU flash kernel accepts.
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_BATCHED = True
 
 
 @dataclass(frozen=True)
@@ -241,140 +232,8 @@ def plan_runs(
     return runs
 
 
-def key_tile_rows(S: int, window: int | None) -> int:
-    """Keys per tile of the backward: 64 with a window, else 128.
-
-    A key tile's query span is ``rows + window`` wide (window) or runs from the tile to its
-    document's end (causal documents), so the scores computed beyond the allowed ones grow with
-    the tile; 64 and 128 were the fastest on the 2-core CPU (``bench_blockwise.py --key-rows``).
-
-    Args:
-        S: Key length.
-        window: The sliding window, if any.
-
-    Returns:
-        The tile height, at most ``S`` and at least 1.
-    """
-    return max(1, min(64 if window is not None else 128, S))
-
-
-def plan_key_runs(
-    B: int,
-    L: int,
-    S: int,
-    structure: Structure,
-    *,
-    rows: int | None = None,
-    device: torch.device | str | None = None,
-) -> list[TileRun]:
-    """The backward's plan: key tiles, the span of queries that may attend each, in runs.
-
-    The transpose of :func:`plan_runs`: in the returned :class:`TileRun`\\ s, ``i``, ``di`` and
-    ``rows`` describe the *key* tiles and ``j``, ``dj`` and ``width`` the *query* spans, and
-    ``allowed`` is ``(count or 1, keys, queries)``. Key tiles restart at every document start
-    and at ``key_lengths``; tiles of padded keys (no query may attend them) belong to no run.
-
-    Args:
-        B: Batch size.
-        L: Query length.
-        S: Key length.
-        structure: The checked constraints (ids and lengths of batch ``B`` or 1).
-        rows: Keys per tile; defaults to :func:`key_tile_rows`.
-        device: Where the inputs live; defaults to that of the ids or lengths, else the CPU.
-
-    Returns:
-        The runs.
-    """
-    if min(B, L, S) == 0:
-        return []
-    if device is None:
-        given = (structure.segment_ids, structure.key_lengths)
-        device = next((t.device for t in given if t is not None), None)
-    device = torch.device("cpu" if device is None else device)
-    rules = structure.to(B, S, device)
-    causal, window = rules.causal, rules.window
-    seg, lengths = rules.segment_ids, rules.key_lengths
-    C = key_tile_rows(S, window) if rows is None else max(1, min(rows, S))
-    off = S - L  # position of the first query among the keys
-
-    jdx = torch.arange(S, device=device).expand(B, S)
-    if seg is None:
-        starts = jdx % C == 0
-    else:  # the grid restarts at every document start
-        doc = F.pad(seg[:, 1:] != seg[:, :-1], (1, 0), value=True)
-        doc_start = torch.where(doc, jdx, 0).cummax(1).values
-        starts = (jdx - doc_start) % C == 0
-    if lengths is not None:  # ... and at the first padded key
-        starts = starts | (jdx == lengths.view(B, 1))
-    tb, first = starts.nonzero(as_tuple=True)  # (T,) batch and first key of each tile
-    flat = tb * S + first
-    height = torch.diff(flat, append=flat.new_full((1,), B * S))
-    lo = torch.full_like(first, off)  # query positions [lo, hi) may attend the tile
-    hi = torch.full_like(first, S)
-    if causal:
-        lo = lo.maximum(first)
-    if window is not None:
-        lo = lo.maximum(first - window + 1)
-        hi = hi.minimum(first + height - 1 + window)
-    real = torch.ones_like(first, dtype=torch.bool)
-    if lengths is not None:
-        real = first < lengths[tb]
-    cut = torch.zeros_like(first, dtype=torch.bool)
-    if seg is not None:
-        # The hull of the tile's id among the query positions.
-        q_seg = seg[:, off:]
-        uniq, inv = torch.unique(seg, return_inverse=True)  # inv (B, S)
-        key = inv + torch.arange(B, device=device).view(B, 1) * len(uniq)
-        q_key = key[:, off:].flatten()
-        pos = torch.arange(off, S, device=device).expand(B, L).flatten()
-        first_occ = torch.full((B * len(uniq),), S, device=device)
-        last_occ = torch.full((B * len(uniq),), -1, device=device)
-        first_occ = first_occ.scatter_reduce(0, q_key, pos, "amin")
-        last_occ = last_occ.scatter_reduce(0, q_key, pos, "amax")
-        tkey = key[tb, first]
-        lo, hi = lo.maximum(first_occ[tkey]), hi.minimum(last_occ[tkey] + 1)
-        runs_id = F.pad((q_seg[:, 1:] != q_seg[:, :-1]).long().cumsum(1), (1, 0))  # (B, L)
-        a, z = (lo - off).clamp(0, L - 1), (hi - 1 - off).clamp(0, L - 1)
-        cut = (runs_id[tb, a] != runs_id[tb, z]) | (key[tb, a + off] != tkey)
-    width = torch.where(real, hi - lo, 0).clamp(min=0)
-
-    groups: dict[tuple[int, int, int, bool], list[tuple[int, int, int]]] = {}
-    columns = (tb, first, lo - off, height, width, lo - first, cut)
-    for b, j, i, h, w, shift, c in zip(*(t.tolist() for t in columns), strict=True):
-        if w > 0:
-            groups.setdefault((h, w, shift, c), []).append((b, j, i))
-    runs = []
-    for (h, w, shift, has_cut), tiles in groups.items():
-        for start, stop in _arithmetic_runs(tiles):
-            (b0, j0, i0), count = tiles[start], stop - start
-            db, dj, di = (
-                (x1 - x0 for x0, x1 in zip(tiles[start], tiles[start + 1], strict=True))
-                if count > 1
-                else (0, 0, 0)
-            )
-            run = TileRun(b0, j0, i0, db, dj, di, count, h, w, None)
-            shared = None
-            if has_cut:  # the rules on each tile, queries as rows, then transposed
-                swapped = TileRun(b0, i0, j0, db, di, dj, count, w, h, None)
-                allowed = _tile_masks(L, S, swapped, rules)
-                allowed = None if allowed is None else allowed.transpose(1, 2)
-            else:  # query position - key position = shift + query - key
-                shared = (w, h, -shift, causal, window, device)
-                allowed = _offset_mask(*shared)
-                allowed = None if allowed is None else allowed.transpose(1, 2)
-            runs.append(replace(run, allowed=allowed, shared=shared))
-    return runs
-
-
 def attend_runs(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    runs: list[TileRun],
-    structure: Structure,
-    *,
-    scale: float,
-    dropout_p: float,
+    q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], *, scale: float, dropout_p: float
 ) -> Tensor:
     """Run a plan of :func:`plan_runs` on inputs validated by :mod:`attnkit.functional`.
 
@@ -382,8 +241,8 @@ def attend_runs(
     marks the rows that may attend them): the kernels here would let a NaN reach every query of
     a span (``0 * NaN``).
 
-    Torch's CPU flash kernel on strided views with the backward of :func:`flash_backward`
-    where it applies (CPU, no dropout, ``Ev == E``, a dtype it takes), else ``torch.nn.functional.
+    Torch's CPU flash kernel on strided views with a custom backward where it applies (CPU,
+    no dropout, ``Ev == E``, a dtype it takes), else ``torch.nn.functional.
     scaled_dot_product_attention`` on gathered tiles with autograd.
 
     Args:
@@ -391,7 +250,6 @@ def attend_runs(
         k: Keys.
         v: Values.
         runs: The plan for these inputs' ``B``, ``L`` and ``S``.
-        structure: The constraints the plan was made from (the backward plans its key tiles).
         scale: Multiplier of the scores.
         dropout_p: Dropout on the attention weights.
 
@@ -403,7 +261,7 @@ def attend_runs(
     """
     E, Ev = q.shape[3], v.shape[3]
     if dropout_p == 0.0 and Ev == E and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
-        out: Tensor = _FlashRuns.apply(q, k, v, runs, structure, scale)
+        out: Tensor = _FlashRuns.apply(q, k, v, runs, scale)
         return out
     return _sdpa_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
 
@@ -413,136 +271,56 @@ def attend_runs(
 
 
 class _FlashRuns(torch.autograd.Function):
-    """One flash-kernel call per run on strided views; a FlashAttention-2 style backward.
-
-    The forward keeps the output and each query's log-sum-exp. The backward walks the key tiles
-    of :func:`plan_key_runs` (keys outer, the queries that may attend them inner): per run and
-    head, the scores of every key tile against its query span are one batched matmul, the
-    probabilities come from the saved log-sum-exp (no row maxima recomputed), ``dv`` and ``dk``
-    of a key tile are written once, and the query gradients of overlapping spans are added in
-    non-overlapping slices. Low precision is computed in float32.
-    """
+    """One flash-kernel call per run on strided views; the backward calls the kernel's own."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        runs: list[TileRun],
-        structure: Structure,
-        scale: float,
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], scale: float
     ) -> Tensor:
         B, H, L, _ = q.shape
         Ev = v.shape[3]
         covered = sum(r.count * r.rows for r in runs) == B * L
         alloc = torch.empty if covered else torch.zeros
         out = alloc(B, L, H, Ev, dtype=q.dtype, device=q.device).transpose(1, 2)  # (B,H,L,Ev)
-        # +inf for queries with no key: their probabilities exp(s - lse) are exactly zero.
-        acc = torch.promote_types(q.dtype, torch.float32)
-        lse_all = torch.full((B, H, L, 1), float("inf"), dtype=acc, device=q.device)
+        masks, outs, lses = [], [], []
         for r in runs:
             mask = _kernel_mask(r, q.dtype)
             o, lse = _flash(*_views(r, q, k, v), 0.0, r.causal, attn_mask=mask, scale=scale)
             # o (count, H, rows, Ev), lse (count, H, rows)
-            lse = lse.unsqueeze(-1)
             if r.empty is not None:
                 o = o.masked_fill(r.empty, 0.0)
-                lse = lse.masked_fill(r.empty, float("inf"))
             _q_view(out, r).copy_(o)
-            _q_view(lse_all, r).copy_(lse)
-        ctx.save_for_backward(q, k, v, out, lse_all)
-        ctx.structure, ctx.scale = structure, scale
+            masks.append(mask)
+            outs.append(o)
+            lses.append(lse)
+        ctx.save_for_backward(q, k, v)
+        ctx.runs, ctx.scale, ctx.masks, ctx.outs, ctx.lses = runs, scale, masks, outs, lses
+        ctx.covered = covered
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_backward(
-            grad_out, q, k, v, out, lse, ctx.structure, scale=ctx.scale
-        )
-        return dq, dk, dv, None, None, None
-
-
-def flash_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    structure: Structure,
-    *,
-    scale: float,
-    rows: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of structured attention from its output and log-sum-exp (FlashAttention-2).
-
-    Args:
-        grad_out: Gradient of the output.
-        q: Queries.
-        k: Keys.
-        v: Values.
-        out: The forward's output.
-        lse: Log-sum-exp of each query's scaled allowed scores; ``+inf`` for a query with no
-            allowed key.
-        structure: The constraints of the forward.
-        scale: Multiplier of the scores.
-        rows: Keys per tile; defaults to :func:`key_tile_rows`.
-
-    Returns:
-        ``(dq, dk, dv)`` in the inputs' dtypes.
-
-    Shape:
-        grad_out, out ``(B, H, L, E)``, q ``(B, H, L, E)``, k, v ``(B, K, S, E)``,
-        lse ``(B, H, L, 1)``.
-    """
-    B, H, L, E = q.shape
-    K, S = k.shape[1], k.shape[2]
-    g = H // K
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qa, ka, va, ga = (t.to(acc) for t in (q, k, v, grad_out))
-    neg_lse = lse.to(acc).neg()
-    neg_delta = (ga * out.to(acc)).sum(-1, keepdim=True).neg_()  # (B, H, L, 1)
-    dq = torch.zeros(B, H, L, E, dtype=acc, device=q.device)
-    dk = torch.zeros(B, K, S, E, dtype=acc, device=q.device)
-    dv = torch.zeros(B, K, S, E, dtype=acc, device=q.device)
-    if _BATCHED:
-        for r in plan_key_runs(B, L, S, structure, rows=rows, device=q.device):
-            n, C, w = r.count, r.rows, r.width
-            kt, vt = _q_view(ka, r).unsqueeze(2), _q_view(va, r).unsqueeze(2)  # (n, K, 1, C, E)
-            qs = _k_view(qa, r).reshape(n, K, g, w, E)  # query spans, copied
-            gs = _k_view(ga, r).reshape(n, K, g, w, E)
-            nl = _k_view(neg_lse, r).view(n, K, g, 1, w)
-            nd = _k_view(neg_delta, r).view(n, K, g, 1, w)
-            p = torch.matmul(kt, qs.transpose(-1, -2)).mul_(scale).add_(nl)  # (n, K, g, C, w)
-            if r.allowed is not None:
-                p.masked_fill_(~r.allowed.view(-1, 1, 1, C, w), float("-inf"))
-            p.exp_()
-            _q_view(dv, r).add_(torch.matmul(p, gs).sum(2))
-            ds = torch.matmul(vt, gs.transpose(-1, -2)).add_(nd).mul_(p)
-            _q_view(dk, r).add_(torch.matmul(ds, qs).sum(2))
-            _add_spans(dq, torch.matmul(ds.transpose(-1, -2), kt).view(n, H, w, E), r)
-    else:
-        for r in plan_key_runs(B, L, S, structure, rows=rows, device=q.device):
-            kt, vt = _q_view(ka, r), _q_view(va, r)  # key tiles (count, K, keys, E)
-            qs, gs = _k_view(qa, r), _k_view(ga, r)  # query spans (count, H, queries, E)
-            nl, nd = _k_view(neg_lse, r), _k_view(neg_delta, r)  # (count, H, queries, 1)
-            blocked = None if r.allowed is None else ~r.allowed  # (count or 1, keys, queries)
-            dk_t, dv_t = _q_view(dk, r), _q_view(dv, r)
-            for h in range(H):
-                kh = h // g
-                k_h, v_h, q_h, g_h = kt[:, kh], vt[:, kh], qs[:, h], gs[:, h]
-                # p = exp(scale * k q^T - lse): (count, keys, queries)
-                p = torch.baddbmm(nl[:, h].transpose(1, 2), k_h, q_h.transpose(1, 2), alpha=scale)
-                if blocked is not None:
-                    p.masked_fill_(blocked, float("-inf"))
-                p.exp_()
-                dv_t[:, kh].add_(torch.bmm(p, g_h))
-                ds = torch.baddbmm(nd[:, h].transpose(1, 2), v_h, g_h.transpose(1, 2)).mul_(p)
-                dk_t[:, kh].add_(torch.bmm(ds, q_h))
-                _add_spans(dq[:, h : h + 1], torch.bmm(ds.transpose(1, 2), k_h).unsqueeze(1), r)
-    return dq.mul_(scale).to(q.dtype), dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
+        q, k, v = ctx.saved_tensors
+        # Overlapping spans add into dk/dv; accumulate low precision in float32.
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.empty_like(q) if ctx.covered else torch.zeros_like(q)  # every row written
+        dk = torch.zeros_like(k, dtype=acc)
+        dv = torch.zeros_like(v, dtype=acc)
+        for r, mask, o, lse in zip(ctx.runs, ctx.masks, ctx.outs, ctx.lses, strict=True):
+            gq, gk, gv = _flash_backward(
+                _q_view(grad_out, r),
+                *_views(r, q, k, v),
+                o,
+                lse,
+                0.0,
+                r.causal,
+                attn_mask=mask,
+                scale=ctx.scale,
+            )
+            _q_view(dq, r).copy_(gq)
+            _add_spans(dk, gk, r)
+            _add_spans(dv, gv, r)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def _sdpa_runs(

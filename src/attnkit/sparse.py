@@ -260,8 +260,6 @@ def tiled_attention(
     batch_shape, (H, L, E), (K, S, Ev) = q.shape[:-3], q.shape[-3:], v.shape[-3:]
     B = plan.B
     q, k, v = q.reshape(B, H, L, E), k.reshape(B, K, S, E), v.reshape(B, K, S, Ev)
-    out = attend_runs(
-        q, k, v, plan.runs, plan.structure, scale=scale, dropout_p=dropout_p
-    )  # (B, H, L, Ev)
+    out = attend_runs(q, k, v, plan.runs, scale=scale, dropout_p=dropout_p)  # (B, H, L, Ev)
     out = out.reshape(*batch_shape, H, L, Ev)
     return out.squeeze(0) if squeeze else out
