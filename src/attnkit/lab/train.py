@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -384,6 +385,7 @@ def train(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     stop_after: int | None = None,
+    fsdp: bool = False,
 ) -> TrainResult:
     """Train a :class:`TransformerEncoder` on ``config.task``.
 
@@ -397,6 +399,9 @@ def train(
         log: Called with one-line messages (main process only).
         stop_after: Stop (after checkpointing) once this step is reached, as if the run had been
             interrupted there; for tests of ``resume``.
+        fsdp: Shard parameters, gradients and optimizer state over the processes with torch's
+            FSDP2 (``fully_shard`` on each block, then on the model) instead of replicating
+            them with DDP. Checkpoints hold the full state either way (gathered to rank 0).
 
     Returns:
         A :class:`TrainResult` (its ``eval`` is filled on every process).
@@ -417,38 +422,56 @@ def train(
         )
     if resume and out_dir is None:
         raise ValueError("resume needs an out_dir holding a checkpoint")
+    sharded = fsdp and ctx.distributed
     out = Path(out_dir) if out_dir is not None else None
     task = config.make_task()
     torch.manual_seed(config.seed)
     model = build_model(config).to(ctx.device)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-    )
     history: list[dict[str, float]] = []
     start, train_time, resumed_from = 0, 0.0, None
     if resume:
         assert out is not None
         tensors, meta = ckpt.load_checkpoint(out / ckpt.CHECKPOINT_NAME)
         _check_resumable(LabConfig.from_dict(meta["config"]), config)
-        model.load_state_dict(ckpt.model_state(tensors))
-        ckpt.restore_optimizer(optimizer, tensors, meta)
-        torch.set_rng_state(tensors["rng.torch"])
+        model.load_state_dict(ckpt.model_state(tensors))  # before sharding: whole tensors
         start, train_time = int(meta["step"]), float(meta["train_time_s"])
         history, resumed_from = list(meta["history"]), start
-        say(f"resumed from step {start} of {out / ckpt.CHECKPOINT_NAME}")
 
     net: nn.Module = model
-    if ctx.distributed:
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        # The logits are a view; the loop never changes them in place, which is what it warns of.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    elif ctx.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         net = DistributedDataParallel(model, device_ids=device_ids)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
+    if resume:
+        if sharded:
+            ckpt.restore_sharded(optimizer, tensors, meta)
+        else:
+            ckpt.restore_optimizer(optimizer, tensors, meta)
+        torch.set_rng_state(tensors["rng.torch"])
+        say(f"resumed from step {start} of {out / ckpt.CHECKPOINT_NAME}")
+
     eval_x, eval_y = eval_set(task, config.eval_size, config.seed)
     shard = config.batch_size // ctx.world_size
     lo = ctx.rank * shard
 
     def save(step: int) -> None:
-        if out is None or not ctx.is_main:
+        if out is None:
+            return
+        # A sharded model's full state is gathered by every rank; rank 0 writes it.
+        weights, optim = ckpt.full_states(model, optimizer) if sharded else (model, optimizer)
+        if not ctx.is_main:
             return
         out.mkdir(parents=True, exist_ok=True)
         meta = {
@@ -460,7 +483,7 @@ def train(
         }
         ckpt.write_json(out / "config.json", config.to_dict())
         ckpt.save_checkpoint(
-            out / ckpt.CHECKPOINT_NAME, model=model, optimizer=optimizer, metadata=meta
+            out / ckpt.CHECKPOINT_NAME, model=weights, optimizer=optim, metadata=meta
         )
 
     end = config.steps if stop_after is None else min(config.steps, stop_after)
@@ -504,7 +527,8 @@ def train(
                 "lr": _lr_at(config, step),
             }
             window = [0.0, 0.0, 0.0]
-            if eval_due and done != config.steps and ctx.is_main:
+            # (a sharded model's forward is a collective: every rank evaluates)
+            if eval_due and done != config.steps and (ctx.is_main or sharded):
                 ev = evaluate(model, eval_x, eval_y)
                 row |= {"eval_loss": ev["loss"], "eval_accuracy": ev["accuracy"]}
             history.append(row)
@@ -524,6 +548,12 @@ def train(
             )
     save(step)
     ctx.barrier()
+    if sharded:  # hand back a plain model: reports and explorers run on rank 0 only
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        model = build_model(config).to(ctx.device)
+        model.load_state_dict(weights)
     model.eval()
     say(
         f"step {step}: held-out accuracy {final['accuracy']:.4f} "
