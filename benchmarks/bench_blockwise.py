@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.sparse import block_sparse_attention, structured_mask
+from attnkit.functional import block_sparse_attention
+from attnkit.sparse import structured_mask
 
 Fn = Callable[[Tensor, Tensor, Tensor], Tensor]
 

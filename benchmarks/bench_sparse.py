@@ -40,7 +40,8 @@ def _crossover_point(n: int, w: int, repeats: int) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    from attnkit.sparse import block_sparse_attention, structured_mask
+    from attnkit.functional import block_sparse_attention
+    from attnkit.sparse import structured_mask
 
     q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
     mask = structured_mask(n, n, causal=True, window=w)

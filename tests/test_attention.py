@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import ClassVar
-
 import pytest
 import torch
 from torch import nn
@@ -132,13 +129,15 @@ def test_matches_torch_multihead_attention(cross, masking):
     out, w = ours(x, mem, mem, ours_mask, return_weights=True)
     assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
-    assert_close(ours(x, mem, mem, ours_mask), expected, atol=1e-5, rtol=1e-5)
+    plain, none = ours(x, mem, mem, ours_mask)
+    assert none is None  # like torch's module with need_weights=False
+    assert_close(plain, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_grouped_query_attention_equals_repeated_kv_weights():
     H, K, E = 6, 2, 4
-    gqa = attnkit.MultiHeadAttention(D, H, hidden_dim=H * E, num_kv_heads=K, causal=True)
-    full = attnkit.MultiHeadAttention(D, H, hidden_dim=H * E, causal=True)
+    gqa = attnkit.MultiHeadAttention(D, H, head_dim=E, num_kv_heads=K, causal=True)
+    full = attnkit.MultiHeadAttention(D, H, head_dim=E, causal=True)
     with torch.no_grad():
         full.q_proj.load_state_dict(gqa.q_proj.state_dict())
         full.out_proj.load_state_dict(gqa.out_proj.state_dict())
@@ -147,7 +146,7 @@ def test_grouped_query_attention_equals_repeated_kv_weights():
             dst.weight.copy_(src.weight.view(K, E, D).repeat_interleave(H // K, 0).reshape(-1, D))
             dst.bias.copy_(src.bias.view(K, E).repeat_interleave(H // K, 0).reshape(-1))
     x = torch.randn(B, N, D)
-    assert_close(gqa(x), full(x), atol=1e-5, rtol=1e-5)
+    assert_close(gqa(x)[0], full(x)[0], atol=1e-5, rtol=1e-5)
     assert gqa.k_proj.weight.shape == (K * E, D)
 
 
@@ -162,7 +161,7 @@ def test_fused_and_separate_projections_agree():
             lin.bias.copy_(b)
         sep.out_proj.load_state_dict(fused.out_proj.state_dict())
     x = torch.randn(B, N, D)
-    assert_close(fused(x), sep(x))
+    assert_close(fused(x)[0], sep(x)[0])
 
 
 def test_module_output_equals_float64_reference():
@@ -173,16 +172,16 @@ def test_module_output_equals_float64_reference():
     v = (x @ m.v_proj.weight.T).view(B, N, 3, 4).transpose(1, 2)
     ref, _ = reference_attention(q, k, v, M.causal_mask(N))
     expected = ref.transpose(1, 2).reshape(B, N, D) @ m.out_proj.weight.double().T
-    assert_close(m(x), expected.float(), atol=1e-5, rtol=1e-5)
+    assert_close(m(x)[0], expected.float(), atol=1e-5, rtol=1e-5)
 
 
 def test_dropout_only_in_training():
     m = attnkit.MultiHeadAttention(D, 4, dropout=0.5)
     x = torch.randn(B, N, D)
     m.eval()
-    assert_close(m(x), m(x))
+    assert_close(m(x)[0], m(x)[0])
     m.train()
-    assert not torch.allclose(m(x), m(x))
+    assert not torch.allclose(m(x)[0], m(x)[0])
 
 
 @pytest.mark.slow
@@ -322,14 +321,8 @@ def test_blog_attribute_names_are_read_only_aliases():
 
 
 def test_every_checkpoint_name_is_a_read_only_alias():
-    class Renamed(attnkit.MultiHeadAttention):
-        checkpoint_names: ClassVar[Mapping[str, str]] = {"q_proj": "query", "out_proj": "dense"}
-
-    m = Renamed(8, 2)
-    assert m.query is m.q_proj and m.dense is m.out_proj
-    assert "query.weight" in m.state_dict() and "q_proj.weight" not in m.state_dict()
-    with pytest.raises(AttributeError, match=r"'dense' is a read-only alias of 'out_proj'"):
-        m.dense = nn.Linear(8, 8)
+    core = attnkit.MultiHeadAttention(8, 2, fused_qkv=True)
+    assert list(core.state_dict()) == [n for n, _ in core.named_parameters()]  # core names
     for cls in (attnkit.Attention, attnkit.SelfAttention, attnkit.PositionalMultiHeadSelfAttention):
         for alias in cls.checkpoint_names.values():
             assert isinstance(getattr(cls, alias), property), (cls, alias)
@@ -366,7 +359,7 @@ def test_weights_pass_through_every_layer(return_weights):
     ids = torch.randint(0, 20, (2, 5))
     out = lm(ids, return_weights=return_weights)
     block, h = lm.blocks[0], lm.embedding(ids)
-    block_out = block(h, return_weights=return_weights)
+    block_out = block(h, return_weights=return_weights)  # (x, weights or None), as below
     attn_out = block.attention(block.norm1(h), return_weights=return_weights)  # pre-norm
     if return_weights:
         logits, weights = out
@@ -376,16 +369,11 @@ def test_weights_pass_through_every_layer(return_weights):
         assert_close(weights[0], attn_out[1])
         assert torch.equal(torch.tril(weights[0]), weights[0])  # causal
     else:
-        assert isinstance(out, torch.Tensor) and isinstance(block_out, torch.Tensor)
-        assert isinstance(attn_out, torch.Tensor)
+        assert isinstance(out, torch.Tensor)
+        assert block_out[1] is None and attn_out[1] is None
 
 
-def test_with_and_split_weights_are_inverse():
-    out, w = torch.randn(2, 3), torch.randn(2, 3, 3)
-    assert attnkit.attention.with_weights(out, None) is out
-    assert attnkit.attention.with_weights(out, w) == (out, w)
-    assert attnkit.attention.split_weights(out) == (out, None)
-    assert attnkit.attention.split_weights((out, w)) == (out, w)
+def test_attend_returns_weights_only_when_asked():
     q = torch.randn(1, 2, 4, 8)
     o1, none = attnkit.functional.attend(q, q, q, causal=True)
     o2, weights = attnkit.functional.attend(q, q, q, causal=True, return_weights=True)

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from attnkit.attention import MultiHeadSelfAttention
-from attnkit.blocks import FeedForward, PositionalTransformerBlock, TransformerBlock
+from attnkit.blocks import FeedForward
+from attnkit.blog import MultiHeadSelfAttention, PositionalTransformerBlock, TransformerBlock
 from attnkit.cache import KVCache
 from attnkit.positional import RotaryEmbedding
 from tests.blog_reference import (
@@ -58,12 +58,25 @@ def test_feed_forward_loads_blog_state_dict() -> None:
 def test_swiglu_adds_a_gate_and_computes_silu_gate_times_up() -> None:
     ff = FeedForward(8, 16, 8, activation="swiglu")
     assert set(ff.state_dict()) == {
-        f"{n}.{p}" for n in ("linear1", "linear2", "gate") for p in ("weight", "bias")
+        f"{n}.{p}" for n in ("gate_up", "linear2") for p in ("weight", "bias")
     }
     x = torch.randn(2, 8)
-    expected = ff.linear2(nn.functional.silu(ff.gate(x)) * ff.linear1(x))
+    w, b = ff.gate_up.weight, ff.gate_up.bias
+    gate = nn.functional.linear(x, w[:16], b[:16])
+    up = nn.functional.linear(x, w[16:], b[16:])
+    expected = ff.linear2(nn.functional.silu(gate) * up)
     assert_close(ff(x), expected)
-    assert FeedForward(8, 16, 8, activation="gelu").gate is None
+    # attnkit 0.2's unfused names still load, into the fused rows [gate | up]
+    old = {"gate.weight": w[:16], "gate.bias": b[:16], "linear1.weight": w[16:]}
+    old |= {
+        "linear1.bias": b[16:],
+        "linear2.weight": ff.linear2.weight,
+        "linear2.bias": ff.linear2.bias,
+    }
+    again = FeedForward(8, 16, 8, activation="swiglu")
+    again.load_state_dict({k: v.detach().clone() for k, v in old.items()}, strict=True)
+    assert_close(again(x), expected)
+    assert not FeedForward(8, 16, 8, activation="gelu").gated
     with pytest.raises(ValueError, match="tanhh"):
         FeedForward(8, 16, 8, activation="tanhh")  # type: ignore[arg-type]
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnkit.blockwise import TileRun, attend_runs, plan_runs, tile_rows
+from attnkit.functional import block_sparse_attention
 from attnkit.masks import Structure
-from attnkit.sparse import block_sparse_attention
 from tests.reference import loop_mask, reference_attention
 
 

@@ -72,16 +72,16 @@ def test_errors_name_the_problem() -> None:
 def test_kv_cache_decoding_equals_full_causal_pass() -> None:
     m = attnkit.MultiHeadAttention(12, 4, num_kv_heads=2, causal=True).eval()
     x = torch.randn(B, 6, 12)
-    full = m(x)
+    full, _ = m(x)
     cache = attnkit.KVCache(B, 2, 6, 3)
-    steps = [m(x[:, :3], kv_cache=cache)]
-    steps += [m(x[:, i : i + 1], kv_cache=cache) for i in range(3, 6)]
+    steps = [m(x[:, :3], kv_cache=cache)[0]]
+    steps += [m(x[:, i : i + 1], kv_cache=cache)[0] for i in range(3, 6)]
     assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"capacity exceeded: 6 cached \+ 1 new = 7 > capacity 6"):
         m(x[:, :1], kv_cache=cache)
     cache.reset()
     assert cache.length == 0
-    assert_close(m(x, kv_cache=cache), full)
+    assert_close(m(x, kv_cache=cache)[0], full)
 
 
 def test_update_validates_shape_and_dtype() -> None:
@@ -102,3 +102,19 @@ def test_update_validates_shape_and_dtype() -> None:
     half = KVCache(B, K, 4, E, dtype=torch.float64)
     k, v = _kv(2, torch.float64)
     assert torch.equal(half.update(k, v)[0], k)  # float64 storage keeps float64 exactly
+
+
+def test_static_slots_equal_appending() -> None:
+    """write() at cache_position tensors (the compiled step's form) gives what update() gives."""
+    m = attnkit.MultiHeadAttention(12, 4, num_kv_heads=2, causal=True, window=3).eval()
+    x = torch.randn(B, 6, 12)
+    full, _ = m(x)
+    cache = attnkit.KVCache(B, 2, 8, 3)
+    steps = [m(x[:, :3], kv_cache=cache)[0]]  # prefill appends
+    for i in range(3, 6):
+        out, _ = m(x[:, i : i + 1], kv_cache=cache, cache_position=torch.tensor([i]))
+        steps.append(out)
+    assert cache.length == 3  # the static form leaves the Python counter alone
+    assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    mask = cache.slot_mask(torch.tensor([4]), window=3)
+    assert mask.tolist() == [[False, False, True, True, True, False, False, False]]

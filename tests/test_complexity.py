@@ -355,10 +355,10 @@ def test_cli_json_gqa_cross_attention(main, capsys):
     ]
     assert main(*argv) == 0
     out = json.loads(capsys.readouterr().out)
-    layer = attnkit.MultiHeadAttention(24, 6, hidden_dim=18, num_kv_heads=2, causal=True)
+    layer = attnkit.MultiHeadAttention(24, 6, head_dim=3, num_kv_heads=2, causal=True)
     assert out["matmul_flops"] == count_flops(layer, torch.randn(2, 5, 24), torch.randn(2, 9, 24))
     assert out["useful_flops"] < out["flops"]
-    assert "MultiHeadAttention(24, 6, hidden_dim=18, num_kv_heads=2" in out["layer"]
+    assert "MultiHeadAttention(24, 6, head_dim=3, num_kv_heads=2" in out["layer"]
 
 
 def test_cli_table(main, capsys):

@@ -166,7 +166,7 @@ def test_llama_tiny_preset_runs_and_uses_its_options() -> None:
     lm = TransformerLM(PRESETS["llama-tiny"].replace(vocab_size=100)).eval()
     attn = lm.blocks[0].attention
     assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (8, 4, 32)
-    assert isinstance(lm.norm, torch.nn.RMSNorm) and lm.blocks[0].feed_forward.gate is not None
+    assert isinstance(lm.norm, torch.nn.RMSNorm) and lm.blocks[0].feed_forward.gated
     assert lm.rotary is not None and not lm.rotary.interleaved
     ids = torch.randint(0, 100, (1, 5))
     assert_close(lm.generate(ids, 3, use_cache=True), lm.generate(ids, 3, use_cache=False))

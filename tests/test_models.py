@@ -136,7 +136,7 @@ def test_lm_head_is_tied_and_gqa_runs_through_the_stack() -> None:
     assert_close(logits, h @ lm.embedding.weight.T)
     for block in lm.blocks:
         assert block.attention.num_kv_heads == 2
-        assert block.attention.w_qkv.out_features == 32 + 2 * 2 * 8
+        assert block.attention.qkv_proj.out_features == 32 + 2 * 2 * 8
     caches = lm.make_kv_caches(2, 8)
     assert caches[0].k.shape == (2, 2, 8, 8)
 
@@ -287,14 +287,17 @@ def _copy_hf_weights(hf: torch.nn.Module, lm: TransformerLM) -> None:
         attn, ff = block.attention, block.feed_forward
         for suffix in ("weight", "bias"):
             parts = [sd.get(f"{p}self_attn.{n}_proj.{suffix}") for n in "qkv"]
-            target = getattr(attn.w_qkv, suffix)
+            target = getattr(attn.qkv_proj, suffix)
             assert (target is None) == (parts[0] is None), f"{suffix} of q/k/v"
             if target is not None:
                 target.copy_(torch.cat(parts))  # type: ignore[arg-type]
+            gate_up = [sd.get(f"{p}mlp.{n}_proj.{suffix}") for n in ("gate", "up")]
+            target = getattr(ff.gate_up, suffix)
+            assert (target is None) == (gate_up[0] is None), f"{suffix} of gate/up"
+            if target is not None:
+                target.copy_(torch.cat(gate_up))  # type: ignore[arg-type]
             for ours, theirs in [
-                (attn.output_map, "self_attn.o_proj"),
-                (ff.gate, "mlp.gate_proj"),
-                (ff.linear1, "mlp.up_proj"),
+                (attn.out_proj, "self_attn.o_proj"),
                 (ff.linear2, "mlp.down_proj"),
             ]:
                 target = getattr(ours, suffix)
@@ -353,8 +356,8 @@ def test_untied_head_is_a_separate_linear() -> None:
 def test_head_dim_different_from_dim_over_heads() -> None:
     lm = _lm(head_dim=6)  # H * E = 24 != D = 32
     attn = lm.blocks[0].attention
-    assert attn.w_qkv.weight.shape == (24 + 2 * 2 * 6, 32)
-    assert attn.output_map.weight.shape == (32, 24)
+    assert attn.qkv_proj.weight.shape == (24 + 2 * 2 * 6, 32)
+    assert attn.out_proj.weight.shape == (32, 24)
     ids = torch.randint(0, 40, (2, 7))
     assert lm(ids).shape == (2, 7, 40)
     caches = lm.make_kv_caches(2, 8)
@@ -376,6 +379,6 @@ def test_head_dim_different_from_dim_over_heads() -> None:
 def test_per_projection_biases(options: dict[str, bool], expected: tuple[bool, ...]) -> None:
     for block in _lm(**options).blocks:
         attn, ff = block.attention, block.feed_forward
-        has = (attn.w_qkv.bias is not None, attn.output_map.bias is not None)
+        has = (attn.qkv_proj.bias is not None, attn.out_proj.bias is not None)
         assert has == expected[:2]
         assert all((lin.bias is not None) == expected[2] for lin in (ff.linear1, ff.linear2))

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from attnkit.attention import MultiHeadAttention
+from attnkit.blog import PositionalMultiHeadSelfAttention
 from attnkit.positional import (
     LearnedPositionalEmbedding,
-    PositionalMultiHeadSelfAttention,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     apply_rope,
@@ -239,9 +239,9 @@ def test_interleaved_with_permuted_weights_equals_split_halves(fused: bool) -> N
             sd[f"k_proj.{suffix}"] = permute_rotary_weight(sd[f"k_proj.{suffix}"], 2, to="split")
     split.load_state_dict(sd, strict=True)
     x = torch.randn(2, 9, 32)
-    assert_close(split(x), inter(x), atol=1e-5, rtol=1e-5)
+    assert_close(split(x)[0], inter(x)[0], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(
-        split(x),
+        split(x)[0],
         MultiHeadAttention(
             32,
             4,
@@ -249,15 +249,15 @@ def test_interleaved_with_permuted_weights_equals_split_halves(fused: bool) -> N
             fused_qkv=fused,
             causal=True,
             rotary=RotaryEmbedding(8, interleaved=False),
-        )(x),
+        )(x)[0],
     )
     # The in-place converter does the same, and back.
-    expected = inter(x)
+    expected = inter(x)[0]
     convert_rotary_convention(inter, to="split")
     assert inter.rotary.interleaved is False
-    assert_close(inter(x), expected, atol=1e-5, rtol=1e-5)
+    assert_close(inter(x)[0], expected, atol=1e-5, rtol=1e-5)
     convert_rotary_convention(inter, to="interleaved")
-    assert_close(inter(x), expected, atol=1e-5, rtol=1e-5)
+    assert_close(inter(x)[0], expected, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------- the blog's positional attention

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnkit import sparse
-from attnkit.sparse import block_sparse_attention, should_use_block_sparse, structured_mask
+from attnkit.functional import block_sparse_attention
+from attnkit.sparse import should_use_block_sparse, structured_mask
 from tests.reference import loop_mask, reference_attention
 
 

@@ -96,7 +96,7 @@ def test_claim_3_fails_when_the_counted_flops_differ_from_the_formula() -> None:
     from attnkit import MultiHeadAttention
 
     quick = {"timed_lengths": (256, 512), "repeats": 1}
-    wide = MultiHeadAttention(64, 4, hidden_dim=128)  # twice the head dim of the formula's layer
+    wide = MultiHeadAttention(64, 4, head_dim=32)  # twice the head dim of the formula's layer
     result = T.check_cost(wide, **quick)
     assert not result.passed
     row = result.measured["flops"][0]

@@ -5,17 +5,18 @@ and tools to see and measure every claim about attention. ``import attnkit`` nee
 """
 
 from attnkit import complexity, masks
-from attnkit.attention import (
+from attnkit.attention import MultiHeadAttention, merge_heads, split_heads
+from attnkit.blocks import FeedForward, TransformerLayer
+from attnkit.blog import (
     Attention,
-    MultiHeadAttention,
     MultiheadCrossAttention,
     MultiHeadSelfAttention,
+    PositionalMultiHeadSelfAttention,
+    PositionalTransformerBlock,
     ScaleDotProductAttention,
     SelfAttention,
-    merge_heads,
-    split_heads,
+    TransformerBlock,
 )
-from attnkit.blocks import FeedForward, PositionalTransformerBlock, TransformerBlock
 from attnkit.cache import KVCache
 from attnkit.config import PRESETS, TransformerConfig
 from attnkit.functional import scaled_dot_product_attention
@@ -23,7 +24,6 @@ from attnkit.masks import attention_mask_from_padding
 from attnkit.models import TransformerEncoder, TransformerLM
 from attnkit.positional import (
     LearnedPositionalEmbedding,
-    PositionalMultiHeadSelfAttention,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     apply_rope,
@@ -56,6 +56,7 @@ __all__ = [
     "TransformerConfig",
     "TransformerEncoder",
     "TransformerLM",
+    "TransformerLayer",
     "__version__",
     "apply_rope",
     "attention_mask_from_padding",

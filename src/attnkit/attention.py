@@ -1,55 +1,41 @@
-"""Multi-head attention, and the blog's attention classes as presets of it.
+"""Multi-head attention: the one general module every layer of attnkit is built on.
 
-:class:`MultiHeadAttention` is the one general module: self- or cross-attention, separate or fused
-q/k/v projections, grouped-query attention (``num_kv_heads``), causal / sliding-window masking,
-rotary positions and a KV cache for decoding. It never computes attention itself: it projects,
-splits heads and calls :func:`attnkit.functional.scaled_dot_product_attention`.
+:class:`MultiHeadAttention` does self- or cross-attention, with separate or fused q/k/v
+projections, grouped-query attention (``num_kv_heads``), causal / sliding-window masking,
+rotary positions and a :class:`attnkit.KVCache` for decoding. It never computes attention
+itself: it projects, splits heads and calls its ``kernel`` (by default
+:func:`attnkit.functional.attend`, the functional core; another algorithm with the same
+signature, e.g. ring attention across processes, is swapped in by assigning the attribute).
 
-The projections are plain attributes: ``q_proj``, ``k_proj``, ``v_proj`` (or one fused
-``qkv_proj``) and ``out_proj``. The blog's classes (``ScaleDotProductAttention``, ``Attention``,
-``SelfAttention``, ``MultiheadCrossAttention``, ``MultiHeadSelfAttention``) keep the blog's
-constructor signatures, and a checkpoint key map (:attr:`MultiHeadAttention.checkpoint_names`)
-gives their state_dicts the blog's parameter names (``w_q``, ``w_qkv``, ``output_map``...): a
-state_dict saved from the blog's code loads with ``strict=True`` and gives the same outputs, and
-``state_dict()`` writes the blog's names back. The blog's attribute names are read-only aliases
-(``attn.w_qkv is attn.qkv_proj``).
-
-Every layer makes one attention call and passes the weights through: :func:`with_weights` and
-:func:`split_weights` convert between the public ``out`` / ``(out, weights)`` return and the
-``(out, weights_or_None)`` pair. The keywords every self-attention layer and block forward takes
-(``positions``, ``kv_cache``, ``return_weights``) are typed once, as :class:`LayerOptions`; a
-layer that only hands them on takes ``**options: Unpack[LayerOptions]``.
+Its forward returns ``(out, weights)`` with ``weights`` ``None`` unless asked for (as
+``torch.nn.MultiheadAttention`` does). The projections are plain attributes: ``q_proj``,
+``k_proj``, ``v_proj`` (or one fused ``qkv_proj``) and ``out_proj``; ``state_dict()`` uses
+exactly these names. The blog's classes, with the blog's names and return values, are in
+:mod:`attnkit.blog`.
 """
 
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import Tensor, nn
 
+from attnkit import functional
 from attnkit.cache import KVCache
-from attnkit.functional import attend
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = [
-    "Attention",
-    "LayerOptions",
-    "MultiHeadAttention",
-    "MultiHeadSelfAttention",
-    "MultiheadCrossAttention",
-    "ScaleDotProductAttention",
-    "SelfAttention",
-    "merge_heads",
-    "split_heads",
-    "split_weights",
-    "with_weights",
-]
+__all__ = ["Kernel", "LayerOptions", "MultiHeadAttention", "merge_heads", "split_heads"]
+
+#: The signature of an attention kernel (:func:`attnkit.functional.attend`):
+#: ``kernel(q, k, v, mask, *, causal, window, scale, dropout_p, return_weights)`` returning
+#: ``(out, weights or None)``.
+Kernel = Callable[..., tuple[Tensor, Tensor | None]]
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:
@@ -62,16 +48,6 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(-2, -3).flatten(-2)
 
 
-def with_weights(out: Tensor, weights: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
-    """The public return of a layer: ``out``, or ``(out, weights)`` when weights were computed."""
-    return out if weights is None else (out, weights)
-
-
-def split_weights(result: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
-    """Inverse of :func:`with_weights`: ``(out, weights)``, ``weights`` ``None`` if absent."""
-    return result if isinstance(result, tuple) else (result, None)
-
-
 class LayerOptions(TypedDict, total=False):
     """The keyword options of every attention layer's and block's forward.
 
@@ -80,11 +56,16 @@ class LayerOptions(TypedDict, total=False):
             shape ``(L,)`` or ``(B, L)``; defaults to ``cache length + arange(L)``.
         kv_cache: The layer's :class:`attnkit.KVCache` for incremental decoding; the new
             keys/values are appended and attention runs over all cached positions.
+        cache_position: ``(L,)`` int tensor, the cache slots of the new tokens: the keys and
+            values are written there and attention runs over every slot with a mask (one
+            static-shaped graph for every decoding step; see :meth:`attnkit.KVCache.write`).
+            Without it the new tokens are appended after :attr:`attnkit.KVCache.length`.
         return_weights: Also return the attention weights ``(B, H, L, S)`` (default ``False``).
     """
 
     positions: Tensor | None
     kv_cache: KVCache | None
+    cache_position: Tensor | None
     return_weights: bool
 
 
@@ -102,7 +83,8 @@ class MultiHeadAttention(nn.Module):
         num_heads: Query heads ``H``.
         kdim: Key input dim (cross-attention); defaults to ``embed_dim``.
         vdim: Value input dim; defaults to ``kdim``.
-        hidden_dim: Total projected dim ``H * E``; defaults to ``embed_dim``.
+        head_dim: Head dim ``E``; defaults to ``embed_dim // num_heads``.
+        hidden_dim: Deprecated: the projected width ``H * E`` (use ``head_dim``).
         out_dim: Output dim; defaults to ``embed_dim``.
         num_kv_heads: Key/value heads ``K`` (grouped-query attention); defaults to ``num_heads``.
         bias: Whether the query/key/value projections have biases.
@@ -115,15 +97,13 @@ class MultiHeadAttention(nn.Module):
         rotary: Optional rotary module applied to queries and keys after the head split; it is
             called as ``rotary(x, positions)`` with ``x`` of shape ``(..., heads, L, E)``.
 
+    Attributes:
+        kernel: The attention algorithm (see :data:`Kernel`); :func:`attnkit.functional.attend`
+            unless replaced.
+
     Raises:
         ValueError: If sizes are not positive or do not divide.
     """
-
-    #: Checkpoint key map, attribute -> name in state_dicts (e.g. ``{"qkv_proj": "w_qkv"}``).
-    #: ``state_dict()`` writes these names and ``load_state_dict`` reads them (and the
-    #: attribute names); each mapped name is also a read-only alias of its attribute (a
-    #: property that ``__init_subclass__`` installs unless the subclass defines one).
-    checkpoint_names: ClassVar[Mapping[str, str]] = {}
 
     q_proj: nn.Linear  # separate projections (fused_qkv=False)
     k_proj: nn.Linear
@@ -138,6 +118,7 @@ class MultiHeadAttention(nn.Module):
         *,
         kdim: int | None = None,
         vdim: int | None = None,
+        head_dim: int | None = None,
         hidden_dim: int | None = None,
         out_dim: int | None = None,
         num_kv_heads: int | None = None,
@@ -151,7 +132,20 @@ class MultiHeadAttention(nn.Module):
         rotary: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        hidden_dim = embed_dim if hidden_dim is None else hidden_dim
+        if hidden_dim is not None:
+            if head_dim is not None:
+                raise ValueError(
+                    f"give head_dim ({head_dim}) or its deprecated form hidden_dim ({hidden_dim}),"
+                    " not both"
+                )
+            warnings.warn(
+                "MultiHeadAttention(hidden_dim=...) is deprecated; use head_dim "
+                "(hidden_dim = num_heads * head_dim)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        else:
+            hidden_dim = embed_dim if head_dim is None else num_heads * head_dim
         out_dim = embed_dim if out_dim is None else out_dim
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         kdim = embed_dim if kdim is None else kdim
@@ -198,28 +192,7 @@ class MultiHeadAttention(nn.Module):
             self.v_proj = nn.Linear(vdim, kv_hidden, bias=bias)
         self.out_proj = nn.Linear(hidden_dim, out_dim, bias=bias if out_bias is None else out_bias)
         self.rotary = rotary
-        self._load_prefix = ""  # set while loading, so error messages use checkpoint names
-        if self.checkpoint_names:
-            self.register_state_dict_post_hook(_save_with_checkpoint_names)
-            self.register_load_state_dict_pre_hook(_load_checkpoint_names)
-            self.register_load_state_dict_post_hook(_report_checkpoint_names)
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Give a subclass a read-only alias property for each of its checkpoint names."""
-        super().__init_subclass__(**kwargs)
-        for attr, alias in cls.checkpoint_names.items():
-            if not hasattr(cls, alias):
-                doc = f"The checkpoint name of ``{attr}`` (read-only)."
-                setattr(cls, alias, property(operator.attrgetter(attr), doc=doc))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        for attr, alias in self.checkpoint_names.items():
-            if name == alias:
-                raise AttributeError(
-                    f"{name!r} is a read-only alias of {attr!r} in {type(self).__name__}; "
-                    f"assign {attr!r} instead"
-                )
-        super().__setattr__(name, value)
+        self.kernel: Kernel = functional.attend
 
     def _check_last_dims(self, **inputs: Tensor) -> None:
         """Raise naming each of ``query``/``key``/``value`` whose last dim is not this layer's."""
@@ -274,7 +247,7 @@ class MultiHeadAttention(nn.Module):
         value: Tensor | None = None,
         mask: Tensor | None = None,
         **options: Unpack[LayerOptions],
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor | None]:
         """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
 
         Args:
@@ -282,13 +255,14 @@ class MultiHeadAttention(nn.Module):
             key: Key tokens (defaults to ``query``).
             value: Value tokens (defaults to ``key``).
             mask: Bool (``True`` = may attend) or additive float mask, broadcastable to
-                ``(B, H, L, S)``.
+                ``(B, H, L, S)``; with a ``cache_position`` it covers every cache slot.
             **options: ``positions`` (of the query tokens, for the rotary module),
-                ``kv_cache`` (this layer's cache for incremental decoding) and
-                ``return_weights``: see :class:`LayerOptions`.
+                ``kv_cache`` (this layer's cache for incremental decoding),
+                ``cache_position`` and ``return_weights``: see :class:`LayerOptions`.
 
         Returns:
-            ``out`` of shape ``(B, L, out_dim)``, or ``(out, weights)``.
+            ``(out, weights)``: ``out`` of shape ``(B, L, out_dim)``; ``weights``
+            ``(B, H, L, S)`` when ``return_weights``, else ``None``.
 
         Raises:
             TypeError: For a keyword that is not a :class:`LayerOptions` key.
@@ -304,29 +278,40 @@ class MultiHeadAttention(nn.Module):
                 f"{sorted(options.keys() - known)}; it takes {sorted(known)}"
             )
         positions, kv_cache = options.get("positions"), options.get("kv_cache")
+        cache_position = options.get("cache_position")
         q, k, v = self.project_qkv(query, key, value)
         if self.rotary is not None:
             if k.shape[-2] != q.shape[-2] and kv_cache is None:
                 raise ValueError("rotary positions need self-attention (same query/key tokens)")
             if positions is None:
+                positions = cache_position
+            if positions is None:
                 start = 0 if kv_cache is None else kv_cache.length
                 positions = torch.arange(start, start + q.shape[-2], device=q.device)
             q = self.rotary(q, positions)
             k = self.rotary(k, positions)
-        if kv_cache is not None:
+        causal, window = self.causal, self.window
+        if kv_cache is not None and cache_position is not None:
+            k, v = kv_cache.write(k, v, cache_position)  # (B, K, C, E): every slot
+            # Slots after a token's own are empty or stale: the (L, C) slot mask holds the
+            # causal order and the window.
+            mask = _restrict(mask, kv_cache.slot_mask(cache_position, window=window))
+            causal, window = False, None
+        elif kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, K, cached + L, E)
-        out, weights = attend(
+        return_weights = options.get("return_weights", False)
+        out, weights = self.kernel(
             q,
             k,
             v,
             mask,
-            causal=self.causal,
-            window=self.window,
+            causal=causal,
+            window=window,
             scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
-            return_weights=options.get("return_weights", False),
+            return_weights=return_weights,
         )  # (B, H, L, E), (B, H, L, S) or None
-        return with_weights(self.out_proj(merge_heads(out)), weights)  # (B, L, out_dim)
+        return self.out_proj(merge_heads(out)), weights  # (B, L, out_dim)
 
     def extra_repr(self) -> str:
         parts = [f"heads={self.num_heads}", f"head_dim={self.head_dim}"]
@@ -339,231 +324,12 @@ class MultiHeadAttention(nn.Module):
         return ", ".join(parts)
 
 
-def _save_with_checkpoint_names(
-    module: MultiHeadAttention,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: dict[str, Any],
-) -> None:
-    """State-dict post-hook: write ``module``'s projections under their checkpoint names."""
-    names = module.checkpoint_names
-    # The module's entries were added last; re-adding them in order keeps the key order.
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        attr, _, rest = key[len(prefix) :].partition(".")
-        value = state_dict.pop(key)
-        state_dict[f"{prefix}{names.get(attr, attr)}.{rest}" if rest else key] = value
-
-
-def _load_checkpoint_names(
-    module: MultiHeadAttention,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: dict[str, Any],
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-) -> None:
-    """Load-state-dict pre-hook: read checkpoint names into the projection attributes."""
-    module._load_prefix = prefix
-    attr_of = {alias: attr for attr, alias in module.checkpoint_names.items()}
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        name, _, rest = key[len(prefix) :].partition(".")
-        if name in attr_of and rest:
-            state_dict[f"{prefix}{attr_of[name]}.{rest}"] = state_dict.pop(key)
-
-
-def _report_checkpoint_names(module: MultiHeadAttention, incompatible: Any) -> None:
-    """Load-state-dict post-hook: name missing/unexpected keys by their checkpoint names."""
-    prefix, names = module._load_prefix, module.checkpoint_names
-    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
-        for i, key in enumerate(keys):
-            attr, _, rest = key[len(prefix) :].partition(".")
-            if key.startswith(prefix) and attr in names and rest:
-                keys[i] = f"{prefix}{names[attr]}.{rest}"
-
-
-# --------------------------------------------------------------------------------------------
-# The blog's classes, same names and constructors; their state_dicts use the blog's names.
-# --------------------------------------------------------------------------------------------
-
-
-class ScaleDotProductAttention(nn.Module):
-    """The blog's parameter-free ``softmax(q k^T / sqrt(d_k)) v``.
-
-    Args:
-        d_k: The dim whose square root divides the scores.
-    """
-
-    def __init__(self, d_k: int) -> None:
-        super().__init__()
-        _check_positive(d_k=d_k)
-        self.d_k = d_k
-
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Tensor | None = None,
-        *,
-        return_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Shape: q ``(..., L, E)``, k ``(..., S, E)``, v ``(..., S, Ev)`` -> ``(..., L, Ev)``."""
-        scale = 1.0 / math.sqrt(self.d_k)
-        return with_weights(*attend(q, k, v, mask, scale=scale, return_weights=return_weights))
-
-
-class _BlogNames(MultiHeadAttention):
-    """Names the blog's multi-head classes share: ``output_map`` and ``dim_per_head``."""
-
-    output_map: nn.Linear  # read-only aliases, installed from checkpoint_names
-
-    @property
-    def dim_per_head(self) -> int:
-        """The blog's name for the head dim."""
-        return self.head_dim
-
-
-class MultiheadCrossAttention(_BlogNames):
-    """The blog's multi-head attention with separate ``w_q``, ``w_k``, ``w_v`` projections.
-
-    Its state_dict uses the blog's names ``w_q``, ``w_k``, ``w_v``, ``output_map`` (also
-    read-only aliases of ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``). Its forward is
-    :meth:`MultiHeadAttention.forward` with the blog's argument names ``(q, k, v, mask)`` and the
-    same keywords (:class:`LayerOptions`).
-
-    Args:
-        dim_in: Input dim of queries, keys and values.
-        dim_hidden: Total projected dim, split over ``num_heads``.
-        dim_out: Output dim.
-        num_heads: Number of heads.
-    """
-
-    checkpoint_names: ClassVar[Mapping[str, str]] = {
-        "q_proj": "w_q",
-        "k_proj": "w_k",
-        "v_proj": "w_v",
-        "out_proj": "output_map",
-    }
-
-    w_q: nn.Linear  # read-only aliases, installed from checkpoint_names
-    w_k: nn.Linear
-    w_v: nn.Linear
-
-    def __init__(self, dim_in: int, dim_hidden: int, dim_out: int, num_heads: int) -> None:
-        super().__init__(dim_in, num_heads, hidden_dim=dim_hidden, out_dim=dim_out)
-
-    def get_heads(self, tokens: Tensor, linear_layer: nn.Module) -> Tensor:
-        """Project ``tokens`` and split heads: ``(B, N, dim_in) -> (B, H, N, E)``."""
-        return split_heads(linear_layer(tokens), self.num_heads)
-
-    def forward(  # type: ignore[override]
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Tensor | None = None,
-        **options: Unpack[LayerOptions],
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Shape: q ``(B, L, dim_in)``, k/v ``(B, S, dim_in)`` -> ``(B, L, dim_out)``."""
-        return super().forward(q, k, v, mask, **options)
-
-
-class Attention(MultiheadCrossAttention):
-    """The blog's single-head attention with separate ``w_q``, ``w_k``, ``w_v`` and ``output_map``.
-
-    :class:`MultiheadCrossAttention` with one head (same forward ``(q, k, v, mask)``).
-
-    Args:
-        dim_in: Input dim of queries, keys and values.
-        dim_hidden: Projected dim (the scores are divided by ``sqrt(dim_hidden)``).
-        dim_out: Output dim.
-    """
-
-    def __init__(self, dim_in: int, dim_hidden: int, dim_out: int) -> None:
-        super().__init__(dim_in, dim_hidden, dim_out, 1)
-
-
-class MultiHeadSelfAttention(_BlogNames):
-    """The blog's multi-head self-attention with a fused ``w_qkv`` and optional causal mask.
-
-    The keyword-only options are those of :class:`MultiHeadAttention`; at their defaults this is
-    exactly the blog's class. Its state_dict uses the blog's names ``w_qkv`` and ``output_map``
-    (also read-only aliases of ``qkv_proj`` and ``out_proj``).
-
-    Args:
-        in_dim: Input dim.
-        hidden_dim: Total projected dim, split over ``num_heads``.
-        out_dim: Output dim.
-        num_heads: Number of heads.
-        causal: Forbid attending to later tokens.
-        num_kv_heads: Key/value heads (grouped-query attention).
-        bias: Whether the projections have biases.
-        out_bias: Whether the output projection has a bias (default ``bias``).
-        dropout: Dropout on the attention weights (training mode only).
-        window: Sliding-window size.
-        scale: Score multiplier (default ``1 / sqrt(E)``).
-        rotary: Rotary module applied to queries and keys.
-    """
-
-    checkpoint_names: ClassVar[Mapping[str, str]] = {"qkv_proj": "w_qkv", "out_proj": "output_map"}
-    w_qkv: nn.Linear  # read-only alias, installed from checkpoint_names
-
-    def __init__(
-        self,
-        in_dim: int,
-        hidden_dim: int,
-        out_dim: int,
-        num_heads: int,
-        causal: bool = False,
-        *,
-        num_kv_heads: int | None = None,
-        bias: bool = True,
-        out_bias: bool | None = None,
-        dropout: float = 0.0,
-        window: int | None = None,
-        scale: float | None = None,
-        rotary: nn.Module | None = None,
-    ) -> None:
-        super().__init__(
-            in_dim,
-            num_heads,
-            hidden_dim=hidden_dim,
-            out_dim=out_dim,
-            fused_qkv=True,
-            causal=causal,
-            num_kv_heads=num_kv_heads,
-            bias=bias,
-            out_bias=out_bias,
-            dropout=dropout,
-            window=window,
-            scale=scale,
-            rotary=rotary,
-        )
-
-    def forward(  # type: ignore[override]
-        self, x: Tensor, mask: Tensor | None = None, **options: Unpack[LayerOptions]
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Self-attention over ``x`` (the keywords are :class:`LayerOptions`).
-
-        Shape:
-            x ``(B, N, in_dim)``, mask broadcastable to ``(B, H, N, N)`` -> ``(B, N, out_dim)``.
-        """
-        return super().forward(x, mask=mask, **options)
-
-
-class SelfAttention(MultiHeadSelfAttention):
-    """The blog's single-head self-attention with one fused ``w_qkv`` projection.
-
-    :class:`MultiHeadSelfAttention` with one head (its forward takes ``(x, mask)``, plus that
-    class's keywords).
-
-    Args:
-        dim_in: Input dim.
-        dim_hidden: Projected dim of each of q, k, v.
-        dim_out: Output dim.
-    """
-
-    def __init__(self, dim_in: int, dim_hidden: int, dim_out: int) -> None:
-        super().__init__(dim_in, dim_hidden, dim_out, 1)
+def _restrict(mask: Tensor | None, allowed: Tensor | None) -> Tensor | None:
+    """``mask`` (bool or additive float) further limited to the ``allowed`` keys."""
+    if allowed is None:
+        return mask
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return mask.masked_fill(~allowed, float("-inf"))

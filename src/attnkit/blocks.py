@@ -1,31 +1,30 @@
-"""Transformer blocks: the blog's ``FeedForward``/``TransformerBlock`` and its positional variant.
+"""Transformer blocks: :class:`FeedForward` and :class:`TransformerLayer`, the one block of every
+attnkit stack (encoders, language models, BERT).
 
-With default options every class here is the blog's class: same constructor, same parameter
-names (a blog state_dict loads with ``strict=True``) and the same outputs.
-:class:`TransformerBlock` at defaults also equals ``torch.nn.TransformerEncoderLayer``
-(post-norm, ReLU, ``dropout=0``, ``batch_first=True``) given the same weights. Keyword-only
-options generalise it: pre-norm, RMSNorm, GELU/SwiGLU, grouped-query attention, rotary positions,
-sliding windows, dropout, a KV cache.
+:class:`TransformerLayer` at defaults is the blog's post-norm block (and
+``torch.nn.TransformerEncoderLayer`` with ReLU, ``dropout=0``, ``batch_first=True`` given the
+same weights); keyword-only options generalise it: pre-norm, RMSNorm, GELU/SwiGLU, grouped-query
+attention, rotary positions, sliding windows, dropout, a KV cache. Its forward returns
+``(x, weights or None)``. The blog's ``TransformerBlock`` (same constructor, parameter names and
+return values as the blog) is this layer with the blog's names, in :mod:`attnkit.blog`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.attention import LayerOptions, MultiHeadSelfAttention, split_weights, with_weights
-from attnkit.positional import PositionalMultiHeadSelfAttention, SinusoidalPositionalEncoding
+from attnkit.attention import LayerOptions, MultiHeadAttention
+from attnkit.config import TransformerConfig
 
 if TYPE_CHECKING:
     from typing_extensions import Self, Unpack
 
-    from attnkit.config import TransformerConfig
-
-__all__ = ["FeedForward", "PositionalTransformerBlock", "TransformerBlock", "make_norm"]
+__all__ = ["FeedForward", "TransformerLayer", "make_norm"]
 
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu"]
 NormType = Literal["layernorm", "rmsnorm"]
@@ -49,8 +48,10 @@ def make_norm(norm: str, dim: int, *, eps: float = 1e-5) -> nn.Module:
 class FeedForward(nn.Module):
     """Position-wise MLP ``linear2(act(linear1(x)))`` (the blog's class at defaults).
 
-    With ``activation="swiglu"`` a ``gate`` projection is added and the hidden layer is
-    ``silu(gate(x)) * linear1(x)`` (the LLaMA MLP; ``linear1`` is the "up" projection).
+    With ``activation="swiglu"`` the first projection is one fused ``gate_up`` (rows
+    ``[gate | up]``, ``2 * hidden_dim`` outputs) and the hidden layer is ``silu(gate) * up``
+    (the LLaMA MLP); ``linear1`` is then absent. State dicts of the unfused form (``gate`` and
+    ``linear1``) still load.
 
     Args:
         in_dim: Input dim.
@@ -80,9 +81,13 @@ class FeedForward(nn.Module):
             raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.linear1 = nn.Linear(in_dim, hidden_dim, bias=bias)
+        self.gated = activation == "swiglu"
+        if self.gated:
+            self.gate_up = nn.Linear(in_dim, 2 * hidden_dim, bias=bias)
+            self.register_load_state_dict_pre_hook(_fuse_gate_up)
+        else:
+            self.linear1 = nn.Linear(in_dim, hidden_dim, bias=bias)
         self.linear2 = nn.Linear(hidden_dim, out_dim, bias=bias)
-        self.gate = nn.Linear(in_dim, hidden_dim, bias=bias) if activation == "swiglu" else None
         factories: dict[str, Callable[[], nn.Module]] = {
             "relu": nn.ReLU,
             "gelu": nn.GELU,
@@ -96,8 +101,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Shape: x ``(..., in_dim)`` -> ``(..., out_dim)``."""
-        if self.gate is not None:
-            h = self.activation(self.gate(x)) * self.linear1(x)  # (..., hidden)
+        if self.gated:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)  # (..., hidden) each
+            h = self.activation(gate) * up
         else:
             h = self.activation(self.linear1(x))  # (..., hidden)
         h = F.dropout(h, p=self.dropout, training=self.training)
@@ -107,7 +113,18 @@ class FeedForward(nn.Module):
         return f"activation={self.activation_name!r}, dropout={self.dropout}"
 
 
-class TransformerBlock(nn.Module):
+def _fuse_gate_up(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load-state-dict pre-hook: the unfused SwiGLU names (``gate``, ``linear1``, as attnkit 0.2
+    wrote them) into the fused ``gate_up``."""
+    for name in ("weight", "bias"):
+        gate, up = f"{prefix}gate.{name}", f"{prefix}linear1.{name}"
+        if gate in state_dict and up in state_dict:
+            state_dict[f"{prefix}gate_up.{name}"] = torch.cat(
+                [state_dict.pop(gate), state_dict.pop(up)]
+            )
+
+
+class TransformerLayer(nn.Module):
     """Self-attention + feed-forward, each with a residual connection and a norm.
 
     Post-norm (the blog and the original Transformer, default):
@@ -117,7 +134,7 @@ class TransformerBlock(nn.Module):
 
     Args:
         dim: Model dim ``D``.
-        hidden_dim: Feed-forward hidden dim.
+        ffn_dim: Feed-forward hidden dim.
         num_heads: Query heads ``H``.
         causal: Causal self-attention.
         norm_first: Pre-norm instead of post-norm.
@@ -137,9 +154,9 @@ class TransformerBlock(nn.Module):
         head_dim: Attention head dim ``E`` (default ``dim // num_heads``); the attention's
             projected width is ``num_heads * head_dim``.
         attention: A prebuilt self-attention module to use instead; it is called as
-            ``attention(x, mask, **options)`` with the keywords the block's caller gave (those
-            of :class:`attnkit.attention.LayerOptions`, each optional). The attention options
-            above are then ignored.
+            ``attention(x, mask=mask, **options)`` with the keywords the block's caller gave (those
+            of :class:`attnkit.attention.LayerOptions`, each optional) and returns
+            ``(out, weights or None)``. The attention options above are then ignored.
 
     Raises:
         ValueError: For bad sizes or option values.
@@ -148,7 +165,7 @@ class TransformerBlock(nn.Module):
     def __init__(
         self,
         dim: int,
-        hidden_dim: int,
+        ffn_dim: int,
         num_heads: int,
         causal: bool = False,
         *,
@@ -173,12 +190,12 @@ class TransformerBlock(nn.Module):
         if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
             raise TypeError(f"head_dim must be an int, got {head_dim!r}")
         if attention is None:
-            attention = MultiHeadSelfAttention(
-                dim,
-                dim if head_dim is None else num_heads * head_dim,
+            attention = MultiHeadAttention(
                 dim,
                 num_heads,
-                causal,
+                head_dim=head_dim,
+                fused_qkv=True,
+                causal=causal,
                 num_kv_heads=num_kv_heads,
                 rotary=rotary,
                 window=window,
@@ -189,7 +206,7 @@ class TransformerBlock(nn.Module):
         self.attention = attention
         self.feed_forward = FeedForward(
             dim,
-            hidden_dim,
+            ffn_dim,
             dim,
             activation=activation,
             dropout=dropout,
@@ -209,7 +226,7 @@ class TransformerBlock(nn.Module):
         """
         return cls(
             config.dim,
-            config.ffn_dim,
+            int(config.ffn_dim or 4 * config.dim),
             config.num_heads,
             config.causal,
             norm_first=config.norm_first,
@@ -229,22 +246,23 @@ class TransformerBlock(nn.Module):
 
     def forward(
         self, x: Tensor, mask: Tensor | None = None, **options: Unpack[LayerOptions]
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor | None]:
         """Apply the block.
 
         Args:
             x: Input tokens.
             mask: Bool (``True`` = may attend) or additive float mask, broadcastable to
                 ``(B, H, L, S)``; a key-padding mask is ``(B, 1, 1, S)``.
-            **options: ``positions`` (for the rotary module), ``kv_cache`` (this block's cache)
-                and ``return_weights``, handed to the attention (see
+            **options: ``positions`` (for the rotary module), ``kv_cache`` (this block's
+                cache), ``cache_position`` and ``return_weights``, handed to the attention (see
                 :class:`attnkit.attention.LayerOptions`).
 
         Returns:
-            ``x`` of shape ``(B, L, D)``, or ``(x, weights)`` with weights ``(B, H, L, S)``.
+            ``(x, weights)``: ``x`` of shape ``(B, L, D)``; ``weights`` ``(B, H, L, S)`` when
+            asked for, else ``None``.
         """
         attn_in = self.norm1(x) if self.norm_first else x
-        attn_out, weights = split_weights(self.attention(attn_in, mask, **options))
+        attn_out, weights = self._attend(attn_in, mask, options)
         attn_out = F.dropout(attn_out, p=self.dropout, training=self.training)
         if self.norm_first:
             x = x + attn_out
@@ -254,64 +272,13 @@ class TransformerBlock(nn.Module):
             x = self.norm1(x + attn_out)
             ff_out = self.feed_forward(x)
             x = self.norm2(x + F.dropout(ff_out, p=self.dropout, training=self.training))
-        return with_weights(x, weights)
+        return x, weights
+
+    def _attend(
+        self, x: Tensor, mask: Tensor | None, options: LayerOptions
+    ) -> tuple[Tensor, Tensor | None]:
+        """The attention sub-layer's ``(out, weights or None)``."""
+        return self.attention(x, mask=mask, **options)  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         return f"norm_first={self.norm_first}, dropout={self.dropout}"
-
-
-class PositionalTransformerBlock(TransformerBlock):
-    """The blog's post-norm block with sinusoidal or rotary positions.
-
-    Kept as in the blog: with ``position_type="sinusoidal"`` the table is added to the input of
-    *every* block (so stacking these blocks re-adds positions each time; the models in
-    :mod:`attnkit.models` add them once instead). With ``"rope"`` the block's attention rotates
-    queries and keys and ``position`` is ``nn.Identity``.
-
-    Args:
-        dim: Model dim.
-        hidden_dim: Feed-forward hidden dim.
-        num_heads: Number of heads.
-        position_type: ``"rope"`` or ``"sinusoidal"``.
-        max_seq_len: Rows of the sinusoidal table.
-        causal: Causal self-attention.
-
-    Raises:
-        ValueError: For an unknown ``position_type``.
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        hidden_dim: int,
-        num_heads: int,
-        position_type: str = "rope",
-        max_seq_len: int = 4096,
-        causal: bool = False,
-    ) -> None:
-        if position_type not in {"sinusoidal", "rope"}:
-            raise ValueError(f"position_type must be 'sinusoidal' or 'rope', got {position_type!r}")
-        attention = PositionalMultiHeadSelfAttention(
-            dim, num_heads, causal=causal, use_rope=position_type == "rope"
-        )
-        super().__init__(dim, hidden_dim, num_heads, causal, attention=attention)
-        self.position_type = position_type
-        self.position: nn.Module = (
-            SinusoidalPositionalEncoding(dim, max_seq_len)
-            if position_type == "sinusoidal"
-            else nn.Identity()
-        )
-
-    def forward(
-        self, x: Tensor, mask: Tensor | None = None, **options: Unpack[LayerOptions]
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Add sinusoidal positions (if any), then apply the block (see
-        :meth:`TransformerBlock.forward`). With a ``kv_cache`` and no ``positions``, positions
-        continue after the cached ones."""
-        if isinstance(self.position, SinusoidalPositionalEncoding):
-            kv_cache = options.get("kv_cache")
-            if options.get("positions") is None and kv_cache is not None and kv_cache.length:
-                start = kv_cache.length
-                options["positions"] = torch.arange(start, start + x.shape[-2], device=x.device)
-            x = self.position(x, options.get("positions"))
-        return super().forward(x, mask, **options)

@@ -1,8 +1,16 @@
-"""A small, typed key/value cache for autoregressive decoding (gpt-fast style).
+"""A small, typed, static key/value cache for autoregressive decoding (gpt-fast style).
 
-The cache is preallocated to ``capacity`` positions so decoding never reallocates; each call to
-:meth:`KVCache.update` writes the new keys/values after the ones already stored and returns views
-of everything seen so far.
+The cache is preallocated to ``capacity`` slots so decoding never reallocates. It serves two
+callers with the same storage:
+
+* eager code appends: :meth:`KVCache.update` writes the new keys/values after the ones already
+  stored (a Python counter, :attr:`KVCache.length`) and returns views of the slots filled so far;
+* a compiled one-token step writes at a slot given as a tensor (:meth:`KVCache.write`,
+  ``cache_position``), so that one graph serves every step, and attends over every slot with a
+  mask (:meth:`KVCache.slot_mask`).
+
+Left padding is the caller's key mask over the slots (``(B, capacity)``, ``True`` = real token,
+passed as the model's ``mask``): padded prompt slots are never attended to, now or later.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ class KVCache(nn.Module):
         ValueError: If a size is not positive.
     """
 
-    k: Tensor  # buffers registered in __init__
+    k: Tensor  # buffers registered in __init__: (B, K, C, E)
     v: Tensor
 
     def __init__(
@@ -56,30 +64,19 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.capacity = capacity
-        self.length = 0
+        self.length = 0  # slots filled by update() (eager appends)
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``k``/``v`` and return all keys/values so far.
-
-        Shape:
-            k, v ``(B, K, L, E)`` -> ``(B, K, length + L, E)`` each (views into the cache).
-
-        Raises:
-            TypeError: If ``k``/``v`` are not tensors of the cache's dtype (the cache never
-                casts silently).
-            ValueError: If the new positions exceed the capacity, shapes do not match, or
-                ``k``/``v`` are on another device.
-        """
+    def _check(self, k: Tensor, v: Tensor) -> None:
         if not isinstance(k, Tensor) or not isinstance(v, Tensor):
             raise TypeError(
-                f"KVCache.update takes tensors, got k={type(k).__name__}, v={type(v).__name__}"
+                f"KVCache takes tensors, got k={type(k).__name__}, v={type(v).__name__}"
             )
         if k.dim() != 4 or v.shape != k.shape:
             raise ValueError(
-                f"KVCache.update needs k and v of the same shape (B, K, L, E), got "
+                f"KVCache needs k and v of the same shape (B, K, L, E), got "
                 f"k={tuple(k.shape)}, v={tuple(v.shape)}"
             )
-        B, K, L, E = k.shape
+        B, K, _, E = k.shape
         if (self.k.shape[0], self.k.shape[1], self.k.shape[3]) != (B, K, E):
             raise ValueError(
                 f"KVCache holds (B, K, *, E)={tuple(self.k.shape[:2])}+(E={self.k.shape[3]}), "
@@ -94,16 +91,59 @@ class KVCache(nn.Module):
             raise ValueError(
                 f"KVCache is on {self.k.device}, got k on {k.device} and v on {v.device}"
             )
-        end = self.length + L
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``k``/``v`` after the filled slots and return all keys/values so far.
+
+        Shape:
+            k, v ``(B, K, L, E)`` -> ``(B, K, length + L, E)`` each (views into the cache).
+
+        Raises:
+            TypeError: If ``k``/``v`` are not tensors of the cache's dtype (the cache never
+                casts silently).
+            ValueError: If the new positions exceed the capacity, shapes do not match, or
+                ``k``/``v`` are on another device.
+        """
+        self._check(k, v)
+        L = k.shape[2]
+        start, end = self.length, self.length + L
         if end > self.capacity:
             raise ValueError(
                 f"KVCache capacity exceeded: {self.length} cached + {L} new = {end} > "
                 f"capacity {self.capacity}"
             )
-        self.k[:, :, self.length : end] = k
-        self.v[:, :, self.length : end] = v
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def write(self, k: Tensor, v: Tensor, cache_position: Tensor) -> tuple[Tensor, Tensor]:
+        """Store ``k``/``v`` at the slots ``cache_position`` and return the whole storage.
+
+        The compile-friendly form: no Python state changes and no shapes depend on how many
+        slots are filled, so one compiled graph serves every step. The written slots count as
+        real tokens; attend with :meth:`slot_mask`. Checks that read values are left out.
+
+        Shape:
+            k, v ``(B, K, L, E)``, cache_position ``(L,)`` -> ``(B, K, C, E)`` each.
+        """
+        self._check(k, v)
+        self.k.index_copy_(2, cache_position, k)
+        self.v.index_copy_(2, cache_position, v)
+        return self.k, self.v
+
+    def slot_mask(self, cache_position: Tensor, *, window: int | None = None) -> Tensor:
+        """Which slots each new token may attend: not after its own, within the window.
+
+        Shape:
+            cache_position ``(L,)`` -> ``(L, C)`` bool.
+        """
+        slots = torch.arange(self.capacity, device=self.k.device)  # (C,)
+        query = cache_position[:, None]  # (L, 1)
+        allowed = slots <= query  # (L, C)
+        if window is not None:
+            allowed = allowed & (slots > query - window)
+        return allowed
 
     def reset(self) -> None:
         """Forget every cached position (the storage is kept)."""

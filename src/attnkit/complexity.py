@@ -534,7 +534,7 @@ def attention_cost(
 ) -> CostBreakdown:
     """FLOPs and memory of one multi-head attention layer, per component.
 
-    The layer is ``MultiHeadAttention(dim, num_heads, hidden_dim=num_heads*head_dim,
+    The layer is ``MultiHeadAttention(dim, num_heads, head_dim=head_dim,
     num_kv_heads=num_kv_heads)`` applied to a query ``(B, L, D)`` and, for cross-attention, a
     key/value input ``(B, S, D)``; with the defaults it is the seed's
     ``MultiHeadSelfAttention(D, D, D, H)``. ``matmul_flops`` of the result equals what

@@ -10,6 +10,7 @@ and checkpoint loaders read and write it with :meth:`TransformerConfig.to_dict` 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
@@ -111,9 +112,12 @@ class TransformerConfig:
         dim: Model dim ``D``.
         num_layers: Number of blocks.
         num_heads: Query heads ``H``.
-        num_kv_heads: Key/value heads ``K`` (grouped-query attention); ``None`` = ``num_heads``.
-        head_dim: Head dim ``E``; ``None`` = ``dim // num_heads`` (which must then divide).
-        hidden_dim: Feed-forward hidden dim; ``None`` = ``4 * dim``.
+        num_kv_heads: Key/value heads ``K`` (grouped-query attention); ``None`` = ``num_heads``
+            (stored resolved: the field always holds an int after construction).
+        head_dim: Head dim ``E``; ``None`` = ``dim // num_heads`` (which must then divide;
+            stored resolved).
+        ffn_dim: Feed-forward hidden dim; ``None`` = ``4 * dim`` (stored resolved). The keyword
+            ``hidden_dim`` is a deprecated alias.
         max_seq_len: Rows of the sinusoidal/learned tables; longest sequence an LM generates.
         position: ``"rope"``, ``"sinusoidal"``, ``"learned"`` or ``"none"``.
         causal: Causal attention (a :class:`attnkit.TransformerLM` needs ``True``).
@@ -145,9 +149,10 @@ class TransformerConfig:
     dim: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    hidden_dim: int | None = None
+    # Given as None for "the default", stored resolved (__post_init__): always ints after it.
+    num_kv_heads: int = None  # type: ignore[assignment]
+    head_dim: int = None  # type: ignore[assignment]
+    ffn_dim: int = None  # type: ignore[assignment]
     max_seq_len: int = 1024
     position: PositionType = "rope"
     causal: bool = True
@@ -167,14 +172,14 @@ class TransformerConfig:
     tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        sizes: dict[str, int | None] = {
+        sizes: dict[str, int | None] = {  # None: not given
             "vocab_size": self.vocab_size,
             "dim": self.dim,
             "num_layers": self.num_layers,
             "num_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_dim": self.hidden_dim,
+            "ffn_dim": self.ffn_dim,
             "max_seq_len": self.max_seq_len,
             "window": self.window,
         }
@@ -198,13 +203,21 @@ class TransformerConfig:
                 f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads}) "
                 "unless head_dim is given"
             )
+        # Frozen: resolve the defaults through object.__setattr__, so that each size has one
+        # name and one value (``config.num_kv_heads`` is always an int).
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.dim // self.num_heads)
+        if self.ffn_dim is None:
+            object.__setattr__(self, "ffn_dim", 4 * self.dim)
         if self.num_heads % self.kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
         if self.position == "rope" and self.attn_head_dim % 2:
-            raise ValueError(f"rope needs an even head dim, got {self.attn_head_dim}")
+            raise ValueError(f"rope needs an even head dim, got {self.head_dim}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not (math.isfinite(self.eps) and self.eps > 0):
@@ -214,20 +227,22 @@ class TransformerConfig:
         # Frozen: normalise through object.__setattr__ (a private copy, HF keys).
         object.__setattr__(self, "rope_scaling", check_rope_scaling(self.rope_scaling))
 
+    # Deprecated aliases, kept so that code written against 0.2 still runs.
+
     @property
     def kv_heads(self) -> int:
-        """Key/value heads ``K`` (``num_kv_heads`` or ``num_heads``)."""
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+        """Deprecated alias of :attr:`num_kv_heads`."""
+        return int(self.num_kv_heads or self.num_heads)
 
     @property
     def attn_head_dim(self) -> int:
-        """Head dim ``E`` (``head_dim`` or ``dim // num_heads``)."""
-        return self.dim // self.num_heads if self.head_dim is None else self.head_dim
+        """Deprecated alias of :attr:`head_dim`."""
+        return int(self.head_dim or self.dim // self.num_heads)
 
     @property
-    def ffn_dim(self) -> int:
-        """Feed-forward hidden dim (``hidden_dim`` or ``4 * dim``)."""
-        return 4 * self.dim if self.hidden_dim is None else self.hidden_dim
+    def hidden_dim(self) -> int:
+        """Deprecated alias of :attr:`ffn_dim`."""
+        return int(self.ffn_dim or 4 * self.dim)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable dict of every field (inverse: :meth:`from_dict`)."""
@@ -240,14 +255,26 @@ class TransformerConfig:
         Raises:
             ValueError: If ``data`` has keys that are not fields (naming them).
         """
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls)} | {"hidden_dim"}  # 0.2's name of ffn_dim
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown TransformerConfig fields {unknown}")
         return cls(**data)
 
     def replace(self, **changes: Any) -> TransformerConfig:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again).
+
+        A size left at its default follows the sizes it derives from: replacing ``num_heads``
+        of a config whose ``head_dim`` was ``dim // num_heads`` derives ``head_dim`` again.
+        """
+        derived = {
+            "num_kv_heads": self.num_heads,
+            "head_dim": self.dim // self.num_heads,
+            "ffn_dim": 4 * self.dim,
+        }
+        for name, default in derived.items():
+            if name not in changes and getattr(self, name) == default:
+                changes[name] = None
         return replace(self, **changes)
 
 
@@ -284,17 +311,41 @@ _LLAMA = {**FAMILIES["llama"], "num_kv_heads": 4, "max_seq_len": 2048}
 PRESETS: dict[str, TransformerConfig] = {
     # The lab's tagger at its defaults (LabConfig().model_config(), reversal task vocabulary).
     "lab-default": TransformerConfig(
-        vocab_size=12, dim=64, num_layers=2, num_heads=4, hidden_dim=128, max_seq_len=64, **_BLOG
+        vocab_size=12, dim=64, num_layers=2, num_heads=4, ffn_dim=128, max_seq_len=64, **_BLOG
     ),
     # A GPT-2-small-shaped LM at attnkit's defaults.
     "gpt2-small": TransformerConfig(
         vocab_size=50257, dim=768, num_layers=12, num_heads=12, **_GPT2
     ),
     "llama-tiny": TransformerConfig(
-        vocab_size=32000, dim=256, num_layers=4, num_heads=8, hidden_dim=688, **_LLAMA
+        vocab_size=32000, dim=256, num_layers=4, num_heads=8, ffn_dim=688, **_LLAMA
     ),
     # Llama-shaped, about 100M parameters with tied embeddings.
     "llama-100m": TransformerConfig(
-        vocab_size=32000, dim=768, num_layers=12, num_heads=12, hidden_dim=2048, **_LLAMA
+        vocab_size=32000, dim=768, num_layers=12, num_heads=12, ffn_dim=2048, **_LLAMA
     ),
 }
+
+
+def _accept_hidden_dim(generated: Any) -> Any:
+    """Wrap the generated ``__init__`` so the deprecated keyword ``hidden_dim`` sets ``ffn_dim``."""
+
+    def init(self: TransformerConfig, *args: Any, hidden_dim: int | None = None, **kw: Any) -> None:
+        if hidden_dim is not None:
+            if kw.get("ffn_dim") not in (None, hidden_dim):
+                raise ValueError(
+                    f"got ffn_dim={kw['ffn_dim']} and its deprecated alias hidden_dim={hidden_dim}"
+                )
+            warnings.warn(
+                "TransformerConfig(hidden_dim=...) is deprecated; use ffn_dim",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            kw["ffn_dim"] = hidden_dim
+        generated(self, *args, **kw)
+
+    init.__doc__ = generated.__doc__
+    return init
+
+
+TransformerConfig.__init__ = _accept_hidden_dim(TransformerConfig.__init__)  # type: ignore[method-assign]

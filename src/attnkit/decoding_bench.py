@@ -16,6 +16,7 @@ Rows (issue 13):
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -24,8 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnkit import decoding
+from attnkit.attention import MultiHeadAttention
+from attnkit.blocks import FeedForward
 from attnkit.config import FAMILIES, PRESETS, TransformerConfig
-from attnkit.decoding import _attention_linears, _block_parts, _huge_page_empty
 from attnkit.models import TransformerLM
 from attnkit.positional import LearnedPositionalEmbedding
 
@@ -43,14 +46,12 @@ _LLAMA = FAMILIES["llama"]
 #: name -> (config, prompt length, new tokens); "llama-tiny" is for quick smoke runs.
 DECODE_MODELS: dict[str, tuple[TransformerConfig, int, int]] = {
     "llama-tiny": (
-        TransformerConfig(256, 64, 2, 4, num_kv_heads=2, hidden_dim=172, max_seq_len=64, **_LLAMA),
+        TransformerConfig(256, 64, 2, 4, num_kv_heads=2, ffn_dim=172, max_seq_len=64, **_LLAMA),
         32,
         8,
     ),
     "llama-3m": (
-        TransformerConfig(
-            1024, 256, 4, 8, num_kv_heads=4, hidden_dim=688, max_seq_len=1024, **_LLAMA
-        ),
+        TransformerConfig(1024, 256, 4, 8, num_kv_heads=4, ffn_dim=688, max_seq_len=1024, **_LLAMA),
         512,
         128,
     ),
@@ -105,35 +106,37 @@ def to_transformers(model: TransformerLM) -> Any:
         intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.attn_head_dim,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
         rms_norm_eps=cfg.eps,
         tie_word_embeddings=cfg.tie_embeddings,
         max_position_embeddings=cfg.max_seq_len,
     )
     hf = LlamaForCausalLM(hf_cfg).eval()
-    H, K, E = cfg.num_heads, cfg.kv_heads, cfg.attn_head_dim
+    H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     state: dict[str, Tensor] = {
         "model.embed_tokens.weight": model.embedding.weight,
         "model.norm.weight": _weight(model.norm),
     }
     if model.lm_head is not None:
         state["lm_head.weight"] = model.lm_head.weight
-    for i, (block, attn, ff) in enumerate(_block_parts(model)):
+    for i, block in enumerate(model.blocks):
         p = f"model.layers.{i}."
-        linears, out = _attention_linears(attn)
-        assert ff.gate is not None  # SwiGLU, checked above
-        q, k, v = torch.cat([m.weight for m in linears]).split([H * E, K * E, K * E])
+        attn, ff = block.attention, block.feed_forward
+        if not isinstance(attn, MultiHeadAttention) or not isinstance(ff, FeedForward):
+            raise TypeError(f"block {i} is not attnkit's MultiHeadAttention + FeedForward")
+        q, k, v = attn.qkv_proj.weight.split([H * E, K * E, K * E])
+        gate, up = ff.gate_up.weight.chunk(2)  # SwiGLU, checked above
         state |= {
             p + "self_attn.q_proj.weight": q,
             p + "self_attn.k_proj.weight": k,
             p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": out.weight,
-            p + "mlp.gate_proj.weight": ff.gate.weight,
-            p + "mlp.up_proj.weight": ff.linear1.weight,
+            p + "self_attn.o_proj.weight": attn.out_proj.weight,
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
             p + "mlp.down_proj.weight": ff.linear2.weight,
-            p + "input_layernorm.weight": _weight(block.norm1),
-            p + "post_attention_layernorm.weight": _weight(block.norm2),
+            p + "input_layernorm.weight": _weight(block.get_submodule("norm1")),
+            p + "post_attention_layernorm.weight": _weight(block.get_submodule("norm2")),
         }
     missing, unexpected = hf.load_state_dict(
         {k: t.detach().clone() for k, t in state.items()}, strict=False
@@ -161,7 +164,9 @@ class _ReadBandwidth:
         cols = 4096
         rows = max(nbytes // 4 // cols, 1)
         if huge_pages:
-            self.a = _huge_page_empty(rows * cols, torch.float32).view(rows, cols).fill_(1.0)
+            self.a = (
+                decoding._huge_page_empty(rows * cols, torch.float32).view(rows, cols).fill_(1.0)
+            )
         else:
             self.a = torch.ones(rows, cols)
         self.x = torch.ones(cols)
@@ -199,8 +204,10 @@ def _weight_bytes(model: TransformerLM) -> int:
 def _runner(
     model: TransformerLM, prompt: Tensor, *, compile: bool = False
 ) -> Callable[[int], Tensor]:
+    prepared = decoding.prepare(copy.deepcopy(model), compiled=compile)
+
     def run(new: int) -> Tensor:
-        return model.generate(prompt, new, compile=compile)
+        return prepared.generate(prompt, new, compile=compile)
 
     return run
 
@@ -406,6 +413,27 @@ def decode_rows(
     }
 
 
+class _RowProduct:
+    """``x @ W^T`` for one row, with ``W`` stored in one of the measured layouts."""
+
+    def __init__(self, weight: Tensor, layout: str) -> None:
+        self.layout, self.weight = layout, weight
+        if layout == "transposed":
+            self.weight = weight.t().contiguous()
+        elif layout == "packed":
+            try:
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            except (AttributeError, RuntimeError):  # a torch build without the op
+                self.layout = "linear"
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.layout == "transposed":
+            return torch.mm(x, self.weight)
+        if self.layout == "packed":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        return torch.nn.functional.linear(x, self.weight)
+
+
 def layout_table(
     *,
     dim: int = 768,
@@ -425,14 +453,12 @@ def layout_table(
     Returns:
         Rows with ``kernel``, ``seconds``, ``bytes_per_s`` and ``vs_f32_linear`` (speed ratio).
     """
-    from attnkit.decoding import _Linear
-
     shapes = [(dim + 2 * kv_dim, dim), (dim, dim), (2 * hidden, dim), (dim, hidden)] * layers
     shapes.append((vocab, dim))
     weights = [torch.randn(n, d) * 0.02 for n, d in shapes]
     rows32 = {d: torch.randn(1, d) for d in (dim, hidden)}
     rows16 = {d: x.bfloat16() for d, x in rows32.items()}
-    variants: dict[str, tuple[list[_Linear], dict[int, Tensor]]] = {}
+    variants: dict[str, tuple[list[_RowProduct], dict[int, Tensor]]] = {}
     for name, dtype, layout in (
         ("f32 F.linear", torch.float32, "linear"),
         ("f32 transposed (addmm)", torch.float32, "transposed"),
@@ -440,7 +466,7 @@ def layout_table(
         ("bf16 F.linear", torch.bfloat16, "linear"),
         ("bf16 oneDNN packed", torch.bfloat16, "packed"),
     ):
-        linears = [_Linear(w.to(dtype), None, layout) for w in weights]  # type: ignore[arg-type]
+        linears = [_RowProduct(w.to(dtype), layout) for w in weights]
         variants[name] = (linears, rows16 if dtype == torch.bfloat16 else rows32)
     fp32_bytes = sum(w.numel() * 4 for w in weights)
 

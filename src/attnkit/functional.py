@@ -37,7 +37,7 @@ from attnkit import sparse
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["attend", "scaled_dot_product_attention"]
+__all__ = ["attend", "block_sparse_attention", "scaled_dot_product_attention"]
 
 
 class Options(M.StructureArgs, total=False):
@@ -194,6 +194,57 @@ def attend(
 
     out, weights = _without_leaks(run, q, k, v, allowed)
     return out, weights if return_weights else None
+
+
+def block_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block_size: int | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    **structure: Unpack[M.StructureArgs],
+) -> Tensor:
+    """Attention under structured masks that skips key blocks that are entirely masked.
+
+    Same result as dense attention with :func:`attnkit.sparse.structured_mask` as the mask, at a
+    cost that follows the number of allowed (query, key) pairs rather than ``L * S``.
+
+    Args:
+        q: Queries.
+        k: Keys; may have fewer heads than ``q`` (grouped-query, ``H % K == 0``).
+        v: Values.
+        block_size: Query rows per tile; defaults to :func:`attnkit.blockwise.tile_rows`.
+        scale: Multiplier of the scores; defaults to ``1 / sqrt(E)``.
+        dropout_p: Dropout probability on the attention weights.
+        **structure: ``causal``, ``window``, ``segment_ids``, ``key_lengths``, as in
+            :class:`~attnkit.masks.Structure`.
+
+    Returns:
+        The attention output; rows with no allowed key are exactly zero. A non-finite query,
+        key or value makes NaN the rows that may attend it, and only those.
+
+    Shape:
+        q ``(..., H, L, E)``, k ``(..., K, S, E)``, v ``(..., K, S, Ev)`` (or ``(L, E)``,
+        ``(S, E)``, ``(S, Ev)`` without heads), segment_ids ``(B, S)``, key_lengths ``(B,)``
+        where ``B`` is the product of the leading dims -> ``(..., H, L, Ev)``.
+
+    Raises:
+        TypeError: Non-tensor or non-float inputs, mismatched dtypes, non-integer lengths.
+        ValueError: Mismatched shapes, ``H % K != 0``, ``window < 1``, badly shaped or
+            out-of-range ``segment_ids``/``key_lengths``, bad ``scale``/``dropout_p``/
+            ``block_size``.
+    """
+    check_inputs(q, k, v, None, scale, dropout_p)
+    if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    B = math.prod(q.shape[:-3])
+    rules = M.Structure(**structure)
+    rules.check(L, S, batch=B)
+    plan = sparse.tile_plan(L, S, rules, B, q.device, block_size)
+    return attend_tiles(q, k, v, plan, scale=resolve_scale(scale, E), dropout_p=dropout_p)
 
 
 def attend_tiles(

@@ -23,17 +23,52 @@ import math
 import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 from torch import Tensor
 
+from attnkit import decoding
+from attnkit.cache import KVCache
+from attnkit.config import TransformerConfig
+
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from attnkit.models import TransformerLM
+__all__ = [
+    "CausalLM",
+    "GenerationOptions",
+    "generate",
+    "positions_from_mask",
+    "process_logits",
+    "stream",
+]
 
-__all__ = ["GenerationOptions", "generate", "positions_from_mask", "process_logits", "stream"]
+
+class CausalLM(Protocol):
+    """What generation needs of a model (:class:`attnkit.TransformerLM` is one).
+
+    ``lm(input_ids, mask, positions=, kv_caches=, cache_position=, logits_to_keep=)`` returns
+    next-token logits; ``make_kv_caches(batch_size, capacity)`` one cache per layer.
+    """
+
+    config: TransformerConfig
+    max_seq_len: int
+    training: bool
+
+    def __call__(self, input_ids: Tensor, mask: Tensor | None = None, **kwargs: Any) -> Any: ...
+
+    def make_kv_caches(self, batch_size: int, capacity: int) -> list[KVCache]: ...
+
+    def parameters(self) -> Any: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+
+def _device(lm: CausalLM) -> torch.device:
+    return next(iter(lm.parameters())).device
 
 
 @dataclass(frozen=True)
@@ -167,7 +202,7 @@ def _eos_tensor(eos: int | Sequence[int] | Tensor | None, device: torch.device) 
 
 
 def _check_inputs(
-    lm: TransformerLM,
+    lm: CausalLM,
     input_ids: Tensor,
     max_new_tokens: int,
     attention_mask: Tensor | None,
@@ -241,9 +276,9 @@ class GenerateOptions(TypedDict, total=False):
         use_cache: Decode with a KV cache instead of re-running the prefix (default ``True``;
             same tokens).
         generator: The ``torch.Generator`` of the sampling (default: torch's global one).
-        compile: Run each cached step as one compiled graph (default ``False``; see
-            :class:`attnkit.decoding.Decoder`); the first call per batch size and length pays
-            the compilation.
+        compile: Run each cached step as one compiled graph of the model's own forward
+            (default ``False``; see :func:`attnkit.decoding.compiled_step`); the first call per
+            batch size and length pays the compilation.
     """
 
     attention_mask: Tensor | None
@@ -259,7 +294,7 @@ class GenerateOptions(TypedDict, total=False):
 
 
 def stream(
-    lm: TransformerLM, input_ids: Tensor, max_new_tokens: int, **options: Unpack[GenerateOptions]
+    lm: CausalLM, input_ids: Tensor, max_new_tokens: int, **options: Unpack[GenerateOptions]
 ) -> Iterator[Tensor]:
     """Yield each new column of tokens ``(B,)`` as it is chosen (see :func:`generate`).
 
@@ -295,7 +330,7 @@ def stream(
         eos_token_id = defaults.get("eos_token_id")
     if pad_token_id is None:
         pad_token_id = defaults.get("pad_token_id")
-    device = lm.embedding.weight.device
+    device = _device(lm)
     eos = _eos_tensor(eos_token_id, device)
     if pad_token_id is None and eos is not None:
         pad_token_id = int(eos[0])  # transformers' fallback
@@ -328,7 +363,7 @@ def stream(
 
 @torch.no_grad()
 def _decode(
-    lm: TransformerLM,
+    lm: CausalLM,
     ids: Tensor,
     positions: Tensor,
     full_mask: Tensor | None,
@@ -342,38 +377,42 @@ def _decode(
 ) -> Iterator[Tensor]:
     """The decoding loop of :func:`stream` (arguments validated there).
 
-    With the cache, each step runs through :class:`attnkit.decoding.Decoder` (prepared weights,
-    static cache; ``compile`` runs its step as one compiled graph); without it, the whole prefix
-    goes through the model again.
+    With the cache, the prompt runs once through the model, filling one preallocated
+    :class:`attnkit.KVCache` per layer, then each step runs one token per sequence through the
+    model's own forward (``compile``: as one compiled graph over the whole static cache, the
+    slot given as a tensor); without it, the whole prefix goes through the model again.
     """
-    from attnkit.decoding import decoder_for  # decoding imports models, which imports us
-
     B, P = ids.shape
+    capacity = P + max_new_tokens
     unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
     was_training = lm.training
     lm.eval()
-    decoder = decoder_for(lm, compile=compile) if use_cache else None
-    if decoder is not None:
-        decoder.in_use = True  # an interleaved stream of the same model gets its own
+    caches = lm.make_kv_caches(B, capacity) if use_cache and max_new_tokens else None
+    step_fn = decoding.compiled_step(lm) if compile and caches is not None else lm
     try:
         step_ids, step_pos = ids, positions  # what the next forward reads
         for step in range(max_new_tokens):
             S = P + step
-            if decoder is not None and step == 0:
-                raw = decoder.prefill(
-                    ids,
-                    mask=None if full_mask is None else full_mask[:, :P],
-                    positions=positions,
-                    capacity=P + max_new_tokens,
-                )  # (B, V)
-            elif decoder is not None:
-                raw = decoder.step(step_ids, step_pos[:, 0])
-            else:  # re-run the whole prefix
-                key_mask = None if full_mask is None else full_mask[:, None, None, :S]
-                h, _ = lm._hidden(
-                    ids, key_mask, positions=positions, kv_caches=None, return_weights=False
-                )
-                raw = lm.logits(h[:, -1])
+            if caches is None:  # re-run the whole prefix
+                mask = None if full_mask is None else full_mask[:, :S]
+                raw = lm(ids, mask, positions=positions, logits_to_keep=1)[:, -1]
+            elif step == 0:  # prefill, eager: its shapes differ from every step's
+                mask = None if full_mask is None else full_mask[:, :P]
+                raw = lm(ids, mask, positions=positions, kv_caches=caches, logits_to_keep=1)
+                raw = raw[:, -1]
+            elif compile:  # every slot, the one to write given as a tensor
+                raw = step_fn(
+                    step_ids,
+                    full_mask,
+                    positions=step_pos,
+                    kv_caches=caches,
+                    cache_position=torch.tensor([S - 1], device=ids.device),
+                    logits_to_keep=1,
+                )[:, -1]
+            else:
+                mask = None if full_mask is None else full_mask[:, :S]
+                raw = lm(step_ids, mask, positions=step_pos, kv_caches=caches, logits_to_keep=1)
+                raw = raw[:, -1]
             logits = process_logits(raw, ids, options)  # (B, V)
             next_id = _pick(logits, options, generator)  # (B,)
             if eos is not None:
@@ -388,12 +427,10 @@ def _decode(
                 return
     finally:
         lm.train(was_training)
-        if decoder is not None:
-            decoder.in_use = False
 
 
 def generate(
-    lm: TransformerLM,
+    lm: CausalLM,
     input_ids: Tensor,
     max_new_tokens: int,
     **options: Unpack[GenerateOptions],
@@ -418,7 +455,7 @@ def generate(
         TypeError: For non-integer ids, a bad ``eos_token_id`` or an unknown option.
     """
     columns = list(stream(lm, input_ids, max_new_tokens, **options))
-    ids = input_ids.to(lm.embedding.weight.device)
+    ids = input_ids.to(_device(lm))
     if not columns:
         return ids
     return torch.cat([ids, torch.stack(columns, dim=1)], dim=1)

@@ -13,7 +13,9 @@ Positions (``position=``):
 
 :meth:`TransformerLM.generate` / :meth:`TransformerLM.stream` decode greedily or by sampling,
 left-padded batches included, with a preallocated :class:`attnkit.KVCache` per layer
-(``use_cache=True``) or by re-running the whole prefix (the loop is :mod:`attnkit.generation`).
+(``use_cache=True``) or by re-running the whole prefix. They run this model's own forward (the
+loop is :mod:`attnkit.generation`; ``compile=True`` compiles the model's one-token step, see
+:mod:`attnkit.decoding`), so a swapped module (a quantized or LoRA linear) is what runs.
 :meth:`TransformerLM.from_pretrained` / :meth:`TransformerLM.save_pretrained` read and write
 Hugging Face decoder folders (:mod:`attnkit.interop.hf`).
 """
@@ -26,14 +28,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit import decoding, generation
 from attnkit import masks as M
-from attnkit.attention import split_weights
-from attnkit.blocks import TransformerBlock, make_norm
+from attnkit.blocks import TransformerLayer, make_norm
 from attnkit.cache import KVCache
 from attnkit.config import FAMILIES, TransformerConfig
+from attnkit.generation import GenerateOptions
+from attnkit.interop import hf
 from attnkit.masks import attention_mask_from_padding
 from attnkit.positional import (
     LearnedPositionalEmbedding,
@@ -43,8 +46,6 @@ from attnkit.positional import (
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-
-    from attnkit.generation import GenerateOptions
 
 __all__ = ["TransformerEncoder", "TransformerLM", "attention_mask_from_padding"]
 
@@ -75,7 +76,7 @@ def _make_config(
     if config is None and "vocab_size" in options:  # vocab_size passed by name
         options = dict(options)
         config = options.pop("vocab_size")
-    known = {f.name for f in fields(TransformerConfig)}
+    known = {f.name for f in fields(TransformerConfig)} | {"hidden_dim"}  # deprecated ffn_dim
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"{cls_name} got unknown options {unknown}")
@@ -100,8 +101,8 @@ class _TransformerStack(nn.Module):
             config.dim,
             config.num_layers,
         )
-        self.num_heads, self.num_kv_heads = config.num_heads, config.kv_heads
-        self.head_dim = config.attn_head_dim
+        self.num_heads, self.num_kv_heads = config.num_heads, int(config.num_kv_heads or 0)
+        self.head_dim = int(config.head_dim or 0)
         self.max_seq_len, self.position_type = config.max_seq_len, config.position
         self.embedding = embedding
         self.position: nn.Module | None = None
@@ -121,7 +122,7 @@ class _TransformerStack(nn.Module):
         )
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
-            TransformerBlock.from_config(config, self.rotary) for _ in range(config.num_layers)
+            TransformerLayer.from_config(config, self.rotary) for _ in range(config.num_layers)
         )
         self.norm = (
             make_norm(config.norm, config.dim, eps=config.eps)
@@ -146,6 +147,7 @@ class _TransformerStack(nn.Module):
         positions: Tensor | None,
         kv_caches: list[KVCache] | None,
         return_weights: bool,
+        cache_position: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         h = self._embed(x)  # (B, L, D)
         L = h.shape[-2]
@@ -153,6 +155,10 @@ class _TransformerStack(nn.Module):
             raise ValueError(
                 f"need one KVCache per layer ({self.num_layers}), got {len(kv_caches)}"
             )
+        if cache_position is not None and kv_caches is None:
+            raise ValueError("cache_position needs kv_caches")
+        if positions is None and cache_position is not None:
+            positions = cache_position
         if positions is None and kv_caches is not None and kv_caches[0].length:
             start = kv_caches[0].length
             positions = torch.arange(start, start + L, device=h.device)
@@ -161,9 +167,13 @@ class _TransformerStack(nn.Module):
         h = self.dropout(h)
         weights: list[Tensor] = []
         for i, block in enumerate(self.blocks):
-            cache = None if kv_caches is None else kv_caches[i]
-            h, w = split_weights(
-                block(h, mask, positions=positions, kv_cache=cache, return_weights=return_weights)
+            h, w = block(
+                h,
+                mask,
+                positions=positions,
+                kv_cache=None if kv_caches is None else kv_caches[i],
+                cache_position=cache_position,
+                return_weights=return_weights,
             )
             if w is not None:
                 weights.append(w)
@@ -321,7 +331,7 @@ class TransformerLM(_TransformerStack):
         """Output head (tied to the embedding, or ``lm_head``). Shape: ``(..., D) -> (..., V)``."""
         if self.lm_head is not None:
             return self.lm_head(h)
-        return F.linear(h, self.embedding.weight)
+        return decoding.linear(h, self.embedding.weight)
 
     def forward(
         self,
@@ -330,22 +340,30 @@ class TransformerLM(_TransformerStack):
         *,
         positions: Tensor | None = None,
         kv_caches: list[KVCache] | None = None,
+        cache_position: Tensor | None = None,
+        logits_to_keep: int = 0,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
-        """Next-token logits for every position.
+        """Next-token logits for every position (or the last ``logits_to_keep``).
 
         Args:
             input_ids: Token ids ``(B, L)``.
             mask: Optional key-padding ``(B, S)`` (``True`` = real) or attention mask, ANDed
-                with the causal mask.
+                with the causal mask. With ``kv_caches`` the keys are the cached ones plus the
+                new ones (with a ``cache_position``: every cache slot, ``S`` = capacity).
             positions: Explicit positions; by default ``0 .. L-1``, or continuing after the
-                cached positions.
+                cached positions (or equal to ``cache_position``).
             kv_caches: One :class:`attnkit.KVCache` per layer (see :meth:`make_kv_caches`);
                 the new keys/values are appended.
+            cache_position: ``(L,)`` int tensor: write the new keys/values at these cache slots
+                and attend over every slot with a mask, a static-shaped step that compiles
+                once for all steps (see :class:`attnkit.attention.LayerOptions`).
+            logits_to_keep: Compute the logits of the last ``logits_to_keep`` positions only
+                (``0``: all), as generation does for the prompt.
             return_weights: Also return each layer's attention weights ``(B, H, L, S)``.
 
         Returns:
-            Logits ``(B, L, V)``, or ``(logits, weights)``.
+            Logits ``(B, L, V)`` (``(B, logits_to_keep, V)``), or ``(logits, weights)``.
         """
         attn_mask = M.attention_mask_from_padding(mask)
         h, weights = self._hidden(
@@ -353,8 +371,11 @@ class TransformerLM(_TransformerStack):
             attn_mask,
             positions=positions,
             kv_caches=kv_caches,
+            cache_position=cache_position,
             return_weights=return_weights,
         )
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]  # (B, logits_to_keep, D)
         logits = self.logits(h)
         return (logits, weights) if return_weights else logits
 
@@ -407,8 +428,8 @@ class TransformerLM(_TransformerStack):
                 already in the sequence; ``use_cache`` (default ``True``), decode with a KV cache
                 (prefill once, then one token per step) instead of re-running the whole prefix
                 every step, both give the same tokens; ``generator`` for sampling; ``compile``,
-                with the cache run each step as one compiled graph (see
-                :class:`attnkit.decoding.Decoder`; compiled once per batch size and length).
+                with the cache run each step as one compiled graph of this model's forward
+                (see :mod:`attnkit.decoding`; compiled once per batch size and length).
 
         Returns:
             ``(B, P + n)`` token ids, prompt included; ``n = max_new_tokens`` unless every row
@@ -419,8 +440,6 @@ class TransformerLM(_TransformerStack):
                 ``input_ids``, ...) or an option is unknown.
             ValueError: If ``P + max_new_tokens > max_seq_len``, or bad option values.
         """
-        from attnkit import generation
-
         return generation.generate(self, input_ids, max_new_tokens, **options)
 
     def stream(
@@ -430,8 +449,6 @@ class TransformerLM(_TransformerStack):
 
         Takes the options of :meth:`generate`; stops early when every row has ended.
         """
-        from attnkit import generation
-
         return generation.stream(self, input_ids, max_new_tokens, **options)
 
     @classmethod
@@ -451,9 +468,7 @@ class TransformerLM(_TransformerStack):
             FileNotFoundError: Naming missing files.
             ValueError: Unsupported architecture or option, bad or truncated weights.
         """
-        from attnkit.interop import hf
-
-        lm = hf.from_pretrained(path, dtype=dtype)
+        lm = hf.from_pretrained(path, cls=cls, dtype=dtype)
         if not isinstance(lm, cls):
             raise TypeError(f"{cls.__name__}.from_pretrained built a {type(lm).__name__}")
         return lm
@@ -466,6 +481,4 @@ class TransformerLM(_TransformerStack):
         Raises:
             ValueError: Naming the option without a counterpart in Llama/Mistral/Qwen2/GPT-2.
         """
-        from attnkit.interop import hf
-
         return hf.save_pretrained(self, path, max_shard_size=max_shard_size)

@@ -24,18 +24,16 @@ of each head's query/key channels; :func:`permute_rotary_weight` and
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from attnkit.attention import MultiHeadAttention, MultiHeadSelfAttention
+from attnkit.attention import MultiHeadAttention
 from attnkit.config import check_rope_scaling
 
 __all__ = [
     "LearnedPositionalEmbedding",
-    "PositionalMultiHeadSelfAttention",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "apply_rope",
@@ -501,7 +499,7 @@ def convert_rotary_convention(model: nn.Module, *, to: RotaryConvention) -> nn.M
     ]
     for attn, _ in todo:
         H, K = attn.num_heads, attn.num_kv_heads
-        q_rows, k_rows = attn.hidden_dim, K * attn.head_dim
+        q_rows, k_rows = H * attn.head_dim, K * attn.head_dim
         if attn.fused_qkv:
             projs = [(attn.qkv_proj, [(0, q_rows, H), (q_rows, k_rows, K)])]
         else:
@@ -516,52 +514,3 @@ def convert_rotary_convention(model: nn.Module, *, to: RotaryConvention) -> nn.M
     for _, rotary in todo:
         rotary.interleaved = want
     return model
-
-
-# --------------------------------------------------------------------------------------------
-# The blog's positional attention, as a preset of MultiHeadAttention
-# --------------------------------------------------------------------------------------------
-
-
-class PositionalMultiHeadSelfAttention(MultiHeadSelfAttention):
-    """The blog's self-attention with fused ``qkv``/``output`` projections and optional RoPE.
-
-    A :class:`attnkit.MultiHeadSelfAttention` whose state_dict uses the blog's names for this
-    class, ``qkv`` and ``output`` (also read-only aliases of ``qkv_proj`` and ``out_proj``); its
-    forward is ``(x, mask=None, *, positions, kv_cache, return_weights)``.
-
-    With ``use_rope`` the queries and keys are rotated with a :class:`RotaryEmbedding` in the
-    blog's interleaved convention (positions ``0 .. L-1`` unless ``positions`` is given, or
-    continuing after the cache).
-
-    Args:
-        dim: Model dim (input, hidden and output).
-        num_heads: Number of heads.
-        causal: Forbid attending to later tokens.
-        use_rope: Apply rotary embeddings to queries and keys.
-
-    Raises:
-        ValueError: If ``dim`` is not divisible by ``num_heads`` or, with ``use_rope``, the head
-            dim is odd.
-    """
-
-    checkpoint_names: ClassVar[Mapping[str, str]] = {"qkv_proj": "qkv", "out_proj": "output"}
-
-    def __init__(
-        self, dim: int, num_heads: int, causal: bool = False, use_rope: bool = False
-    ) -> None:
-        if num_heads < 1 or dim % num_heads:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
-        rotary = RotaryEmbedding(dim // num_heads, interleaved=True) if use_rope else None
-        super().__init__(dim, dim, dim, num_heads, causal, rotary=rotary)
-        self.use_rope = use_rope
-
-    @property
-    def qkv(self) -> nn.Linear:
-        """The blog's name for ``qkv_proj``."""
-        return self.qkv_proj
-
-    @property
-    def output(self) -> nn.Linear:
-        """The blog's name for ``out_proj``."""
-        return self.out_proj

@@ -16,7 +16,8 @@ document; ``key_lengths``: ``j < key_lengths[b]``).
 Two steps: :func:`faster_plan` cuts the tiles and groups them into runs (:class:`TilePlan`),
 and :func:`tiled_attention` runs a plan on inputs that :mod:`attnkit.functional` has validated.
 :func:`should_use_block_sparse` and :func:`faster_plan` decide when a plan beats the dense
-kernel.
+kernel. The public entry, :func:`attnkit.functional.block_sparse_attention`, validates its
+inputs and runs a plan.
 
 A query that may attend no key gets an output row of exactly zero with zero gradients.
 
@@ -31,7 +32,6 @@ E head dim.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
-__all__ = ["block_sparse_attention", "should_use_block_sparse", "structured_mask"]
+__all__ = ["should_use_block_sparse", "structured_mask", "tile_plan"]
 
 # The rule below comes from ``benchmarks/bench_sparse.py --crossover`` (causal windows, 8 heads,
 # E=64, fp32, ratios dense-mask SDPA time / blockwise time, medians of interleaved runs on the
@@ -103,7 +103,7 @@ def should_use_block_sparse(
     backward: bool = False,
     **structure: Unpack[StructureArgs],
 ) -> bool:
-    """Whether :func:`block_sparse_attention` should beat the dense fused kernel.
+    """Whether :func:`attnkit.functional.block_sparse_attention` should beat the dense fused kernel.
 
     The rule is measured, not derived: on CPU the tiled path wins once there are at least
     ``MIN_KEYS`` keys and the tiles cover at most ``MAX_DENSITY`` of the ``L * S`` scores
@@ -114,7 +114,7 @@ def should_use_block_sparse(
     Args:
         L: Query length.
         S: Key length.
-        block_size: As in :func:`block_sparse_attention`.
+        block_size: As in :func:`attnkit.functional.block_sparse_attention`.
         backward: Whether gradients will be computed.
         **structure: ``causal``, ``window``, ``segment_ids``, ``key_lengths``, as in
             :class:`~attnkit.masks.Structure`.
@@ -161,67 +161,14 @@ def faster_plan(
     """
     if S < MIN_KEYS or L < 1 or not (structure.sparse or structure.causal):
         return None
-    plan = _plan(L, S, structure, batch, device, block_size)
+    plan = tile_plan(L, S, structure, batch, device, block_size)
     max_density = MAX_DENSITY
     if S >= LONG_KEYS:
         max_density = LONG_BACKWARD_MAX_DENSITY if backward else LONG_MAX_DENSITY
     return plan if plan.covered <= max_density * batch * L * S else None
 
 
-def block_sparse_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    block_size: int | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    **structure: Unpack[StructureArgs],
-) -> Tensor:
-    """Attention under structured masks that skips key blocks that are entirely masked.
-
-    Same result as dense attention with :func:`structured_mask` as the mask, at a cost that
-    follows the number of allowed (query, key) pairs rather than ``L * S``.
-
-    Args:
-        q: Queries.
-        k: Keys; may have fewer heads than ``q`` (grouped-query, ``H % K == 0``).
-        v: Values.
-        block_size: Query rows per tile; defaults to :func:`attnkit.blockwise.tile_rows`.
-        scale: Multiplier of the scores; defaults to ``1 / sqrt(E)``.
-        dropout_p: Dropout probability on the attention weights.
-        **structure: ``causal``, ``window``, ``segment_ids``, ``key_lengths``, as in
-            :class:`~attnkit.masks.Structure`.
-
-    Returns:
-        The attention output; rows with no allowed key are exactly zero. A non-finite query,
-        key or value makes NaN the rows that may attend it, and only those.
-
-    Shape:
-        q ``(..., H, L, E)``, k ``(..., K, S, E)``, v ``(..., K, S, Ev)`` (or ``(L, E)``,
-        ``(S, E)``, ``(S, Ev)`` without heads), segment_ids ``(B, S)``, key_lengths ``(B,)``
-        where ``B`` is the product of the leading dims -> ``(..., H, L, Ev)``.
-
-    Raises:
-        TypeError: Non-tensor or non-float inputs, mismatched dtypes, non-integer lengths.
-        ValueError: Mismatched shapes, ``H % K != 0``, ``window < 1``, badly shaped or
-            out-of-range ``segment_ids``/``key_lengths``, bad ``scale``/``dropout_p``/
-            ``block_size``.
-    """
-    from attnkit.functional import attend_tiles, check_inputs, resolve_scale  # (import cycle)
-
-    check_inputs(q, k, v, None, scale, dropout_p)
-    if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
-    B = math.prod(q.shape[:-3])
-    rules = Structure(**structure)
-    rules.check(L, S, batch=B)
-    plan = _plan(L, S, rules, B, q.device, block_size)
-    return attend_tiles(q, k, v, plan, scale=resolve_scale(scale, E), dropout_p=dropout_p)
-
-
-def _plan(
+def tile_plan(
     L: int,
     S: int,
     structure: Structure,
@@ -238,7 +185,9 @@ def _plan(
 def tiled_attention(
     q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, *, scale: float, dropout_p: float
 ) -> Tensor:
-    """Run a :class:`TilePlan` on validated inputs (see :func:`block_sparse_attention`).
+    """Run a :class:`TilePlan` on validated inputs.
+
+    See :func:`attnkit.functional.block_sparse_attention`.
 
     Args:
         q: Queries, validated by :func:`attnkit.functional.check_inputs`.
@@ -252,7 +201,7 @@ def tiled_attention(
         The attention output; rows with no allowed key are exactly zero.
 
     Shape:
-        As :func:`block_sparse_attention`.
+        As :func:`attnkit.functional.block_sparse_attention`.
     """
     squeeze = q.dim() == 2
     if squeeze:  # no head dim: (L, E) -> (1, L, E)

@@ -33,8 +33,8 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from attnkit import complexity, profiling
-from attnkit.attention import MultiHeadAttention, ScaleDotProductAttention
-from attnkit.blocks import PositionalTransformerBlock, TransformerBlock
+from attnkit.attention import MultiHeadAttention
+from attnkit.blog import PositionalTransformerBlock, ScaleDotProductAttention, TransformerBlock
 from attnkit.models import TransformerEncoder, TransformerLM
 from attnkit.positional import RotaryEmbedding, SinusoidalPositionalEncoding
 

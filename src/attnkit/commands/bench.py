@@ -8,7 +8,7 @@ Cases (all self-attention, ``L == S == N``):
 * ``documents``: causal attention inside packed documents of about ``--doc-len`` tokens.
 
 Each case runs three implementations side by side in one process: ``block_sparse``
-(:func:`attnkit.sparse.block_sparse_attention`), ``torch_sdpa`` (torch's fused kernel given the
+(:func:`attnkit.functional.block_sparse_attention`), ``torch_sdpa`` (torch's fused kernel given the
 equivalent dense bool mask) and ``textbook`` (materialized ``softmax(QK^T * scale + mask) V``,
 skipped above ``--textbook-max``). Times are medians of ``--repeats`` interleaved runs, for the
 forward and for forward+backward. Peak memory is the extra resident memory during one call: on
@@ -297,8 +297,9 @@ def _bench_point(
     import torch
     import torch.nn.functional as F
 
+    from attnkit.functional import block_sparse_attention
     from attnkit.profiling import peak_memory, time_interleaved
-    from attnkit.sparse import block_sparse_attention, structured_mask
+    from attnkit.sparse import structured_mask
 
     gen = torch.Generator().manual_seed(n)
     shape = (batch, heads, n, head_dim)

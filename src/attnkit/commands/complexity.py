@@ -137,7 +137,7 @@ def layer_description(cost: CostBreakdown) -> str:
         return f"MultiHeadSelfAttention({D}, {D}, {D}, {H}{causal}) on x {x}"
     kv = f", key/value ({cost.batch}, {cost.kv_len}, {D})" if cost.kv_len != cost.seq_len else ""
     return (
-        f"MultiHeadAttention({D}, {H}, hidden_dim={H * E}, num_kv_heads={K}{causal}) on query "
+        f"MultiHeadAttention({D}, {H}, head_dim={E}, num_kv_heads={K}{causal}) on query "
         f"({cost.batch}, {cost.seq_len}, {D}){kv}"
     )
 
@@ -303,7 +303,7 @@ def build_layer(cost: CostBreakdown) -> torch.nn.Module:
     if K == H and H * E == D and cost.kv_len == cost.seq_len:
         return attnkit.MultiHeadSelfAttention(D, D, D, H, causal=cost.causal)
     return attnkit.MultiHeadAttention(
-        D, H, hidden_dim=H * E, num_kv_heads=K, causal=cost.causal, bias=cost.bias
+        D, H, head_dim=E, num_kv_heads=K, causal=cost.causal, bias=cost.bias
     )
 
 

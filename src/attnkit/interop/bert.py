@@ -1,9 +1,10 @@
 """A BERT encoder on attnkit's blocks, and the loader of Hugging Face BERT weights into it.
 
-BERT (Devlin et al. 2018) is the blog's post-norm :class:`TransformerBlock` stacked over an
-embedding of word + learned absolute position + token type, followed by a LayerNorm. Hugging Face
-checkpoints keep separate query/key/value projections; :func:`bert_state_dict` concatenates them
-into the fused ``attention.w_qkv`` (rows ``[q | k | v]``) that attnkit's block uses.
+BERT (Devlin et al. 2018) is the blog's post-norm block (attnkit's ``TransformerLayer``) stacked
+over an embedding of word + learned absolute position + token type, followed by a LayerNorm.
+Hugging Face checkpoints keep separate query/key/value projections; :func:`bert_state_dict`
+concatenates them into the fused ``attention.qkv_proj`` (rows ``[q | k | v]``) that attnkit's
+block uses.
 
 Texts of different lengths can run without padding: :class:`PackedBatch` stores their tokens back
 to back, every token-wise layer (projections, feed-forward, norms) sees only real tokens, and
@@ -24,8 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import functional as F_attn
-from attnkit.attention import MultiHeadSelfAttention, split_weights, with_weights
-from attnkit.blocks import TransformerBlock
+from attnkit.attention import MultiHeadAttention
+from attnkit.blocks import TransformerLayer
 from attnkit.config import FAMILIES, TransformerConfig, check_sizes
 
 __all__ = [
@@ -54,7 +55,7 @@ _SIZES = {
     "hidden_size": "dim",
     "num_hidden_layers": "num_layers",
     "num_attention_heads": "num_heads",
-    "intermediate_size": "hidden_dim",
+    "intermediate_size": "ffn_dim",
 }
 
 
@@ -350,19 +351,21 @@ class BertEmbeddings(nn.Module):
         return self.norm(x)
 
 
-class BertLayer(TransformerBlock):
-    """One BERT layer: attnkit's post-norm :class:`TransformerBlock` with BERT's sizes.
+class BertLayer(TransformerLayer):
+    """One BERT layer: attnkit's post-norm :class:`attnkit.blocks.TransformerLayer` with BERT's
+    sizes.
 
     Its ``forward`` is the block's (padded batches, masks, attention weights);
     :meth:`forward_packed` runs the same layer on a :class:`PackedBatch`. Build it with
     ``BertLayer.from_config(bert_config.model)``.
     """
 
-    attention: MultiHeadSelfAttention
+    attention: MultiHeadAttention
 
     def forward_packed(self, x: Tensor, batch: PackedBatch) -> Tensor:
         """The layer on packed tokens: each text attends over its own tokens, then the post-norm
-        residual steps of :meth:`TransformerBlock.forward` (BERT's blocks have no dropout).
+        residual steps of :meth:`attnkit.blocks.TransformerLayer.forward` (BERT's blocks have no
+        dropout).
 
         Args:
             x: Hidden states of the packed tokens.
@@ -381,7 +384,7 @@ class BertLayer(TransformerBlock):
 
 
 class BertEncoder(nn.Module):
-    """BERT: embeddings, then ``config.model.num_layers`` post-norm attnkit ``TransformerBlock`` s.
+    """BERT: embeddings, then ``config.model.num_layers`` post-norm attnkit ``TransformerLayer`` s.
 
     Args:
         config: Sizes.
@@ -424,11 +427,11 @@ class BertEncoder(nn.Module):
         x = self.embeddings(input_ids, token_type_ids)  # (B, L, D)
         weights = []
         for layer in self.layers:
-            x, w = split_weights(layer(x, mask, return_weights=return_weights))  # w (B, H, L, L)
+            x, w = layer(x, mask, return_weights=return_weights)  # w (B, H, L, L) or None
             if w is not None:
                 weights.append(w)
         stacked = torch.stack(weights) if weights else None  # (layers, B, H, L, L)
-        return with_weights(x, stacked)  # (B, L, D)
+        return x if stacked is None else (x, stacked)  # (B, L, D)
 
     def forward_packed(
         self, input_ids: Tensor, batch: PackedBatch, token_type_ids: Tensor | None = None
@@ -473,8 +476,8 @@ def bert_state_dict(hf: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]
     """Rename a Hugging Face ``BertModel`` state dict to :class:`BertEncoder`'s names.
 
     The separate ``query``/``key``/``value`` projections are concatenated into the fused
-    ``attention.w_qkv`` (rows ``[q | k | v]``). The pooler and ``position_ids`` are dropped, and a
-    ``bert.`` prefix (task-head checkpoints) is stripped.
+    ``attention.qkv_proj`` (rows ``[q | k | v]``). The pooler and ``position_ids`` are dropped,
+    and a ``bert.`` prefix (task-head checkpoints) is stripped.
 
     Args:
         hf: The checkpoint tensors.
@@ -503,10 +506,10 @@ def bert_state_dict(hf: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]
     for i in range(num_layers):
         src, dst = f"encoder.layer.{i}.", f"layers.{i}."
         for p in ("weight", "bias"):
-            out[dst + f"attention.w_qkv.{p}"] = torch.cat(
+            out[dst + f"attention.qkv_proj.{p}"] = torch.cat(
                 [take(src + f"attention.self.{name}.{p}") for name in ("query", "key", "value")]
             )  # (3 * D, D) or (3 * D,)
-            out[dst + f"attention.output_map.{p}"] = take(src + f"attention.output.dense.{p}")
+            out[dst + f"attention.out_proj.{p}"] = take(src + f"attention.output.dense.{p}")
             out[dst + f"norm1.{p}"] = take(src + f"attention.output.LayerNorm.{p}")
             out[dst + f"feed_forward.linear1.{p}"] = take(src + f"intermediate.dense.{p}")
             out[dst + f"feed_forward.linear2.{p}"] = take(src + f"output.dense.{p}")

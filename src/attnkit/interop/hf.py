@@ -29,7 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +41,7 @@ from attnkit.config import FAMILIES, TransformerConfig, check_rope_scaling
 from attnkit.positional import permute_rotary_weight
 
 if TYPE_CHECKING:
-    from attnkit.models import TransformerLM
+    from torch import nn
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -197,7 +197,7 @@ def _gpt2_config(data: dict[str, Any]) -> TransformerConfig:
         dim=data["n_embd"],
         num_layers=data["n_layer"],
         num_heads=data["n_head"],
-        hidden_dim=data.get("n_inner") or 4 * data["n_embd"],
+        ffn_dim=data.get("n_inner") or 4 * data["n_embd"],
         max_seq_len=data["n_positions"],
         eps=float(data.get("layer_norm_epsilon", 1e-5)),
         tie_embeddings=bool(data.get("tie_word_embeddings", True)),
@@ -249,7 +249,7 @@ def _llama_config(data: dict[str, Any], arch: str) -> TransformerConfig:
         num_heads=heads,
         num_kv_heads=data.get("num_key_value_heads") or heads,
         head_dim=data.get("head_dim") or data["hidden_size"] // heads,
-        hidden_dim=data["intermediate_size"],
+        ffn_dim=data["intermediate_size"],
         max_seq_len=data.get("max_position_embeddings", 2048),
         eps=float(data.get("rms_norm_eps", 1e-6)),
         qkv_bias=qkv_bias,
@@ -444,16 +444,17 @@ def weight_map(arch: str, config: TransformerConfig) -> dict[str, _Entry]:
                     out[f"{hf}self_attn.{name}_proj.{kind}"] = _Entry(
                         f"{attn}{_QKV}.{kind}", rows, rotary_heads=heads
                     )
-            linears = [
-                ("self_attn.o_proj", f"{attn}{_OUT}", out_bias),
-                ("mlp.gate_proj", f"{ak}feed_forward.gate", mlp_bias),
-                ("mlp.up_proj", f"{ak}feed_forward.linear1", mlp_bias),
-                ("mlp.down_proj", f"{ak}feed_forward.linear2", mlp_bias),
+            F = int(c.ffn_dim or 4 * c.dim)
+            linears: list[tuple[str, str, bool, tuple[int, int] | None]] = [
+                ("self_attn.o_proj", f"{attn}{_OUT}", out_bias, None),
+                ("mlp.gate_proj", f"{ak}feed_forward.gate_up", mlp_bias, (0, F)),
+                ("mlp.up_proj", f"{ak}feed_forward.gate_up", mlp_bias, (F, 2 * F)),
+                ("mlp.down_proj", f"{ak}feed_forward.linear2", mlp_bias, None),
             ]
-            for part, target, bias in linears:
-                out[f"{hf}{part}.weight"] = _Entry(f"{target}.weight")
+            for part, target, bias, span in linears:
+                out[f"{hf}{part}.weight"] = _Entry(f"{target}.weight", span)
                 if bias:
-                    out[f"{hf}{part}.bias"] = _Entry(f"{target}.bias")
+                    out[f"{hf}{part}.bias"] = _Entry(f"{target}.bias", span)
             out[f"{hf}input_layernorm.weight"] = _Entry(f"{ak}norm1.weight")
             out[f"{hf}post_attention_layernorm.weight"] = _Entry(f"{ak}norm2.weight")
     if not c.tie_embeddings:
@@ -637,11 +638,20 @@ def read_generation_config(path: str | Path) -> dict[str, Any]:
     return out
 
 
-def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> TransformerLM:
-    """Load a Hugging Face decoder folder into a :class:`attnkit.TransformerLM` (eval mode).
+def from_pretrained(
+    path: str | Path,
+    *,
+    cls: Callable[[TransformerConfig], nn.Module],
+    dtype: torch.dtype | None = None,
+) -> Any:
+    """Load a Hugging Face decoder folder into ``cls(config)`` (eval mode).
+
+    ``TransformerLM.from_pretrained`` calls this with ``cls=TransformerLM``; the loader itself
+    knows only the config and the parameter names, so it sits below the models.
 
     Args:
         path: Folder with ``config.json`` and safetensors weights.
+        cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
         dtype: Parameter dtype (default: torch's default dtype, float32); ``torch.bfloat16`` or
             ``torch.float16`` load straight into that dtype.
 
@@ -654,8 +664,6 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> Tr
             not match the config, missing or unexpected tensors.
         TypeError: If ``dtype`` is not a floating torch dtype.
     """
-    from attnkit.models import TransformerLM
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
@@ -669,7 +677,7 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> Tr
     files = _weight_files(path)
     headers = {f: _header(f) for f in files}  # truncation errors before any allocation
     with torch.device("meta"):
-        lm = TransformerLM(config)
+        lm = cls(config)
     lm = lm.to(dtype).to_empty(device="cpu")
     params = dict(lm.named_parameters())
     entries = weight_map(arch, config)
@@ -710,7 +718,7 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> Tr
     for buf_name, buf in lm.named_buffers():
         if buf.numel():  # to_empty left them uninitialised; every buffer here is recomputable
             raise ValueError(f"unexpected non-empty buffer {buf_name} after loading")
-    lm.generation_config = read_generation_config(path)
+    lm.generation_config = read_generation_config(path)  # type: ignore[assignment]
     return lm.eval()
 
 
@@ -720,7 +728,7 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> Tr
 
 
 def _hf_tensors(
-    lm: TransformerLM, arch: str, config: TransformerConfig
+    lm: nn.Module, arch: str, config: TransformerConfig
 ) -> Iterator[tuple[str, Tensor]]:
     params = dict(lm.named_parameters())
     for key, entry in weight_map(arch, config).items():
@@ -732,9 +740,7 @@ def _hf_tensors(
         yield key, (t.t() if entry.transpose else t).contiguous().cpu()
 
 
-def save_pretrained(
-    lm: TransformerLM, path: str | Path, *, max_shard_size: int | None = None
-) -> Path:
+def save_pretrained(lm: nn.Module, path: str | Path, *, max_shard_size: int | None = None) -> Path:
     """Write ``lm`` as a Hugging Face folder ``transformers`` loads with the same outputs.
 
     Writes ``config.json``, ``generation_config.json`` (when ``lm.generation_config`` has ids)
@@ -756,13 +762,13 @@ def save_pretrained(
         ValueError: If an option of the model has no counterpart (naming it), or a bad
             ``max_shard_size``.
     """
-    config = lm.config
+    config: TransformerConfig = lm.config  # type: ignore[assignment]
     hf = hf_config_from(config)
     arch = hf["architectures"][0]
     if max_shard_size is not None and max_shard_size < 1:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
     dtype = next(lm.parameters()).dtype
-    gen = dict(lm.generation_config)
+    gen: dict[str, Any] = dict(getattr(lm, "generation_config", {}))
     hf |= {k: v for k, v in gen.items() if k in ("eos_token_id", "bos_token_id", "pad_token_id")}
     hf["dtype"] = hf["torch_dtype"] = _HF_DTYPE_NAMES.get(dtype, "float32")
     path = Path(path)

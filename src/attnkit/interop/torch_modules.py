@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit.attention import MultiHeadAttention
-from attnkit.blocks import TransformerBlock
+from attnkit.blog import TransformerBlock
 
 __all__ = ["from_torch_encoder_layer", "from_torch_multihead_attention", "mask_from_torch"]
 

@@ -11,15 +11,15 @@ import base64
 import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from string import Template
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from attnkit.complexity import CostBreakdown
-    from attnkit.lab.report import FigureSpec
     from attnkit.lab.train import TrainResult
 
-__all__ = ["PE_LABELS", "TASK_NOTES", "Example", "render"]
+__all__ = ["PE_LABELS", "TASK_NOTES", "Example", "FigureSpec", "render"]
 
 PE_LABELS = {"none": "no positions", "sinusoidal": "sinusoidal", "rope": "rotary (RoPE)"}
 TASK_NOTES = {
@@ -120,6 +120,24 @@ class Example:
     target: str
     output: str
     correct: bool
+
+
+@dataclass
+class FigureSpec:
+    """A figure of the report: file name (under ``figures/``), caption and section.
+
+    Attributes:
+        name: File name, e.g. ``"scaling.png"``.
+        caption: What the figure shows (the page's caption and alt text).
+        section: The page section it belongs to (``scaling``, ``attention``, ``cost``,
+            ``positions``, ``compare`` or ``training``).
+        path: Where it was written; set by :func:`write_report`.
+    """
+
+    name: str
+    caption: str
+    section: str
+    path: Path | None = None
 
 
 def figure(spec: FigureSpec) -> str:

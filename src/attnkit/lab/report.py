@@ -19,7 +19,7 @@ import torch
 
 from attnkit.lab import page
 from attnkit.lab.checkpoint import atomic_write
-from attnkit.lab.page import PE_LABELS
+from attnkit.lab.page import PE_LABELS, FigureSpec
 from attnkit.lab.tasks import IGNORE
 from attnkit.lab.train import (
     LabConfig,
@@ -37,24 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["FigureSpec", "ReportData", "write_report"]
 
 _SCHEME_COLORS = {"none": "tab:gray", "sinusoidal": "tab:blue", "rope": "tab:orange"}
-
-
-@dataclass
-class FigureSpec:
-    """A figure of the report: file name (under ``figures/``), caption and section.
-
-    Attributes:
-        name: File name, e.g. ``"scaling.png"``.
-        caption: What the figure shows (the page's caption and alt text).
-        section: The page section it belongs to (``scaling``, ``attention``, ``cost``,
-            ``positions``, ``compare`` or ``training``).
-        path: Where it was written; set by :func:`write_report`.
-    """
-
-    name: str
-    caption: str
-    section: str
-    path: Path | None = None
 
 
 def __getattr__(name: str) -> object:

@@ -174,7 +174,7 @@ class LabConfig:
             dim=self.dim,
             num_layers=self.num_layers,
             num_heads=self.num_heads,
-            hidden_dim=self.ffn_dim,
+            ffn_dim=self.ffn_dim,
             max_seq_len=self.table_len,
             dropout=self.dropout,
             **(FAMILIES["blog"] | {"position": self.positions}),
