@@ -206,3 +206,32 @@ def test_a_killed_rank_ends_the_job_with_a_message(tmp_path: Path) -> None:
     # The last complete checkpoint is intact and loads in one process.
     _, _, meta = load_trained(out)
     assert meta["step"] >= 2 and meta["step"] % 2 == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("positions", ["sinusoidal", "rope"])
+def test_context_parallel_matches_one_process(positions: str, tmp_path: Path) -> None:
+    # Each sequence of 6 split into 3 + 3 positions over two processes, attention by ring.
+    cp, single = tmp_path / "cp", tmp_path / "single"
+    args = [a if a != "30" else "20" for a in ARGS] + ["--layers", "2", "--positions", positions]
+    _torchrun("-m", "attnkit", "lab", "--context-parallel", "--out", str(cp), *args)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["lab", "--out", str(single), *args]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert len(_losses(cp)) == 20
+    torch.testing.assert_close(_losses(cp), _losses(single), rtol=1e-4, atol=0)
+    a, b = (json.loads((d / "metrics.json").read_text()) for d in (cp, single))
+    assert a["eval_accuracy"] == pytest.approx(b["eval_accuracy"], abs=0.01)
+
+
+def test_context_parallel_needs_divisible_sequences() -> None:
+    from attnkit.lab.distributed import DistContext
+    from attnkit.lab.train import LabConfig, train
+
+    ctx = DistContext(rank=0, world_size=4)
+    with pytest.raises(ValueError, match=r"seq_len \(6\) must be divisible by the number"):
+        train(LabConfig(seq_len=6, steps=1), ctx=ctx, progress=False, context_parallel=True)
+    with pytest.raises(ValueError, match="not combined"):
+        train(LabConfig(seq_len=8, steps=1), ctx=ctx, context_parallel=True, fsdp=True)

@@ -4,7 +4,8 @@ With no arguments it learns to reverse sequences of 16 symbols (well under a min
 CPU) and writes ``runs/lab-reverse/{metrics.json,report.html,checkpoint.safetensors}``.
 ``--compare-pe`` trains the same encoder without positions, with sinusoidal and with rotary
 positions. Under ``torchrun --nproc_per_node=N -m attnkit lab ...`` it trains data-parallel
-(DDP), or with ``--fsdp`` with parameters sharded over the processes (FSDP2).
+(DDP), with ``--fsdp`` with parameters sharded over the processes (FSDP2), or with
+``--context-parallel`` with each sequence sharded over them (ring attention).
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "instead of replicating them (DDP)",
     )
     t.add_argument(
+        "--context-parallel",
+        action="store_true",
+        help="under torchrun: shard each training sequence over the processes (ring "
+        "attention) instead of the batch",
+    )
+    t.add_argument(
         "--timeout",
         type=float,
         default=None,
@@ -183,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             log=log,
             fsdp=args.fsdp,
+            context_parallel=args.context_parallel,
         )
     except CheckpointError as err:
         raise CheckpointError(f"{err}: delete it to start over, or run without --resume") from err

@@ -96,6 +96,7 @@ def run_lab(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     fsdp: bool = False,
+    context_parallel: bool = False,
 ) -> dict[str, Any]:
     """Train, evaluate and write ``metrics.json`` (and ``report.html``) into ``out_dir``.
 
@@ -110,6 +111,7 @@ def run_lab(
         progress: Show progress bars.
         log: Receives one-line messages (main process only).
         fsdp: Shard the model over the processes with FSDP2 (see :func:`train`).
+        context_parallel: Shard each sequence over the processes (see :func:`train`).
 
     Returns:
         The metrics written to ``metrics.json`` (on every process).
@@ -131,7 +133,14 @@ def run_lab(
                 say(f"removed {stale}, left by an interrupted run")
         ctx.barrier()
         return train(
-            cfg, out_dir=where, resume=resume, ctx=ctx, progress=progress, log=log, fsdp=fsdp
+            cfg,
+            out_dir=where,
+            resume=resume,
+            ctx=ctx,
+            progress=progress,
+            log=log,
+            fsdp=fsdp,
+            context_parallel=context_parallel,
         )
 
     compare: dict[str, TrainResult] | None = None

@@ -9,10 +9,11 @@ gradient of ``W`` processes equals the gradient of one process on the whole batc
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit.attention import MultiHeadAttention
 from attnkit.config import FAMILIES, TransformerConfig
+from attnkit.distributed import RingKernel, shard_positions
 from attnkit.lab import checkpoint as ckpt
 from attnkit.lab.distributed import DistContext
 from attnkit.lab.tasks import IGNORE, Task, get_task
@@ -386,6 +389,7 @@ def train(
     log: Callable[[str], None] | None = None,
     stop_after: int | None = None,
     fsdp: bool = False,
+    context_parallel: bool = False,
 ) -> TrainResult:
     """Train a :class:`TransformerEncoder` on ``config.task``.
 
@@ -402,6 +406,12 @@ def train(
         fsdp: Shard parameters, gradients and optimizer state over the processes with torch's
             FSDP2 (``fully_shard`` on each block, then on the model) instead of replicating
             them with DDP. Checkpoints hold the full state either way (gathered to rank 0).
+        context_parallel: Shard each training sequence over the processes instead of the
+            batch: every process takes the whole batch but only its contiguous slice of the
+            positions (``seq_len`` must divide evenly), passes them as the model's
+            ``positions``, and attends over the whole sequence with
+            :func:`attnkit.distributed.ring_attention` as every attention layer's ``kernel``
+            (during the training steps only; evaluation runs the whole sequence on rank 0).
 
     Returns:
         A :class:`TrainResult` (its ``eval`` is filled on every process).
@@ -415,7 +425,15 @@ def train(
 
     ctx = ctx if ctx is not None else DistContext()
     say = log if (log is not None and ctx.is_main) else (lambda _msg: None)
-    if config.batch_size % ctx.world_size:
+    cp = context_parallel and ctx.distributed
+    if cp and fsdp:
+        raise ValueError("--context-parallel and --fsdp are not combined yet; pick one")
+    if cp and config.seq_len % ctx.world_size:
+        raise ValueError(
+            f"--context-parallel: seq_len ({config.seq_len}) must be divisible by the number "
+            f"of processes ({ctx.world_size})"
+        )
+    if not cp and config.batch_size % ctx.world_size:
         raise ValueError(
             f"batch_size ({config.batch_size}) must be divisible by the number of "
             f"processes ({ctx.world_size})"
@@ -463,8 +481,15 @@ def train(
         say(f"resumed from step {start} of {out / ckpt.CHECKPOINT_NAME}")
 
     eval_x, eval_y = eval_set(task, config.eval_size, config.seed)
-    shard = config.batch_size // ctx.world_size
-    lo = ctx.rank * shard
+    shard = config.batch_size if cp else config.batch_size // ctx.world_size
+    lo = 0 if cp else ctx.rank * shard
+    # Context parallel: this process's positions of every sequence.
+    pos = shard_positions(config.seq_len, ctx.rank, ctx.world_size) if cp else None
+    ring_group = None
+    if cp:  # the ring's sends get their own group, apart from DDP's gradient all-reduces
+        import torch.distributed as dist
+
+        ring_group = dist.new_group(list(range(ctx.world_size)))
 
     def save(step: int) -> None:
         if out is None:
@@ -506,7 +531,12 @@ def train(
         x, y = x[lo : lo + shard].to(ctx.device), y[lo : lo + shard].to(ctx.device)  # this shard
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(config, step)
-        logits = net(x)
+        if pos is not None:
+            x, y = x[:, pos], y[:, pos]
+            with ring_kernels(model, ring_group):
+                logits = net(x, positions=pos.to(ctx.device))
+        else:
+            logits = net(x)
         loss_sum, correct, count = _masked_stats(logits, y)
         # DDP averages gradients over processes, hence the world_size factor.
         loss = loss_sum * (ctx.world_size / max(n_global, 1.0))
@@ -570,6 +600,22 @@ def train(
         resumed_from=resumed_from,
         world_size=ctx.world_size,
     )
+
+
+@contextlib.contextmanager
+def ring_kernels(model: nn.Module, group: Any = None) -> Iterator[None]:
+    """Within the block, every :class:`~attnkit.attention.MultiHeadAttention` of ``model``
+    attends with :func:`attnkit.distributed.ring_attention` over ``group`` (its kernel is
+    restored afterwards)."""
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    saved = [m.kernel for m in layers]
+    for m in layers:
+        m.kernel = RingKernel(group)
+    try:
+        yield
+    finally:
+        for m, kernel in zip(layers, saved, strict=True):
+            m.kernel = kernel
 
 
 def load_trained(out_dir: str | Path) -> tuple[TransformerEncoder, LabConfig, dict[str, Any]]:
