@@ -226,8 +226,8 @@ def full_states(
     )
 
     options = _full_options()
-    weights = get_model_state_dict(model, options=options)
-    optim = get_optimizer_state_dict(model, optimizer, options=options)
+    weights: dict[str, Tensor] = dict(get_model_state_dict(model, options=options))  # type: ignore[arg-type]
+    optim: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))
     if not optim:
         return weights, {}
     number = {name: i for i, (name, _) in enumerate(model.named_parameters())}

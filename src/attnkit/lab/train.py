@@ -478,7 +478,7 @@ def train(
         else:
             ckpt.restore_optimizer(optimizer, tensors, meta)
         torch.set_rng_state(tensors["rng.torch"])
-        say(f"resumed from step {start} of {out / ckpt.CHECKPOINT_NAME}")
+        say(f"resumed from step {start} of {Path(str(out_dir)) / ckpt.CHECKPOINT_NAME}")
 
     eval_x, eval_y = eval_set(task, config.eval_size, config.seed)
     shard = config.batch_size if cp else config.batch_size // ctx.world_size
