@@ -113,30 +113,16 @@ def _implementations(
 
 def _flex(case: str, a: argparse.Namespace, kw: dict[str, Any]) -> tuple[Fn | None, float | None]:
     """Compiled FlexAttention with the same mask, and its first-call (compile) time."""
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None, None
-    W = a.window
-    seg = kw.get("segment_ids", torch.zeros(1, a.n, dtype=torch.long))[0]
+    from attnkit.bench.flex import compiled_flex
 
-    def mask_mod(b: Tensor, h: Tensor, qi: Tensor, kj: Tensor) -> Tensor:
-        if case == "window":
-            return (kj <= qi) & (qi - kj < W)
-        return (kj <= qi) & (seg[qi] == seg[kj])
-
-    compiled = torch.compile(flex_attention)
-    start = time.perf_counter()
+    q = torch.randn(1, a.heads, a.n, a.dim)
     try:
-        block = create_block_mask(mask_mod, 1, 1, a.n, a.n, device="cpu")
-        q = torch.randn(1, a.heads, a.n, a.dim)
-        compiled(q, q, q, block_mask=block)
-    except Exception as e:  # compiler missing, backend unsupported: report, do not fail
+        flex, compile_s = compiled_flex(q, q, **kw)
+    except Exception as e:  # no FlexAttention, compiler missing, backend unsupported: report
         print(f"FlexAttention skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         return None, None
-    compile_s = time.perf_counter() - start
     print(f"FlexAttention: first call (compile + block mask) {compile_s:.1f} s")
-    return (lambda q, k, v: compiled(q, k, v, block_mask=block)), compile_s
+    return flex, compile_s
 
 
 def _time_case(

@@ -1,6 +1,6 @@
 """Decoding throughput of :class:`attnkit.TransformerLM` with and without the KV cache.
 
-Default setting (issue 3): prompt 512, 128 new tokens, 4 layers, dim 256, 8 query heads,
+Default setting: prompt 512, 128 new tokens, 4 layers, dim 256, 8 query heads,
 4 key/value heads, rotary positions, greedy decoding, fp32 on CPU. Both variants run side by side
 in one process (the machine is shared; ratios are what matter) and must produce the same tokens.
 
@@ -20,7 +20,7 @@ temporary folder): greedy decoding of ``--new`` tokens after a ``--prompt`` pref
 both sides; the tokens must agree), the prefill forward alone, in interleaved rounds with
 medians; and the loading peak memory of each (RSS growth while loading, over the weights' bytes).
 
-``--rows`` prints issue 13's decoding rows (:func:`attnkit.decoding_bench.decode_rows`): the
+``--rows`` prints the decoding rows (:func:`attnkit.bench.decoding.decode_rows`): the
 Llama-shaped 3M and 100M models against transformers' ``LlamaForCausalLM`` with copied weights,
 eager and ``compile=True``, bf16 weights, the share of the read-bandwidth bound, and each target
 with its shortfall (default ``benchmarks/results/bench_decode_rows.json``). ``--kernels`` prints
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", type=Path, default=None, help="Hugging Face folder (--vs-hf)")
     parser.add_argument("--hidden", type=int, default=688, help="MLP size of the random folder")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--rows", action="store_true", help="issue 13's decoding rows")
+    parser.add_argument("--rows", action="store_true", help="decoding rows vs transformers")
     parser.add_argument(
         "--models", nargs="+", default=["llama-3m", "llama-100m"], help="models of --rows"
     )
@@ -185,7 +185,7 @@ def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
             _random_llama_folder(args, folder)
         files = sorted(folder.glob("*.safetensors"))
         weight_bytes = sum(
-            info[3] for f in files for info in hf.read_safetensors_header(f).values()
+            info.nbytes for f in files for info in hf.read_safetensors_header(f).values()
         )
 
         def load_ours() -> Any:
@@ -196,7 +196,7 @@ def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
 
         load_ours(), load_hf()  # warm up imports and allocator
         # Weights in the checkpoint's dtype; loading into another dtype scales them.
-        ckpt_dtype = next(iter(hf.read_safetensors_header(files[0]).values()))[0]
+        ckpt_dtype = next(iter(hf.read_safetensors_header(files[0]).values())).dtype
         loaded_bytes = weight_bytes * dtype.itemsize // ckpt_dtype.itemsize
         peaks = {"attnkit": peak_memory(load_ours), "transformers": peak_memory(load_hf)}
         ours, ref = load_ours(), load_hf()
@@ -289,8 +289,8 @@ def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def decode_rows_table(args: argparse.Namespace) -> dict[str, Any]:
-    """``--rows``: issue 13's decoding rows and targets, printed and written as JSON."""
-    from attnkit.decoding_bench import decode_rows
+    """``--rows``: the decoding rows and targets, printed and written as JSON."""
+    from attnkit.bench.decoding import decode_rows
 
     report = decode_rows(
         tuple(args.models),
@@ -325,7 +325,7 @@ def decode_rows_table(args: argparse.Namespace) -> dict[str, Any]:
 
 def kernels(args: argparse.Namespace) -> dict[str, Any]:
     """``--kernels``: single-row products through a 100M model's weights, per kernel/layout."""
-    from attnkit.decoding_bench import layout_table
+    from attnkit.bench.decoding import layout_table
 
     table = layout_table(repeats=max(args.repeats, 7))
     print(f"{'kernel':<24} {'ms':>8} {'GB/s':>6} {'x F.linear':>10}")

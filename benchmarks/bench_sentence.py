@@ -1,6 +1,6 @@
 """Throughput of attnkit's SentenceEncoder vs sentence-transformers on all-MiniLM-L6-v2.
 
-The default workload is issue 13's: 128 texts of mixed lengths (3 to 120 words, short ones more
+The default workload: 128 texts of mixed lengths (3 to 120 words, short ones more
 likely, and one of 400 words that truncates to 256 tokens), batch 32. Every variant encodes the
 same texts in one process; the runs are interleaved (variant A, B, C, A, B, C, ...) so that load
 changes on a shared machine hit all alike. A variant's speed ratio to sentence-transformers (> 1:

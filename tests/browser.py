@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 DRIVER_CANDIDATES = ("/usr/bin/chromedriver",)
+FLOAT16_ATOL = 2.5e-4  # float16 rounding of a weight in [0, 1], as the explorer embeds them
 
 
 def _first(paths: tuple[str, ...], name: str) -> str | None:
@@ -82,3 +84,69 @@ def open_page(driver: Any, path: Path, ready: str | None = "ready", timeout: flo
 def console_errors(driver: Any) -> list[str]:
     """Severe console entries (uncaught exceptions, failed loads) since the last call."""
     return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+# --------------------------------------------------------------------------- the explorer
+
+LINES_JS = """
+return Array.from(document.querySelectorAll('#lines line')).map((l) => ({
+  layer: +l.dataset.layer, head: +l.dataset.head, query: +l.dataset.query, key: +l.dataset.key,
+  weight: +l.dataset.weight, opacity: +l.getAttribute('stroke-opacity'),
+  cls: l.getAttribute('class'), stroke: l.getAttribute('stroke'),
+  y1: +l.getAttribute('y1'), y2: +l.getAttribute('y2')}));
+"""
+TOKEN_Y_JS = """
+const ys = (id) => Array.from(document.querySelectorAll('#' + id + ' .token text'))
+  .map((t) => +t.getAttribute('y'));
+return [ys('query-tokens'), ys('key-tokens')];
+"""
+
+
+def hover_token(driver: Any, side: str, index: int) -> None:
+    """Move the pointer onto the explorer's query (``"q"``) or key (``"k"``) token ``index``."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    group = "query-tokens" if side == "q" else "key-tokens"
+    token = driver.find_elements(By.CSS_SELECTOR, f"#{group} .token")[index]
+    ActionChains(driver).move_to_element(token).perform()
+
+
+def select_layer(driver: Any, layer: int) -> None:
+    """Choose ``layer`` in the explorer's head view."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    Select(driver.find_element(By.ID, "layer-select")).select_by_value(str(layer))
+
+
+def check_focus_lines(
+    driver: Any, w: torch.Tensor, layer: int, side: str, index: int, heads: list[int]
+) -> list[dict[str, Any]]:
+    """The drawn lines are exactly the selected token's weights, the brightest on the argmax."""
+    lines = driver.execute_script(LINES_JS)
+    q_y, k_y = driver.execute_script(TOKEN_Y_JS)
+    row_h = q_y[1] - q_y[0]
+    assert sorted({line["head"] for line in lines}) == heads
+    colours = {line["head"]: line["stroke"] for line in lines}
+    assert len(set(colours.values())) == len(heads)  # one colour per head
+    for h in heads:
+        own = [line for line in lines if line["head"] == h]
+        values = w[layer, h, index] if side == "q" else w[layer, h, :, index]  # (S,) or (L,)
+        for line in own:
+            assert line["cls"] == "focus" and line["layer"] == layer
+            assert line[{"q": "query", "k": "key"}[side]] == index
+            other = line["key"] if side == "q" else line["query"]
+            assert line["weight"] == pytest.approx(float(values[other]), abs=FLOAT16_ATOL)
+            # absolute scale (few tokens): opacity is the weight itself
+            assert line["opacity"] == pytest.approx(float(values[other]), abs=1e-3)
+            # the line joins the two tokens it stands for
+            assert abs(line["y1"] - q_y[line["query"]]) < row_h / 2
+            assert abs(line["y2"] - k_y[line["key"]]) < row_h / 2
+        # every weight visible at 1% opacity has its line, none more
+        assert len(own) == int((values >= 0.0105).sum()) or len(own) == int(
+            (values >= 0.0095).sum()
+        )
+        brightest = max(own, key=lambda line: line["opacity"])
+        assert (brightest["key"] if side == "q" else brightest["query"]) == int(values.argmax())
+    return lines

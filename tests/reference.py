@@ -15,11 +15,16 @@ def reference_attention(
     allowed: Tensor | None = None,
     *,
     scale: float | None = None,
+    bias: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Textbook attention in float64, with fully-masked rows defined as zero output.
 
-    ``allowed`` is a bool mask (True = may attend) broadcastable to the scores. k/v heads are
-    repeated to the query heads (grouped-query attention) by ``repeat_interleave``.
+    ``softcap`` caps the scores with ``tanh(s / softcap) * softcap`` before the mask.
+
+    ``allowed`` is a bool mask (True = may attend) broadcastable to the scores, ``bias`` a
+    finite float mask added to the scores. k/v heads are repeated to the query heads
+    (grouped-query attention) by ``repeat_interleave``.
 
     Returns (out, weights) in float64.
     """
@@ -30,10 +35,17 @@ def reference_attention(
         v = v.repeat_interleave(g, dim=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.einsum("...le,...se->...ls", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.double()
     if allowed is None:
         allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)
     allowed = allowed.expand(scores.shape)
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if scores.shape[-1] == 0:  # no keys: every row is fully masked
+        weights = scores.masked_fill(~allowed, 0.0)
+        return weights @ v, weights
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     exp = torch.exp(scores - row_max) * allowed

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from attnkit.bench import vs as bench_vs
 from attnkit.cli import main
-from attnkit.commands import bench_vs
 
 
 @pytest.mark.slow

@@ -407,7 +407,12 @@ def test_cli_plot(main, capsys, tmp_path):
     pytest.importorskip("matplotlib")
     target = tmp_path / "cost.png"
     assert main("--seq-len", "256", "--dim", "64", "--heads", "4", "--plot", str(target)) == 0
-    assert target.stat().st_size > 0 and (tmp_path / "cost_memory.png").stat().st_size > 0
+    import matplotlib.image
+
+    for path in (target, tmp_path / "cost_memory.png"):  # two real pictures, not empty files
+        pixels = matplotlib.image.imread(path)
+        assert pixels.ndim == 3 and min(pixels.shape[:2]) >= 200, (path, pixels.shape)
+        assert pixels.reshape(-1, pixels.shape[-1]).std(0).max() > 0.05  # more than one colour
     assert "wrote" in capsys.readouterr().out
 
 

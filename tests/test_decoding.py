@@ -15,16 +15,10 @@ from attnkit import decoding
 from attnkit.config import TransformerConfig
 from attnkit.decoding import PreparedLinear
 from attnkit.models import TransformerLM
+from tests.helpers import LLAMA_OPTIONS as LLAMA
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
-LLAMA = {
-    "norm": "rmsnorm",
-    "activation": "swiglu",
-    "bias": False,
-    "rope_interleaved": False,
-    "num_kv_heads": 2,
-}
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": LLAMA,
     "gpt-default": {},
@@ -33,6 +27,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no-positions-untied": {"position": "none", "tie_embeddings": False, "activation": "silu"},
     "qkv-bias-only": {**LLAMA, "qkv_bias": True},
     "swiglu-bias-head-dim": {"activation": "swiglu", "head_dim": 6},
+    # Gemma-like: qk-norm, soft-capping, alternating local/global layers with two rotary bases
+    "gemma-like": {
+        "norm": "rmsnorm_plus_one",
+        "activation": "geglu_tanh",
+        "bias": False,
+        "qk_norm": True,
+        "attn_softcap": 2.0,
+        "logit_softcap": 5.0,
+        "post_norms": True,
+        "scale_embeddings": True,
+        "attn_scale": 0.3,
+        "window": 3,
+        "layer_types": ("sliding_attention", "full_attention"),
+        "rope_local_base": 50.0,
+    },
 }
 
 

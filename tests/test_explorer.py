@@ -19,15 +19,24 @@ import torch
 from attnkit import TransformerEncoder
 from attnkit.explorer import (
     MAX_TOKENS,
+    ExplorerInput,
     ExplorerOptions,
     explorer_html,
+    explorer_page,
     stack_weights,
     write_explorer,
 )
-from tests.browser import console_errors, open_page
+from tests.browser import (
+    FLOAT16_ATOL,
+    LINES_JS,
+    check_focus_lines,
+    console_errors,
+    hover_token,
+    open_page,
+    select_layer,
+)
 
 TOKENS = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", ".", "[SEP]"]
-FLOAT16_ATOL = 2.5e-4  # float16 rounding of a weight in [0, 1]
 
 
 def _weights(layers: int, heads: int, L: int, S: int | None = None, seed: int = 0) -> torch.Tensor:
@@ -37,10 +46,12 @@ def _weights(layers: int, heads: int, L: int, S: int | None = None, seed: int = 
     return scores.softmax(-1)  # (layers, H, L, S)
 
 
-def _payload(page: str) -> dict[str, Any]:
+def _payload(page: str, index: int = 0) -> dict[str, Any]:
+    """The page's embedded data, with the fields of input ``index`` merged in."""
     match = re.search(r'<script type="application/json" id="attn-data">(.*?)</script>', page, re.S)
     assert match is not None
-    return json.loads(match.group(1))
+    data = json.loads(match.group(1))
+    return {**data, **data["inputs"][index]}
 
 
 def _decode(payload: dict[str, Any]) -> torch.Tensor:
@@ -175,6 +186,33 @@ def test_bad_input_is_rejected(tokens, weights, kwargs, error, match) -> None:
         explorer_html(tokens, weights, **kwargs)
 
 
+def test_several_inputs_in_one_page() -> None:
+    a, b = _weights(2, 3, 4, seed=3), _weights(2, 3, 6, 5, seed=4)
+    page = explorer_page(
+        [
+            ExplorerInput(list("abcd"), a, label="first", note="accuracy 1.0"),
+            ExplorerInput(list("uvwxyz"), list(b), key_tokens=list("VWXYZ")),
+        ],
+        layer=1,
+    )
+    first, second = _payload(page, 0), _payload(page, 1)
+    assert (first["label"], first["note"], second["label"]) == ("first", "accuracy 1.0", "input 1")
+    assert (second["L"], second["S"], second["keyTokens"]) == (6, 5, list("VWXYZ"))
+    torch.testing.assert_close(_decode(first), a, atol=FLOAT16_ATOL, rtol=0)
+    torch.testing.assert_close(_decode(second), b, atol=FLOAT16_ATOL, rtol=0)
+    assert "2 inputs of up to 6 tokens, 2 layers x 3 heads" in page
+    assert 'id="input-chooser" hidden' not in page
+    assert 'id="input-chooser" hidden' in explorer_html(list("abcd"), a)  # one input: no selector
+    with pytest.raises(ValueError, match=r"same \(layers, heads\), got \[\(1, 3\), \(2, 3\)\]"):
+        explorer_page([ExplorerInput(list("abcd"), a), ExplorerInput(list("abcd"), a[:1])])
+    with pytest.raises(ValueError, match="empty"):
+        explorer_page([])
+    with pytest.raises(TypeError, match=r"inputs\[1\] must be an ExplorerInput, got tuple"):
+        explorer_page([ExplorerInput(list("abcd"), a), (list("abcd"), a)])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="list of ExplorerInput"):
+        explorer_page(ExplorerInput(list("abcd"), a))  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------- in the browser
 
 
@@ -185,81 +223,19 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]
     return path, w
 
 
-_LINES_JS = """
-return Array.from(document.querySelectorAll('#lines line')).map((l) => ({
-  layer: +l.dataset.layer, head: +l.dataset.head, query: +l.dataset.query, key: +l.dataset.key,
-  weight: +l.dataset.weight, opacity: +l.getAttribute('stroke-opacity'),
-  cls: l.getAttribute('class'), stroke: l.getAttribute('stroke'),
-  y1: +l.getAttribute('y1'), y2: +l.getAttribute('y2')}));
-"""
-_TOKEN_Y_JS = """
-const ys = (id) => Array.from(document.querySelectorAll('#' + id + ' .token text'))
-  .map((t) => +t.getAttribute('y'));
-return [ys('query-tokens'), ys('key-tokens')];
-"""
-
-
-def _hover(driver: Any, side: str, index: int) -> None:
-    from selenium.webdriver.common.action_chains import ActionChains
-    from selenium.webdriver.common.by import By
-
-    group = "query-tokens" if side == "q" else "key-tokens"
-    token = driver.find_elements(By.CSS_SELECTOR, f"#{group} .token")[index]
-    ActionChains(driver).move_to_element(token).perform()
-
-
-def _select_layer(driver: Any, layer: int) -> None:
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
-
-    Select(driver.find_element(By.ID, "layer-select")).select_by_value(str(layer))
-
-
-def _check_focus_lines(
-    driver: Any, w: torch.Tensor, layer: int, side: str, index: int, heads: list[int]
-) -> list[dict[str, Any]]:
-    """The drawn lines are exactly the selected token's weights, the brightest on the argmax."""
-    lines = driver.execute_script(_LINES_JS)
-    q_y, k_y = driver.execute_script(_TOKEN_Y_JS)
-    row_h = q_y[1] - q_y[0]
-    assert sorted({line["head"] for line in lines}) == heads
-    colours = {line["head"]: line["stroke"] for line in lines}
-    assert len(set(colours.values())) == len(heads)  # one colour per head
-    for h in heads:
-        own = [line for line in lines if line["head"] == h]
-        values = w[layer, h, index] if side == "q" else w[layer, h, :, index]  # (S,) or (L,)
-        for line in own:
-            assert line["cls"] == "focus" and line["layer"] == layer
-            assert line[{"q": "query", "k": "key"}[side]] == index
-            other = line["key"] if side == "q" else line["query"]
-            assert line["weight"] == pytest.approx(float(values[other]), abs=FLOAT16_ATOL)
-            # absolute scale (few tokens): opacity is the weight itself
-            assert line["opacity"] == pytest.approx(float(values[other]), abs=1e-3)
-            # the line joins the two tokens it stands for
-            assert abs(line["y1"] - q_y[line["query"]]) < row_h / 2
-            assert abs(line["y2"] - k_y[line["key"]]) < row_h / 2
-        # every weight visible at 1% opacity has its line, none more
-        assert len(own) == int((values >= 0.0105).sum()) or len(own) == int(
-            (values >= 0.0095).sum()
-        )
-        brightest = max(own, key=lambda line: line["opacity"])
-        assert (brightest["key"] if side == "q" else brightest["query"]) == int(values.argmax())
-    return lines
-
-
 def test_head_view_draws_the_hovered_tokens_attention(browser, small) -> None:
     path, w = small
     open_page(browser, path)
     # nothing selected on a small input: a faint overview of every head's lines
-    overview = browser.execute_script(_LINES_JS)
+    overview = browser.execute_script(LINES_JS)
     assert overview and {line["cls"] for line in overview} == {"overview"}
     for layer in (0, 2, 1):
-        _select_layer(browser, layer)
+        select_layer(browser, layer)
         for index in (0, 4, 8):
-            _hover(browser, "q", index)
-            _check_focus_lines(browser, w, layer, "q", index, [0, 1, 2, 3])
-            _hover(browser, "k", index)  # the other direction: who attends to this key
-            _check_focus_lines(browser, w, layer, "k", index, [0, 1, 2, 3])
+            hover_token(browser, "q", index)
+            check_focus_lines(browser, w, layer, "q", index, [0, 1, 2, 3])
+            hover_token(browser, "k", index)  # the other direction: who attends to this key
+            check_focus_lines(browser, w, layer, "k", index, [0, 1, 2, 3])
     info = browser.find_element("id", "selection-info").text
     best = int(w[1, 0, :, 8].argmax())
     assert info.startswith("Key 8 “[SEP]”, layer 1") and f"head 0: {TOKENS[best]}" in info
@@ -277,20 +253,20 @@ def test_head_toggles_pin_and_relative_scale(browser, small) -> None:
     toggles[1].click()
     toggles[3].click()
     assert toggles[1].get_attribute("aria-pressed") == "false"
-    _hover(browser, "q", 2)
-    _check_focus_lines(browser, w, 0, "q", 2, [0, 2])
+    hover_token(browser, "q", 2)
+    check_focus_lines(browser, w, 0, "q", 2, [0, 2])
     browser.find_element(By.ID, "heads-none").click()
-    assert browser.execute_script(_LINES_JS) == []
+    assert browser.execute_script(LINES_JS) == []
     browser.find_element(By.ID, "heads-all").click()  # the pointer leaves the token: hover again
-    _hover(browser, "q", 2)
-    _check_focus_lines(browser, w, 0, "q", 2, [0, 1, 2, 3])
+    hover_token(browser, "q", 2)
+    check_focus_lines(browser, w, 0, "q", 2, [0, 1, 2, 3])
     # click pins the token: moving away keeps its lines
     browser.find_elements(By.CSS_SELECTOR, "#query-tokens .token")[5].click()
     ActionChains(browser).move_to_element(browser.find_element(By.TAG_NAME, "h1")).perform()
-    _check_focus_lines(browser, w, 0, "q", 5, [0, 1, 2, 3])
+    check_focus_lines(browser, w, 0, "q", 5, [0, 1, 2, 3])
     # relative scale: each head's largest weight is drawn fully opaque
     browser.find_element(By.ID, "relative-scale").click()
-    lines = browser.execute_script(_LINES_JS)
+    lines = browser.execute_script(LINES_JS)
     for h in range(4):
         own = [line for line in lines if line["head"] == h]
         top = max(own, key=lambda line: line["opacity"])
@@ -392,6 +368,67 @@ def test_model_view_heatmaps_match_the_weights(browser, small) -> None:
     assert console_errors(browser) == []
 
 
+def test_input_selector_switches_both_views(browser, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    a, b = _weights(2, 3, 5, seed=5), _weights(2, 3, 7, seed=6)
+    path = tmp_path / "inputs.html"
+    path.write_text(
+        explorer_page(
+            [
+                ExplorerInput(list("abcde"), a, label="short", note="the short one"),
+                ExplorerInput(list("ABCDEFG"), b, label="long", note="the long one"),
+            ]
+        ),
+        encoding="utf-8",
+    )
+    open_page(browser, path)
+    chooser = Select(browser.find_element(By.ID, "input-select"))
+    assert [o.text for o in chooser.options] == ["short", "long"]
+    assert browser.find_element(By.ID, "input-note").text == "the short one"
+    hover_token(browser, "q", 1)
+    check_focus_lines(browser, a, 0, "q", 1, [0, 1, 2])
+    browser.find_element(By.ID, "tab-model").click()
+    _open_map(browser, 1, 2)
+    browser.find_element(By.ID, "tab-head").click()
+    chooser.select_by_visible_text("long")
+    assert browser.find_element(By.ID, "input-note").text == "the long one"
+    assert browser.execute_script(
+        "return [attnExplorer.input, attnExplorer.L, attnExplorer.S]"
+    ) == [
+        1,
+        7,
+        7,
+    ]
+    shown = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#key-tokens .token text'))"
+        ".map((t) => t.textContent)"
+    )
+    assert shown == list("ABCDEFG")
+    select_layer(browser, 1)
+    hover_token(browser, "q", 6)
+    check_focus_lines(browser, b, 1, "q", 6, [0, 1, 2])
+    # the model view follows: thumbnails and the open map are the new input's
+    browser.find_element(By.ID, "tab-model").click()
+    peaks = {
+        (int(t.get_attribute("data-layer")), int(t.get_attribute("data-head"))): float(
+            t.get_attribute("data-max")
+        )
+        for t in browser.find_elements(By.CSS_SELECTOR, "canvas.thumb")
+    }
+    assert peaks == pytest.approx(
+        {(lay, h): float(b[lay, h].max()) for lay in range(2) for h in range(3)}, abs=FLOAT16_ATOL
+    )
+    canvas = browser.find_element(By.ID, "detail-canvas")  # the open map is redrawn too
+    assert float(canvas.get_attribute("data-max")) == pytest.approx(
+        float(b[1, 2].max()), abs=FLOAT16_ATOL
+    )
+    info = _hover_cell(browser, canvas, 6, 3)
+    assert float(info["weight"]) == pytest.approx(float(b[1, 2, 6, 3]), abs=FLOAT16_ATOL)
+    assert console_errors(browser) == []
+
+
 @pytest.mark.slow
 def test_512_tokens_quantized(browser, tmp_path: Path) -> None:
     """The largest input: 512 tokens, uint8 weights, canvas heatmaps at one pixel per cell."""
@@ -409,12 +446,12 @@ def test_512_tokens_quantized(browser, tmp_path: Path) -> None:
     )
     for row, (layer, head, i) in zip(decoded, [(0, 0, 0), (1, 2, 300), (1, 1, 511)], strict=True):
         assert (row - w[layer, head, i]).abs().max() <= float(w[layer, head].max()) / 510 + 1e-6
-    _select_layer(browser, 1)
+    select_layer(browser, 1)
     browser.execute_script(
         "document.querySelectorAll('#query-tokens .token')[300].scrollIntoView({block: 'center'})"
     )
-    _hover(browser, "q", 300)
-    lines = browser.execute_script(_LINES_JS)
+    hover_token(browser, "q", 300)
+    lines = browser.execute_script(LINES_JS)
     for h in range(3):
         own = [line for line in lines if line["head"] == h]
         brightest = max(own, key=lambda line: line["opacity"])
@@ -457,9 +494,9 @@ def test_explain_pages_in_the_browser(browser, tmp_path: Path) -> None:
             ".map((t) => t.textContent)"
         )
         assert shown == [f"query {i}: {t}" for i, t in enumerate(tokens)]
-        _select_layer(browser, 4)
-        _hover(browser, "q", 2)
-        _check_focus_lines(browser, weights, 4, "q", 2, list(range(weights.shape[1])))
+        select_layer(browser, 4)
+        hover_token(browser, "q", 2)
+        check_focus_lines(browser, weights, 4, "q", 2, list(range(weights.shape[1])))
         assert console_errors(browser) == []
     open_page(browser, tmp_path / "index.html", ready=None)
     cells = browser.find_elements(By.CSS_SELECTOR, "td.sim")
@@ -481,6 +518,9 @@ def test_lab_report_links_the_explorer_of_the_trained_model(browser, tmp_path: P
 
     pytest.importorskip("matplotlib")
     pytest.importorskip("tqdm")
+    from selenium.webdriver.support.ui import Select
+
+    from attnkit.lab.report import EXPLORER_INPUTS
     from attnkit.lab.runner import run_lab
     from attnkit.lab.train import LabConfig, attention_weights, load_trained
 
@@ -502,29 +542,40 @@ def test_lab_report_links_the_explorer_of_the_trained_model(browser, tmp_path: P
     ids_of = {label: i for i, label in enumerate(task.labels(range(task.vocab_size)))}
     for name, file in metrics["explorers"].items():
         open_page(browser, tmp_path / file)
-        tokens = browser.execute_script(
-            "return JSON.parse(document.getElementById('attn-data').textContent).queryTokens"
-        )
-        assert [int(t.split(":")[0]) for t in tokens] == list(range(len(tokens)))
-        ids = torch.tensor([[ids_of[t.split(":")[1]] for t in tokens]])  # the held-out input
         model, _, _ = load_trained(tmp_path / f"pe-{name}")
-        want = attention_weights(model, ids)[0]  # (layers, H, L, L), live from the checkpoint
-        got = torch.tensor(
-            browser.execute_script(
-                "const e = window.attnExplorer, out = [];"
-                "for (let l = 0; l < e.layers; l++) { const a = []; out.push(a);"
-                " for (let h = 0; h < e.heads; h++) { const b = []; a.push(b);"
-                "  for (let i = 0; i < e.L; i++) { const r = []; b.push(r);"
-                "   for (let j = 0; j < e.S; j++) r.push(e.weight(l, h, i, j)); } } }"
-                "return out;"
+        count = browser.execute_script("return window.attnExplorer.inputs")
+        assert count == EXPLORER_INPUTS
+        labels = [o.text for o in Select(browser.find_element(By.ID, "input-select")).options]
+        for k in (0, count - 1):
+            browser.execute_script(f"window.attnExplorer.selectInput({k})")
+            tokens = browser.execute_script(
+                "return Array.from(document.querySelectorAll('#query-tokens .token title'))"
+                ".map((t) => t.textContent.replace(/^query \\d+: /, ''))"
             )
-        )
-        torch.testing.assert_close(got, want, atol=FLOAT16_ATOL, rtol=0)
-        layer = int(browser.find_element(By.ID, "layer-select").get_attribute("value"))
-        if file == "explorer.html":  # the main run opens on its best head's layer
-            assert layer == metrics["attention"]["best_layer"]
-        _hover(browser, "q", 3)
-        _check_focus_lines(browser, want, layer, "q", 3, list(range(want.shape[1])))
+            assert [int(t.split(":")[0]) for t in tokens] == list(range(len(tokens)))
+            ids = torch.tensor([[ids_of[t.split(":")[1]] for t in tokens]])  # a held-out input
+            want = attention_weights(model, ids)[0]  # (layers, H, L, L), live from the checkpoint
+            got = torch.tensor(
+                browser.execute_script(
+                    "const e = window.attnExplorer, out = [];"
+                    "for (let l = 0; l < e.layers; l++) { const a = []; out.push(a);"
+                    " for (let h = 0; h < e.heads; h++) { const b = []; a.push(b);"
+                    "  for (let i = 0; i < e.L; i++) { const r = []; b.push(r);"
+                    "   for (let j = 0; j < e.S; j++) r.push(e.weight(l, h, i, j)); } } }"
+                    "return out;"
+                )
+            )
+            torch.testing.assert_close(got, want, atol=FLOAT16_ATOL, rtol=0)
+            # the selector names the model's accuracy on this input, computed here afresh
+            with torch.no_grad():
+                right = int((model(ids).argmax(-1) == ids.flip(-1)).sum())  # reverse's target
+            want_label = f"input {k}: {right / len(tokens):.0%} of {len(tokens)} right"
+            assert labels[k].startswith(want_label), (labels[k], want_label)
+            layer = int(browser.find_element(By.ID, "layer-select").get_attribute("value"))
+            if file == "explorer.html":  # the main run opens on its best head's layer
+                assert layer == metrics["attention"]["best_layer"]
+            hover_token(browser, "q", 3)
+            check_focus_lines(browser, want, layer, "q", 3, list(range(want.shape[1])))
         assert console_errors(browser) == []
 
 

@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 from attnkit import TransformerConfig, TransformerLM
 from attnkit.generation import GenerationOptions, positions_from_mask, process_logits
-from tests.test_hf import VOCAB, build_hf, hf_greedy, padded_batch, randomize
+from tests.helpers import VOCAB, build_hf, hf_greedy, padded_batch, randomize
 
 transformers = pytest.importorskip("transformers")
 logits_process = pytest.importorskip("transformers.generation.logits_process")

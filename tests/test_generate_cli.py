@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +14,10 @@ import pytest
 import torch
 
 from attnkit import TransformerLM
+from attnkit.chat import ChatTokenizer
 from attnkit.cli import main
-from tests.test_hf import build_hf
+from tests.chat_templates import write_chat_folder
+from tests.helpers import build_hf
 
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
@@ -145,3 +150,60 @@ def test_bad_folders_are_one_line_with_status_2(
     (bare / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
     code, _, err = _run(["--model", str(bare), "--prompt", "x"], capsys)
     assert code == 2 and "model.safetensors" in err
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the Qwen2 chat template and its end-of-turn ids."""
+    path = tmp_path_factory.mktemp("llama-chat")
+    write_chat_folder(path, "qwen2")
+    vocab = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
+    build_hf("llama-gqa-untied", path, seed=2, vocab_size=vocab, max_position_embeddings=256)
+    # build_hf's config.json carries eos 2; the chat's end-of-turn ids come from here
+    write_chat_folder(path, "qwen2")
+    return path
+
+
+def _expected_reply(folder: Path, messages: list[dict[str, str]], new: int) -> str:
+    chat = ChatTokenizer.from_folder(folder)
+    lm = TransformerLM.from_pretrained(folder)
+    ids = chat.encode(messages)
+    out = lm.generate(torch.tensor([ids]), new, eos_token_id=list(chat.stop_ids))[0, len(ids) :]
+    return chat.decode(out.tolist())
+
+
+def test_chat_formats_the_prompt_and_prints_the_reply(
+    chat_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompt = "Explain attention in one sentence."
+    args = ["--model", str(chat_folder), "--prompt", prompt, "--max-new-tokens", "12"]
+    code, out, err = _run([*args, "--system", "You are terse."], capsys)
+    assert code == 0, err
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": prompt},
+    ]
+    assert out == _expected_reply(chat_folder, messages, 12) + "\n"
+    assert re.search(r"\d+ tokens, first after \d+ ms, [\d.]+ tokens/s", err)
+    code, out, err = _run([*args, "--chat", "--quiet"], capsys)
+    assert code == 0 and err == ""
+    assert out == _expected_reply(chat_folder, [{"role": "user", "content": prompt}], 12) + "\n"
+
+
+def test_chat_stops_at_end_of_turn(
+    chat_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reply ends at the first token listed in generation_config.json's eos_token_id."""
+    folder = tmp_path / "chat"
+    shutil.copytree(chat_folder, folder)
+    chat = ChatTokenizer.from_folder(folder)
+    lm = TransformerLM.from_pretrained(folder)
+    ids = chat.encode([{"role": "user", "content": "hi"}])
+    first, second = lm.generate(torch.tensor([ids]), 2, eos_token_id=[])[0, len(ids) :].tolist()
+    stops = [*chat.stop_ids, second]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    args = ["--model", str(folder), "--prompt", "hi", "--chat", "--max-new-tokens", "8"]
+    code, out, err = _run(args, capsys)
+    assert code == 0, err
+    assert out == chat.decode([first, second]) + "\n"
+    assert "2 tokens" in err

@@ -13,7 +13,7 @@ from attnkit.cache import KVCache
 from attnkit.config import TransformerConfig
 from attnkit.models import TransformerEncoder, TransformerLM, attention_mask_from_padding
 from attnkit.positional import convert_rotary_convention
-from tests.test_positional import LLAMA3
+from tests.helpers import ROPE_LLAMA3 as LLAMA3
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 POSITIONS = ["none", "sinusoidal", "learned", "rope"]

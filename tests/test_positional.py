@@ -30,6 +30,7 @@ from tests.blog_reference import (
     blog_rope_cos_sin,
     rope_reference,
 )
+from tests.helpers import ROPE_LLAMA3 as LLAMA3
 
 # ---------------------------------------------------------------------------------- sinusoidal
 
@@ -278,14 +279,6 @@ def test_positional_attention_loads_blog_state_dict(use_rope: bool, causal: bool
 
 
 # ------------------------------------------------------------------------------ rotary scaling
-
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 
 
 def _scaled_inv_freq_by_hand(head_dim: int, base: float, scaling: dict[str, object]) -> list[float]:

@@ -1,5 +1,5 @@
-"""The README's two commands are what users and CI run, and DEVELOPING.md maps the package:
-keep both true."""
+"""The README's two commands are what users and CI run, its taste runs, its links lead to guide
+pages, and DEVELOPING.md maps the package: keep all of it true."""
 
 from __future__ import annotations
 
@@ -36,10 +36,20 @@ def test_python_examples_run():
     """Every ```python block of the README runs, in order, in one namespace."""
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.+?)\n```", readme, flags=re.S)
-    assert len(blocks) >= 5
+    assert blocks
     namespace: dict[str, object] = {}
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
+
+
+def test_readme_links_resolve_and_reach_every_guide_page():
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    relative = [link for link in links if "://" not in link]
+    missing = [link for link in relative if not (ROOT / link).exists()]
+    assert not missing, missing
+    guide = {f"docs/guide/{p.name}" for p in (ROOT / "docs" / "guide").glob("*.md")}
+    assert guide <= set(relative), sorted(guide - set(relative))
 
 
 def test_developing_md_lists_every_module():

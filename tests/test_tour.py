@@ -68,7 +68,7 @@ def test_tour_writes_report_claims_figures_and_explorer(tmp_path: Path, capsys) 
 def test_fast_checks_pass_on_attnkit(check) -> None:
     result = check()
     assert result.passed, result.verdict
-    assert result.figure.axes  # something was drawn
+    assert T.draw(result).axes  # something was drawn
     json.dumps(result.to_dict("f.png"))  # measured is JSON-serialisable
 
 

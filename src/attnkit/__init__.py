@@ -68,16 +68,23 @@ __all__ = [
     "rope_cos_sin",
     "rope_inv_freq",
     "scaled_dot_product_attention",
+    "show",
+    "show_model",
     "sinusoidal_table",
     "split_heads",
 ]
 
 
 def __getattr__(name: str) -> object:
-    # SentenceEncoder needs the ``models`` extra (tokenizers, safetensors, the bundled model):
-    # import it on first use so that ``import attnkit`` keeps needing only torch.
+    # Imported on first use, so that ``import attnkit`` needs only torch and loads no more than
+    # the core: SentenceEncoder needs the ``models`` extra (tokenizers, safetensors, the bundled
+    # model); show/show_model (the explorer in a notebook) sit above the core.
     if name == "SentenceEncoder":
         from attnkit.interop.sentence import SentenceEncoder
 
         return SentenceEncoder
+    if name in ("show", "show_model"):
+        from attnkit import notebook
+
+        return getattr(notebook, name)
     raise AttributeError(f"module 'attnkit' has no attribute {name!r}")

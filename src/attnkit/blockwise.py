@@ -16,14 +16,11 @@ occurs in pieces get their own mask. The backward is a custom
 key/value gradients of overlapping spans; memory stays linear in the sequence length.
 
 Why one span per tile and not several pieces merged by log-sum-exp (FlashAttention's split-KV,
-ring attention): on the 2-core CPU this was built on (torch 2.13, fp32, 8 heads, E=64, N=8192,
-causal window 256) the kernel costs the same per score with or without an additive mask
-(132 vs 132-140 ms for 32x8 tiles of 256x256), and ``is_causal`` saves nothing at that tile
-size, so splitting a tile into an unmasked and a masked piece computes the same number of scores
-and adds the merge: two pieces + merge took 560 ms against 340 ms for one masked span of the
-same area, on a loaded machine (``benchmarks/bench_blockwise.py --variants`` re-measures it).
-What pays is a small tile height: the band computed per query is ``rows + window`` wide, and 64
-rows beat 128 and 256 (190 vs 262 vs 340 ms in the same run).
+ring attention): torch's CPU kernel costs the same per score with or without an additive mask,
+and ``is_causal`` saves nothing at these tile sizes, so splitting a tile into an unmasked and a
+masked piece computes the same number of scores and adds the merge (measured 1.6x slower with
+``benchmarks/bench_blockwise.py --variants``). What pays is a small tile height: the band
+computed per query is ``rows + window`` wide. The numbers: ``benchmarks/RESULTS.md``.
 
 Semantics are those of :class:`attnkit.masks.Structure`: query ``i`` sits at key position
 ``p = i + (S - L)`` (bottom-right alignment) and may attend key ``j`` iff every given constraint

@@ -1,5 +1,5 @@
 """The ``attnkit`` command line: ``lab``, ``complexity``, ``plot``, ``explain``, ``bench``,
-``tour``, ``generate``.
+``tour``, ``generate``, ``chat``.
 
 Each sub-command lives in ``attnkit.commands.<name>`` and exposes two functions:
 ``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported lazily so that
@@ -21,7 +21,9 @@ COMMANDS: dict[str, str] = {
     "explain": "attention maps and similarity from a real pretrained model (all-MiniLM-L6-v2)",
     "bench": "benchmark attnkit's attention against torch SDPA and the textbook implementation",
     "tour": "measure every claim of the blog on attnkit's modules; write a report and claims.json",
-    "generate": "stream text from a Hugging Face decoder folder (Llama, Mistral, Qwen2, GPT-2)",
+    "generate": "stream text from a Hugging Face decoder folder (Llama, Mistral, Qwen2, GPT-2) "
+    "or a GGUF file",
+    "chat": "talk to a chat model (folder or GGUF file): streamed replies, /reset, /exit",
 }
 
 

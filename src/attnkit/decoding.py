@@ -100,6 +100,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         and weight.is_contiguous()
     ):
         return _row(x, weight, bias)
+    if weight.dim() == 2 and weight.stride(0) == 1 and not torch.compiler.is_compiling():
+        # Column-major (prepared) weight: one BLAS call on its contiguous transpose, without
+        # F.linear's dispatch chain (linear -> matmul -> t -> mm) per call.
+        rows = x.reshape(-1, x.shape[-1])  # (N, in)
+        wt = weight.t()  # (in, out), contiguous
+        y = torch.mm(rows, wt) if bias is None else torch.addmm(bias, rows, wt)
+        return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
@@ -182,7 +189,9 @@ def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
 
     Every plain ``nn.Linear`` (exactly that type) is replaced by a :class:`PreparedLinear` over
     the same parameters; subclasses (quantized or LoRA linears, a user's own) are kept as they
-    are. The prepared weights of CPU models are gathered into huge-page blocks. Outputs are
+    are. Plain ``nn.Embedding`` tables get the same layout (a tied output head reads them as a
+    matrix; looking up a few rows does not mind). The prepared weights of CPU models are
+    gathered into huge-page blocks. Outputs are
     unchanged up to the rounding of another summation order. Tied weights stay tied.
 
     Returns:
@@ -196,7 +205,12 @@ def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, PreparedLinear.from_linear(child, compiled=compiled))
+    if not compiled:  # a tied output head reads the embedding table as a matrix
+        for m in model.modules():
+            if type(m) is nn.Embedding and layout_for(m.weight) == "transposed":
+                m.weight.data = m.weight.data.t().contiguous().t()
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, PreparedLinear)}
+    weights |= {id(m.weight): m.weight for m in model.modules() if type(m) is nn.Embedding}
     _gather_on_huge_pages(list(weights.values()))
     return model
 

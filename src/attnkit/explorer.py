@@ -1,5 +1,7 @@
 """An interactive attention explorer: one self-contained HTML file per model run.
 
+In a notebook, :func:`attnkit.show` embeds the same page in a cell (:mod:`attnkit.notebook`).
+
 The page has two views of the attention weights of every layer and head:
 
 - **head view**: the tokens in two columns (queries left, keys right). Hovering a token draws its
@@ -9,10 +11,15 @@ The page has two views of the attention weights of every layer and head:
 - **model view**: a grid of every layer x head as small heatmaps; clicking one opens it large with
   the token labels, and hovering a cell shows its exact weight.
 
-The page needs no network: the script and style are inlined from ``attnkit/assets`` (vanilla JS,
-SVG for the lines, canvas for the heatmaps, so 512 tokens stay responsive). The weights are
-embedded compactly as base64: IEEE float16 (absolute error <= 2.5e-4 for weights in [0, 1]), or,
-for large inputs, uint8 quantized per map (``round(255 * w / max)``, absolute error <= max/510).
+A page may hold several inputs of one model (:func:`explorer_page`, e.g. the lab's held-out
+inputs with the model's accuracy on each); a selector above the views switches between them.
+
+The page needs no network: its template, script and style are the files ``explorer.html``,
+``explorer.js`` and ``explorer.css`` of ``attnkit/assets``, inlined into the shared page shell of
+:mod:`attnkit.pages` (vanilla JS, SVG for the lines, canvas for the heatmaps, so 512 tokens stay
+responsive). The weights are embedded compactly as base64: IEEE float16 (absolute error <= 2.5e-4
+for weights in [0, 1]), or, for large inputs, uint8 quantized per map (``round(255 * w / max)``,
+absolute error <= max/510).
 The page states which encoding it uses and its own size.
 
 What the page draws is readable from the DOM (``data-weight`` on every line and heatmap, a
@@ -30,21 +37,26 @@ import html
 import json
 import sys
 from collections.abc import Sequence
-from importlib import resources
+from dataclasses import dataclass
 from pathlib import Path
+from string import Template
 from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 from torch import Tensor
+
+from attnkit.pages import asset, page
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = [
     "MAX_TOKENS",
+    "ExplorerInput",
     "ExplorerOptions",
     "Precision",
     "explorer_html",
+    "explorer_page",
     "stack_weights",
     "write_explorer",
 ]
@@ -77,10 +89,6 @@ class ExplorerOptions(TypedDict, total=False):
     layer_names: Sequence[str] | None
     layer: int
     precision: Precision
-
-
-def _asset(name: str) -> str:
-    return resources.files("attnkit").joinpath("assets").joinpath(name).read_text(encoding="utf-8")
 
 
 def stack_weights(weights: Tensor | Sequence[Tensor]) -> Tensor:
@@ -168,6 +176,52 @@ def _encode(w: Tensor, precision: Literal["float16", "uint8"]) -> tuple[str, lis
     return base64.b64encode(data).decode("ascii"), scales
 
 
+@dataclass(frozen=True)
+class ExplorerInput:
+    """One input of an explorer page: its tokens and the attention weights of every layer and head.
+
+    A page may hold several inputs of one model (the same layers and heads); a selector above the
+    views switches between them.
+
+    Attributes:
+        tokens: Labels of the queries (the left column, the heatmaps' rows).
+        weights: Attention weights of this input, every layer and head (see :func:`stack_weights`).
+        key_tokens: Labels of the keys; defaults to ``tokens`` (self-attention, ``L == S``).
+        label: The input's name in the selector (default ``"input K"``).
+        note: A line shown under the selector while the input is chosen (plain text).
+    """
+
+    tokens: Sequence[str]
+    weights: Tensor | Sequence[Tensor]
+    key_tokens: Sequence[str] | None = None
+    label: str = ""
+    note: str = ""
+
+
+def _check_input(index: int, item: ExplorerInput) -> tuple[Tensor, list[str], list[str]]:
+    """The stacked weights and both token lists of one input, checked."""
+    if not isinstance(item, ExplorerInput):
+        raise TypeError(f"inputs[{index}] must be an ExplorerInput, got {type(item).__name__}")
+    w = stack_weights(item.weights)  # (layers, H, L, S)
+    _, n_heads, L, S = w.shape
+    for side, count in (("L (queries)", L), ("S (keys)", S)):
+        if not 2 <= count <= MAX_TOKENS:
+            raise ValueError(f"the explorer shows 2 to {MAX_TOKENS} tokens, got {side} = {count}")
+    if n_heads < 1:
+        raise ValueError(f"weights have no heads: shape {tuple(w.shape)}")
+    q_labels = _tokens(item.tokens, L, "tokens")
+    if item.key_tokens is None and L != S:
+        raise ValueError(f"pass key_tokens: the weights have L={L} queries but S={S} keys")
+    keys = item.key_tokens if item.key_tokens is not None else item.tokens
+    k_labels = _tokens(keys, S, "key_tokens")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("weights contain NaN or inf")
+    low, high = float(w.min()), float(w.max())
+    if low < -_TOLERANCE or high > 1 + _TOLERANCE:
+        raise ValueError(f"attention weights must lie in [0, 1], got min {low:.4g}, max {high:.4g}")
+    return w, q_labels, k_labels
+
+
 def explorer_html(
     tokens: Sequence[str],
     weights: Tensor | Sequence[Tensor],
@@ -179,7 +233,7 @@ def explorer_html(
     layer: int = 0,
     precision: Precision = "auto",
 ) -> str:
-    """The explorer page as one self-contained HTML string.
+    """The explorer page of one input as one self-contained HTML string.
 
     Args:
         tokens: Labels of the queries (the left column, the heatmaps' rows).
@@ -208,49 +262,94 @@ def explorer_html(
         weights: ``layers x (H, L, S)`` or ``(layers, H, L, S)``; ``len(tokens) == L``,
         ``len(key_tokens) == S``.
     """
-    w = stack_weights(weights)  # (layers, H, L, S)
-    n_layers, n_heads, L, S = w.shape
-    for side, count in (("L (queries)", L), ("S (keys)", S)):
-        if not 2 <= count <= MAX_TOKENS:
-            raise ValueError(f"the explorer shows 2 to {MAX_TOKENS} tokens, got {side} = {count}")
-    if n_heads < 1:
-        raise ValueError(f"weights have no heads: shape {tuple(w.shape)}")
-    q_labels = _tokens(tokens, L, "tokens")
-    if key_tokens is None and L != S:
-        raise ValueError(f"pass key_tokens: the weights have L={L} queries but S={S} keys")
-    k_labels = _tokens(key_tokens if key_tokens is not None else tokens, S, "key_tokens")
+    return explorer_page(
+        [ExplorerInput(tokens, weights, key_tokens)],
+        title=title,
+        description=description,
+        layer_names=layer_names,
+        layer=layer,
+        precision=precision,
+    )
+
+
+def explorer_page(
+    inputs: Sequence[ExplorerInput],
+    *,
+    title: str = "Attention explorer",
+    description: str = "",
+    layer_names: Sequence[str] | None = None,
+    layer: int = 0,
+    precision: Precision = "auto",
+) -> str:
+    """The explorer page of one or more inputs of one model, with a selector over the inputs.
+
+    Args:
+        inputs: The inputs; every one has the same layers and heads (lengths may differ). The
+            page opens on the first.
+        title: Page title and heading.
+        description: A sentence shown under the heading (plain text).
+        layer_names: One label per layer; defaults to ``"layer 0"``, ``"layer 1"``, ...
+        layer: The layer the head view opens on (negative counts from the end).
+        precision: ``"float16"``, ``"uint8"`` or ``"auto"`` (float16 up to 4M weights in all,
+            else uint8).
+
+    Returns:
+        The HTML page.
+
+    Raises:
+        TypeError: As :func:`explorer_html`, or if an input is not an :class:`ExplorerInput`.
+        ValueError: As :func:`explorer_html`, if ``inputs`` is empty, or if the inputs differ in
+            their number of layers or heads.
+
+    Shape:
+        each input's weights: ``layers x (H, L, S)`` or ``(layers, H, L, S)``.
+    """
+    if isinstance(inputs, ExplorerInput) or not isinstance(inputs, Sequence):
+        raise TypeError(f"inputs must be a list of ExplorerInput, got {type(inputs).__name__}")
+    if not inputs:
+        raise ValueError("inputs is empty: give at least one ExplorerInput")
+    checked = [_check_input(k, item) for k, item in enumerate(inputs)]
+    n_layers, n_heads = checked[0][0].shape[:2]
+    sizes = sorted({tuple(w.shape[:2]) for w, _, _ in checked})
+    if len(sizes) != 1:
+        raise ValueError(f"every input must have the same (layers, heads), got {sizes}")
     names = [f"layer {i}" for i in range(n_layers)] if layer_names is None else list(layer_names)
     if len(names) != n_layers:
         raise ValueError(f"layer_names has {len(names)} names for {n_layers} layers")
     if isinstance(layer, bool) or not isinstance(layer, int) or not -n_layers <= layer < n_layers:
         raise ValueError(f"layer must be an int in [{-n_layers}, {n_layers - 1}], got {layer!r}")
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError("weights contain NaN or inf")
-    low, high = float(w.min()), float(w.max())
-    if low < -_TOLERANCE or high > 1 + _TOLERANCE:
-        raise ValueError(f"attention weights must lie in [0, 1], got min {low:.4g}, max {high:.4g}")
     if precision not in ("auto", "float16", "uint8"):
         raise ValueError(f"precision must be 'auto', 'float16' or 'uint8', got {precision!r}")
     chosen: Literal["float16", "uint8"]
     if precision == "auto":
-        chosen = "float16" if w.numel() <= _FLOAT16_MAX_VALUES else "uint8"
+        total = sum(w.numel() for w, _, _ in checked)
+        chosen = "float16" if total <= _FLOAT16_MAX_VALUES else "uint8"
     else:
         chosen = precision
-    data, scales = _encode(w.clamp(0.0, 1.0), chosen)
+    entries = []
+    for k, ((w, q_labels, k_labels), item) in enumerate(zip(checked, inputs, strict=True)):
+        data, scales = _encode(w.clamp(0.0, 1.0), chosen)
+        entries.append(
+            {
+                "label": item.label or f"input {k}",
+                "note": item.note,
+                "queryTokens": q_labels,
+                "keyTokens": k_labels,
+                "L": w.shape[2],
+                "S": w.shape[3],
+                "scales": scales,
+                "data": data,
+            }
+        )
     payload = {
         "title": title,
         "description": description,
-        "queryTokens": q_labels,
-        "keyTokens": k_labels,
         "layerNames": names,
         "initialLayer": layer % n_layers,
         "layers": n_layers,
         "heads": n_heads,
-        "L": L,
-        "S": S,
         "encoding": chosen,
-        "scales": scales,
-        "data": data,
+        "inputs": entries,
     }
     # "<" escaped so that no token can close the script element
     blob = json.dumps(payload, ensure_ascii=False).replace("<", "\\u003c")
@@ -259,27 +358,31 @@ def explorer_html(
         if chosen == "float16"
         else "uint8 quantized per map: weight = byte / 255 x the map's max (base64)"
     )
-    page = _TEMPLATE.format(
+    if len(checked) == 1:
+        L, S = checked[0][0].shape[2:]
+        shape = f"{L} query tokens x {S} key tokens"
+    else:
+        longest = max(max(w.shape[2:]) for w, _, _ in checked)
+        shape = f"{len(checked)} inputs of up to {longest} tokens"
+    body = Template(asset("explorer.html")).substitute(
         title=html.escape(title),
         description=html.escape(description),
-        n_layers=n_layers,
-        n_heads=n_heads,
-        L=L,
-        S=S,
+        stats=f"{shape}, {n_layers} layers x {n_heads} heads.",
         encoding=html.escape(encoding_note),
-        style=_asset("explorer.css"),
-        script=_asset("explorer.js"),
-        data=blob,
         size=_SIZE,
+        inputs_hidden="" if len(entries) > 1 else "hidden",
+        data=blob,
+        script=asset("explorer.js"),
     )
+    document = page(title, body, css=asset("explorer.css"), base_css=False)
     # The page reports its own size: substitute until the number no longer changes its length.
     size_text = ""
     for _ in range(4):
-        candidate = _human_size(len(page.replace(_SIZE, size_text).encode("utf-8")))
+        candidate = _human_size(len(document.replace(_SIZE, size_text).encode("utf-8")))
         if candidate == size_text:
             break
         size_text = candidate
-    return page.replace(_SIZE, size_text)
+    return document.replace(_SIZE, size_text)
 
 
 def _human_size(n_bytes: int) -> str:
@@ -320,51 +423,3 @@ def write_explorer(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
     return out
-
-
-_TEMPLATE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title}</title>
-<style>{style}</style></head>
-<body>
-<header>
-<h1>{title}</h1>
-<p class="description">{description}</p>
-<p class="stats">{L} query tokens x {S} key tokens, {n_layers} layers x {n_heads} heads.
-Weights embedded as {encoding}; page size <span id="page-size">{size}</span>.</p>
-</header>
-<nav class="tabs" role="tablist">
-<button id="tab-head" role="tab" aria-selected="true" data-view="head-view">Head view</button>
-<button id="tab-model" role="tab" aria-selected="false" data-view="model-view">Model view</button>
-</nav>
-<section id="head-view" class="view">
-<div class="controls">
-<label>Layer <select id="layer-select"></select></label>
-<span class="heads-label">Heads</span><span id="head-toggles"></span>
-<button id="heads-all" class="small">all</button><button id="heads-none" class="small">none</button>
-<label class="scale"><input type="checkbox" id="relative-scale">
-scale lines to the largest weight</label>
-</div>
-<p class="hint" id="head-hint">Hover a token on the <b>left</b> to see where it looks (attends to),
-on the <b>right</b> to see who looks at it (attended by). Click a token to pin it, click again to
-release. Line opacity and width grow with the weight; hover a line for its exact value.</p>
-<p class="selection" id="selection-info"></p>
-<div class="svg-wrap"><svg id="head-svg" xmlns="http://www.w3.org/2000/svg"></svg></div>
-</section>
-<section id="model-view" class="view" hidden>
-<p class="hint">Every layer (rows) and head (columns). Each map's colours run from 0 (dark) to that
-map's largest weight (yellow), as in the static pictures. Click a map to open it large.</p>
-<div id="model-grid"></div>
-<div id="detail" hidden>
-<h2 id="detail-title"></h2>
-<p class="hint">Row = query (attending), column = key (attended to). Hover a cell for its
-weight.</p>
-<p id="detail-info" class="selection">&nbsp;</p>
-<div class="detail-wrap"><canvas id="detail-canvas"></canvas></div>
-</div>
-</section>
-<script type="application/json" id="attn-data">{data}</script>
-<script>{script}</script>
-</body></html>
-"""

@@ -16,9 +16,11 @@ Every module in attnkit computes ``softmax(Q K^T * scale + mask) V`` by calling
 
 A query row that may attend no key at all gives an output row of exactly zero (and zero weights,
 zero gradients) on every path, never NaN. A query's output depends only on the keys and values it
-may attend: a NaN or inf there makes its row NaN (nothing is silently zeroed), one anywhere else
-(e.g. an unwritten KV-cache slot) does not reach it. Float masks follow one rule: an entry at or
-below ``torch.finfo(dtype).min`` counts as masked, exactly like ``-inf``.
+may attend, as in the math: a NaN value there, or a key whose score is NaN or ``+inf``, makes its
+row NaN (nothing is silently zeroed), a key whose score is ``-inf`` gets weight 0 like a masked
+one, and a NaN or inf anywhere else (e.g. an unwritten KV-cache slot) does not reach it. Float
+masks follow one rule: an entry at or below ``torch.finfo(dtype).min`` counts as masked, exactly
+like ``-inf``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Options(M.StructureArgs, total=False):
 
     scale: float | None
     dropout_p: float
+    softcap: float | None
 
 
 @overload
@@ -92,6 +95,10 @@ def scaled_dot_product_attention(
         scale: Multiplier of the scores; defaults to ``1 / sqrt(E)`` (1 for ``E = 0``, where
             every score is 0 and the output is the mean of the attended values, as in torch).
         dropout_p: Dropout probability on the attention weights (pass 0 at evaluation).
+        softcap: Cap the scores smoothly to ``(-softcap, softcap)`` with
+            ``tanh(s / softcap) * softcap`` before the mask (Gemma 2's attention-logit
+            soft-capping). torch's fused kernels cannot modify scores, so this runs the explicit
+            path (float32 for half-precision inputs).
         return_weights: Also return the attention weights (forces the explicit path, computed in
             float32 for half-precision inputs and cast back).
 
@@ -126,6 +133,7 @@ def attend(
     return_weights: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    softcap: float | None = None,
     **structure: Unpack[M.StructureArgs],
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`scaled_dot_product_attention` as an ``(out, weights)`` pair, the call every
@@ -140,6 +148,8 @@ def attend(
         weights ``(..., H, L, S)``.
     """
     check_inputs(q, k, v, mask, scale, dropout_p)
+    if softcap is not None and not (isinstance(softcap, int | float) and 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = resolve_scale(scale, E)
     gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
@@ -158,7 +168,8 @@ def attend(
     if mask is not None and mask.dtype != torch.bool:
         mask = _additive(mask, q.dtype)
 
-    if rules.sparse and mask is None and not return_weights and S > 0:
+    explicit = return_weights or softcap is not None  # the fused kernels cannot cap scores
+    if rules.sparse and mask is None and not explicit and S > 0:
         grads = q.requires_grad or k.requires_grad or v.requires_grad
         backward = torch.is_grad_enabled() and grads
         plan = sparse.faster_plan(
@@ -169,7 +180,7 @@ def attend(
 
     # Fold causal/window/documents/padding into one bool constraint, unless plain causal can be
     # expressed as is_causal (L == S: top-left and bottom-right alignment coincide).
-    is_causal = rules.causal and not rules.sparse and mask is None and L == S and not return_weights
+    is_causal = rules.causal and not rules.sparse and mask is None and L == S and not explicit
     constraint = None
     if rules.sparse:
         constraint = rules.mask(L, S, device=q.device)  # (B or 1, 1, L, S)
@@ -177,22 +188,28 @@ def attend(
             constraint = constraint[0, 0]  # window only: (L, S) broadcasts against any q
     elif rules.causal and not is_causal and L > 1:  # a single query at the end sees every key
         constraint = M.causal_mask(L, S, device=q.device)
-    mask = _merge(mask, constraint)
-
-    def run(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
-        if return_weights or S == 0:
-            return _explicit_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
-        out = _fused_attention(
-            q, k, v, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, gqa=gqa
-        )
-        return out, None
+    mask = M.restrict(mask, constraint)
 
     def allowed() -> Tensor | None:
         if is_causal:
             return M.causal_mask(L, S, device=q.device)
         return None if mask is None else _allowed(mask)
 
-    out, weights = _without_leaks(run, q, k, v, allowed)
+    def run(k: Tensor, v: Tensor, drop: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        this_mask, this_causal = mask, is_causal
+        if drop is not None:  # is_causal cannot take extra masked pairs: spell it out
+            this_mask = M.restrict(mask if mask is not None else allowed(), ~drop)
+            this_causal = False
+        if explicit or S == 0:
+            return _explicit_attention(
+                q, k, v, this_mask, scale=scale, dropout_p=dropout_p, softcap=softcap
+            )
+        out = _fused_attention(
+            q, k, v, this_mask, is_causal=this_causal, scale=scale, dropout_p=dropout_p, gqa=gqa
+        )
+        return out, None
+
+    out, weights = _without_leaks(run, q, k, v, allowed, scale=scale, softcap=softcap)
     return out, weights if return_weights else None
 
 
@@ -265,35 +282,48 @@ def attend_tiles(
         The attention output ``(..., H, L, Ev)``.
     """
 
-    def run(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
-        return sparse.tiled_attention(q, k, v, plan, scale=scale, dropout_p=dropout_p), None
-
     def allowed() -> Tensor:
         mask = plan.structure.mask(plan.L, plan.S, device=q.device)  # (B or 1, 1, L, S)
         if not plan.structure.batched or q.dim() < 3:
             return mask[0, 0]  # (L, S)
         return mask.expand(plan.B, 1, plan.L, plan.S).reshape(*q.shape[:-3], 1, plan.L, plan.S)
 
+    # torch's flash kernel divides by the head count: empty inputs take the dense path.
+    empty = 0 in (q.numel(), k.numel(), v.numel())
+
+    def run(k: Tensor, v: Tensor, drop: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        if drop is None and not empty:
+            return sparse.tiled_attention(q, k, v, plan, scale=scale, dropout_p=dropout_p), None
+        # Dense: empty inputs, or pairs to drop (a -inf score on a non-finite key), which the
+        # tiles have no mask for.
+        mask = allowed() if drop is None else allowed() & ~drop
+        return _explicit_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)[0], None
+
     # Here L is about S, so reading k and v first (two sums) is cheaper than checking the
     # output's rows afterwards (a sum and a zero-row scan): 32 vs 96 ms at N=8192, H=8, E=64.
-    return _without_leaks(run, q, k, v, allowed, search_first=True)[0]
+    return _without_leaks(run, q, k, v, allowed, scale=scale, search_first=True)[0]
 
 
 def _without_leaks(
-    run: Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]],
+    run: Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor | None]],
     q: Tensor,
     k: Tensor,
     v: Tensor,
     allowed: Callable[[], Tensor | None],
     *,
+    scale: float,
+    softcap: float | None = None,
     search_first: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """``run(k, v)`` so that a non-finite query, key or value reaches exactly the queries that
-    may attend it: their rows become NaN, and no other row changes.
+    """``run(k, v, None)`` so that a non-finite query, key or value reaches exactly the queries
+    that may attend it, as the math says: their rows become NaN, and no other row changes.
 
     A NaN or inf at a masked position leaks through the kernels (``0 * NaN``, ``NaN - inf``),
     and torch's fused kernel returns zeros for a row whose every score is NaN. So non-finite
-    key/value rows are zeroed and the rows that attend them set to NaN afterwards. Finding them
+    key/value rows are zeroed and the rows they reach set to NaN afterwards: a row reaches a
+    non-finite value it may attend, and a non-finite key whose score is NaN or ``+inf``; a
+    ``-inf`` score is weight 0 (an inf in one key element gives ``+inf`` scores for some queries
+    and ``-inf`` for others), so such pairs are rerun as masked (``run(k, v, drop)``). Finding them
     reads ``k`` and ``v`` once, which at ``L = 1`` (decoding) costs as much as the attention
     itself, so without gradients the output is checked first (``L`` rows): a leak shows there
     as NaN and a hidden NaN as an all-zero row; only then are ``k`` and ``v`` searched and the
@@ -302,12 +332,16 @@ def _without_leaks(
     and on the meta device (no data-dependent branches) the kernel runs as it is.
 
     Args:
-        run: Attention on given keys and values, returning ``(out, weights or None)``.
+        run: Attention on given keys and values, returning ``(out, weights or None)``; its
+            third argument is ``None`` or a bool mask broadcastable to the scores of the pairs
+            to treat as masked besides those ``allowed`` excludes.
         q: The queries.
         k: The keys.
         v: The values.
         allowed: Builds the bool mask (``True`` = may attend) broadcastable to the scores, or
             ``None`` when every key may be attended; called only for non-finite inputs.
+        scale: Multiplier of the scores (for the scores of non-finite keys).
+        softcap: The scores' soft cap, if any (see :func:`_bad_key_scores`).
         search_first: Search ``k`` and ``v`` before the kernel even without gradients (when
             ``L`` is not small against ``S``, that is cheaper than checking the output).
 
@@ -315,17 +349,25 @@ def _without_leaks(
         ``(out, weights or None)``.
     """
     if _no_data_branches(q):
-        return run(k, v)
+        return run(k, v, None)
     bad_k = bad_v = None
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    given_k = k
     if grads or search_first:
         k, v, bad_k, bad_v = _zero_non_finite(k, v)
-    out, weights = run(k, v)
-    if not (grads or search_first) and _may_hide_non_finite(out, weights):
+    if bad_k is None and bad_v is None:
+        out, weights = run(k, v, None)
+        if grads or search_first or not _may_hide_non_finite(out, weights):
+            return out, weights
         k, v, bad_k, bad_v = _zero_non_finite(k, v)
-        if bad_k is not None or bad_v is not None:
-            out, weights = run(k, v)
-    return _propagate_non_finite(out, weights, q, bad_k, bad_v, allowed)
+        if bad_k is None and bad_v is None:
+            return out, weights
+    mask = allowed()
+    poisoned = drop = None
+    if bad_k is not None:
+        poisoned, drop = _bad_key_scores(q, given_k, bad_k, mask, scale=scale, softcap=softcap)
+    out, weights = run(k, v, drop)
+    return _propagate_non_finite(out, weights, q, poisoned, bad_v, mask)
 
 
 def _no_data_branches(t: Tensor) -> bool:
@@ -365,17 +407,6 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     if mask.dtype != dtype:
         masked = masked | (mask <= torch.finfo(mask.dtype).min)
     return out.masked_fill(masked, float("-inf"))
-
-
-def _merge(mask: Tensor | None, constraint: Tensor | None) -> Tensor | None:
-    """AND a bool constraint into a user mask (bool, or additive float kept additive)."""
-    if constraint is None:
-        return mask
-    if mask is None:
-        return constraint
-    if mask.dtype == torch.bool:
-        return mask & constraint
-    return mask.masked_fill(~constraint, float("-inf"))
 
 
 def _allowed(mask: Tensor) -> Tensor:
@@ -422,51 +453,97 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _to_query_heads(flags: Tensor, q: Tensor) -> Tensor:
+    """Per key/value head flags ``(..., K, S)`` repeated to the query heads: ``(..., H, S)``."""
+    if q.dim() >= 3 and flags.shape[-2] != q.shape[-3]:
+        return flags.repeat_interleave(q.shape[-3] // flags.shape[-2], dim=-2)
+    return flags
+
+
+def _bad_key_scores(
+    q: Tensor,
+    k: Tensor,
+    bad_k: Tensor,
+    mask: Tensor | None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """What the math makes of the non-finite keys: which rows they poison, which pairs they drop.
+
+    Only the scores against the key positions flagged somewhere are computed (in the compute
+    dtype, like the kernels): a NaN or ``+inf`` score makes the softmax of its row NaN, a
+    ``-inf`` score gives its key weight 0 in that row. With ``softcap`` an infinite score is
+    capped to a finite one that the zeroed key cannot reproduce, so every row that may attend a
+    non-finite key is poisoned.
+
+    Args:
+        q: Queries ``(..., H, L, E)``.
+        k: The keys as given, non-finite entries included ``(..., K, S, E)``.
+        bad_k: ``(..., K, S)`` flags of non-finite key rows.
+        mask: Bool ``True`` = may attend, broadcastable to the scores, or None (all may).
+        scale: Multiplier of the scores.
+        softcap: The scores' soft cap, or None.
+
+    Returns:
+        ``(poisoned, drop)``: bool ``(..., H, L, 1)`` rows with a NaN or ``+inf`` score on a key
+        they may attend, and bool ``(..., H, L, S)`` pairs with a ``-inf`` score (None if none).
+    """
+    S = k.shape[-2]
+    cols = bad_k.reshape(-1, S).any(dim=0).nonzero().squeeze(-1)  # (n,) key positions
+    dtype = _compute_dtype(q.dtype)
+    keys = k.index_select(-2, cols).to(dtype)  # (..., K, n, E)
+    if q.dim() >= 3 and keys.shape[-3] != q.shape[-3]:
+        keys = keys.repeat_interleave(q.shape[-3] // keys.shape[-3], dim=-3)
+    scores = (q.to(dtype) @ keys.transpose(-2, -1)) * scale  # (..., H, L, n)
+    bad = _to_query_heads(bad_k, q).index_select(-1, cols).unsqueeze(-2)  # (..., H, 1, n)
+    if mask is not None:
+        bad = bad & (mask if mask.shape[-1] == 1 else mask.index_select(-1, cols))
+    if softcap is not None:
+        return bad.any(dim=-1, keepdim=True).expand(*scores.shape[:-1], 1), None
+    poisoned = (bad & ~(scores < float("inf"))).any(dim=-1, keepdim=True)  # NaN or +inf
+    dropped = bad & (scores == float("-inf"))
+    if not bool(dropped.any()):
+        return poisoned, None
+    drop = torch.zeros((*dropped.shape[:-1], S), dtype=torch.bool, device=q.device)
+    return poisoned, drop.index_copy(-1, cols, dropped)
+
+
 def _propagate_non_finite(
     out: Tensor,
     weights: Tensor | None,
     q: Tensor,
-    bad_k: Tensor | None,
+    poisoned: Tensor | None,
     bad_v: Tensor | None,
-    allowed: Callable[[], Tensor | None],
+    mask: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Set to NaN the output rows that attend a non-finite key or value.
+    """Set to NaN the output rows that a non-finite key or value reaches.
 
     The keys and values were zeroed by :func:`_zero_non_finite`: attnkit propagates non-finite
     inputs instead of hiding them, but only to the queries that may attend them.
 
     Args:
         out: Attention output ``(..., H, L, Ev)``.
-        weights: Attention weights ``(..., H, L, S)``, or None. Rows that attend a non-finite
-            key become NaN (a non-finite value leaves the weights finite).
+        weights: Attention weights ``(..., H, L, S)``, or None. Rows poisoned by a key become
+            NaN (a non-finite value leaves the weights finite).
         q: The queries.
-        bad_k: ``(..., K, S)`` flags of non-finite key rows, or None.
+        poisoned: Bool ``(..., H, L, 1)`` rows with a NaN or ``+inf`` score on a key they may
+            attend (see :func:`_bad_key_scores`), or None.
         bad_v: ``(..., K, S)`` flags of non-finite value rows, or None.
-        allowed: Builds the bool mask (``True`` = may attend) broadcastable to the scores;
-            ``None`` when every key may be attended. Called only when something is non-finite.
+        mask: The bool mask (``True`` = may attend) broadcastable to the scores, or ``None``
+            when every key may be attended.
 
     Returns:
         ``(out, weights)``.
     """
-    if bad_k is None and bad_v is None:
-        return out, weights
-    mask = allowed()
-    if mask is None:  # every key may be attended
-        mask = torch.ones(1, 1, dtype=torch.bool, device=q.device)
-
-    def attends(bad: Tensor) -> Tensor:  # (..., K, S) -> (..., H, L, 1)
-        if q.dim() >= 3 and bad.shape[-2] != q.shape[-3]:
-            bad = bad.repeat_interleave(q.shape[-3] // bad.shape[-2], dim=-2)  # (..., H, S)
-        return (mask & bad.unsqueeze(-2)).any(dim=-1, keepdim=True)
-
     rows = torch.zeros((), dtype=torch.bool, device=q.device)
-    if bad_k is not None:
-        hit = attends(bad_k)
-        rows = rows | hit
+    if poisoned is not None:
+        rows = rows | poisoned
         if weights is not None:
-            weights = _nan_where(weights, hit)
+            weights = _nan_where(weights, poisoned)
     if bad_v is not None:
-        rows = rows | attends(bad_v)
+        bad = _to_query_heads(bad_v, q).unsqueeze(-2)  # (..., H, 1, S)
+        rows = rows | (bad if mask is None else mask & bad).any(dim=-1, keepdim=True)
     return _nan_where(out, rows), weights
 
 
@@ -532,8 +609,13 @@ def _explicit_attention(
     *,
     scale: float,
     dropout_p: float,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The textbook math, in float32 for half-precision inputs; fully-masked rows are zero."""
+    """The textbook math, in float32 for half-precision inputs; fully-masked rows are zero.
+
+    With ``softcap`` the scores are capped smoothly to ``(-softcap, softcap)`` by
+    ``tanh(s / softcap) * softcap`` before the mask (Gemma 2's attention-logit soft-capping).
+    """
     dtype = q.dtype
     q, k, v = (t.to(_compute_dtype(dtype)) for t in (q, k, v))  # no copy for float32/float64
     if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
@@ -541,6 +623,8 @@ def _explicit_attention(
         k = k.repeat_interleave(groups, dim=-3)  # (..., H, S, E)
         v = v.repeat_interleave(groups, dim=-3)  # (..., H, S, Ev)
     scores = (q @ k.transpose(-2, -1)) * scale  # (..., H, L, S)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     row_ok = None
     if mask is not None:
         if mask.dtype == torch.bool:

@@ -275,8 +275,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = True)
             f"sin {tuple(sin.shape)}"
         )
     compute = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(compute)
-    cos, sin = cos.to(compute), sin.to(compute)
+    xf = x if x.dtype == compute else x.to(compute)
+    if cos.dtype != compute:
+        cos, sin = cos.to(compute), sin.to(compute)
     if interleaved:
         pairs = xf.unflatten(-1, (E // 2, 2))  # (..., L, E/2, 2)
         x1, x2 = pairs[..., 0], pairs[..., 1]
@@ -284,7 +285,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = True)
     else:
         x1, x2 = xf.chunk(2, dim=-1)  # (..., L, E/2) each
         out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.to(x.dtype)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -370,6 +371,8 @@ class RotaryEmbedding(nn.Module):
         self.scaling = check_rope_scaling(scaling)
         self.register_buffer("cos", torch.empty(0, head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(0, head_dim // 2), persistent=False)
+        # (positions, their version, cos rows, sin rows) of the last call; see _rows.
+        self._memo: tuple[Tensor, int, Tensor, Tensor] | None = None
 
     def tables(
         self, length: int, device: torch.device | str | None = None
@@ -420,17 +423,42 @@ class RotaryEmbedding(nn.Module):
             return apply_rope(
                 x, cos[offset : offset + L], sin[offset : offset + L], interleaved=self.interleaved
             )
-        _check_positions(positions, L)
-        positions = positions.to(x.device)
-        if _values_checkable():
-            top = int(positions.max()) + 1 if positions.numel() else 0
-            cos, sin = self.tables(top, x.device)
-            cos, sin = cos[positions], sin[positions]  # (L, E/2) or (B, L, E/2)
-        else:  # compiled: no table sized by a value; the table's rows, computed per position
+        memo = self._memo
+        if memo is None or memo[0] is not positions:  # checked when first seen
+            _check_positions(positions, L)
+        cos, sin = self._rows(positions.to(x.device), x.device)
+        return apply_rope(x, cos, sin, interleaved=self.interleaved)
+
+    def _rows(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The tables' rows of ``positions``, shaped to broadcast over heads.
+
+        A model hands the same positions tensor to the queries and keys of every layer: the
+        rows of the last one are kept (with the tensor, so that its identity and version name
+        it) and reused, instead of gathered 2 x layers times per step.
+
+        Shape:
+            positions ``(L,)`` -> ``(L, E/2)``; ``(B, L)`` -> ``(B, 1, L, E/2)``.
+        """
+        remember = _values_checkable() and not positions.is_inference()  # no version counter
+        if not _values_checkable():  # compiled: the table's rows, computed per position
             cos, sin = self._cos_sin(positions)  # (L, E/2) or (B, L, E/2)
+        else:
+            memo = self._memo if remember else None
+            if (
+                memo is not None
+                and memo[0] is positions
+                and memo[1] == positions._version
+                and memo[2].device == device
+            ):
+                return memo[2], memo[3]
+            top = int(positions.max()) + 1 if positions.numel() else 0
+            cos, sin = self.tables(top, device)
+            cos, sin = cos[positions], sin[positions]  # (L, E/2) or (B, L, E/2)
         if positions.dim() == 2:
             cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (B, 1, L, E/2): broadcast heads
-        return apply_rope(x, cos, sin, interleaved=self.interleaved)
+        if remember:
+            self._memo = (positions, positions._version, cos, sin)
+        return cos, sin
 
     def extra_repr(self) -> str:
         text = f"head_dim={self.head_dim}, base={self.base}, interleaved={self.interleaved}"

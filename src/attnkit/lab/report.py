@@ -9,6 +9,7 @@ positional-encoding comparison when it was run) and the training curves.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from attnkit.explorer import ExplorerInput, explorer_page
 from attnkit.lab import page
 from attnkit.lab.checkpoint import atomic_write
 from attnkit.lab.page import PE_LABELS, FigureSpec
@@ -319,15 +321,48 @@ def _examples(result: TrainResult) -> list[page.Example]:
     return examples
 
 
+EXPLORER_INPUTS = 8
+"""Held-out inputs in each explorer page, chosen with the input selector."""
+
+
+def explorer_inputs(result: TrainResult, x: torch.Tensor, y: torch.Tensor) -> list[ExplorerInput]:
+    """One explorer input per held-out sequence: its weights, its accuracy in the label.
+
+    Shape:
+        x, y ``(B, L)``: held-out inputs and targets.
+    """
+    task = result.config.make_task()
+    weights = attention_weights(result.model, x)  # (B, layers, H, L, L)
+    device = next(result.model.parameters()).device
+    with torch.no_grad():
+        pred = result.model(x.to(device)).argmax(-1).cpu()  # (B, L)
+    inputs = []
+    for b in range(x.shape[0]):
+        scored = y[b] != IGNORE
+        right, total = int(((pred[b] == y[b]) & scored).sum()), int(scored.sum())
+        shown = torch.where(scored, pred[b], torch.full_like(pred[b], -1))
+        want = torch.where(scored, y[b], torch.full_like(y[b], -1))
+        mark = "all right" if right == total else f"{total - right} wrong"
+        inputs.append(
+            ExplorerInput(
+                [f"{i}:{t}" for i, t in enumerate(task.labels(x[b]))],  # positions matter here
+                weights[b],
+                label=f"input {b}: {right / max(total, 1):.0%} of {total} right ({mark})",
+                note=f"target: {' '.join(task.labels(want))}; "
+                f"model output: {' '.join(task.labels(shown))}",
+            )
+        )
+    return inputs
+
+
 def _write_explorers(out: Path, data: ReportData) -> dict[str, tuple[str, int]]:
     """The interactive explorer of the main run (``explorer.html``) and, with ``--compare-pe``,
-    of each compared encoder (``explorer-<positions>.html``), all on the same held-out input."""
-    from attnkit.explorer import write_explorer
-
+    of each compared encoder (``explorer-<positions>.html``), all on the same
+    :data:`EXPLORER_INPUTS` held-out inputs."""
     runs: dict[str, TrainResult] = {data.result.config.positions: data.result}
     for name, res in (data.compare or {}).items():
         runs.setdefault(name, res)
-    x, _ = _example(data.result)  # the first held-out example shown in the report
+    x, y = _example(data.result, EXPLORER_INPUTS)
     written: dict[str, tuple[str, int]] = {}
     for index, (name, res) in enumerate(runs.items()):
         cfg = res.config
@@ -335,17 +370,21 @@ def _write_explorers(out: Path, data: ReportData) -> dict[str, tuple[str, int]]:
         file = "explorer.html" if index == 0 else f"explorer-{name}.html"
         layer, _, _ = _best_head(res)
         what = task.description[:1].upper() + task.description[1:]
-        path = write_explorer(
-            out / file,
-            [f"{i}:{t}" for i, t in enumerate(task.labels(x[0]))],  # positions matter here
-            attention_weights(res.model, x[:1])[0],  # (layers, H, L, L)
+        text = explorer_page(
+            explorer_inputs(res, x, y),
             title=f"attnkit lab: {cfg.task}, {PE_LABELS.get(name, name)} positions",
-            description=f"{what}. A held-out input the model never saw in training; it opens "
-            f"on layer {layer}, which holds the head that learned the task best.",
+            description=f"{what}. Held-out inputs the model never saw in training, with its "
+            f"accuracy on each; it opens on layer {layer}, which holds the head that learned "
+            "the task best.",
             layer=layer,
         )
+        path = atomic_write(out / file, functools.partial(_write_text, text=text))
         written[name] = (file, path.stat().st_size)
     return written
+
+
+def _write_text(path: str, *, text: str) -> None:
+    Path(path).write_text(text, encoding="utf-8")
 
 
 def write_report(out_dir: str | Path, data: ReportData) -> Path:
@@ -366,7 +405,7 @@ def write_report(out_dir: str | Path, data: ReportData) -> Path:
     data.explorers = _write_explorers(out, data)
     data.metrics["explorers"] = {name: file for name, (file, _) in data.explorers.items()}
     text = _render(data)
-    return atomic_write(out / "report.html", lambda tmp: Path(tmp).write_text(text, "utf-8"))
+    return atomic_write(out / "report.html", functools.partial(_write_text, text=text))
 
 
 def _model_cost(cfg: LabConfig, seq_len: int, *, batch: int = 1, layers: int = 1) -> CostBreakdown:

@@ -1,44 +1,42 @@
-"""``attnkit tour``: every claim of the blog, measured on attnkit's own modules.
+"""The tour's measurements: one check per claim of the blog, run on attnkit's own modules.
 
-Each claim has a check function that runs attnkit's modules (the blog's classes, the positional
-modules, the models, the lab's training), measures what the claim says, and returns a
-:class:`ClaimResult` with a verdict, the numbers behind it and a figure. The modules under test can
-be swapped for others (a broken attention, a non-causal model, ...): the checks fail on them, which
-is how the tests show that each check can fail.
+Each check runs attnkit's modules (the blog's classes, the positional modules, the models, the
+lab's training), measures what the claim says, and returns a :class:`ClaimResult` with a verdict,
+the numbers behind it and what its picture needs; :mod:`attnkit.tour.figures` draws it. The
+modules under test can be swapped for others (a broken attention, a non-causal model, ...): the
+checks fail on them, which is how the tests show that each check can fail.
 
-:func:`run_tour` runs all ten in the blog's order and writes ``report.html``, ``claims.json`` and
-one PNG per claim under ``figures/``, plus ``explorer.html``: the trained model of claim 10 in the
-interactive explorer (:mod:`attnkit.explorer`).
-
-Needs matplotlib (the ``viz`` extra) for the figures and tqdm (``lab``) for the training.
+Needs only torch (and tqdm, the ``lab`` extra, for claim 10's training).
 """
 
 from __future__ import annotations
 
-import base64
 import functools
-import html
 import itertools
-import json
 import math
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from attnkit import complexity, profiling
-from attnkit.attention import MultiHeadAttention
-from attnkit.blog import PositionalTransformerBlock, ScaleDotProductAttention, TransformerBlock
-from attnkit.models import TransformerEncoder, TransformerLM
-from attnkit.positional import RotaryEmbedding, SinusoidalPositionalEncoding
+from attnkit import (
+    MultiHeadAttention,
+    PositionalTransformerBlock,
+    RotaryEmbedding,
+    ScaleDotProductAttention,
+    SinusoidalPositionalEncoding,
+    TransformerBlock,
+    TransformerEncoder,
+    TransformerLM,
+    complexity,
+    profiling,
+)
 
 __all__ = [
+    "BLOG_ORDER",
+    "CHECKS",
     "CLAIMS",
     "ClaimResult",
     "check_causal",
@@ -51,7 +49,6 @@ __all__ = [
     "check_saturation",
     "check_scaled_scores",
     "check_sinusoidal_shift",
-    "run_tour",
     "train_tour_model",
 ]
 
@@ -70,7 +67,8 @@ class ClaimResult:
         passed: Whether the measurement supports it.
         measured: The numbers behind the verdict (JSON-serialisable).
         verdict: One sentence saying what was measured against what threshold.
-        figure: The picture of the measurement (saved by :func:`run_tour`).
+        drawing: What the claim's picture needs beyond ``measured`` (arrays, labels); read by
+            :mod:`attnkit.tour.figures`, not written to ``claims.json``.
         explorer: Tokens and per-layer weights ``(H, L, L)`` to show in the explorer, if any.
     """
 
@@ -80,7 +78,7 @@ class ClaimResult:
     passed: bool
     measured: dict[str, Any]
     verdict: str
-    figure: Figure = field(repr=False)
+    drawing: dict[str, Any] = field(default_factory=dict, repr=False)
     explorer: tuple[list[str], list[Tensor]] | None = field(default=None, repr=False)
 
     def to_dict(self, figure_path: str) -> dict[str, Any]:
@@ -147,22 +145,14 @@ BLOG_ORDER = (1, 2, 10, 9, 3, 4, 5, 6, 7, 8)  # the order of the blog's sections
 
 
 def _result(
-    cid: int, passed: bool, measured: dict[str, Any], verdict: str, fig: Figure
+    cid: int,
+    passed: bool,
+    measured: dict[str, Any],
+    verdict: str,
+    drawing: dict[str, Any] | None = None,
 ) -> ClaimResult:
     section, claim = CLAIMS[cid]
-    return ClaimResult(cid, claim, section, bool(passed), measured, verdict, fig)
-
-
-def _figure(width: float, height: float, cols: int = 1) -> tuple[Figure, list[Any]]:
-    fig = Figure(figsize=(width, height), layout="constrained", facecolor="white")
-    axes = fig.subplots(1, cols, squeeze=False)[0]
-    return fig, list(axes)
-
-
-def _title(ax: Any, title: str) -> None:
-    """Title a panel and give it the tour's small legend."""
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    return ClaimResult(cid, claim, section, bool(passed), measured, verdict, drawing or {})
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -236,23 +226,11 @@ def check_scaled_scores(
         )
     ok_scaled = all(abs(r["scaled_std"] - 1) <= tolerance for r in rows)
     ok_unscaled = all(abs(r["unscaled_std_over_sqrt_d"] - 1) <= tolerance for r in rows)
-    fig, (ax,) = _figure(6.4, 4.0)
-    ds = [r["d"] for r in rows]
-    ax.plot(ds, [r["unscaled_std"] for r in rows], "o-", color="#d62728", label="q·k (unscaled)")
-    ax.plot(ds, [math.sqrt(d) for d in ds], ":", color="#d62728", alpha=0.6, label="√d")
-    ax.plot(ds, [r["scaled_std"] for r in rows], "o-", color="#1f77b4", label="q·k / √d")
-    ax.axhline(1.0, color="#1f77b4", ls=":", alpha=0.6)
-    ax.set(xscale="log", yscale="log", xlabel="head dim d", ylabel="std of the scores")
-    ax.set_xticks(ds, [str(d) for d in ds])
-    ax.set_title("Std of random scores, read from the module's weights")
-    ax.legend()
     verdict = (
         f"scaled std within {tolerance:.0%} of 1 for every d: {ok_scaled}; unscaled std within "
         f"{tolerance:.0%} of √d: {ok_unscaled}"
     )
-    return _result(
-        1, ok_scaled and ok_unscaled, {"per_dim": rows, "tolerance": tolerance}, verdict, fig
-    )
+    return _result(1, ok_scaled and ok_unscaled, {"per_dim": rows, "tolerance": tolerance}, verdict)
 
 
 def check_saturation(
@@ -294,25 +272,12 @@ def check_saturation(
         k = torch.tensor([[scores[0]], [scores[1]]], dtype=torch.float64)
         _, w = unscaled(1)(q, k, k, return_weights=True)
         blog[str(list(scores))] = [float(x) for x in w[0]]
-    fig, (ax,) = _figure(6.4, 4.0)
-    ds = [r["d"] for r in rows]
-    ax.plot(ds, tops, "o-", color="#d62728", label="softmax(q·k): no scale")
-    ax.plot(
-        ds, [r["scaled_max_weight"] for r in rows], "o-", color="#1f77b4", label="softmax(q·k / √d)"
-    )
-    ax.axhline(1.0, color="gray", ls=":")
-    ax.axhline(1 / n, color="gray", ls="--", lw=0.8)
-    ax.text(ds[0], 1 / n * 1.15, f"uniform 1/{n}", fontsize=8, color="gray")
-    ax.set(xscale="log", ylim=(0, 1.05), xlabel="head dim d", ylabel="mean largest weight of a row")
-    ax.set_xticks(ds, [str(d) for d in ds])
-    ax.set_title(f"Softmax over {n} keys: one-hot without the scale")
-    ax.legend(loc="center right")
     verdict = (
         f"unscaled largest weight rises with d: {rising}, reaches {tops[-1]:.3f} (> 0.9): "
         f"{saturated}; scaled stays below 0.35: {calm}"
     )
     measured = {"per_dim": rows, "blog_example_softmax": blog}
-    return _result(2, rising and saturated and calm, measured, verdict, fig)
+    return _result(2, rising and saturated and calm, measured, verdict, {"keys": n})
 
 
 # --------------------------------------------------------------------------- 3: cost
@@ -407,30 +372,6 @@ def check_cost(
     slope_time = math.log(median[b] / median[a]) / math.log(b / a)
     slope_flops = math.log(flops[b] / flops[a]) / math.log(b / a)
     shape_ok = abs(slope_time - slope_flops) <= 0.6
-    fig, (ax1, ax2) = _figure(11.0, 4.4, cols=2)
-    ns = [r["n"] for r in rows]
-    ax1.plot(ns, [r["counted_linear"] for r in rows], "o-", label="n·d² terms: projections")
-    ax1.plot(ns, [r["counted_quadratic"] for r in rows], "o-", label="n²·d terms: QKᵀ, weights·V")
-    ax1.plot(ns, [r["predicted_linear"] for r in rows], "k:", lw=1, label="predicted (complexity)")
-    ax1.plot(ns, [r["predicted_quadratic"] for r in rows], "k:", lw=1)
-    ax1.axvline(predicted_n, color="gray", ls="--")
-    ax1.text(
-        predicted_n * 1.08, 0.04, f"n* = 2d = {predicted_n}", transform=ax1.get_xaxis_transform()
-    )
-    ax1.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel="matmul FLOPs")
-    ticks = [n for n in ns if n in (16, 32, 64, 128, 256, 512)]
-    ax1.set_xticks(ticks, [str(n) for n in ticks])
-    ax1.minorticks_off()
-    _title(ax1, f"FLOPs counted by torch, MultiHeadAttention(D={dim}, H={num_heads})")
-    tl = list(timed_lengths)
-    ax2.plot(tl, [median[n] * 1e3 for n in tl], "o-", label="measured (median)")
-    ax2.plot(
-        tl, [flops[n] / flops[b] * median[b] * 1e3 for n in tl], "k:", label="∝ predicted FLOPs"
-    )
-    ax2.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel="forward time (ms)")
-    ax2.set_xticks(tl, [str(n) for n in tl])
-    ax2.minorticks_off()
-    _title(ax2, f"Time: slope {slope_time:.2f} vs FLOPs slope {slope_flops:.2f} ({a}→{b})")
     verdict = (
         f"counted FLOPs equal the predicted components at every n: {counts_match}; n² terms "
         f"first reach the n·d² terms at n = {measured_n} (predicted {predicted_n}); time slope "
@@ -440,11 +381,12 @@ def check_cost(
         "flops": rows,
         "predicted_crossover": predicted_n,
         "measured_crossover": measured_n,
-        "median_time_s": {str(n): median[n] for n in tl},
+        "median_time_s": {str(n): median[n] for n in timed_lengths},
         "time_slope": slope_time,
         "flops_slope": slope_flops,
     }
-    return _result(3, counts_match and crossover_ok and shape_ok, measured, verdict, fig)
+    drawing = {"predicted_flops": flops, "dim": dim, "num_heads": num_heads}
+    return _result(3, counts_match and crossover_ok and shape_ok, measured, verdict, drawing)
 
 
 # --------------------------------------------------------------------------- 4: permutation
@@ -485,19 +427,10 @@ def check_permutation(
         for kind in ("sinusoidal", "rope")
     }
     passed = err <= tolerance
-    fig, (ax,) = _figure(6.4, 3.8)
-    labels = ["module under test" if module is not None else "no positions", "sinusoidal", "rotary"]
-    values = [err, contrast["sinusoidal"], contrast["rope"]]
-    ax.bar(labels, [max(v, 1e-10) for v in values], color=["#1f77b4", "#ff7f0e", "#2ca02c"])
-    ax.axhline(tolerance, color="gray", ls="--")
-    ax.text(2.4, tolerance * 1.5, "tolerance", ha="right", fontsize=8, color="gray")
-    ax.set(yscale="log", ylabel="max |f(P x) − P f(x)|", ylim=(1e-10, 10))
-    ax.set_title("Permute the tokens: does the output permute the same way?")
-    for i, v in enumerate(values):
-        ax.text(i, max(v, 1e-10) * 1.6, f"{v:.1e}", ha="center", fontsize=9)
     verdict = f"max |f(Px) - P f(x)| = {err:.2e} (tolerance {tolerance:.0e})"
     measured = {"max_error": err, "tolerance": tolerance, "with_positions": contrast}
-    return _result(4, passed, measured, verdict, fig)
+    label = "module under test" if module is not None else "no positions"
+    return _result(4, passed, measured, verdict, {"label": label})
 
 
 # --------------------------------------------------------------------------- 5, 6: sinusoidal
@@ -549,39 +482,6 @@ def check_sinusoidal_shift(
         per_pair[k] = err.amax(0)
     worst = max(errors.values())
     passed = worst <= tolerance
-    fig, (ax1, ax2) = _figure(11.0, 4.3, cols=2)
-    # three pairs, positions 0..7; drawn at radii 1, 3/4, 1/2 so that they do not overlap
-    for pair, radius, colour in ((0, 1.0, "#1f77b4"), (2, 0.75, "#ff7f0e"), (5, 0.5, "#2ca02c")):
-        pts = (pairs[:8, pair] * radius).numpy()  # (8, 2)
-        ax1.plot(
-            pts[:, 0],
-            pts[:, 1],
-            "o-",
-            color=colour,
-            ms=4,
-            lw=0.8,
-            label=f"pair {pair} (dims {2 * pair}, {2 * pair + 1})",
-        )
-        for p_ in (0, 1, 2):
-            ax1.annotate(
-                f"p={p_}",
-                pts[p_],
-                fontsize=7,
-                color=colour,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
-    ax1.set_aspect("equal")
-    ax1.set(
-        xlabel="even channel (sin)", ylabel="odd channel (cos)", xlim=(-1.2, 1.2), ylim=(-1.2, 1.2)
-    )
-    ax1.set_title("Each pair turns by a fixed angle per position")
-    ax1.legend(fontsize=8, loc="lower left")
-    for k, err in per_pair.items():
-        ax2.plot(range(len(err)), err.clamp_min(1e-12).numpy(), "o-", ms=3, label=f"k = {k}")
-    ax2.axhline(tolerance, color="gray", ls="--")
-    ax2.set(yscale="log", xlabel="channel pair", ylabel="max over p of |PE(p+k) − R_k PE(p)|")
-    _title(ax2, "One rotation per pair maps every PE(p) to PE(p + k)")
     verdict = (
         f"largest error over all p, pairs and k in {list(shifts)}: {worst:.2e} "
         f"(tolerance {tolerance:.0e})"
@@ -591,7 +491,7 @@ def check_sinusoidal_shift(
         passed,
         {"max_error_per_shift": errors, "tolerance": tolerance, "positions": N, "dim": dim},
         verdict,
-        fig,
+        {"table": pe, "per_pair": per_pair},
     )
 
 
@@ -616,19 +516,12 @@ def check_frequencies(table: Tensor | None = None) -> ClaimResult:
     increasing = all(b > a for a, b in itertools.pairwise(wavelength))
     short = wavelength[0] < 10
     long = wavelength[-1] > 1000 * wavelength[0]
-    fig, (ax1, ax2) = _figure(11.0, 4.2, cols=2)
-    ax1.imshow(pe.T.numpy(), aspect="auto", cmap="coolwarm", interpolation="nearest")
-    ax1.set(xlabel="position p", ylabel="embedding dimension")
-    ax1.set_title("Sinusoidal table: low dimensions change fast")
-    ax2.plot(range(len(wavelength)), wavelength, "o-", ms=3)
-    ax2.set(yscale="log", xlabel="channel pair i", ylabel="wavelength (positions)")
-    ax2.set_title("Measured wavelength of each pair")
     verdict = (
         f"wavelengths rise with the pair index: {increasing}; shortest {wavelength[0]:.2f} "
         f"positions (< 10: {short}); longest {wavelength[-1]:.0f} (> 1000x the shortest: {long})"
     )
     measured = {"wavelengths": wavelength, "radians_per_position": speed.tolist()}
-    return _result(6, increasing and short and long, measured, verdict, fig)
+    return _result(6, increasing and short and long, measured, verdict, {"table": pe})
 
 
 # --------------------------------------------------------------------------- 7, 8: RoPE
@@ -669,8 +562,8 @@ def check_rope_norm(
     )
     measured: dict[str, Any] = {"tolerance": tolerance}
     worst = 0.0
-    fig, (ax,) = _figure(6.4, 4.0)
     before = x.norm(dim=-1).flatten()
+    after = {}
     for name, fn in rotations.items():
         with torch.no_grad():
             y = fn(x, positions)
@@ -678,19 +571,10 @@ def check_rope_norm(
         rel = float((ratio - 1).abs().max())
         measured[name] = {"max_relative_norm_change": rel}
         worst = max(worst, rel)
-        ax.scatter(
-            before.numpy(),
-            y.norm(dim=-1).flatten().numpy(),
-            s=3,
-            alpha=0.4,
-            label=f"{name}: max |Δ|/|x| = {rel:.1e}",
-        )
-    lo, hi = float(before.min()), float(before.max())
-    ax.plot([lo, hi], [lo, hi], "k:", lw=1)
-    ax.set(xlabel="|x|", ylabel="|rope(x, p)|")
-    _title(ax, "RoPE at positions 0..127 and 100000..100127")
+        after[name] = y.norm(dim=-1).flatten()
     verdict = f"largest relative change of a norm: {worst:.2e} (tolerance {tolerance:.0e})"
-    return _result(7, worst <= tolerance, measured, verdict, fig)
+    drawing = {"before": before, "after": after}
+    return _result(7, worst <= tolerance, measured, verdict, drawing)
 
 
 def check_rope_relative(
@@ -737,14 +621,6 @@ def check_rope_relative(
     move = float((shifted - scores).abs().max())
     varies = float(torch.tensor(by_offset).std()) > 0.05 * scale
     ok = spread <= tolerance * scale and move <= tolerance * scale and varies
-    fig, (ax1, ax2) = _figure(11.0, 4.3, cols=2)
-    image = ax1.imshow(scores.numpy(), cmap="coolwarm", interpolation="nearest")
-    fig.colorbar(image, ax=ax1, shrink=0.85, label="score")
-    ax1.set(xlabel="key position s", ylabel="query position p")
-    ax1.set_title("rope(q, p) · rope(k, s): constant along diagonals")
-    ax2.plot(range(-(length - 1), length), by_offset, "-", lw=1.2)
-    ax2.set(xlabel="offset s − p", ylabel="score")
-    ax2.set_title(f"Score by offset (diagonal spread {spread:.0e})")
     verdict = (
         f"largest spread along a diagonal {spread:.2e}, change when both positions move by "
         f"{far}: {move:.2e} (tolerance {tolerance:.0e} x scale {scale:.2f}); varies with the "
@@ -757,7 +633,7 @@ def check_rope_relative(
         "varies_with_offset": varies,
         "tolerance": tolerance,
     }
-    return _result(8, ok, measured, verdict, fig)
+    return _result(8, ok, measured, verdict, {"scores": scores, "by_offset": by_offset})
 
 
 # --------------------------------------------------------------------------- 9: causal
@@ -798,20 +674,6 @@ def check_causal(
     past = max(past_change)
     uses_context = min(future_change) > 1e-4
     ok = upper == 0.0 and past <= 1e-10 and uses_context
-    fig, (ax1, ax2) = _figure(11.0, 4.3, cols=2)
-    image = ax1.imshow(weights[-1][0, 0].numpy(), cmap="viridis", interpolation="nearest")
-    fig.colorbar(image, ax=ax1, shrink=0.85, label="weight")
-    ax1.set(xlabel="key position", ylabel="query position")
-    ax1.set_title("Last layer, head 0: nothing above the diagonal")
-    ax2.plot(
-        range(length - 1),
-        [max(v, 1e-18) for v in past_change],
-        "o-",
-        label="largest change at positions ≤ t",
-    )
-    ax2.plot(range(length - 1), future_change, "s-", label="largest change at positions > t")
-    ax2.set(yscale="log", xlabel="t: tokens after t replaced", ylabel="max |Δ logits|")
-    _title(ax2, "Changing the future")
     verdict = (
         f"largest weight above the diagonal {upper:.1e} (must be 0); largest change of an "
         f"earlier output {past:.1e} (<= 1e-10); later outputs do change: {uses_context}"
@@ -821,7 +683,12 @@ def check_causal(
         "max_past_change": past,
         "min_future_change": min(future_change),
     }
-    return _result(9, ok, measured, verdict, fig)
+    drawing = {
+        "map": weights[-1][0, 0],  # last layer, first example, head 0: (L, L)
+        "past_change": past_change,
+        "future_change": future_change,
+    }
+    return _result(9, ok, measured, verdict, drawing)
 
 
 # --------------------------------------------------------------------------- 10: interpretable
@@ -867,7 +734,6 @@ def check_interpretable(
     Returns:
         The claim's result; ``measured`` holds the alignment of every head and the accuracy.
     """
-    from attnkit import viz
     from attnkit.lab.train import attention_weights, eval_set, evaluate, head_alignment
 
     if model is None:
@@ -883,12 +749,6 @@ def check_interpretable(
     layer, head = divmod(best, align.shape[1])
     share = float(align[layer, head])
     accuracy = evaluate(model, x, y)["accuracy"]
-    fig = viz.attention_map(
-        weights[0, layer, head],
-        query_tokens=task.labels(x[0]),
-        key_tokens=task.labels(x[0]),
-        title=f"layer {layer}, head {head} on a held-out input: {share:.0%} on the answer",
-    )
     verdict = (
         f"best head (layer {layer}, head {head}) puts {share:.3f} of its weight on the answer's "
         f"position (threshold {threshold}; chance {1 / task.seq_len:.2f}); held-out accuracy "
@@ -905,120 +765,22 @@ def check_interpretable(
         "task": task.name,
         "train_steps": config.steps,
     }
-    res = _result(10, share >= threshold, measured, verdict, fig)
+    drawing = {"map": weights[0, layer, head], "tokens": task.labels(x[0])}
+    res = _result(10, share >= threshold, measured, verdict, drawing)
     res.explorer = (task.labels(x[0]), list(weights[0].unbind(0)))  # layers x (H, L, L)
     return res
 
 
-# --------------------------------------------------------------------------- the tour
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """Run with ``n`` torch threads (tiny ops stall on oversubscribed cores), then restore."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def run_tour(out_dir: str | Path, *, log: Callable[[str], None] | None = None) -> list[ClaimResult]:
-    """Measure the ten claims and write ``report.html``, ``claims.json``, figures and explorer.
-
-    Args:
-        out_dir: Directory to write (created).
-        log: Called with one line per claim as it finishes.
-
-    Returns:
-        The results in the blog's order.
-    """
-    from attnkit import viz
-    from attnkit.explorer import write_explorer
-
-    out = Path(out_dir)
-    (out / "figures").mkdir(parents=True, exist_ok=True)
-    checks: dict[int, Callable[[], ClaimResult]] = {
-        1: check_scaled_scores,
-        2: check_saturation,
-        3: check_cost,
-        4: check_permutation,
-        5: check_sinusoidal_shift,
-        6: check_frequencies,
-        7: check_rope_norm,
-        8: check_rope_relative,
-        9: check_causal,
-        10: check_interpretable,
-    }
-    results: list[ClaimResult] = []
-    entries = []
-    explorer = None
-    with _threads(1):
-        for cid in BLOG_ORDER:
-            t0 = time.perf_counter()
-            res = checks[cid]()
-            if res.explorer is not None:
-                tokens, weights = res.explorer
-                explorer = write_explorer(
-                    out / "explorer.html",
-                    tokens,
-                    weights,
-                    title="Attention of the tour's trained model",
-                    description="The reverse task, a held-out input: output i needs input n-1-i.",
-                )
-            name = f"figures/claim-{cid:02d}.png"
-            viz.save_figure(res.figure, out / name)
-            res.measured["seconds"] = round(time.perf_counter() - t0, 3)
-            entries.append(res.to_dict(name))
-            results.append(res)
-            if log is not None:
-                log(f"claim {cid:2d} {'PASS' if res.passed else 'FAIL'}: {res.verdict}")
-    (out / "claims.json").write_text(
-        json.dumps(sorted(entries, key=lambda e: e["id"]), indent=2), encoding="utf-8"
-    )
-    (out / "report.html").write_text(_report(out, results, explorer), encoding="utf-8")
-    return results
-
-
-def _report(out: Path, results: Sequence[ClaimResult], explorer: Path | None) -> str:
-    esc = html.escape
-    passed = sum(r.passed for r in results)
-    parts = []
-    section = None
-    for r in results:
-        if r.section != section:
-            section = r.section
-            parts.append(f"<h2>{esc(section)}</h2>")
-        name = f"figures/claim-{r.id:02d}.png"
-        data = base64.b64encode((out / name).read_bytes()).decode("ascii")
-        badge = '<span class="pass">PASS</span>' if r.passed else '<span class="fail">FAIL</span>'
-        link = ""
-        if r.id == 10 and explorer is not None:
-            link = (
-                f'<p><a href="{esc(explorer.name)}"><b>Open the trained model in the interactive '
-                "explorer</b></a>: hover a token to see where every head looks.</p>"
-            )
-        parts.append(
-            f'<section class="claim" id="claim-{r.id}" data-passed="{str(r.passed).lower()}">'
-            f"<h3>{badge} Claim {r.id}. {esc(r.claim)}</h3>"
-            f"<p class=verdict>Measured: {esc(r.verdict)}.</p>{link}"
-            f'<figure><img src="data:image/png;base64,{data}" alt="figure of claim {r.id}" '
-            f'data-file="{name}"><figcaption><a href="{name}">{name}</a></figcaption></figure>'
-            "</section>"
-        )
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>attnkit tour: the blog's claims, measured</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}}
-h2{{border-bottom:1px solid #ddd;margin-top:1.6em}} h3{{font-size:1.05em}}
-img{{max-width:100%}} .pass{{background:#2ca02c;color:#fff;padding:1px 6px;border-radius:3px}}
-.fail{{background:#d62728;color:#fff;padding:1px 6px;border-radius:3px}}
-.verdict{{color:#333}} figcaption{{font-size:.8em;color:#666}}</style></head>
-<body>
-<h1>A tour of <i>All you need for attention</i>, measured</h1>
-<p>Each claim of the blog is checked on attnkit's own modules: the blog's classes, the positional
-encodings, the models and a model trained by the lab. <b>{passed} of {len(results)}</b> claims
-pass. The numbers are in <a href="claims.json">claims.json</a>.</p>
-{"".join(parts)}
-</body></html>
-"""
+CHECKS: dict[int, Callable[[], ClaimResult]] = {
+    1: check_scaled_scores,
+    2: check_saturation,
+    3: check_cost,
+    4: check_permutation,
+    5: check_sinusoidal_shift,
+    6: check_frequencies,
+    7: check_rope_norm,
+    8: check_rope_relative,
+    9: check_causal,
+    10: check_interpretable,
+}
+"""Claim id -> its check, run with its defaults (attnkit's own modules)."""

@@ -2,10 +2,10 @@
 
 Used by ``benchmarks/bench_decode.py`` and ``attnkit bench --vs``. Everything is measured side by
 side in one process, runs interleaved, medians reported; what matters are the ratios (the machine
-may be shared). transformers is imported only inside :func:`decode_rows`; without it the rows
-against it are skipped with a note.
+may be shared). transformers is imported only when a row needs it; without it the rows against
+it are skipped with a note. Measured results: ``benchmarks/RESULTS.md``.
 
-Rows (issue 13):
+Rows:
 
 * ``llama-3m``: dim 256, 4 layers, 8/4 heads, SwiGLU 688, RMSNorm, vocab 1024, tied head;
   prompt 512, 128 new tokens, greedy. Target: >= 2x transformers end to end.
@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import copy
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+import torch.nn.functional as F
+from torch import Tensor
 
 from attnkit import decoding
-from attnkit.attention import MultiHeadAttention
-from attnkit.blocks import FeedForward
 from attnkit.config import FAMILIES, PRESETS, TransformerConfig
 from attnkit.models import TransformerLM
 from attnkit.positional import LearnedPositionalEmbedding
@@ -35,6 +35,7 @@ from attnkit.positional import LearnedPositionalEmbedding
 __all__ = [
     "DECODE_MODELS",
     "decode_rows",
+    "layout_kernels",
     "layout_table",
     "llama_config",
     "read_bandwidth",
@@ -73,14 +74,16 @@ def llama_config(name: str) -> TransformerConfig:
 def to_transformers(model: TransformerLM) -> Any:
     """A transformers ``LlamaForCausalLM`` computing the same function as a Llama-shaped ``model``.
 
-    The weights are copied (q/k/v rows of the fused projection split apart); ``model`` must be
-    pre-norm RMSNorm, SwiGLU, half-split rotary, without biases or a window.
+    The model is written as a Hugging Face folder by :meth:`attnkit.TransformerLM.save_pretrained`
+    (the config and weight-name mapping of :mod:`attnkit.interop.hf`) and read back by
+    transformers, so the peer is exactly what a user converting the model would get.
 
     Raises:
         ImportError: Without transformers.
-        ValueError: If ``model`` is not Llama-shaped.
+        ValueError: If ``model`` is not Llama-shaped (pre-norm RMSNorm, SwiGLU, rotary
+            positions, no biases or window).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     cfg = model.config
     llama_like = (
@@ -88,87 +91,27 @@ def to_transformers(model: TransformerLM) -> Any:
         and cfg.activation == "swiglu"
         and cfg.norm_first
         and cfg.position == "rope"
-        and not cfg.rope_interleaved
         and cfg.window is None
-        and cfg.rope_scaling is None
         and not any(m.bias is not None for m in model.modules() if isinstance(m, torch.nn.Linear))
     )
     if not llama_like:
         raise ValueError(f"model is not Llama-shaped: {cfg}")
-    rope: dict[str, Any] = {  # transformers 5 nests the base; 4.x reads rope_theta
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
-        "rope_theta": cfg.rope_base,
-    }
-    hf_cfg = LlamaConfig(
-        **rope,
-        vocab_size=model.embedding.num_embeddings,
-        hidden_size=cfg.dim,
-        intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        max_position_embeddings=cfg.max_seq_len,
-    )
-    hf = LlamaForCausalLM(hf_cfg).eval()
-    H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    state: dict[str, Tensor] = {
-        "model.embed_tokens.weight": model.embedding.weight,
-        "model.norm.weight": _weight(model.norm),
-    }
-    if model.lm_head is not None:
-        state["lm_head.weight"] = model.lm_head.weight
-    for i, block in enumerate(model.blocks):
-        p = f"model.layers.{i}."
-        attn, ff = block.attention, block.feed_forward
-        if not isinstance(attn, MultiHeadAttention) or not isinstance(ff, FeedForward):
-            raise TypeError(f"block {i} is not attnkit's MultiHeadAttention + FeedForward")
-        q, k, v = attn.qkv_proj.weight.split([H * E, K * E, K * E])
-        gate, up = ff.gate_up.weight.chunk(2)  # SwiGLU, checked above
-        state |= {
-            p + "self_attn.q_proj.weight": q,
-            p + "self_attn.k_proj.weight": k,
-            p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": attn.out_proj.weight,
-            p + "mlp.gate_proj.weight": gate,
-            p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": ff.linear2.weight,
-            p + "input_layernorm.weight": _weight(block.get_submodule("norm1")),
-            p + "post_attention_layernorm.weight": _weight(block.get_submodule("norm2")),
-        }
-    missing, unexpected = hf.load_state_dict(
-        {k: t.detach().clone() for k, t in state.items()}, strict=False
-    )
-    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_embeddings)]
-    if missing or unexpected:
-        raise ValueError(f"weight mapping incomplete: missing {missing}, unexpected {unexpected}")
-    return hf.to(model.embedding.weight.dtype)
-
-
-def _weight(module: nn.Module) -> Tensor:
-    weight = module.weight
-    if not isinstance(weight, Tensor):
-        raise TypeError(f"{type(module).__name__} has no weight tensor")
-    return weight
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=model.embedding.weight.dtype)
+    if type(hf).__name__ != "LlamaForCausalLM":
+        raise ValueError(f"model is not Llama-shaped: saved as {type(hf).__name__}")
+    return hf.eval()
 
 
 class _ReadBandwidth:
     """Memory read bandwidth in bytes/s over ``nbytes`` of float32: the faster of a ``sum`` and a
-    matrix-vector product (one pass each per :meth:`measure`), over an ordinary allocation (the
-    issue's bound) and, with ``huge_pages``, over a transparent-huge-page one (what the decoder's
-    prepared weights use; a stricter bound)."""
+    matrix-vector product, one pass each per :meth:`measure`."""
 
-    def __init__(self, nbytes: int = 1 << 30, *, huge_pages: bool = False) -> None:
+    def __init__(self, nbytes: int = 1 << 30) -> None:
         cols = 4096
         rows = max(nbytes // 4 // cols, 1)
-        if huge_pages:
-            self.a = (
-                decoding._huge_page_empty(rows * cols, torch.float32).view(rows, cols).fill_(1.0)
-            )
-        else:
-            self.a = torch.ones(rows, cols)
+        self.a = torch.ones(rows, cols)
         self.x = torch.ones(cols)
 
     def measure(self) -> float:
@@ -204,6 +147,8 @@ def _weight_bytes(model: TransformerLM) -> int:
 def _runner(
     model: TransformerLM, prompt: Tensor, *, compile: bool = False
 ) -> Callable[[int], Tensor]:
+    """Greedy ``generate`` of a copy of ``model`` whose linears :func:`attnkit.decoding.prepare`
+    laid out for one-row products (eager, or for the compiled step)."""
     prepared = decoding.prepare(copy.deepcopy(model), compiled=compile)
 
     def run(new: int) -> Tensor:
@@ -212,7 +157,7 @@ def _runner(
     return run
 
 
-# Issue 13's targets: (model, what, row, key, at least).
+# The targets of the rows: (model, what, row, key, at least).
 TARGETS: list[tuple[str, str, str, str, float]] = [
     ("llama-3m", "eager vs transformers", "attnkit", "vs_transformers", 1.3),
     ("llama-3m", "compiled vs transformers", "attnkit compile", "vs_transformers", 2.0),
@@ -345,23 +290,19 @@ def decode_rows(
         times: dict[str, list[float]] = {v: [] for v in runners}
         steps: dict[str, list[float]] = {v: [] for v in runners}
         probe = _ReadBandwidth() if big else None
-        probe_huge = _ReadBandwidth(huge_pages=True) if big else None
         bandwidths: list[float] = []
-        bandwidths_huge: list[float] = []
         for r in range(repeats):
             for variant, run in runners.items():
                 say(f"{name}: run {r + 1}/{repeats} {variant}")
                 t = _seconds(run, new)
                 times[variant].append(t)
                 steps[variant].append(max(t - _seconds(run, 1), 1e-9) / (new - 1))
-            if probe is not None and probe_huge is not None:
+            if probe is not None:
                 say(f"{name}: read bandwidth {r + 1}/{repeats}")
                 bandwidths.append(probe.measure())
-                bandwidths_huge.append(probe_huge.measure())
-        del probe, probe_huge
+        del probe
         # The bound is the best the machine showed (the fastest probe), not the median.
         bandwidth = max(bandwidths) if bandwidths else None
-        bandwidth_huge = max(bandwidths_huge) if bandwidths_huge else None
         bytes_per_token = _weight_bytes(model)
         ref = outputs.get("transformers")
         model_rows: dict[str, dict[str, Any]] = {}
@@ -385,11 +326,6 @@ def decode_rows(
                 row["bandwidth_bytes_per_s"] = bandwidth
                 row["fp32_weight_bytes"] = bytes_per_token
                 row["of_fp32_bound"] = row["step_tokens_per_s"] * bytes_per_token / bandwidth
-            if bandwidth_huge is not None:
-                row["bandwidth_huge_pages_bytes_per_s"] = bandwidth_huge
-                row["of_fp32_bound_huge_pages"] = (
-                    row["step_tokens_per_s"] * bytes_per_token / bandwidth_huge
-                )
             model_rows[variant] = row
         base = model_rows.get("transformers")
         for row in model_rows.values():
@@ -413,25 +349,35 @@ def decode_rows(
     }
 
 
-class _RowProduct:
-    """``x @ W^T`` for one row, with ``W`` stored in one of the measured layouts."""
+def layout_kernels(weight: Tensor) -> dict[str, Callable[[Tensor], Tensor]]:
+    """Ways to compute ``F.linear(x, weight)`` for one row, each with the weight prepared once.
 
-    def __init__(self, weight: Tensor, layout: str) -> None:
-        self.layout, self.weight = layout, weight
-        if layout == "transposed":
-            self.weight = weight.t().contiguous()
-        elif layout == "packed":
-            try:
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            except (AttributeError, RuntimeError):  # a torch build without the op
-                self.layout = "linear"
+    ``"F.linear"`` uses the weight as is; ``"transposed (addmm)"`` keeps a contiguous
+    ``(in, out)`` copy multiplied with ``torch.mm``; ``"oneDNN packed"`` reorders it into
+    oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) applied with
+    ``torch.ops.mkldnn._linear_pointwise``, the kernel inductor uses for frozen CPU linears
+    (absent from torch builds without oneDNN).
 
-    def __call__(self, x: Tensor) -> Tensor:
-        if self.layout == "transposed":
-            return torch.mm(x, self.weight)
-        if self.layout == "packed":
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        return torch.nn.functional.linear(x, self.weight)
+    Args:
+        weight: ``(out, in)`` weight.
+
+    Returns:
+        Name -> ``fn(x)`` with ``x`` of shape ``(N, in)`` -> ``(N, out)``.
+    """
+    weight = weight.detach()
+    transposed = weight.t().contiguous()
+    kernels: dict[str, Callable[[Tensor], Tensor]] = {
+        "F.linear": lambda x: F.linear(x, weight),
+        "transposed (addmm)": lambda x: torch.mm(x, transposed),
+    }
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    except (AttributeError, RuntimeError):  # a torch build without the op
+        return kernels
+    kernels["oneDNN packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
+        x, packed, None, "none", [], ""
+    )
+    return kernels
 
 
 def layout_table(
@@ -445,8 +391,9 @@ def layout_table(
 ) -> list[dict[str, Any]]:
     """Single-row products through every weight of a Llama-shaped model, per kernel and layout.
 
-    The measurement behind :mod:`attnkit.decoding`'s layout rule: one pass multiplies a row by
-    each matrix of ``layers`` blocks (fused q/k/v, output, fused gate/up, down) and the head;
+    The measurement behind the weight layouts of cached decoding: one pass multiplies a row by
+    each matrix of ``layers`` blocks (fused q/k/v, output, fused gate/up, down) and the head, with
+    each kernel of :func:`layout_kernels` in fp32 (and bf16 where it converts nothing per call);
     passes of every variant are interleaved ``repeats`` times (medians). A ``sum`` over the fp32
     weights gives the pure read for reference.
 
@@ -458,16 +405,21 @@ def layout_table(
     weights = [torch.randn(n, d) * 0.02 for n, d in shapes]
     rows32 = {d: torch.randn(1, d) for d in (dim, hidden)}
     rows16 = {d: x.bfloat16() for d, x in rows32.items()}
-    variants: dict[str, tuple[list[_RowProduct], dict[int, Tensor]]] = {}
-    for name, dtype, layout in (
-        ("f32 F.linear", torch.float32, "linear"),
-        ("f32 transposed (addmm)", torch.float32, "transposed"),
-        ("f32 oneDNN packed", torch.float32, "packed"),
-        ("bf16 F.linear", torch.bfloat16, "linear"),
-        ("bf16 oneDNN packed", torch.bfloat16, "packed"),
+    per_weight = {
+        torch.float32: [layout_kernels(w) for w in weights],
+        torch.bfloat16: [layout_kernels(w.bfloat16()) for w in weights],
+    }
+    variants: dict[str, tuple[list[Callable[[Tensor], Tensor]], dict[int, Tensor]]] = {}
+    for name, dtype, kernel in (
+        ("f32 F.linear", torch.float32, "F.linear"),
+        ("f32 transposed (addmm)", torch.float32, "transposed (addmm)"),
+        ("f32 oneDNN packed", torch.float32, "oneDNN packed"),
+        ("bf16 F.linear", torch.bfloat16, "F.linear"),
+        ("bf16 oneDNN packed", torch.bfloat16, "oneDNN packed"),
     ):
-        linears = [_RowProduct(w.to(dtype), layout) for w in weights]
-        variants[name] = (linears, rows16 if dtype == torch.bfloat16 else rows32)
+        fns = [kernels[kernel] for kernels in per_weight[dtype] if kernel in kernels]
+        if len(fns) == len(weights):
+            variants[name] = (fns, rows16 if dtype == torch.bfloat16 else rows32)
     fp32_bytes = sum(w.numel() * 4 for w in weights)
 
     def run(name: str) -> None:
@@ -475,9 +427,9 @@ def layout_table(
             for w in weights:
                 w.sum()
             return
-        linears, xs = variants[name]
-        for w, lin in zip(weights, linears, strict=True):
-            lin(xs[w.shape[1]])
+        fns, xs = variants[name]
+        for w, fn in zip(weights, fns, strict=True):
+            fn(xs[w.shape[1]])
 
     names = ["f32 sum (read only)", *variants]
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -511,9 +463,9 @@ def vs_rows(
 
     Keys: ``job``, ``peer``, ``attnkit_s`` and ``peer_s`` (median seconds of the same work:
     end-to-end generate against transformers, decode-phase seconds per token against attnkit
-    fp32 for the bf16 rows), ``note`` and ``goal`` (the speedup issue 13 asks for, or None; the
-    bandwidth goal is in the note). Without transformers, its rows
-    carry ``peer_s=None`` and a note.
+    fp32 for the bf16 rows), ``note`` and ``goal`` (the speedup :data:`TARGETS` asks for, or
+    None; the bandwidth goal is in the note). Without transformers, its rows carry
+    ``peer_s=None`` and a note.
 
     Args:
         repeats: Interleaved runs per variant.

@@ -14,7 +14,7 @@ warm-up call each that also checks the results agree), with both absolute times 
   all-MiniLM-L6-v2, 128 texts of mixed length (one of 400 words), batch 32;
 * ``decode llama-3m`` / ``decode llama-100m`` (eager and ``compile``): cached greedy generation
   against transformers' ``LlamaForCausalLM`` with the same weights, and the 100M model's bf16
-  weights against its fp32 ones (:mod:`attnkit.decoding_bench`; notes give tokens/s and the share
+  weights against its fp32 ones (:mod:`attnkit.bench.decoding`; notes give tokens/s and the share
   of the read-bandwidth bound).
 
 Peers that are not installed give a row that says so instead of a time. Rows come from the
@@ -77,7 +77,7 @@ class VsConfig:
         flex: Whether to compile and time FlexAttention.
         texts: Texts of the sentence-embedding row.
         long_words: Words of its one long text.
-        decode_models: Models of :data:`attnkit.decoding_bench.DECODE_MODELS` for the decoding
+        decode_models: Models of :data:`attnkit.bench.decoding.DECODE_MODELS` for the decoding
             rows (cached greedy generation against transformers).
         decode_compile: Also time ``generate(..., compile=True)`` (compiles once per model).
     """
@@ -114,7 +114,7 @@ class VsRow:
         attnkit_s: Median seconds of attnkit, or None when not measured.
         peer_s: Median seconds of the peer, or None when it could not run.
         note: Sizes, agreement, compile time, why a peer was skipped.
-        goal: The speedup this row aims at (issue 13), if any.
+        goal: The speedup this row aims at, if any.
     """
 
     job: str
@@ -334,41 +334,14 @@ def _flex(
     q: torch.Tensor, kw: dict[str, Any], scale: float
 ) -> tuple[Callable[..., torch.Tensor] | None, float, str]:
     """Compiled FlexAttention for the structure, its first-call seconds, or why it is missing."""
-    import time
-
-    import torch
-
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from attnkit.bench.flex import compiled_flex
+
+        flex, first = compiled_flex(q, q, scale=scale, **kw)
     except ImportError:
         return None, 0.0, "FlexAttention skipped: not in this torch"
-    n = q.shape[-2]
-    window, seg = kw.get("window"), kw.get("segment_ids")
-
-    def mask_mod(
-        b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor
-    ) -> torch.Tensor:
-        ok = j <= i
-        if window is not None:
-            ok = ok & (i - j < window)
-        if seg is not None:
-            ok = ok & (seg[0, i] == seg[0, j])
-        return ok
-
-    start = time.perf_counter()
-    try:
-        block_mask = create_block_mask(mask_mod, 1, None, n, n, device=str(q.device))
-        compiled = torch.compile(flex_attention)
-        with torch.no_grad():
-            compiled(q, q, q, block_mask=block_mask, scale=scale)
     except Exception as err:  # a missing C++ toolchain, an unsupported backend: say so
         return None, 0.0, f"FlexAttention skipped: {type(err).__name__}: {str(err)[:80]}"
-    first = time.perf_counter() - start
-
-    def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = compiled(q, k, v, block_mask=block_mask, scale=scale)
-        return out
-
     return flex, first, ""
 
 
@@ -444,8 +417,8 @@ register("sentence", _sentence_rows)
 
 
 def _decoding_rows(config: VsConfig) -> list[VsRow]:
-    """Cached greedy generation against transformers (see :mod:`attnkit.decoding_bench`)."""
-    from attnkit.decoding_bench import vs_rows
+    """Cached greedy generation against transformers (see :mod:`attnkit.bench.decoding`)."""
+    from attnkit.bench.decoding import vs_rows
 
     rows = vs_rows(
         repeats=config.repeats, compile=config.decode_compile, names=config.decode_models

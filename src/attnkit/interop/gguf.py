@@ -1,0 +1,625 @@
+"""llama.cpp GGUF files -> :class:`attnkit.TransformerLM` and a ``tokenizers`` tokenizer.
+
+A GGUF file holds the config as metadata (``llama.embedding_length``, ...), the tokenizer as
+metadata (``tokenizer.ggml.tokens``, ``.merges``, ``.token_type``, the special ids and the chat
+template) and the tensors, each in one of ggml's types. The file is read with the ``gguf``
+package's :class:`gguf.GGUFReader` (header and metadata); the tensors are checked here against
+the file (type, shape, offset, size) before anything is allocated, then dequantized with torch a
+block of rows at a time straight into the model's parameters:
+
+=========  ==================================================================================
+``F32``    ``F16``, ``BF16``: plain little-endian floats
+``Q8_0``   blocks of 32: an f16 scale ``d`` and 32 int8 ``q``: ``d * q``
+``Q4_0``   blocks of 32: ``d`` and 16 bytes of 4-bit ``q`` (low nibbles first): ``d * (q - 8)``
+``Q4_1``   blocks of 32: ``d``, a minimum ``m`` and 4-bit ``q``: ``d * q + m``
+``Q4_K``   super-blocks of 256: ``d``, ``dmin``, eight 6-bit (scale, min) pairs, 4-bit ``q``:
+           ``d * scale * q - dmin * min`` per sub-block of 32
+``Q6_K``   super-blocks of 256: 6-bit ``q`` (low 4 bits in ``ql``, high 2 in ``qh``), sixteen
+           int8 scales and ``d``: ``d * scale * (q - 32)`` per sub-block of 16
+=========  ==================================================================================
+
+Llama-architecture files are supported (``general.architecture == "llama"``, which llama.cpp
+also writes for Mistral-style models). llama.cpp's converter permutes each head's query and key
+rows so that rotary pairs are interleaved; loading undoes it (the Hugging Face layout attnkit's
+Llama config uses). The config is mapped through :func:`attnkit.interop.hf_config.config_from_hf`,
+so every option is mapped or rejected exactly as for a Hugging Face folder.
+
+Needs the ``gguf`` extra (``gguf``, ``numpy``, ``tokenizers``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from attnkit.interop.hf_config import config_from_hf
+from attnkit.interop.hf_weights import ModelClass, ParameterFiller, allocate
+from attnkit.positional import permute_rotary_weight
+
+__all__ = [
+    "GGML_TYPES",
+    "GGUFTensor",
+    "GGUFTokenizer",
+    "dequantize",
+    "from_gguf",
+    "read_tokenizer",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Dequantization: (blocks, bytes per block) uint8 -> (blocks, values per block) float32
+# --------------------------------------------------------------------------------------------
+
+
+def _f16(raw: Tensor) -> Tensor:
+    """``(n, 2)`` bytes -> ``(n, 1)`` float32 (little-endian f16)."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: Tensor) -> Tensor:
+    """``(..., k)`` bytes -> ``(..., 2k)``: the k low nibbles, then the k high ones."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _q8_0(b: Tensor) -> Tensor:
+    return _f16(b[:, :2]) * b[:, 2:].view(torch.int8).float()  # (n, 32)
+
+
+def _q4_0(b: Tensor) -> Tensor:
+    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).float() - 8)  # (n, 32)
+
+
+def _q4_1(b: Tensor) -> Tensor:
+    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])  # (n, 32)
+
+
+def _q4_k(b: Tensor) -> Tensor:
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])  # (n, 1)
+    s = b[:, 4:16].int()
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]  # 12 bytes pack 8 six-bit (scale, min) pairs
+    scale = torch.cat([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], dim=1).float()  # (n, 8)
+    low = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=1).float()  # (n, 8)
+    q = _nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32).float()  # sub-blocks of 32
+    return (d[:, :, None] * scale[:, :, None] * q - dmin[:, :, None] * low[:, :, None]).reshape(
+        n, 256
+    )
+
+
+def _q6_k(b: Tensor) -> Tensor:
+    n = b.shape[0]
+    ql = b[:, 0:128].reshape(n, 2, 64).int()  # two halves of 128 values
+    qh = b[:, 128:192].reshape(n, 2, 1, 32).int()
+    scale = b[:, 192:208].view(torch.int8).float()  # (n, 16): one per 16 values
+    d = _f16(b[:, 208:210])  # (n, 1)
+    low = torch.stack(
+        [ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4]
+    )
+    low = low.permute(1, 2, 0, 3)  # (n, 2, 4, 32)
+    high = (qh >> torch.tensor([0, 2, 4, 6]).view(1, 1, 4, 1)) & 3  # (n, 2, 4, 32)
+    q = ((low | (high << 4)) - 32).reshape(n, 16, 16).float()
+    return (d[:, :, None] * scale[:, :, None] * q).reshape(n, 256)
+
+
+def _plain(dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    return lambda b: b.contiguous().view(dtype).float()
+
+
+class GGMLType(NamedTuple):
+    """A ggml tensor type attnkit reads: values and bytes per block, and the dequantizer."""
+
+    block: int
+    nbytes: int
+    dequantize: Callable[[Tensor], Tensor]
+
+
+# ggml type id -> (name, type); ids from ggml.h.
+GGML_TYPES: dict[int, tuple[str, GGMLType]] = {
+    0: ("F32", GGMLType(1, 4, _plain(torch.float32))),
+    1: ("F16", GGMLType(1, 2, _plain(torch.float16))),
+    2: ("Q4_0", GGMLType(32, 18, _q4_0)),
+    3: ("Q4_1", GGMLType(32, 20, _q4_1)),
+    8: ("Q8_0", GGMLType(32, 34, _q8_0)),
+    12: ("Q4_K", GGMLType(256, 144, _q4_k)),
+    14: ("Q6_K", GGMLType(256, 210, _q6_k)),
+    30: ("BF16", GGMLType(1, 2, _plain(torch.bfloat16))),
+}
+
+
+def dequantize(raw: Tensor, type_id: int, shape: tuple[int, ...]) -> Tensor:
+    """The float32 values of a ggml tensor's bytes.
+
+    Args:
+        raw: The tensor's bytes, uint8, ``rows * bytes per row`` of them.
+        type_id: The ggml type (a key of :data:`GGML_TYPES`).
+        shape: The values' shape, the last dimension the contiguous one.
+
+    Returns:
+        ``(*shape)`` float32.
+
+    Raises:
+        ValueError: For a type attnkit does not read or bytes that do not fit ``shape``.
+    """
+    if type_id not in GGML_TYPES:
+        raise ValueError(f"ggml type {type_id} is not supported ({_supported()})")
+    name, kind = GGML_TYPES[type_id]
+    numel = math.prod(shape)
+    if numel % kind.block or raw.numel() != numel // kind.block * kind.nbytes:
+        raise ValueError(f"{raw.numel()} bytes of {name} do not hold a tensor of shape {shape}")
+    return kind.dequantize(raw.reshape(-1, kind.nbytes)).reshape(shape)
+
+
+def _supported() -> str:
+    return "supported: " + ", ".join(name for name, _ in GGML_TYPES.values())
+
+
+# --------------------------------------------------------------------------------------------
+# The file: header and metadata by gguf's reader, tensors checked here
+# --------------------------------------------------------------------------------------------
+
+
+class GGUFTensor(NamedTuple):
+    """A tensor of a GGUF file: its torch shape (outermost first), ggml type and bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_id: int
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass
+class _File:
+    path: Path
+    reader: Any  # gguf.GGUFReader without its tensor views
+    tensors: dict[str, GGUFTensor]
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """The metadata value ``key`` (str, number, bool or list), ``default`` when absent."""
+        from gguf import GGUFValueType
+
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        kinds = list(field.types)
+
+        def one(index: int, kind: Any) -> Any:
+            part = field.parts[index]
+            if kind == GGUFValueType.STRING:
+                return bytes(part).decode("utf-8", errors="replace")
+            return part.tolist()[0]
+
+        try:
+            if kinds[0] == GGUFValueType.ARRAY:
+                return [one(i, kinds[-1]) for i in field.data] if len(kinds) > 1 else []
+            return one(field.data[0], kinds[0])
+        except (IndexError, ValueError) as err:
+            raise ValueError(f"{self.path}: metadata {key!r} is malformed ({err})") from None
+
+    def read_rows(self, tensor: GGUFTensor, r0: int, r1: int) -> Tensor:
+        """Rows ``r0:r1`` (of the outermost dimensions flattened) as float32 ``(r1 - r0, cols)``."""
+        _, kind = GGML_TYPES[tensor.type_id]
+        cols = tensor.shape[-1]
+        row_bytes = cols // kind.block * kind.nbytes
+        start = tensor.start + r0 * row_bytes
+        raw = torch.from_numpy(self.reader.data[start : start + (r1 - r0) * row_bytes].copy())
+        return dequantize(raw, tensor.type_id, (r1 - r0, cols))
+
+
+def _open(path: Path) -> _File:
+    """Read the header and metadata, and check every tensor against the file.
+
+    Raises:
+        ValueError: Naming the file (and the tensor) for a file that is not GGUF, truncated or
+            malformed, a tensor of an unknown or unsupported type, of an impossible shape, or
+            whose data runs past the end of the file.
+    """
+    try:
+        from gguf import GGUFReader
+    except ImportError as err:
+        raise ImportError(
+            "reading GGUF files needs the gguf package: pip install 'attnkit[gguf]'"
+        ) from err
+
+    class Reader(GGUFReader):  # type: ignore[misc]
+        """gguf's reader, minus the tensor views it would build unchecked."""
+
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            self.tensor_start, self.tensor_fields = start_offs, fields
+
+    size = path.stat().st_size
+    try:
+        reader = Reader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"{path}: not a readable GGUF file (truncated or malformed header: {err})"
+        ) from None
+    tensors: dict[str, GGUFTensor] = {}
+    for field in reader.tensor_fields:
+        _, name_data, n_dims, dims, raw_type, offset = field.parts
+        name = bytes(name_data).decode("utf-8", errors="replace")
+        where = f"{path}: tensor {name!r}"
+        if len(dims) != int(n_dims[0]) or len(raw_type) != 1 or len(offset) != 1:
+            raise ValueError(f"{where}: the file ends inside its description (truncated)")
+        type_id = int(raw_type[0])
+        if type_id not in GGML_TYPES:
+            from gguf import GGMLQuantizationType
+
+            known = {t.value: t.name for t in GGMLQuantizationType}
+            what = f"type {known[type_id]}" if type_id in known else f"unknown type {type_id}"
+            raise ValueError(f"{where} has {what}, which attnkit does not read ({_supported()})")
+        type_name, kind = GGML_TYPES[type_id]
+        ne = [int(d) for d in dims]  # innermost first
+        if not 1 <= len(ne) <= 4 or min(ne) < 1:
+            raise ValueError(f"{where} has the impossible shape {ne[::-1]}")
+        numel = math.prod(ne)
+        if ne[0] % kind.block:
+            raise ValueError(
+                f"{where}: rows of {ne[0]} values do not split into {type_name} blocks of "
+                f"{kind.block}"
+            )
+        nbytes = numel // kind.block * kind.nbytes
+        start = reader.tensor_start + int(offset[0])
+        if start + nbytes > size:
+            raise ValueError(
+                f"{where} ({type_name}, shape {ne[::-1]}, {numel} values) needs bytes "
+                f"{start}..{start + nbytes}, past the end of the file ({size} bytes)"
+            )
+        if name in tensors:
+            raise ValueError(f"{where} appears twice")
+        tensors[name] = GGUFTensor(name, tuple(ne[::-1]), type_id, start, nbytes)
+    return _File(path, reader, tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# Config and tensor names
+# --------------------------------------------------------------------------------------------
+
+
+def _hf_config(file: _File) -> dict[str, Any]:
+    """The ``config.json`` of the Hugging Face Llama equivalent to the file's metadata.
+
+    Raises:
+        ValueError: For an architecture other than llama, or metadata with no counterpart
+            (partial rotary, rope scaling by frequency factors, an unknown scaling type).
+    """
+    arch = file.value("general.architecture")
+    if arch != "llama":
+        raise ValueError(
+            f"{file.path}: GGUF architecture {arch!r} is not supported (supported: llama)"
+        )
+
+    def need(key: str) -> Any:
+        value = file.value(f"llama.{key}")
+        if value is None:
+            raise ValueError(f"{file.path} lacks the metadata llama.{key}")
+        return value
+
+    dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(file.value("llama.attention.key_length", dim // heads))
+    rotary = int(file.value("llama.rope.dimension_count", head_dim))
+    value_dim = int(file.value("llama.attention.value_length", head_dim))
+    if rotary != head_dim or value_dim != head_dim:
+        raise ValueError(
+            f"{file.path}: rope.dimension_count {rotary} / value_length {value_dim} differ from "
+            f"the head dim {head_dim} (partial rotary is not supported)"
+        )
+    if "rope_freqs.weight" in file.tensors:
+        raise ValueError(
+            f"{file.path}: tensor 'rope_freqs.weight' (rotary scaling as per-frequency factors, "
+            "Llama 3.1 style) is not supported"
+        )
+    embed = file.tensors.get("token_embd.weight")
+    vocab = embed.shape[0] if embed is not None else len(file.value("tokenizer.ggml.tokens", []))
+    data: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "silu",  # llama.cpp's llama graph: SwiGLU
+        "vocab_size": int(file.value("llama.vocab_size", vocab)),
+        "hidden_size": dim,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(file.value("llama.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(file.value("llama.context_length", 2048)),
+        "rms_norm_eps": float(file.value("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(file.value("llama.rope.freq_base", 10_000.0)),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+    }
+    kind = file.value("llama.rope.scaling.type")
+    if kind not in (None, "none"):  # config_from_hf maps linear and rejects the others
+        data["rope_scaling"] = {
+            "rope_type": kind,
+            "factor": file.value("llama.rope.scaling.factor"),
+        }
+    return data
+
+
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face Llama name of llama.cpp tensor ``name`` (itself when it has none)."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if match and match.group(2) in _LAYER:
+        return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
+    return name
+
+
+# Rows dequantized at a time (times the row length in float32: 16 MiB for rows of 4096).
+_CHUNK_VALUES = 4 * 2**20
+
+
+def from_gguf(
+    path: str | Path,
+    *,
+    cls: ModelClass,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> Any:
+    """Load a Llama-architecture GGUF file into ``cls(config)`` (eval mode).
+
+    Args:
+        path: The ``.gguf`` file.
+        cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
+        dtype: Parameter dtype (default: torch's default dtype); quantized tensors are
+            dequantized to float32 a block of rows at a time and cast.
+        device: Where the parameters are allocated (default: CPU).
+
+    Returns:
+        The model; ``generation_config`` holds the file's bos/eos/pad ids (eos: the end-of-text
+        and end-of-turn ids).
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        ValueError: For a damaged or hostile file (naming the file and tensor, before any
+            allocation), an unsupported architecture, option or tensor type, or tensors that do
+            not fit the config.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    file = _open(path)
+    _, config = config_from_hf(_hf_config(file))
+    lm = allocate(cls, config, dtype=dtype, device=device)
+    filler = ParameterFiller(lm, "llama GGUF", str(path))
+    rotary = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
+    with torch.no_grad():
+        for name, tensor in file.tensors.items():
+            entry = filler.entry(hf_name(name))
+            if entry is None:
+                continue
+            dest = filler.target(entry, name, tensor.shape, path.name)
+            rows = math.prod(tensor.shape[:-1])
+            heads = rotary.get(name.split(".", 2)[-1]) if name.startswith("blk.") else None
+            if heads is not None:  # llama.cpp interleaved each head's rotary pairs: undo it
+                w = file.read_rows(tensor, 0, rows)
+                dest.copy_(permute_rotary_weight(w, heads, to="split"))
+                continue
+            step = max(1, _CHUNK_VALUES // tensor.shape[-1])
+            flat = dest.reshape(rows, tensor.shape[-1])
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                flat[r0:r1].copy_(file.read_rows(tensor, r0, r1))
+    filler.finish()
+    gen: dict[str, Any] = {}
+    stops = _stop_ids(file)
+    if stops:
+        gen["eos_token_id"] = stops if len(stops) > 1 else stops[0]
+    for key, meta in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
+        value = file.value(f"tokenizer.ggml.{meta}")
+        if value is not None:
+            gen[key] = int(value)
+    lm.generation_config = gen
+    return lm.eval()
+
+
+def _stop_ids(file: _File) -> list[int]:
+    """End-of-text and end-of-turn ids (``eos``, ``eot``, ``eom``), each once."""
+    out: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = file.value(f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in out:
+            out.append(int(value))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+class GGUFTokenizer(NamedTuple):
+    """The tokenizer a GGUF file describes, with what chat formatting needs."""
+
+    tokenizer: Any  # tokenizers.Tokenizer
+    special_tokens: dict[str, str]  # bos_token, eos_token, unk_token, pad_token
+    stop_ids: tuple[int, ...]
+    chat_template: str | None
+
+
+# Pre-tokenizer splits by tokenizer.ggml.pre (the regexes of the models' tokenizer.json files).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _byte_level(file: _File, tokens: list[str]) -> tuple[Any, dict[str, int]]:
+    """GPT-2-style byte-level BPE: the file's merges, its split regex, no prefix space."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    vocab = {
+        t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8")): i
+        for i, t in enumerate(tokens)
+    }
+    merges = [tuple(m.split(" ", 1)) for m in file.value("tokenizer.ggml.merges") or []]
+    tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    split = _SPLITS.get(file.value("tokenizer.ggml.pre"))
+    if split is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer, vocab
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two
+    tokens, best-scored merged token first (ties: shorter left, then right piece last)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found: list[tuple[str, str, float]] = []
+    for token, score in zip(tokens, scores, strict=True):
+        local = [
+            (token[:i], token[i:], score)
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        found += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in found]
+
+
+def _sentencepiece(file: _File, tokens: list[str]) -> tuple[Any, dict[str, int]]:
+    """SentencePiece BPE (Llama 2, Mistral, TinyLlama files): byte fallback, a prefix space on
+    the first piece, merges from the file or from the scores."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    given = file.value("tokenizer.ggml.merges")
+    if given:
+        merges = [tuple(m.split(" ", 1)) for m in given]
+    else:
+        scores = file.value("tokenizer.ggml.scores") or []
+        if len(scores) != len(tokens):
+            raise ValueError(
+                f"{file.path}: {len(scores)} tokenizer.ggml.scores for {len(tokens)} tokens"
+            )
+        merges = _merges_from_scores(tokens, [float(x) for x in scores])
+    tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first", split=False
+    )
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
+    )
+    return tokenizer, vocab
+
+
+def read_tokenizer(path: str | Path) -> GGUFTokenizer:
+    """Build the tokenizer a GGUF file describes, with ``tokenizers``.
+
+    ``tokenizer.ggml.model`` ``gpt2`` is byte-level BPE (Llama 3, Qwen2, SmolLM: the file's
+    merges, the split regex of ``tokenizer.ggml.pre``); ``llama`` is SentencePiece BPE (Llama 2,
+    Mistral, TinyLlama: byte fallback, merges from the file or recovered from the scores, bos
+    added unless ``tokenizer.ggml.add_bos_token`` is false). Control tokens (type 3) become
+    special added tokens, user-defined ones (type 4) plain added tokens.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        ValueError: For a damaged file, no vocabulary, or another tokenizer model.
+    """
+    from tokenizers import AddedToken, processors
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    file = _open(path)
+    model = file.value("tokenizer.ggml.model")
+    tokens: list[str] = file.value("tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise ValueError(f"{path} has no vocabulary (tokenizer.ggml.tokens)")
+    if model == "gpt2":
+        tokenizer, vocab = _byte_level(file, tokens)
+        spelled = set(_byte_alphabet().values())
+        add_bos = bool(file.value("tokenizer.ggml.add_bos_token", False))
+    elif model == "llama":
+        tokenizer, vocab = _sentencepiece(file, tokens)
+        spelled = None
+        add_bos = bool(file.value("tokenizer.ggml.add_bos_token", True))
+    else:
+        raise ValueError(
+            f"{path}: tokenizer model {model!r} is not supported (supported: gpt2, the byte-level "
+            "BPE of Llama 3, Qwen2, SmolLM; llama, the SentencePiece BPE of Llama 2, Mistral)"
+        )
+    types = file.value("tokenizer.ggml.token_type") or []
+    pairs = list(zip(tokens, types, strict=False))
+    control = [t for t, k in pairs if k == 3 and (spelled is None or set(t) <= spelled)]
+    user = [t for t, k in pairs if k == 4 and t in vocab]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    special: dict[str, str] = {}
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        index = file.value(f"tokenizer.ggml.{key}_token_id")
+        if index is not None and 0 <= int(index) < len(tokens):
+            special[f"{name}_token"] = tokens[int(index)]
+    if add_bos and "bos_token" in special:
+        bos = special["bos_token"]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, vocab[bos])],
+        )
+    template = file.value("tokenizer.chat_template")
+    return GGUFTokenizer(tokenizer, special, tuple(_stop_ids(file)), template)
