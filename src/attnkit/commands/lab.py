@@ -3,7 +3,9 @@
 With no arguments it learns to reverse sequences of 16 symbols (well under a minute on a laptop
 CPU) and writes ``runs/lab-reverse/{metrics.json,report.html,checkpoint.safetensors}``.
 ``--compare-pe`` trains the same encoder without positions, with sinusoidal and with rotary
-positions. Under ``torchrun --nproc_per_node=N -m attnkit lab ...`` it trains data-parallel.
+positions. Under ``torchrun --nproc_per_node=N -m attnkit lab ...`` it trains data-parallel
+(DDP), with ``--fsdp`` with parameters sharded over the processes (FSDP2), or with
+``--context-parallel`` with each sequence sharded over them (ring attention).
 """
 
 from __future__ import annotations
@@ -92,6 +94,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=("cpu", "cuda"), default=None, help="compute device (CUDA if available)"
     )
     t.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) "
+        "instead of replicating them (DDP)",
+    )
+    t.add_argument(
+        "--context-parallel",
+        action="store_true",
+        help="under torchrun: shard each training sequence over the processes (ring "
+        "attention) instead of the batch",
+    )
+    t.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="under torchrun: how long a process waits for the others before the job ends (120)",
+    )
+    t.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -135,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from attnkit.lab.checkpoint import CheckpointError
-    from attnkit.lab.distributed import init_distributed, shutdown_distributed
+    from attnkit.lab.distributed import DEFAULT_TIMEOUT_S, init_distributed, shutdown_distributed
     from attnkit.lab.runner import default_out_dir, run_lab
 
     config = _config(args)  # bad names and sizes fail here, before any process group exists
@@ -143,13 +164,15 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads or 1)
-    ctx = init_distributed(args.device)
+    timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
+    ctx = init_distributed(args.device, timeout_s=timeout)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    failed = False
     try:
         if ctx.is_main:
             where = f" on {ctx.world_size} processes" if ctx.distributed else ""
@@ -166,11 +189,28 @@ def run(args: argparse.Namespace) -> int:
             ctx=ctx,
             progress=not args.no_progress,
             log=log,
+            fsdp=args.fsdp,
+            context_parallel=args.context_parallel,
         )
     except CheckpointError as err:
         raise CheckpointError(f"{err}: delete it to start over, or run without --resume") from err
+    except RuntimeError as err:  # torch.distributed.DistBackendError is one
+        if not (ctx.distributed and _lost_contact(err)):
+            raise
+        failed = True
+        reason = " ".join(str(err).split())[:300]
+        print(
+            f"attnkit lab: error: rank {ctx.rank} of {ctx.world_size}: the process group "
+            f"failed ({type(err).__name__}: {reason}). Another process stopped, or did not "
+            f"answer within the {timeout:g} s timeout (--timeout); this process ends too. "
+            f"Restart with --resume to continue from the last complete checkpoint.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     finally:
-        shutdown_distributed(ctx)
+        if not failed:  # a broken group may not shut down cleanly: the process just exits
+            shutdown_distributed(ctx)
     if ctx.is_main:
         print(
             f"eval_accuracy {metrics['eval_accuracy']:.4f}  "
@@ -187,3 +227,14 @@ def run(args: argparse.Namespace) -> int:
         if metrics.get("explorers"):
             print(f"explorer: {out / next(iter(metrics['explorers'].values()))}")
     return 0
+
+
+def _lost_contact(err: BaseException) -> bool:
+    """Whether ``err`` says the process group broke (a peer died or timed out)."""
+    import torch.distributed as dist
+
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return any(s in text for s in ("gloo", "Connection", "onnection reset", "timed out",
+                                   "Timed out", "NCCL", "Socket", "socket"))  # fmt: skip

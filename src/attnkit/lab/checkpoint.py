@@ -29,10 +29,12 @@ __all__ = [
     "FORMAT",
     "CheckpointError",
     "atomic_write",
+    "full_states",
     "load_checkpoint",
     "model_state",
     "remove_temp_files",
     "restore_optimizer",
+    "restore_sharded",
     "save_checkpoint",
     "write_json",
 ]
@@ -106,16 +108,18 @@ def write_json(path: str | Path, data: Any) -> Path:
 def save_checkpoint(
     path: str | Path,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    model: nn.Module | dict[str, Tensor],
+    optimizer: torch.optim.Optimizer | dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
 ) -> Path:
     """Write model weights, optimizer state and the torch RNG state to one safetensors file.
 
     Args:
         path: Destination file (its directory must exist).
-        model: The model (unwrapped, not the DistributedDataParallel wrapper).
-        optimizer: Its optimizer, for resuming.
+        model: The model (unwrapped, not the DistributedDataParallel wrapper), or its full
+            ``state_dict`` (as gathered from a sharded model by :func:`full_states`).
+        optimizer: Its optimizer, for resuming, or the optimizer's ``state_dict`` in torch's
+            form (parameters numbered in order).
         metadata: JSON-serialisable fields stored in the file's header (config, step, ...).
 
     Returns:
@@ -126,11 +130,11 @@ def save_checkpoint(
     # clone: tied weights share storage, which safetensors refuses; copies load back fine.
     tensors: dict[str, Tensor] = {
         f"model.{k}": v.detach().to("cpu").clone().contiguous()
-        for k, v in model.state_dict().items()
+        for k, v in (model if isinstance(model, dict) else model.state_dict()).items()
     }
     groups: list[dict[str, Any]] = []
     if optimizer is not None:
-        state = optimizer.state_dict()
+        state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
         for idx, fields in state["state"].items():
             for name, value in fields.items():
                 value = value if isinstance(value, Tensor) else torch.tensor(value)
@@ -190,5 +194,69 @@ def restore_optimizer(
     for key, value in tensors.items():
         if key.startswith("optim."):
             _, idx, name = key.split(".", 2)
+            state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["optim_param_groups"]})
+
+
+def _full_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_states(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Gather a sharded (``fully_shard``) model's and optimizer's full state on the CPU.
+
+    A collective: every rank calls it; rank 0 receives the whole state (other ranks get empty
+    dicts), in the form :func:`save_checkpoint` writes, so a single process loads the file.
+
+    Args:
+        model: The sharded model.
+        optimizer: Its optimizer.
+
+    Returns:
+        ``(model state_dict, optimizer state_dict)``, the optimizer's parameters numbered in
+        the order of ``model.parameters()`` like an unsharded optimizer's.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = _full_options()
+    weights: dict[str, Tensor] = dict(get_model_state_dict(model, options=options))  # type: ignore[arg-type]
+    optim: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))
+    if not optim:
+        return weights, {}
+    number = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    groups = [
+        {**g, "params": [number[name] for name in g["params"]]} for g in optim["param_groups"]
+    ]
+    state = {number[name]: fields for name, fields in optim["state"].items()}
+    return weights, {"state": state, "param_groups": groups}
+
+
+def restore_sharded(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], meta: dict[str, Any]
+) -> None:
+    """:func:`restore_optimizer` for the optimizer of a sharded (``fully_shard``) model.
+
+    Every rank calls it with the whole checkpoint; each optimizer moment is cut like its
+    parameter (load the weights into the model before sharding it).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: dict[int, dict[str, Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, idx, name = key.split(".", 2)
+            param = params[int(idx)]
+            if isinstance(param, DTensor) and value.shape == param.shape:
+                value = distribute_tensor(
+                    value.to(param.device), param.device_mesh, param.placements
+                )
             state.setdefault(int(idx), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["optim_param_groups"]})

@@ -8,13 +8,14 @@ no process group is created.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistContext", "init_distributed", "shutdown_distributed"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DistContext", "init_distributed", "shutdown_distributed"]
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,21 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} must be an int, got {raw!r}") from err
 
 
-def init_distributed(device: str | None = None) -> DistContext:
+#: Seconds a collective waits for the other processes before it fails (``--timeout``).
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def init_distributed(
+    device: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> DistContext:
     """Join the process group described by the environment, or return a single-process context.
 
     Args:
         device: ``"cpu"``, ``"cuda"`` or None (CUDA if available, else CPU).
+        timeout_s: How long a collective waits for the other processes before it raises, so a
+            process that stopped answering cannot hang the others for longer. (A process that
+            dies is noticed sooner: gloo fails on the closed connection, and torchrun stops the
+            remaining processes once one exits with an error.)
 
     Returns:
         The context of this process.
@@ -77,6 +88,8 @@ def init_distributed(device: str | None = None) -> DistContext:
     Raises:
         ValueError: For a bad ``device`` or inconsistent environment variables.
     """
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout_s!r}")
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"device must be 'cpu', 'cuda' or None, got {device!r}")
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
@@ -100,6 +113,7 @@ def init_distributed(device: str | None = None) -> DistContext:
             init_method="env://",
             world_size=world,
             rank=rank,
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
     return DistContext(rank=rank, world_size=world, local_rank=local, device=dev)
 

@@ -95,6 +95,8 @@ def run_lab(
     ctx: DistContext | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    fsdp: bool = False,
+    context_parallel: bool = False,
 ) -> dict[str, Any]:
     """Train, evaluate and write ``metrics.json`` (and ``report.html``) into ``out_dir``.
 
@@ -108,6 +110,8 @@ def run_lab(
         ctx: Data-parallel context.
         progress: Show progress bars.
         log: Receives one-line messages (main process only).
+        fsdp: Shard the model over the processes with FSDP2 (see :func:`train`).
+        context_parallel: Shard each sequence over the processes (see :func:`train`).
 
     Returns:
         The metrics written to ``metrics.json`` (on every process).
@@ -128,7 +132,16 @@ def run_lab(
             for stale in ckpt.remove_temp_files(where):
                 say(f"removed {stale}, left by an interrupted run")
         ctx.barrier()
-        return train(cfg, out_dir=where, resume=resume, ctx=ctx, progress=progress, log=log)
+        return train(
+            cfg,
+            out_dir=where,
+            resume=resume,
+            ctx=ctx,
+            progress=progress,
+            log=log,
+            fsdp=fsdp,
+            context_parallel=context_parallel,
+        )
 
     compare: dict[str, TrainResult] | None = None
     if compare_pe:

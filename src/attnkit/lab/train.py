@@ -9,9 +9,11 @@ gradient of ``W`` processes equals the gradient of one process on the whole batc
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit.attention import MultiHeadAttention
 from attnkit.config import FAMILIES, TransformerConfig
+from attnkit.distributed import RingKernel, shard_positions
 from attnkit.lab import checkpoint as ckpt
 from attnkit.lab.distributed import DistContext
 from attnkit.lab.tasks import IGNORE, Task, get_task
@@ -384,6 +388,8 @@ def train(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     stop_after: int | None = None,
+    fsdp: bool = False,
+    context_parallel: bool = False,
 ) -> TrainResult:
     """Train a :class:`TransformerEncoder` on ``config.task``.
 
@@ -397,6 +403,15 @@ def train(
         log: Called with one-line messages (main process only).
         stop_after: Stop (after checkpointing) once this step is reached, as if the run had been
             interrupted there; for tests of ``resume``.
+        fsdp: Shard parameters, gradients and optimizer state over the processes with torch's
+            FSDP2 (``fully_shard`` on each block, then on the model) instead of replicating
+            them with DDP. Checkpoints hold the full state either way (gathered to rank 0).
+        context_parallel: Shard each training sequence over the processes instead of the
+            batch: every process takes the whole batch but only its contiguous slice of the
+            positions (``seq_len`` must divide evenly), passes them as the model's
+            ``positions``, and attends over the whole sequence with
+            :func:`attnkit.distributed.ring_attention` as every attention layer's ``kernel``
+            (during the training steps only; evaluation runs the whole sequence on rank 0).
 
     Returns:
         A :class:`TrainResult` (its ``eval`` is filled on every process).
@@ -410,45 +425,78 @@ def train(
 
     ctx = ctx if ctx is not None else DistContext()
     say = log if (log is not None and ctx.is_main) else (lambda _msg: None)
-    if config.batch_size % ctx.world_size:
+    cp = context_parallel and ctx.distributed
+    if cp and fsdp:
+        raise ValueError("--context-parallel and --fsdp are not combined yet; pick one")
+    if cp and config.seq_len % ctx.world_size:
+        raise ValueError(
+            f"--context-parallel: seq_len ({config.seq_len}) must be divisible by the number "
+            f"of processes ({ctx.world_size})"
+        )
+    if not cp and config.batch_size % ctx.world_size:
         raise ValueError(
             f"batch_size ({config.batch_size}) must be divisible by the number of "
             f"processes ({ctx.world_size})"
         )
     if resume and out_dir is None:
         raise ValueError("resume needs an out_dir holding a checkpoint")
+    sharded = fsdp and ctx.distributed
     out = Path(out_dir) if out_dir is not None else None
     task = config.make_task()
     torch.manual_seed(config.seed)
     model = build_model(config).to(ctx.device)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-    )
     history: list[dict[str, float]] = []
     start, train_time, resumed_from = 0, 0.0, None
     if resume:
         assert out is not None
         tensors, meta = ckpt.load_checkpoint(out / ckpt.CHECKPOINT_NAME)
         _check_resumable(LabConfig.from_dict(meta["config"]), config)
-        model.load_state_dict(ckpt.model_state(tensors))
-        ckpt.restore_optimizer(optimizer, tensors, meta)
-        torch.set_rng_state(tensors["rng.torch"])
+        model.load_state_dict(ckpt.model_state(tensors))  # before sharding: whole tensors
         start, train_time = int(meta["step"]), float(meta["train_time_s"])
         history, resumed_from = list(meta["history"]), start
-        say(f"resumed from step {start} of {out / ckpt.CHECKPOINT_NAME}")
 
     net: nn.Module = model
-    if ctx.distributed:
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        # The logits are a view; the loop never changes them in place, which is what it warns of.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    elif ctx.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         net = DistributedDataParallel(model, device_ids=device_ids)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
+    if resume:
+        if sharded:
+            ckpt.restore_sharded(optimizer, tensors, meta)
+        else:
+            ckpt.restore_optimizer(optimizer, tensors, meta)
+        torch.set_rng_state(tensors["rng.torch"])
+        say(f"resumed from step {start} of {Path(str(out_dir)) / ckpt.CHECKPOINT_NAME}")
+
     eval_x, eval_y = eval_set(task, config.eval_size, config.seed)
-    shard = config.batch_size // ctx.world_size
-    lo = ctx.rank * shard
+    shard = config.batch_size if cp else config.batch_size // ctx.world_size
+    lo = 0 if cp else ctx.rank * shard
+    # Context parallel: this process's positions of every sequence.
+    pos = shard_positions(config.seq_len, ctx.rank, ctx.world_size) if cp else None
+    ring_group = None
+    if cp:  # the ring's sends get their own group, apart from DDP's gradient all-reduces
+        import torch.distributed as dist
+
+        ring_group = dist.new_group(list(range(ctx.world_size)))
 
     def save(step: int) -> None:
-        if out is None or not ctx.is_main:
+        if out is None:
+            return
+        # A sharded model's full state is gathered by every rank; rank 0 writes it.
+        weights, optim = ckpt.full_states(model, optimizer) if sharded else (model, optimizer)
+        if not ctx.is_main:
             return
         out.mkdir(parents=True, exist_ok=True)
         meta = {
@@ -460,7 +508,7 @@ def train(
         }
         ckpt.write_json(out / "config.json", config.to_dict())
         ckpt.save_checkpoint(
-            out / ckpt.CHECKPOINT_NAME, model=model, optimizer=optimizer, metadata=meta
+            out / ckpt.CHECKPOINT_NAME, model=weights, optimizer=optim, metadata=meta
         )
 
     end = config.steps if stop_after is None else min(config.steps, stop_after)
@@ -483,7 +531,12 @@ def train(
         x, y = x[lo : lo + shard].to(ctx.device), y[lo : lo + shard].to(ctx.device)  # this shard
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(config, step)
-        logits = net(x)
+        if pos is not None:
+            x, y = x[:, pos], y[:, pos]
+            with ring_kernels(model, ring_group):
+                logits = net(x, positions=pos.to(ctx.device))
+        else:
+            logits = net(x)
         loss_sum, correct, count = _masked_stats(logits, y)
         # DDP averages gradients over processes, hence the world_size factor.
         loss = loss_sum * (ctx.world_size / max(n_global, 1.0))
@@ -504,7 +557,8 @@ def train(
                 "lr": _lr_at(config, step),
             }
             window = [0.0, 0.0, 0.0]
-            if eval_due and done != config.steps and ctx.is_main:
+            # (a sharded model's forward is a collective: every rank evaluates)
+            if eval_due and done != config.steps and (ctx.is_main or sharded):
                 ev = evaluate(model, eval_x, eval_y)
                 row |= {"eval_loss": ev["loss"], "eval_accuracy": ev["accuracy"]}
             history.append(row)
@@ -524,6 +578,12 @@ def train(
             )
     save(step)
     ctx.barrier()
+    if sharded:  # hand back a plain model: reports and explorers run on rank 0 only
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        model = build_model(config).to(ctx.device)
+        model.load_state_dict(weights)
     model.eval()
     say(
         f"step {step}: held-out accuracy {final['accuracy']:.4f} "
@@ -540,6 +600,22 @@ def train(
         resumed_from=resumed_from,
         world_size=ctx.world_size,
     )
+
+
+@contextlib.contextmanager
+def ring_kernels(model: nn.Module, group: Any = None) -> Iterator[None]:
+    """Within the block, every :class:`~attnkit.attention.MultiHeadAttention` of ``model``
+    attends with :func:`attnkit.distributed.ring_attention` over ``group`` (its kernel is
+    restored afterwards)."""
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    saved = [m.kernel for m in layers]
+    for m in layers:
+        m.kernel = RingKernel(group)
+    try:
+        yield
+    finally:
+        for m, kernel in zip(layers, saved, strict=True):
+            m.kernel = kernel
 
 
 def load_trained(out_dir: str | Path) -> tuple[TransformerEncoder, LabConfig, dict[str, Any]]:

@@ -1,0 +1,426 @@
+"""Attention over a sequence sharded across processes: ring attention (context parallelism).
+
+Each rank of a ``torch.distributed`` process group holds one shard of the sequence: its
+queries, keys and values. :func:`ring_attention` passes the key/value shards around the ring
+of ranks with point-to-point sends (rank ``r`` sends to ``r + 1`` and receives from ``r - 1``,
+the next shard's transfer overlapping the current shard's compute), computes each (query shard,
+key shard) block with torch's fused CPU flash kernel, which also returns the block's
+log-sum-exp, and merges the blocks by log-sum-exp, so the result equals attention over the
+gathered sequence. The backward walks the ring again: each rank adds its query shard's
+contribution to the key/value gradients of the block it holds and passes them on with the block,
+and after a full turn every rank holds the gradients of its own keys and values.
+
+Causal attention skips the blocks entirely in the future. With the contiguous layout (rank
+``r`` holds positions ``r * n .. (r + 1) * n - 1``) that leaves rank 0 one half block per
+turn and the last rank ``world - 0.5`` blocks: the ring runs at the pace of the last rank.
+The ``"zigzag"`` layout cuts the sequence into ``2 * world`` chunks and gives rank ``r``
+chunks ``r`` and ``2 * world - 1 - r``, so every rank computes the same area
+(:func:`shard` and :func:`shard_positions` lay a sequence out either way).
+
+Shape legend: B batch, H query heads, K key/value heads (``H % K == 0``), L query shard
+length, S key shard length, E head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "LAYOUTS",
+    "RingKernel",
+    "ring_attention",
+    "shard",
+    "shard_positions",
+    "unshard",
+]
+
+Layout = Literal["contiguous", "zigzag"]
+#: The ways a sequence can be laid out over the ranks.
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------
+# layouts
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def shard_positions(length: int, rank: int, world: int, *, layout: Layout = "contiguous") -> Tensor:
+    """The positions of the sequence that rank ``rank`` holds.
+
+    Args:
+        length: Length of the whole sequence (a multiple of ``world``, of ``2 * world`` for
+            ``"zigzag"``).
+        rank: The rank, ``0 <= rank < world``.
+        world: Number of ranks.
+        layout: ``"contiguous"`` (rank ``r`` holds the ``r``-th of ``world`` equal pieces) or
+            ``"zigzag"`` (pieces ``r`` and ``2 * world - 1 - r`` of ``2 * world``).
+
+    Returns:
+        Long tensor ``(length // world,)`` of increasing positions.
+
+    Raises:
+        ValueError: A bad ``layout``, ``rank`` or ``world``, or ``length`` not divisible.
+    """
+    _check_layout(layout)
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
+    pieces = world if layout == "contiguous" else 2 * world
+    if length % pieces:
+        raise ValueError(
+            f"sequence length {length} must be divisible by {pieces} for the {layout!r} "
+            f"layout over {world} ranks"
+        )
+    n = length // pieces
+    chunks = [rank] if layout == "contiguous" else [rank, 2 * world - 1 - rank]
+    return torch.cat([torch.arange(c * n, (c + 1) * n) for c in chunks])
+
+
+def shard(x: Tensor, dim: int, rank: int, world: int, *, layout: Layout = "contiguous") -> Tensor:
+    """This rank's shard of a whole sequence ``x`` along ``dim`` (see :func:`shard_positions`).
+
+    Args:
+        x: The whole sequence.
+        dim: The sequence dim.
+        rank: The rank.
+        world: Number of ranks.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+
+    Returns:
+        The shard, ``x.shape[dim] // world`` long along ``dim``.
+    """
+    pos = shard_positions(x.shape[dim], rank, world, layout=layout).to(x.device)
+    return x.index_select(dim, pos)
+
+
+def unshard(shards: list[Tensor], dim: int, *, layout: Layout = "contiguous") -> Tensor:
+    """Reassemble the whole sequence from every rank's shard (inverse of :func:`shard`).
+
+    Args:
+        shards: The shards of ranks ``0 .. world - 1``.
+        dim: The sequence dim.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+
+    Returns:
+        The whole sequence.
+    """
+    _check_layout(layout)
+    if layout == "contiguous":
+        return torch.cat(shards, dim)
+    halves = [s.chunk(2, dim) for s in shards]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+
+
+# --------------------------------------------------------------------------------------------
+# blocks
+
+
+def _block_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Attention of one block and its log-sum-exp ``(B, H, L)`` (top-left causal if asked)."""
+    if q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
+        out, lse = _flash(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _heads(v, q.shape[1])), lse
+
+
+def _block_backward(
+    g: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block given the *merged* output and log-sum-exp of its queries: the
+    full ``dq`` contribution of these keys and the full ``dk``/``dv`` from these queries."""
+    if q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
+        dq, dk, dv = _flash_backward(g, q, k, v, out, lse, 0.0, causal, scale=scale)
+        return dq, dk, dv
+    H, K = q.shape[1], k.shape[1]
+    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # (B, H, L, S)
+    dv = torch.matmul(p.transpose(-1, -2), g)
+    dp = torch.matmul(g, _heads(v, H).transpose(-1, -2))
+    ds = p * (dp - (g * out).sum(-1, keepdim=True)) * scale
+    dq = torch.matmul(ds, _heads(k, H))
+    dk = torch.matmul(ds.transpose(-1, -2), q)
+    if H != K:  # sum the query heads of each key/value head
+        dk = dk.unflatten(1, (K, H // K)).sum(2)
+        dv = dv.unflatten(1, (K, H // K)).sum(2)
+    return dq, dk, dv
+
+
+def _heads(x: Tensor, H: int) -> Tensor:
+    """Key/value heads repeated to the ``H`` query heads."""
+    return x if x.shape[1] == H else x.repeat_interleave(H // x.shape[1], dim=1)
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
+    s = torch.matmul(q, _heads(k, q.shape[1]).transpose(-1, -2)) * scale
+    if causal:
+        L, S = s.shape[-2:]
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    return s
+
+
+def _merge(out: Tensor, lse: Tensor, o: Tensor, blk_lse: Tensor) -> None:
+    """Fold a block's ``(o, blk_lse)`` into the running ``(out, lse)`` in place."""
+    new = torch.logaddexp(lse, blk_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(blk_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _pieces(
+    rank: int, src: int, causal: bool, layout: str, L: int, S: int
+) -> list[tuple[slice, slice, bool]]:
+    """Which (query rows, key rows, causal) pieces of the block of rank ``src``'s keys the
+    queries of ``rank`` attend: none for a block entirely in the future."""
+    every = slice(None)
+    if not causal:
+        return [(every, every, False)]
+    if src == rank:
+        return [(every, every, True)]  # the diagonal: causal in local order in both layouts
+    if layout == "contiguous":
+        return [(every, every, False)] if src < rank else []
+    if src < rank:  # zigzag: every query attends the key chunk ``src``, not ``2w-1-src``
+        return [(every, slice(0, S // 2), False)]
+    return [(slice(L // 2, L), every, False)]  # only the query chunk ``2w-1-rank`` attends
+
+
+# --------------------------------------------------------------------------------------------
+# the ring
+
+
+class _Ring:
+    """The point-to-point neighbours of this rank in ``group``."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.world, self.rank = 1, 0
+        if dist.is_available() and dist.is_initialized():
+            self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = self._global((self.rank + 1) % self.world)
+        self.prev = self._global((self.rank - 1) % self.world)
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def pass_on(self, tensors: list[Tensor]) -> tuple[list[Tensor], list[Any]]:
+        """Start sending ``tensors`` to the next rank and receiving the previous rank's."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
+        return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests: list[Any]) -> None:
+    for req in requests:
+        req.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        scale: float,
+        group: Any,
+        layout: str,
+    ) -> Tensor:
+        ring = _Ring(group)
+        B, H, L = q.shape[:3]
+        S, Ev = k.shape[2], v.shape[3]
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(B, H, L, Ev, dtype=acc, device=q.device)
+        lse = torch.full((B, H, L), -math.inf, dtype=acc, device=q.device)
+        kv = [k.contiguous(), v.contiguous()]
+        for step in range(ring.world):
+            src = (ring.rank - step) % ring.world
+            if step + 1 < ring.world:  # the next block travels while this one is computed
+                incoming, requests = ring.pass_on(kv)
+            for rows, keys, is_causal in _pieces(ring.rank, src, causal, layout, L, S):
+                o, blk = _block_forward(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                                        is_causal, scale)  # fmt: skip
+                _merge(out[:, :, rows], lse[:, :, rows], o.to(acc), blk.to(acc))
+            if step + 1 < ring.world:
+                _wait(requests)
+                kv = incoming
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.group, ctx.layout = causal, scale, group, layout
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        L, S = q.shape[2], k.shape[2]
+        acc = torch.promote_types(q.dtype, torch.float32)
+        grad_out = grad_out.contiguous()
+        lse = lse.to(torch.float32) if q.dtype != torch.float64 else lse
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = [k.contiguous(), v.contiguous()]
+        dkv = [torch.zeros(k.shape, dtype=acc, device=q.device),
+               torch.zeros(v.shape, dtype=acc, device=q.device)]  # fmt: skip
+        for step in range(ring.world):
+            src = (ring.rank - step) % ring.world
+            if step + 1 < ring.world:
+                incoming, requests = ring.pass_on(kv)
+            for rows, keys, is_causal in _pieces(ring.rank, src, ctx.causal, ctx.layout, L, S):
+                gq, gk, gv = _block_backward(
+                    grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                    out[:, :, rows], lse[:, :, rows], is_causal, ctx.scale,
+                )  # fmt: skip
+                dq[:, :, rows] += gq
+                dkv[0][:, :, keys] += gk
+                dkv[1][:, :, keys] += gv
+            # The gradients travel with their block; after the last step they reach its owner.
+            dkv, grad_requests = ring.pass_on(dkv) if ring.world > 1 else (dkv, [])
+            if step + 1 < ring.world:
+                _wait(requests)
+                kv = incoming
+            _wait(grad_requests)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    group: Any = None,
+    scale: float | None = None,
+    layout: Layout = "contiguous",
+) -> Tensor:
+    """Attention of this rank's query shard over the keys and values of every rank.
+
+    Call it on every rank of ``group`` with shards of equal shapes (see :func:`shard`). The
+    result equals attention over the gathered sequence (the rank's rows of it), and it is
+    differentiable: the backward passes the key/value gradients around the ring. Without an
+    initialized process group (or in a group of one) it is plain local attention.
+
+    Args:
+        q: This rank's queries.
+        k: This rank's keys; may have fewer heads than ``q`` (grouped-query, ``H % K == 0``).
+        v: This rank's values.
+        causal: Each query attends only keys at its position or before (needs ``L == S``).
+        group: The process group; defaults to the whole world.
+        scale: Multiplier of the scores; defaults to ``1 / sqrt(E)``.
+        layout: How the sequence is laid out over the ranks, ``"contiguous"`` or ``"zigzag"``
+            (see :func:`shard_positions`; it matters only with ``causal``).
+
+    Returns:
+        This rank's output shard.
+
+    Shape:
+        q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
+
+    Raises:
+        TypeError: Non-tensor or non-float inputs, or mismatched dtypes/devices.
+        ValueError: Inputs not 4-d, mismatched batch/head/length/dims, ``H % K != 0``,
+            ``causal`` with ``L != S``, an odd zigzag shard, a bad ``scale`` or ``layout``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (B, heads, length, dim), got {tuple(t.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise TypeError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    (B, H, L, E), (Bk, K, S, Ek) = q.shape, k.shape
+    if Bk != B or v.shape[:3] != k.shape[:3] or Ek != E:
+        raise ValueError(
+            f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if K == 0 or H % K:
+        raise ValueError(f"query heads {H} must be a multiple of key/value heads {K}")
+    _check_layout(layout)
+    if causal and L != S:
+        raise ValueError(f"causal ring attention needs equal shards, got L={L}, S={S}")
+    if causal and layout == "zigzag" and L % 2:
+        raise ValueError(f"zigzag shards hold two equal chunks, got odd length {L}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(E)
+    elif not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    result: Tensor = _RingAttention.apply(q, k, v, causal, float(scale), group, layout)
+    return result
+
+
+class RingKernel:
+    """:func:`ring_attention` with the signature of :func:`attnkit.functional.attend`, to set
+    as a :class:`~attnkit.attention.MultiHeadAttention`'s ``kernel`` so a model attends over a
+    sequence sharded across ``group``.
+
+    Only what ring attention computes is accepted: no mask, window, documents, padding,
+    dropout or weights (a :class:`ValueError` names the option otherwise).
+
+    Args:
+        group: The process group; defaults to the whole world.
+        layout: ``"contiguous"`` or ``"zigzag"``, as the sequence was sharded.
+    """
+
+    def __init__(self, group: Any = None, *, layout: Layout = "contiguous") -> None:
+        _check_layout(layout)
+        self.group = group
+        self.layout: Layout = layout
+
+    def __repr__(self) -> str:
+        return f"RingKernel(layout={self.layout!r})"
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None = None,
+        *,
+        return_weights: bool = False,
+        scale: float | None = None,
+        dropout_p: float = 0.0,
+        causal: bool = False,
+        **structure: Any,
+    ) -> tuple[Tensor, None]:
+        """Ring attention of this rank's shard as ``(out, None)``.
+
+        Shape:
+            q ``(B, H, L, E)``, k/v ``(B, K, S, E)`` -> out ``(B, H, L, E)``.
+        """
+        given = {n: x for n, x in structure.items() if x is not None}
+        if mask is not None:
+            given["mask"] = "a tensor"
+        if return_weights:
+            given["return_weights"] = True
+        if dropout_p:
+            given["dropout_p"] = dropout_p
+        if given:
+            raise ValueError(f"ring attention supports only causal and scale, got {given}")
+        out = ring_attention(
+            q, k, v, causal=causal, group=self.group, scale=scale, layout=self.layout
+        )
+        return out, None
