@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import decoding, generation
+from attnkit import quantize as quantization
 from attnkit import masks as M
 from attnkit.blocks import TransformerLayer, make_norm
 from attnkit.cache import KVCache
@@ -453,7 +454,11 @@ class TransformerLM(_TransformerStack):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, dtype: torch.dtype | None = None
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        quantize: quantization.Mode | None = None,
     ) -> TransformerLM:
         """Load a Hugging Face decoder folder (Llama, Mistral, Qwen2, GPT-2), in eval mode.
 
@@ -463,14 +468,31 @@ class TransformerLM(_TransformerStack):
         Args:
             path: Folder with ``config.json`` and safetensors weights.
             dtype: Parameter dtype (default float32); bf16/fp16 load straight into it.
+            quantize: ``"int8"`` or ``"int4"``: weight-only quantization of the linears and the
+                output head (:func:`attnkit.quantize.quantize`), applied after the weights are
+                streamed. The weights stream in at 16 bits (bf16 unless ``dtype`` is fp16), so
+                loading peaks near the size of the 16-bit model, not the fp32 one; the
+                unquantized parameters (embedding, norms) then take ``dtype``.
 
         Raises:
             FileNotFoundError: Naming missing files.
-            ValueError: Unsupported architecture or option, bad or truncated weights.
+            ValueError: Unsupported architecture or option, bad or truncated weights, unknown
+                ``quantize``.
         """
-        lm = hf.from_pretrained(path, cls=cls, dtype=dtype)
+        if quantize is not None and quantize not in quantization.MODES:
+            raise ValueError(f"quantize must be one of {quantization.MODES}, got {quantize!r}")
+        final = dtype if dtype is not None else torch.get_default_dtype()
+        staged = final
+        if quantize is not None and isinstance(final, torch.dtype) and final.itemsize > 2:
+            staged = torch.bfloat16
+        lm = hf.from_pretrained(path, cls=cls, dtype=staged if quantize else dtype)
         if not isinstance(lm, cls):
             raise TypeError(f"{cls.__name__}.from_pretrained built a {type(lm).__name__}")
+        if quantize is not None:
+            quantization.quantize(lm, quantize)
+            with torch.no_grad():
+                for param in lm.parameters():
+                    param.data = param.data.to(final)
         return lm
 
     def save_pretrained(self, path: str | Path, *, max_shard_size: int | None = None) -> Path:
