@@ -144,7 +144,7 @@ def test_quantized_model_runs_its_dequantized_weights(mode: str) -> None:
     # bf16 activations in the kernels: a few e-3 relative.
     assert_close(got, want, rtol=0, atol=3e-2 * want.abs().max().item())
     assert len(got_w) == len(want_w) == 2
-    for g, w in zip(got_w, want_w):
+    for g, w in zip(got_w, want_w, strict=True):
         assert g.shape == w.shape == (2, 4, 20, 20)
         assert_close(g, w, rtol=0, atol=2e-2)
 

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import decoding, generation
-from attnkit import quantize as quantization
 from attnkit import masks as M
+from attnkit import quantize as quantization
 from attnkit.blocks import TransformerLayer, make_norm
 from attnkit.cache import KVCache
 from attnkit.config import FAMILIES, TransformerConfig
