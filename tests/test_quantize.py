@@ -230,3 +230,31 @@ def test_minilm_int8_embeddings_keep_cosine(minilm: Any) -> None:
     got = quantized.encode(TEXTS)
     cosine = (got * want).sum(-1)
     assert cosine.min() >= 0.99, cosine
+
+
+def test_generate_command_quantizes_and_reports_speed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("safetensors")
+    from attnkit.cli import main
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_tokens([f"w{i}" for i in range(1, 96)])
+    tok.decoder = tokenizers.decoders.WordPiece()
+    lm = _lm()
+    lm.save_pretrained(tmp_path)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    prompt = "w5 w7 w9"
+    args = ["generate", "--model", str(tmp_path), "--prompt", prompt, "--max-new-tokens", "5"]
+    assert main([*args, "--quantize", "int8"]) == 0
+    out, err = capsys.readouterr()
+    loaded = TransformerLM.from_pretrained(tmp_path, quantize="int8")
+    ids = torch.tensor([tok.encode(prompt).ids])
+    want = loaded.generate(ids, 5)[0].tolist()
+    assert out == tok.decode(want, skip_special_tokens=True) + "\n"
+    assert "time to first token" in err and "tokens/s" in err
+    assert main([*args, "--quantize", "int4", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(tok.decode(ids[0].tolist())) and "tokens/s" not in err

@@ -5,7 +5,9 @@ folder's ``tokenizer.json`` (the ``tokenizers`` package), prints the prompt, the
 of text as soon as it is decoded. ``--attention OUT`` also writes the attention of the whole text
 (prompt and continuation): one map per chosen ``--layer``/``--head``, a grid of the chosen layers'
 heads and, when :mod:`attnkit.explorer` is available, an interactive page. Layers and heads count
-from 0; negative values count from the end.
+from 0; negative values count from the end. ``--quantize int8|int4`` quantizes the linear weights
+after loading (:func:`attnkit.quantize.quantize`). At the end, stderr gets the time to first token
+and the tokens/s after it (``--quiet`` leaves them out; stdout is the text only).
 
 Needs the ``models`` extra (``tokenizers``; matplotlib for ``--attention``).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -65,6 +68,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--head", type=int, nargs="+", default=[0], help="heads drawn one by one (default: 0)"
     )
+    _add_speed_arguments(parser)
+
+
+def _add_speed_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--quantize`` and ``--quiet`` (the speed line)."""
+    parser.add_argument(
+        "--quantize",
+        choices=("int8", "int4"),
+        default=None,
+        help="weight-only quantization of the linears after loading (default: none)",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="do not print time to first token and tokens/s (stderr) at the end",
+    )
+
+
+def _speed_line(n_tokens: int, start: float, first: float | None, end: float) -> str:
+    """Time to first token and the decoding rate after it (tokens 2..n over their time)."""
+    if first is None:
+        return "attnkit generate: no new tokens"
+    ttft_ms = 1e3 * (first - start)
+    line = f"attnkit generate: {n_tokens} new tokens, time to first token {ttft_ms:.1f} ms"
+    if n_tokens > 1 and end > first:
+        line += f", {(n_tokens - 1) / (end - first):.1f} tokens/s after it"
+    return line
 
 
 def _index(value: int, size: int, name: str) -> int:
@@ -108,12 +138,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"{args.model / 'tokenizer.json'}: cannot read the tokenizer ({err})"
         ) from None
-    lm = TransformerLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    lm = TransformerLM.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype), quantize=args.quantize
+    )
     prompt_ids = tokenizer.encode(prompt).ids
     if not prompt_ids:
         raise ValueError(f"the prompt {prompt!r} gives no tokens")
     ids = torch.tensor([prompt_ids])
     generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
+    start, first = time.perf_counter(), None
     steps = lm.stream(
         ids,
         args.max_new_tokens,
@@ -128,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(shown)
     sys.stdout.flush()
     for column in steps:
+        first = time.perf_counter() if first is None else first
         new.append(int(column[0]))
         text = tokenizer.decode(prompt_ids + new, skip_special_tokens=True)
         # Print what is settled: byte-level pieces of one character decode to U+FFFD until
@@ -139,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     text = tokenizer.decode(prompt_ids + new, skip_special_tokens=True)
     sys.stdout.write((text[len(shown) :] if text.startswith(shown) else "") + "\n")
     sys.stdout.flush()
+    if not args.quiet:
+        print(_speed_line(len(new), start, first, time.perf_counter()), file=sys.stderr)
     if args.attention is not None:
         all_ids = torch.tensor([prompt_ids + new])
         # Each token as text (byte-level tokenizers' "Ġsat" reads " sat").
