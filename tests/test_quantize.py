@@ -40,9 +40,10 @@ def _f64_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_is_the_per_channel_rounding(bias: bool) -> None:
+@pytest.mark.parametrize("in_features", [96, 172])  # 172: not a multiple of the kernel's 8
+def test_int8_linear_is_the_per_channel_rounding(bias: bool, in_features: int) -> None:
     torch.manual_seed(1)
-    linear = nn.Linear(96, 80, bias=bias)
+    linear = nn.Linear(in_features, 80, bias=bias)
     q = Int8Linear.from_linear(linear)
     w = linear.weight.detach().double()
     scale = w.abs().amax(1) / 127
@@ -50,7 +51,7 @@ def test_int8_linear_is_the_per_channel_rounding(bias: bool) -> None:
     # Every weight is within half a step of its rounding, and the codes use the full range.
     assert ((q.dequantize().double() - w).abs() <= scale[:, None] / 2 + 1e-7).all()
     assert q.weight_int8.abs().amax(1).eq(127).all()
-    x = torch.randn(3, 7, 96)
+    x = torch.randn(3, 7, in_features)
     # The kernel multiplies bf16 activations by the int8 weight: the float64 product of the
     # bf16-rounded input and the dequantized weight is the reference.
     want = _f64_product(x.bfloat16().float(), q.dequantize(), linear.bias)

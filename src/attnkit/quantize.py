@@ -10,10 +10,10 @@ quantized). A tied output head gets a quantized copy of the embedding (``lm_head
 keeps the full-precision table.
 
 Kernels: one row inside a compiled graph is a streaming reduction over the int8 weight (inductor
-converts the bytes as it reads them); otherwise int8 runs ``torch._weight_int8pack_mm`` and int4
-torch's CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``), both with bf16 activations, or,
-on other devices, the dequantized weight through ``F.linear``. ``benchmarks/bench_decode.py
---quantize`` measures them against fp32 and bf16.
+converts the bytes as it reads them); otherwise int8 runs ``torch._weight_int8pack_mm`` (input
+sizes that are multiples of 8; others, and other devices, multiply by the dequantized weight)
+and int4 torch's CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``), both with bf16
+activations. ``benchmarks/bench_decode.py --quantize`` measures them against fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -95,14 +95,15 @@ class Int8Linear(nn.Module):
             # One streaming pass over the int8 bytes; float32 sums.
             y = (self.weight_int8.float() * x2.float()).sum(-1) * self.scale
             y = y.reshape(1, -1)
-        elif x2.device.type == "cpu":
+        elif x2.device.type == "cpu" and self.in_features % 8 == 0:
+            # (torch's kernel reads out of bounds for other input sizes.)
             xb = x2.to(torch.bfloat16).contiguous()
             # An identity view that makes inductor store the input: its int8 GEMM lowering
             # takes stored tensors, not fused expressions.
             xb = torch.as_strided(xb, xb.shape, xb.stride())
             y = torch._weight_int8pack_mm(xb, self.weight_int8, self.scale_bf16)
         else:
-            y = F.linear(x2, self.dequantize().to(x.dtype))
+            y = F.linear(x2, self.dequantize().to(x2.dtype))
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
