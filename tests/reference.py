@@ -15,8 +15,11 @@ def reference_attention(
     allowed: Tensor | None = None,
     *,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Textbook attention in float64, with fully-masked rows defined as zero output.
+
+    ``softcap`` caps the scores with ``tanh(s / softcap) * softcap`` before the mask.
 
     ``allowed`` is a bool mask (True = may attend) broadcastable to the scores. k/v heads are
     repeated to the query heads (grouped-query attention) by ``repeat_interleave``.
@@ -30,6 +33,8 @@ def reference_attention(
         v = v.repeat_interleave(g, dim=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.einsum("...le,...se->...ls", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if allowed is None:
         allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)
     allowed = allowed.expand(scores.shape)

@@ -198,3 +198,21 @@ def test_positional_block_sinusoidal_cached_decoding() -> None:
     assert_close(torch.cat(steps, 1), block(x), **TOL)
     with pytest.raises(ValueError, match="position_type"):
         PositionalTransformerBlock(16, 32, 2, "alibi")
+
+
+def test_offset_rmsnorm_and_geglu_follow_their_formulas() -> None:
+    from attnkit.blocks import OffsetRMSNorm, make_norm
+
+    norm = make_norm("rmsnorm_plus_one", 8, eps=1e-6)
+    assert isinstance(norm, OffsetRMSNorm) and torch.equal(norm.weight, torch.zeros(8))
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    xf = x.double()
+    want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm.weight.double())
+    assert norm(x).dtype == torch.bfloat16
+    assert_close(norm(x).double(), want, atol=2e-2, rtol=2e-2)
+    ff = FeedForward(8, 16, 8, activation="geglu_tanh", bias=False)
+    x = torch.randn(2, 8)
+    gate, up = nn.functional.linear(x, ff.gate_up.weight).chunk(2, dim=-1)
+    assert_close(ff(x), ff.linear2(nn.functional.gelu(gate, approximate="tanh") * up))

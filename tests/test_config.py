@@ -180,3 +180,22 @@ def test_check_sizes_names_the_offending_values() -> None:
         check_sizes({"dim": True, "heads": 2.0, "layers": 3})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match=r"KVCache sizes must be positive, got \{'capacity': 0\}"):
         check_sizes({"capacity": 0, "head_dim": 1}, what="KVCache sizes")
+
+
+def test_layer_types_and_the_newer_families_options() -> None:
+    base = TransformerConfig(10, 16, 3, 2, window=4)
+    mixed = base.replace(layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    assert mixed.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert [mixed.layer_window(i) for i in range(3)] == [4, None, 4]
+    assert [base.layer_window(i) for i in range(3)] == [4, 4, 4]
+    assert TransformerConfig.from_dict(mixed.to_dict()) == mixed
+    with pytest.raises(ValueError, match=r"layer_types must name 3 layers.*unknown \['local'\]"):
+        base.replace(layer_types=("local", "full_attention", "full_attention"))
+    with pytest.raises(ValueError, match="sliding_attention layers but window is None"):
+        base.replace(window=None, layer_types=("sliding_attention",) * 3)
+    with pytest.raises(ValueError, match=r"'attn_softcap': 0.0"):
+        base.replace(attn_softcap=0.0)
+    with pytest.raises(ValueError, match=r"post_norms .* need norm_first"):
+        base.replace(post_norms=True, norm_first=False)
+    with pytest.raises(ValueError, match="rope_local_base must be > 1"):
+        base.replace(rope_local_base=1.0)

@@ -33,6 +33,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no-positions-untied": {"position": "none", "tie_embeddings": False, "activation": "silu"},
     "qkv-bias-only": {**LLAMA, "qkv_bias": True},
     "swiglu-bias-head-dim": {"activation": "swiglu", "head_dim": 6},
+    # Gemma-like: qk-norm, soft-capping, alternating local/global layers with two rotary bases
+    "gemma-like": {
+        "norm": "rmsnorm_plus_one",
+        "activation": "geglu_tanh",
+        "bias": False,
+        "qk_norm": True,
+        "attn_softcap": 2.0,
+        "logit_softcap": 5.0,
+        "post_norms": True,
+        "scale_embeddings": True,
+        "attn_scale": 0.3,
+        "window": 3,
+        "layer_types": ("sliding_attention", "full_attention"),
+        "rope_local_base": 50.0,
+    },
 }
 
 

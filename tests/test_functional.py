@@ -560,3 +560,27 @@ def test_nan_in_every_attended_key_propagates(return_weights, grad):
         if mask is not None:
             ref, _ = reference_attention(q, k, v, allowed)
             assert_close(out[0, 1, 2], ref[0, 1, 2].float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("structure", [{}, {"causal": True}, {"causal": True, "window": 3}])
+def test_softcap_caps_scores_on_every_path(return_weights, structure):
+    """Gemma 2's soft-capping: tanh(s / c) * c before the mask, outputs and gradients."""
+    q = (3 * torch.randn(2, 4, 7, 8, dtype=torch.float64)).requires_grad_()
+    k = (3 * torch.randn(2, 2, 7, 8, dtype=torch.float64)).requires_grad_()
+    v = torch.randn(2, 2, 7, 8, dtype=torch.float64, requires_grad=True)
+    allowed = M.structured_mask(7, 7, **structure) if structure else None
+    ref_out, ref_w = reference_attention(q, k, v, allowed, softcap=2.0)
+    got = sdpa(q, k, v, softcap=2.0, return_weights=return_weights, **structure)
+    out = got[0] if return_weights else got
+    assert_close(out, ref_out)
+    if return_weights:
+        assert_close(got[1], ref_w)
+    plain = sdpa(q, k, v, **structure)
+    assert not torch.allclose(out, plain)  # the cap changes large scores
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref_out.sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert_close(g, r)
+    with pytest.raises(ValueError, match=r"softcap must be a positive finite number.*-1"):
+        sdpa(q, k, v, softcap=-1.0)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import functional
+from attnkit import masks as M
 from attnkit.cache import KVCache
 
 if TYPE_CHECKING:
@@ -94,6 +95,10 @@ class MultiHeadAttention(nn.Module):
         causal: Causal masking (bottom-right aligned, see the functional core).
         window: Sliding-window size (see :func:`attnkit.functional.scaled_dot_product_attention`).
         scale: Score multiplier; defaults to ``1 / sqrt(E)``.
+        softcap: Attention-logit soft-capping ``tanh(s / softcap) * softcap`` (Gemma 2).
+        q_norm: Optional module applied to each head's queries ``(..., E)`` before the rotary
+            positions (qk-norm: Qwen3, Gemma 3).
+        k_norm: The same for the keys.
         rotary: Optional rotary module applied to queries and keys after the head split; it is
             called as ``rotary(x, positions)`` with ``x`` of shape ``(..., heads, L, E)``.
 
@@ -129,6 +134,9 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         window: int | None = None,
         scale: float | None = None,
+        softcap: float | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
         rotary: nn.Module | None = None,
     ) -> None:
         super().__init__()
@@ -191,7 +199,9 @@ class MultiHeadAttention(nn.Module):
             self.k_proj = nn.Linear(kdim, kv_hidden, bias=bias)
             self.v_proj = nn.Linear(vdim, kv_hidden, bias=bias)
         self.out_proj = nn.Linear(hidden_dim, out_dim, bias=bias if out_bias is None else out_bias)
+        self.q_norm, self.k_norm = q_norm, k_norm
         self.rotary = rotary
+        self.softcap = softcap
         self.kernel: Kernel = functional.attend
 
     def _check_last_dims(self, **inputs: Tensor) -> None:
@@ -280,6 +290,10 @@ class MultiHeadAttention(nn.Module):
         positions, kv_cache = options.get("positions"), options.get("kv_cache")
         cache_position = options.get("cache_position")
         q, k, v = self.project_qkv(query, key, value)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         if self.rotary is not None:
             if k.shape[-2] != q.shape[-2] and kv_cache is None:
                 raise ValueError("rotary positions need self-attention (same query/key tokens)")
@@ -295,11 +309,12 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache.write(k, v, cache_position)  # (B, K, C, E): every slot
             # Slots after a token's own are empty or stale: the (L, C) slot mask holds the
             # causal order and the window.
-            mask = _restrict(mask, kv_cache.slot_mask(cache_position, window=window))
+            mask = M.restrict(mask, kv_cache.slot_mask(cache_position, window=window))
             causal, window = False, None
         elif kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, K, cached + L, E)
         return_weights = options.get("return_weights", False)
+        extra = {} if self.softcap is None else {"softcap": self.softcap}
         out, weights = self.kernel(
             q,
             k,
@@ -310,6 +325,7 @@ class MultiHeadAttention(nn.Module):
             scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=return_weights,
+            **extra,
         )  # (B, H, L, E), (B, H, L, S) or None
         return self.out_proj(merge_heads(out)), weights  # (B, L, out_dim)
 
@@ -322,14 +338,3 @@ class MultiHeadAttention(nn.Module):
         if self.window is not None:
             parts.append(f"window={self.window}")
         return ", ".join(parts)
-
-
-def _restrict(mask: Tensor | None, allowed: Tensor | None) -> Tensor | None:
-    """``mask`` (bool or additive float) further limited to the ``allowed`` keys."""
-    if allowed is None:
-        return mask
-    if mask is None:
-        return allowed
-    if mask.dtype == torch.bool:
-        return mask & allowed
-    return mask.masked_fill(~allowed, float("-inf"))

@@ -24,16 +24,34 @@ from attnkit.config import TransformerConfig
 if TYPE_CHECKING:
     from typing_extensions import Self, Unpack
 
-__all__ = ["FeedForward", "TransformerLayer", "make_norm"]
+__all__ = ["FeedForward", "OffsetRMSNorm", "TransformerLayer", "make_norm"]
 
-Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu"]
-NormType = Literal["layernorm", "rmsnorm"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu_tanh"]
+NormType = Literal["layernorm", "rmsnorm", "rmsnorm_plus_one"]
 
-_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
+_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu_tanh")
+_GATED = {"swiglu": "silu", "geglu_tanh": "gelu_tanh"}  # gated activation -> its gate's
+
+
+class OffsetRMSNorm(nn.RMSNorm):
+    """RMSNorm that scales by ``1 + weight`` (Gemma's), computed in float32.
+
+    Its weight starts at zero (the identity scale), as Gemma's checkpoints store it.
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-6) -> None:
+        super().__init__(dim, eps=eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Shape: ``(..., dim) -> (..., dim)``."""
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def make_norm(norm: str, dim: int, *, eps: float = 1e-5) -> nn.Module:
-    """``nn.LayerNorm`` (``"layernorm"``) or ``nn.RMSNorm`` (``"rmsnorm"``) over ``dim``.
+    """``nn.LayerNorm`` (``"layernorm"``), ``nn.RMSNorm`` (``"rmsnorm"``) or
+    :class:`OffsetRMSNorm` (``"rmsnorm_plus_one"``) over ``dim``.
 
     Raises:
         ValueError: For another ``norm``.
@@ -42,7 +60,9 @@ def make_norm(norm: str, dim: int, *, eps: float = 1e-5) -> nn.Module:
         return nn.LayerNorm(dim, eps=eps)
     if norm == "rmsnorm":
         return nn.RMSNorm(dim, eps=eps)
-    raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {norm!r}")
+    if norm == "rmsnorm_plus_one":
+        return OffsetRMSNorm(dim, eps=eps)
+    raise ValueError(f"norm must be 'layernorm', 'rmsnorm' or 'rmsnorm_plus_one', got {norm!r}")
 
 
 class FeedForward(nn.Module):
@@ -50,7 +70,8 @@ class FeedForward(nn.Module):
 
     With ``activation="swiglu"`` the first projection is one fused ``gate_up`` (rows
     ``[gate | up]``, ``2 * hidden_dim`` outputs) and the hidden layer is ``silu(gate) * up``
-    (the LLaMA MLP); ``linear1`` is then absent. State dicts of the unfused form (``gate`` and
+    (the LLaMA MLP); ``linear1`` is then absent. ``"geglu_tanh"`` is the same with a
+    tanh-approximated GELU gate (Gemma). State dicts of the unfused form (``gate`` and
     ``linear1``) still load.
 
     Args:
@@ -81,7 +102,7 @@ class FeedForward(nn.Module):
             raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.gated = activation == "swiglu"
+        self.gated = activation in _GATED
         if self.gated:
             self.gate_up = nn.Linear(in_dim, 2 * hidden_dim, bias=bias)
             self.register_load_state_dict_pre_hook(_fuse_gate_up)
@@ -93,9 +114,8 @@ class FeedForward(nn.Module):
             "gelu": nn.GELU,
             "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
             "silu": nn.SiLU,
-            "swiglu": nn.SiLU,
         }
-        self.activation: nn.Module = factories[activation]()
+        self.activation: nn.Module = factories[_GATED.get(activation, activation)]()
         self.activation_name = activation
         self.dropout = dropout
 
@@ -182,6 +202,10 @@ class TransformerLayer(nn.Module):
         out_bias: bool | None = None,
         mlp_bias: bool | None = None,
         head_dim: int | None = None,
+        qk_norm: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        post_norms: bool = False,
         attention: nn.Module | None = None,
     ) -> None:
         super().__init__()
@@ -190,11 +214,10 @@ class TransformerLayer(nn.Module):
         if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
             raise TypeError(f"head_dim must be an int, got {head_dim!r}")
         if attention is None:
-            attention = MultiHeadAttention(
+            attention = self._build_attention(
                 dim,
                 num_heads,
                 head_dim=head_dim,
-                fused_qkv=True,
                 causal=causal,
                 num_kv_heads=num_kv_heads,
                 rotary=rotary,
@@ -202,6 +225,10 @@ class TransformerLayer(nn.Module):
                 bias=bias if qkv_bias is None else qkv_bias,
                 out_bias=bias if out_bias is None else out_bias,
                 dropout=dropout,
+                scale=scale,
+                softcap=softcap,
+                q_norm=make_norm(norm, head_dim or dim // num_heads, eps=eps) if qk_norm else None,
+                k_norm=make_norm(norm, head_dim or dim // num_heads, eps=eps) if qk_norm else None,
             )
         self.attention = attention
         self.feed_forward = FeedForward(
@@ -214,15 +241,24 @@ class TransformerLayer(nn.Module):
         )
         self.norm1 = make_norm(norm, dim, eps=eps)
         self.norm2 = make_norm(norm, dim, eps=eps)
+        if post_norms and not norm_first:
+            raise ValueError("post_norms (norms after attention and MLP) need norm_first=True")
+        # Gemma's extra norms of the attention and feed-forward outputs, before the residuals.
+        self.post_attn_norm = make_norm(norm, dim, eps=eps) if post_norms else None
+        self.post_ffn_norm = make_norm(norm, dim, eps=eps) if post_norms else None
         self.norm_first, self.dropout = norm_first, dropout
 
     @classmethod
-    def from_config(cls, config: TransformerConfig, rotary: nn.Module | None = None) -> Self:
-        """One block of the stack that ``config`` describes.
+    def from_config(
+        cls, config: TransformerConfig, rotary: nn.Module | None = None, *, layer: int = 0
+    ) -> Self:
+        """Block ``layer`` of the stack that ``config`` describes.
 
         Args:
             config: The stack's sizes and options.
-            rotary: The stack's rotary module (shared by its blocks), for ``position="rope"``.
+            rotary: The rotary module of this block (shared by the blocks of a stack), for
+                ``position="rope"``.
+            layer: The block's index (its window follows ``config.layer_types``).
         """
         return cls(
             config.dim,
@@ -236,12 +272,16 @@ class TransformerLayer(nn.Module):
             dropout=config.dropout,
             num_kv_heads=config.num_kv_heads,
             rotary=rotary,
-            window=config.window,
+            window=config.layer_window(layer),
             bias=config.bias,
             qkv_bias=config.qkv_bias,
             out_bias=config.out_bias,
             mlp_bias=config.mlp_bias,
             head_dim=config.head_dim,
+            qk_norm=config.qk_norm,
+            scale=config.attn_scale,
+            softcap=config.attn_softcap,
+            post_norms=config.post_norms,
         )
 
     def forward(
@@ -263,16 +303,24 @@ class TransformerLayer(nn.Module):
         """
         attn_in = self.norm1(x) if self.norm_first else x
         attn_out, weights = self._attend(attn_in, mask, options)
+        if self.post_attn_norm is not None:
+            attn_out = self.post_attn_norm(attn_out)
         attn_out = F.dropout(attn_out, p=self.dropout, training=self.training)
         if self.norm_first:
             x = x + attn_out
             ff_out = self.feed_forward(self.norm2(x))
+            if self.post_ffn_norm is not None:
+                ff_out = self.post_ffn_norm(ff_out)
             x = x + F.dropout(ff_out, p=self.dropout, training=self.training)
         else:
             x = self.norm1(x + attn_out)
             ff_out = self.feed_forward(x)
             x = self.norm2(x + F.dropout(ff_out, p=self.dropout, training=self.training))
         return x, weights
+
+    def _build_attention(self, dim: int, num_heads: int, **options: Any) -> nn.Module:
+        """The block's self-attention: a :class:`MultiHeadAttention` with one fused q/k/v."""
+        return MultiHeadAttention(dim, num_heads, fused_qkv=True, **options)
 
     def _attend(
         self, x: Tensor, mask: Tensor | None, options: LayerOptions

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit.attention import LayerOptions, MultiHeadAttention, split_heads
-from attnkit.blocks import Activation, NormType, TransformerLayer
+from attnkit.blocks import TransformerLayer
 from attnkit.functional import attend
 from attnkit.positional import RotaryEmbedding, SinusoidalPositionalEncoding
 
@@ -360,65 +360,29 @@ class TransformerBlock(TransformerLayer):
         hidden_dim: Feed-forward hidden dim.
         num_heads: Query heads ``H``.
         causal: Causal self-attention.
-        attention: A prebuilt self-attention module, returning the blog's ``out`` or
-            ``(out, weights)``.
         **options: :class:`attnkit.blocks.TransformerLayer`'s keyword options (``norm_first``,
             ``norm``, ``activation``, ``eps``, ``dropout``, ``num_kv_heads``, ``rotary``,
-            ``window``, ``bias``, ``qkv_bias``, ``out_bias``, ``mlp_bias``, ``head_dim``).
+            ``window``, ``bias``, ``qkv_bias``, ``out_bias``, ``mlp_bias``, ``head_dim``), or
+            ``attention``: a prebuilt self-attention module returning the blog's ``out`` or
+            ``(out, weights)``.
     """
 
     def __init__(
-        self,
-        dim: int,
-        hidden_dim: int,
-        num_heads: int,
-        causal: bool = False,
-        *,
-        norm_first: bool = False,
-        norm: NormType = "layernorm",
-        activation: Activation = "relu",
-        eps: float = 1e-5,
-        dropout: float = 0.0,
-        num_kv_heads: int | None = None,
-        rotary: nn.Module | None = None,
-        window: int | None = None,
-        bias: bool = True,
-        qkv_bias: bool | None = None,
-        out_bias: bool | None = None,
-        mlp_bias: bool | None = None,
-        head_dim: int | None = None,
-        attention: nn.Module | None = None,
+        self, dim: int, hidden_dim: int, num_heads: int, causal: bool = False, **options: Any
     ) -> None:
-        if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
-            raise TypeError(f"head_dim must be an int, got {head_dim!r}")
-        if attention is None:
-            attention = MultiHeadSelfAttention(
-                dim,
-                dim if head_dim is None else num_heads * head_dim,
-                dim,
-                num_heads,
-                causal,
-                num_kv_heads=num_kv_heads,
-                rotary=rotary,
-                window=window,
-                bias=bias if qkv_bias is None else qkv_bias,
-                out_bias=bias if out_bias is None else out_bias,
-                dropout=dropout,
+        super().__init__(dim, hidden_dim, num_heads, causal, **options)
+
+    def _build_attention(self, dim: int, num_heads: int, **options: Any) -> nn.Module:
+        """The blog's :class:`MultiHeadSelfAttention` (the blog's names in the state_dict)."""
+        head_dim, causal = options.pop("head_dim"), options.pop("causal")
+        extras = {k: options.pop(k, None) for k in ("q_norm", "k_norm", "softcap")}
+        if any(v is not None for v in extras.values()):
+            raise ValueError(
+                f"the blog's TransformerBlock has no qk-norm or soft-capping, got {extras}; "
+                "use attnkit.TransformerLayer"
             )
-        super().__init__(
-            dim,
-            hidden_dim,
-            num_heads,
-            causal,
-            norm_first=norm_first,
-            norm=norm,
-            activation=activation,
-            eps=eps,
-            dropout=dropout,
-            bias=bias,
-            mlp_bias=mlp_bias,
-            attention=attention,
-        )
+        hidden = dim if head_dim is None else num_heads * head_dim
+        return MultiHeadSelfAttention(dim, hidden, dim, num_heads, causal, **options)
 
     def _attend(
         self, x: Tensor, mask: Tensor | None, options: LayerOptions

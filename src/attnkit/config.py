@@ -19,8 +19,10 @@ __all__ = ["FAMILIES", "PRESETS", "ROPE_SCALING_KEYS", "TransformerConfig", "che
 
 PositionType = Literal["none", "sinusoidal", "learned", "rope"]
 POSITIONS: tuple[str, ...] = ("none", "sinusoidal", "learned", "rope")
-NORMS: tuple[str, ...] = ("layernorm", "rmsnorm")
-ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
+NORMS: tuple[str, ...] = ("layernorm", "rmsnorm", "rmsnorm_plus_one")
+ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu_tanh")
+#: Per-layer attention kinds (``layer_types``), named as Hugging Face's configs name them.
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 # Required keys of each rotary scaling type (Hugging Face's ``rope_scaling`` semantics).
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
@@ -122,8 +124,10 @@ class TransformerConfig:
         position: ``"rope"``, ``"sinusoidal"``, ``"learned"`` or ``"none"``.
         causal: Causal attention (a :class:`attnkit.TransformerLM` needs ``True``).
         norm_first: Pre-norm blocks plus a final norm, or post-norm blocks.
-        norm: ``"layernorm"`` or ``"rmsnorm"``.
-        activation: ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``.
+        norm: ``"layernorm"``, ``"rmsnorm"`` or ``"rmsnorm_plus_one"`` (Gemma's RMSNorm, which
+            scales by ``1 + weight`` in float32).
+        activation: ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``, ``"swiglu"`` or
+            ``"geglu_tanh"`` (gated tanh-GELU, Gemma).
         eps: Norm epsilon.
         dropout: Dropout after the embeddings and inside the blocks.
         bias: Default for every projection bias below.
@@ -139,6 +143,20 @@ class TransformerConfig:
             ``original_max_position_embeddings``).
         tie_embeddings: The LM's output head is the token embedding (``False``: a separate
             ``lm_head`` ``Linear`` without bias).
+        qk_norm: Normalise each head's queries and keys (the config's ``norm`` over the head
+            dim, one weight shared by the heads) before rotary positions (Qwen3, Gemma 3).
+        attn_scale: Score multiplier; ``None`` = ``1 / sqrt(head_dim)`` (Gemma's
+            ``query_pre_attn_scalar ** -0.5``).
+        attn_softcap: Attention-logit soft-capping ``tanh(s / c) * c`` (Gemma 2).
+        logit_softcap: Final-logit soft-capping ``tanh(z / c) * c`` (Gemma 2).
+        layer_types: Per-layer ``"full_attention"`` / ``"sliding_attention"`` (Hugging Face's
+            ``layer_types``); sliding layers use ``window``. ``None``: every layer uses
+            ``window``.
+        rope_local_base: Rotary base of the sliding layers (Gemma 3's
+            ``rope_local_base_freq``); ``None``: ``rope_base`` everywhere.
+        scale_embeddings: Multiply the token embeddings by ``sqrt(dim)`` (Gemma).
+        post_norms: Also normalise the attention and feed-forward outputs before their
+            residual adds (Gemma 2/3; needs ``norm_first``).
 
     Raises:
         TypeError: If a size is not an int or ``rope_scaling`` not a dict.
@@ -157,8 +175,8 @@ class TransformerConfig:
     position: PositionType = "rope"
     causal: bool = True
     norm_first: bool = True
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    activation: Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu"] = "gelu"
+    norm: Literal["layernorm", "rmsnorm", "rmsnorm_plus_one"] = "layernorm"
+    activation: Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu_tanh"] = "gelu"
     eps: float = 1e-5
     dropout: float = 0.0
     bias: bool = True
@@ -170,6 +188,14 @@ class TransformerConfig:
     rope_interleaved: bool = True
     rope_scaling: dict[str, Any] | None = None
     tie_embeddings: bool = True
+    qk_norm: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_base: float | None = None
+    scale_embeddings: bool = False
+    post_norms: bool = False
 
     def __post_init__(self) -> None:
         sizes: dict[str, int | None] = {  # None: not given
@@ -184,7 +210,16 @@ class TransformerConfig:
             "window": self.window,
         }
         check_sizes(sizes)
-        flags = ("causal", "norm_first", "bias", "rope_interleaved", "tie_embeddings")
+        flags = (
+            "causal",
+            "norm_first",
+            "bias",
+            "rope_interleaved",
+            "tie_embeddings",
+            "qk_norm",
+            "scale_embeddings",
+            "post_norms",
+        )
         opt_flags = ("qkv_bias", "out_bias", "mlp_bias")
         not_bool = {k: getattr(self, k) for k in flags if not isinstance(getattr(self, k), bool)}
         not_bool |= {
@@ -224,8 +259,45 @@ class TransformerConfig:
             raise ValueError(f"eps must be a positive number, got {self.eps}")
         if not (math.isfinite(self.rope_base) and self.rope_base > 1.0):
             raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+        positive = {"attn_scale": self.attn_scale, "attn_softcap": self.attn_softcap}
+        positive["logit_softcap"] = self.logit_softcap
+        bad = {
+            k: v
+            for k, v in positive.items()
+            if v is not None
+            and (isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf)
+        }
+        if bad:
+            raise ValueError(f"these options must be positive finite numbers or None, got {bad}")
+        if self.rope_local_base is not None and not (
+            math.isfinite(self.rope_local_base) and self.rope_local_base > 1.0
+        ):
+            raise ValueError(f"rope_local_base must be > 1, got {self.rope_local_base}")
+        if self.post_norms and not self.norm_first:
+            raise ValueError("post_norms (norms after attention and MLP) need norm_first=True")
         # Frozen: normalise through object.__setattr__ (a private copy, HF keys).
         object.__setattr__(self, "rope_scaling", check_rope_scaling(self.rope_scaling))
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            unknown = sorted({t for t in types if t not in LAYER_TYPES})
+            if unknown or len(types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types must name {self.num_layers} layers, each one of "
+                    f"{LAYER_TYPES}; got {len(types)} with unknown {unknown}"
+                )
+            if "sliding_attention" in types and self.window is None:
+                raise ValueError("layer_types has sliding_attention layers but window is None")
+            object.__setattr__(self, "layer_types", types)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (``None``: full attention).
+
+        Without ``layer_types`` every layer has ``window``; with them, only the
+        ``"sliding_attention"`` layers.
+        """
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.window
+        return None
 
     # Deprecated aliases, kept so that code written against 0.2 still runs.
 

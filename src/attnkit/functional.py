@@ -45,6 +45,7 @@ class Options(M.StructureArgs, total=False):
 
     scale: float | None
     dropout_p: float
+    softcap: float | None
 
 
 @overload
@@ -92,6 +93,10 @@ def scaled_dot_product_attention(
         scale: Multiplier of the scores; defaults to ``1 / sqrt(E)`` (1 for ``E = 0``, where
             every score is 0 and the output is the mean of the attended values, as in torch).
         dropout_p: Dropout probability on the attention weights (pass 0 at evaluation).
+        softcap: Cap the scores smoothly to ``(-softcap, softcap)`` with
+            ``tanh(s / softcap) * softcap`` before the mask (Gemma 2's attention-logit
+            soft-capping). torch's fused kernels cannot modify scores, so this runs the explicit
+            path (float32 for half-precision inputs).
         return_weights: Also return the attention weights (forces the explicit path, computed in
             float32 for half-precision inputs and cast back).
 
@@ -126,6 +131,7 @@ def attend(
     return_weights: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    softcap: float | None = None,
     **structure: Unpack[M.StructureArgs],
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`scaled_dot_product_attention` as an ``(out, weights)`` pair, the call every
@@ -140,6 +146,8 @@ def attend(
         weights ``(..., H, L, S)``.
     """
     check_inputs(q, k, v, mask, scale, dropout_p)
+    if softcap is not None and not (isinstance(softcap, int | float) and 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = resolve_scale(scale, E)
     gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
@@ -158,7 +166,8 @@ def attend(
     if mask is not None and mask.dtype != torch.bool:
         mask = _additive(mask, q.dtype)
 
-    if rules.sparse and mask is None and not return_weights and S > 0:
+    explicit = return_weights or softcap is not None  # the fused kernels cannot cap scores
+    if rules.sparse and mask is None and not explicit and S > 0:
         grads = q.requires_grad or k.requires_grad or v.requires_grad
         backward = torch.is_grad_enabled() and grads
         plan = sparse.faster_plan(
@@ -169,7 +178,7 @@ def attend(
 
     # Fold causal/window/documents/padding into one bool constraint, unless plain causal can be
     # expressed as is_causal (L == S: top-left and bottom-right alignment coincide).
-    is_causal = rules.causal and not rules.sparse and mask is None and L == S and not return_weights
+    is_causal = rules.causal and not rules.sparse and mask is None and L == S and not explicit
     constraint = None
     if rules.sparse:
         constraint = rules.mask(L, S, device=q.device)  # (B or 1, 1, L, S)
@@ -177,11 +186,13 @@ def attend(
             constraint = constraint[0, 0]  # window only: (L, S) broadcasts against any q
     elif rules.causal and not is_causal and L > 1:  # a single query at the end sees every key
         constraint = M.causal_mask(L, S, device=q.device)
-    mask = _merge(mask, constraint)
+    mask = M.restrict(mask, constraint)
 
     def run(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
-        if return_weights or S == 0:
-            return _explicit_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+        if explicit or S == 0:
+            return _explicit_attention(
+                q, k, v, mask, scale=scale, dropout_p=dropout_p, softcap=softcap
+            )
         out = _fused_attention(
             q, k, v, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, gqa=gqa
         )
@@ -367,17 +378,6 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return out.masked_fill(masked, float("-inf"))
 
 
-def _merge(mask: Tensor | None, constraint: Tensor | None) -> Tensor | None:
-    """AND a bool constraint into a user mask (bool, or additive float kept additive)."""
-    if constraint is None:
-        return mask
-    if mask is None:
-        return constraint
-    if mask.dtype == torch.bool:
-        return mask & constraint
-    return mask.masked_fill(~constraint, float("-inf"))
-
-
 def _allowed(mask: Tensor) -> Tensor:
     """Bool view of a bool or :func:`_additive` mask: ``True`` = may attend."""
     return mask if mask.dtype == torch.bool else mask > float("-inf")
@@ -532,8 +532,13 @@ def _explicit_attention(
     *,
     scale: float,
     dropout_p: float,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The textbook math, in float32 for half-precision inputs; fully-masked rows are zero."""
+    """The textbook math, in float32 for half-precision inputs; fully-masked rows are zero.
+
+    With ``softcap`` the scores are capped smoothly to ``(-softcap, softcap)`` by
+    ``tanh(s / softcap) * softcap`` before the mask (Gemma 2's attention-logit soft-capping).
+    """
     dtype = q.dtype
     q, k, v = (t.to(_compute_dtype(dtype)) for t in (q, k, v))  # no copy for float32/float64
     if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
@@ -541,6 +546,8 @@ def _explicit_attention(
         k = k.repeat_interleave(groups, dim=-3)  # (..., H, S, E)
         v = v.repeat_interleave(groups, dim=-3)  # (..., H, S, Ev)
     scores = (q @ k.transpose(-2, -1)) * scale  # (..., H, L, S)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     row_ok = None
     if mask is not None:
         if mask.dtype == torch.bool:

@@ -35,6 +35,7 @@ __all__ = [
     "combine_masks",
     "document_mask",
     "padding_mask",
+    "restrict",
     "sliding_window_mask",
     "structured_mask",
     "to_additive",
@@ -398,6 +399,20 @@ def combine_masks(*masks: Tensor | None) -> Tensor | None:
             raise TypeError(f"combine_masks takes bool masks (True = may attend), got {dtype}")
         out = m if out is None else out & m
     return out
+
+
+def restrict(mask: Tensor | None, allowed: Tensor | None) -> Tensor | None:
+    """``mask`` (bool, or additive float kept additive) further limited to the ``allowed`` keys.
+
+    Shape: both broadcastable to ``(..., L, S)``; ``allowed`` bool.
+    """
+    if allowed is None:
+        return mask
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return mask.masked_fill(~allowed, float("-inf"))
 
 
 def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

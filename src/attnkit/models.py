@@ -111,25 +111,34 @@ class _TransformerStack(nn.Module):
             self.position = SinusoidalPositionalEncoding(config.dim, config.max_seq_len)
         elif config.position == "learned":
             self.position = LearnedPositionalEmbedding(config.max_seq_len, config.dim)
-        self.rotary = (
-            RotaryEmbedding(
-                self.head_dim,
-                base=config.rope_base,
-                interleaved=config.rope_interleaved,
-                scaling=config.rope_scaling,
-            )
-            if config.position == "rope"
+        self.rotary = self._rotary(config.rope_base) if config.position == "rope" else None
+        # Gemma 3: the sliding layers rotate with a base of their own.
+        self.rotary_local = (
+            self._rotary(config.rope_local_base)
+            if self.rotary is not None and config.rope_local_base is not None
             else None
         )
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
-            TransformerLayer.from_config(config, self.rotary) for _ in range(config.num_layers)
+            TransformerLayer.from_config(config, self._layer_rotary(i), layer=i)
+            for i in range(config.num_layers)
         )
         self.norm = (
             make_norm(config.norm, config.dim, eps=config.eps)
             if config.norm_first
             else nn.Identity()
         )
+
+    def _rotary(self, base: float) -> RotaryEmbedding:
+        c = self.config
+        return RotaryEmbedding(
+            self.head_dim, base=base, interleaved=c.rope_interleaved, scaling=c.rope_scaling
+        )
+
+    def _layer_rotary(self, layer: int) -> RotaryEmbedding | None:
+        """The rotary module of block ``layer`` (the local one for Gemma 3's sliding layers)."""
+        sliding = self.config.layer_window(layer) is not None
+        return self.rotary_local if sliding and self.rotary_local is not None else self.rotary
 
     def _embed(self, x: Tensor) -> Tensor:
         if self.embedding is None:
@@ -138,7 +147,10 @@ class _TransformerStack(nn.Module):
             return x
         if x.dtype.is_floating_point:
             raise TypeError(f"expected integer token ids, got {x.dtype}")
-        return self.embedding(x)  # (B, L, D)
+        h = self.embedding(x)  # (B, L, D)
+        if self.config.scale_embeddings:  # Gemma: sqrt(D), rounded to the embeddings' dtype
+            h = h * torch.tensor(self.dim**0.5, dtype=h.dtype)
+        return h
 
     def _hidden(
         self,
@@ -330,9 +342,15 @@ class TransformerLM(_TransformerStack):
 
     def logits(self, h: Tensor) -> Tensor:
         """Output head (tied to the embedding, or ``lm_head``). Shape: ``(..., D) -> (..., V)``."""
-        if self.lm_head is not None:
-            return self.lm_head(h)
-        return decoding.linear(h, self.embedding.weight)
+        logits = (
+            self.lm_head(h)
+            if self.lm_head is not None
+            else decoding.linear(h, self.embedding.weight)
+        )
+        cap = self.config.logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def forward(
         self,

@@ -57,14 +57,23 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     "GPT2LMHeadModel",
 )
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -105,10 +114,28 @@ def _architecture(data: dict[str, Any]) -> str:
     )
 
 
+def _local_rope_base(data: dict[str, Any]) -> float | None:
+    """Gemma 3's rotary base of the sliding layers (``rope_local_base_freq``, or the
+    ``sliding_attention`` entry of transformers 5's per-layer-type ``rope_parameters``)."""
+    params = data.get("rope_parameters") or {}
+    local = params.get("sliding_attention") if isinstance(params, dict) else None
+    if local is not None:
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope scaling of the sliding layers is not supported: {local}")
+        return float(local.get("rope_theta", 10_000.0))
+    base = data.get("rope_local_base_freq")
+    return None if base is None else float(base)
+
+
 def _rope(data: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` from transformers 5's ``rope_parameters`` or the older
     top-level ``rope_theta`` / ``rope_scaling``."""
     params = dict(data.get("rope_parameters") or {})
+    if "full_attention" in params:  # per layer type (Gemma 3): the global layers' rotary
+        params = dict(params["full_attention"])
+    partial = params.pop("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
     theta = float(params.pop("rope_theta", data.get("rope_theta", 10_000.0)))
     scaling = params or data.get("rope_scaling")
     if not scaling:
@@ -205,43 +232,71 @@ def _gpt2_config(data: dict[str, Any]) -> TransformerConfig:
     )
 
 
+def _layer_types(data: dict[str, Any], arch: str) -> list[str] | None:
+    """Each layer's attention kind, as the architecture's config defines it."""
+    n = data["num_hidden_layers"]
+    if data.get("layer_types") is not None:
+        return list(data["layer_types"])
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        # Older configs: sliding layers from max_window_layers on, if use_sliding_window.
+        first = data.get("max_window_layers", 0)
+        use = bool(data.get("use_sliding_window", False))
+        return ["sliding_attention" if use and i >= first else "full_attention" for i in range(n)]
+    if arch in _GEMMA:  # every `pattern`-th layer global, the others sliding
+        pattern = 2 if arch == "Gemma2ForCausalLM" else data.get("sliding_window_pattern", 6)
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    return None
+
+
 def _llama_config(data: dict[str, Any], arch: str) -> TransformerConfig:
+    """The rotary/RMSNorm families: Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3."""
     theta, scaling = _rope(data)
-    act = data.get("hidden_act", "silu")
-    window = data.get("sliding_window")
-    checks: dict[str, tuple[Any, Any]] = {"hidden_act": (act, act == "silu")}
-    if arch == "MistralForCausalLM":
-        pass  # sliding_window (null or an int) maps to window
-    elif arch == "Qwen2ForCausalLM":
-        types = data.get("layer_types")
-        if types is None:  # older configs: sliding layers from max_window_layers on
-            first = data.get("max_window_layers", 0)
-            use = bool(data.get("use_sliding_window", False))
-            types = [
-                "sliding_attention" if use and i >= first else "full_attention"
-                for i in range(data["num_hidden_layers"])
-            ]
-        kinds = set(types)
-        checks["layer_types"] = (
-            types,
-            kinds <= {"full_attention"} or kinds == {"sliding_attention"},
-        )
-        window = window if kinds == {"sliding_attention"} else None
-    else:
-        window = None  # Llama has no sliding window
+    gemma = arch in _GEMMA
+    act = data.get("hidden_activation" if gemma else "hidden_act") or data.get("hidden_act")
+    want_act = "gelu_pytorch_tanh" if gemma else "silu"
+    checks: dict[str, tuple[Any, Any]] = {"hidden_act": (act, act == want_act)}
     checks["pretraining_tp"] = (
         data.get("pretraining_tp", 1),
         data.get("pretraining_tp", 1) in (1, None),
     )
+    if arch == "Phi3ForCausalLM":
+        factor = data.get("partial_rotary_factor", 1.0)
+        checks["partial_rotary_factor"] = (factor, factor in (1, 1.0, None))
     _require(data, arch, checks)
+    window = data.get("sliding_window")
+    types = _layer_types(data, arch)
+    if arch == "LlamaForCausalLM":
+        window = None  # Llama has no sliding window
+    if types is not None:
+        kinds = set(types)
+        if kinds <= {"full_attention"}:
+            types, window = None, None
+        elif kinds == {"sliding_attention"}:
+            types = None  # every layer slides: one window for all
     heads = data["num_attention_heads"]
+    family: dict[str, Any] = dict(FAMILIES["llama"])
+    attention_bias = bool(data.get("attention_bias", False))
     if arch == "Qwen2ForCausalLM":
         qkv_bias, out_bias, mlp_bias = True, False, False
-    elif arch == "MistralForCausalLM":
+    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         qkv_bias = out_bias = mlp_bias = False
     else:
-        qkv_bias = out_bias = bool(data.get("attention_bias", False))
+        qkv_bias = out_bias = attention_bias
         mlp_bias = bool(data.get("mlp_bias", False))
+    if arch == "Qwen3ForCausalLM":
+        family["qk_norm"] = True
+    if gemma:
+        family |= {
+            "norm": "rmsnorm_plus_one",
+            "activation": "geglu_tanh",
+            "post_norms": True,
+            "scale_embeddings": True,
+            "attn_scale": float(data.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "attn_softcap": data.get("attn_logit_softcapping"),
+            "logit_softcap": data.get("final_logit_softcapping"),
+        }
+    if arch == "Gemma3ForCausalLM":
+        family |= {"qk_norm": True, "rope_local_base": _local_rope_base(data)}
     return TransformerConfig(
         vocab_size=data["vocab_size"],
         dim=data["hidden_size"],
@@ -256,10 +311,11 @@ def _llama_config(data: dict[str, Any], arch: str) -> TransformerConfig:
         out_bias=out_bias,
         mlp_bias=mlp_bias,
         window=window,
+        layer_types=None if types is None else tuple(types),
         rope_base=theta,
         rope_scaling=scaling,
-        tie_embeddings=bool(data.get("tie_word_embeddings", False)),
-        **FAMILIES["llama"],
+        tie_embeddings=bool(data.get("tie_word_embeddings", gemma)),
+        **family,
     )
 
 
@@ -305,6 +361,10 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
         need("num_kv_heads", c.kv_heads, c.num_heads, fam)
         need("head_dim", c.attn_head_dim, c.dim // c.num_heads, fam)
         need("window", c.window, None, fam)
+        for option in ("attn_scale", "attn_softcap", "logit_softcap", "layer_types"):
+            need(option, getattr(c, option), None, fam)
+        for flag in ("qk_norm", "post_norms", "scale_embeddings"):
+            need(flag, getattr(c, flag), False, fam)
         check()
         return {
             "architectures": ["GPT2LMHeadModel"],
@@ -325,10 +385,17 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
             "embd_pdrop": 0.0,
             "resid_pdrop": 0.0,
         }
-    fam = "Llama/Mistral/Qwen2 (position='rope')"
     need("position", c.position, "rope", "GPT2LMHeadModel ('learned') or Llama ('rope')")
+    types = list(c.layer_types) if c.layer_types is not None else None
+    if c.norm == "rmsnorm_plus_one":
+        return _gemma_config_from(c, need, check)
+    fam = "Llama/Mistral/Qwen2/Qwen3 (position='rope')"
     need("norm", c.norm, "rmsnorm", fam)
     need("activation", c.activation, "swiglu", fam)
+    for option in ("attn_scale", "attn_softcap", "logit_softcap", "rope_local_base"):
+        need(option, getattr(c, option), None, fam)
+    need("post_norms", c.post_norms, False, fam)
+    need("scale_embeddings", c.scale_embeddings, False, fam)
     check()
     common: dict[str, Any] = {
         "vocab_size": c.vocab_size,
@@ -349,16 +416,32 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
     }
     if c.rope_scaling is not None:
         common["rope_scaling"] = dict(c.rope_scaling)
-    if (qkv_bias, out_bias, mlp_bias) == (True, False, False):
-        sliding = c.window is not None
-        return {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            "use_sliding_window": sliding,
-            "sliding_window": c.window,
-            "max_window_layers": 0 if sliding else c.num_layers,
-            "layer_types": [("sliding" if sliding else "full") + "_attention"] * c.num_layers,
-        } | common
+    kinds = types or [("sliding" if c.window is not None else "full") + "_attention"] * c.num_layers
+    qwen = {
+        "use_sliding_window": "sliding_attention" in kinds,
+        "sliding_window": c.window,
+        "max_window_layers": kinds.index("sliding_attention")
+        if "sliding_attention" in kinds
+        else c.num_layers,
+        "layer_types": kinds,
+    }
+    if c.qk_norm:
+        fam = "Qwen3ForCausalLM (qk_norm)"
+        need("bias", (qkv_bias, mlp_bias), (out_bias, False), fam)
+        check()
+        return (
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "model_type": "qwen3",
+                "attention_bias": qkv_bias,
+            }
+            | qwen
+            | common
+        )
+    if (qkv_bias, out_bias, mlp_bias) == (True, False, False) or types is not None:
+        need("bias", (qkv_bias, out_bias, mlp_bias), (True, False, False), "Qwen2ForCausalLM")
+        check()
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"} | qwen | common
     if c.window is not None:
         fam = "MistralForCausalLM (window)"
         need("bias", (qkv_bias, out_bias, mlp_bias), (False, False, False), fam)
@@ -379,6 +462,61 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
         "attention_bias": qkv_bias,
         "mlp_bias": mlp_bias,
     } | common
+
+
+def _gemma_config_from(c: TransformerConfig, need: Any, check: Any) -> dict[str, Any]:
+    """Gemma 2 (soft-capping) or Gemma 3 text (qk-norm, local rotary base) ``config.json``."""
+    arch = "Gemma3ForCausalLM" if c.qk_norm else "Gemma2ForCausalLM"
+    fam = f"{arch} (norm='rmsnorm_plus_one')"
+    need("activation", c.activation, "geglu_tanh", fam)
+    need("post_norms", c.post_norms, True, fam)
+    need("scale_embeddings", c.scale_embeddings, True, fam)
+    biases = [c.bias if b is None else b for b in (c.qkv_bias, c.out_bias, c.mlp_bias)]
+    need("bias", biases, [False] * 3, fam)
+    if arch == "Gemma2ForCausalLM":
+        need("rope_local_base", c.rope_local_base, None, fam)
+    scale = c.attn_scale if c.attn_scale is not None else c.head_dim**-0.5
+    scalar = round(scale**-2)  # Gemma's query_pre_attn_scalar is an int: scale = scalar**-0.5
+    need("attn_scale", scale, scalar**-0.5, f"{fam} (the inverse square root of an int)")
+    check()
+    kinds = list(c.layer_types) if c.layer_types is not None else None
+    if kinds is None:
+        kinds = [("sliding" if c.window is not None else "full") + "_attention"] * c.num_layers
+    full = {"rope_type": "default", "rope_theta": c.rope_base} | (c.rope_scaling or {})
+    local = c.rope_local_base if c.rope_local_base is not None else c.rope_base
+    data: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": "gemma3_text" if c.qk_norm else "gemma2",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.dim,
+        "intermediate_size": c.ffn_dim,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "query_pre_attn_scalar": scalar,
+        "attn_logit_softcapping": c.attn_softcap,
+        "final_logit_softcapping": c.logit_softcap,
+        "sliding_window": c.window or c.max_seq_len,
+        "layer_types": kinds,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+    }
+    if arch == "Gemma3ForCausalLM":
+        data["rope_parameters"] = {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        }
+        data["rope_local_base_freq"] = local
+    else:
+        data["rope_parameters"] = full
+    data["rope_theta"] = c.rope_base
+    return data
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,28 +573,47 @@ def weight_map(arch: str, config: TransformerConfig) -> dict[str, _Entry]:
     else:
         out["model.embed_tokens.weight"] = _Entry("embedding.weight")
         out["model.norm.weight"] = _Entry("norm.weight")
+        F = int(c.ffn_dim or 4 * c.dim)
+        fused = arch == "Phi3ForCausalLM"  # Phi-3 stores q/k/v and gate/up fused, as attnkit
         for i in range(c.num_layers):
             hf, ak = f"model.layers.{i}.", f"blocks.{i}."
             attn = f"{ak}attention."
-            for name, rows in qkv_rows.items():
-                heads = {"q": c.num_heads, "k": c.kv_heads}.get(name)
-                for kind in ("weight", "bias") if qkv_bias else ("weight",):
-                    out[f"{hf}self_attn.{name}_proj.{kind}"] = _Entry(
-                        f"{attn}{_QKV}.{kind}", rows, rotary_heads=heads
-                    )
-            F = int(c.ffn_dim or 4 * c.dim)
+            if fused:
+                out[f"{hf}self_attn.qkv_proj.weight"] = _Entry(f"{attn}{_QKV}.weight")
+            else:
+                for name, rows in qkv_rows.items():
+                    heads = {"q": c.num_heads, "k": c.kv_heads}.get(name)
+                    for kind in ("weight", "bias") if qkv_bias else ("weight",):
+                        out[f"{hf}self_attn.{name}_proj.{kind}"] = _Entry(
+                            f"{attn}{_QKV}.{kind}", rows, rotary_heads=heads
+                        )
             linears: list[tuple[str, str, bool, tuple[int, int] | None]] = [
                 ("self_attn.o_proj", f"{attn}{_OUT}", out_bias, None),
-                ("mlp.gate_proj", f"{ak}feed_forward.gate_up", mlp_bias, (0, F)),
-                ("mlp.up_proj", f"{ak}feed_forward.gate_up", mlp_bias, (F, 2 * F)),
                 ("mlp.down_proj", f"{ak}feed_forward.linear2", mlp_bias, None),
             ]
+            if fused:
+                linears.append(("mlp.gate_up_proj", f"{ak}feed_forward.gate_up", mlp_bias, None))
+            else:
+                linears.append(("mlp.gate_proj", f"{ak}feed_forward.gate_up", mlp_bias, (0, F)))
+                linears.append(("mlp.up_proj", f"{ak}feed_forward.gate_up", mlp_bias, (F, 2 * F)))
             for part, target, bias, span in linears:
                 out[f"{hf}{part}.weight"] = _Entry(f"{target}.weight", span)
                 if bias:
                     out[f"{hf}{part}.bias"] = _Entry(f"{target}.bias", span)
-            out[f"{hf}input_layernorm.weight"] = _Entry(f"{ak}norm1.weight")
-            out[f"{hf}post_attention_layernorm.weight"] = _Entry(f"{ak}norm2.weight")
+            norms = {"input_layernorm": "norm1"}
+            if c.post_norms:  # Gemma: a norm after attention and one before and after the MLP
+                norms |= {
+                    "post_attention_layernorm": "post_attn_norm",
+                    "pre_feedforward_layernorm": "norm2",
+                    "post_feedforward_layernorm": "post_ffn_norm",
+                }
+            else:
+                norms["post_attention_layernorm"] = "norm2"
+            for theirs, ours in norms.items():
+                out[f"{hf}{theirs}.weight"] = _Entry(f"{ak}{ours}.weight")
+            if c.qk_norm:
+                for name in ("q", "k"):
+                    out[f"{hf}self_attn.{name}_norm.weight"] = _Entry(f"{attn}{name}_norm.weight")
     if not c.tie_embeddings:
         out["lm_head.weight"] = _Entry("lm_head.weight")
     return out
