@@ -621,8 +621,10 @@ def quantized_variants(model: TransformerLM, *, compile: bool) -> dict[str, Tran
         out[f"fp32{suffix}"] = decoding.prepare(copy.deepcopy(model), compiled=compiled)
         bf16 = copy.deepcopy(model).to(torch.bfloat16)
         out[f"bf16{suffix}"] = decoding.prepare(bf16, compiled=compiled)
-        out[f"int8{suffix}"] = quantize(copy.deepcopy(model), "int8")
-        out[f"int4{suffix}"] = quantize(copy.deepcopy(model), "int4")
+        for mode in ("int8", "int4"):
+            quantized = copy.deepcopy(model)
+            quantize(quantized, mode)  # type: ignore[arg-type]
+            out[f"{mode}{suffix}"] = quantized
     return out
 
 
@@ -665,7 +667,9 @@ def minilm_cosines(texts: list[str]) -> dict[str, float]:
     want = encoder.encode(texts)
     out = {}
     for mode in ("int8", "int4"):
-        got = quantize(copy.deepcopy(encoder), mode).encode(texts)  # type: ignore[arg-type]
+        quantized = copy.deepcopy(encoder)
+        quantize(quantized, mode)  # type: ignore[arg-type]
+        got = quantized.encode(texts)
         out[mode] = float((got * want).sum(-1).min())
     return out
 
@@ -712,9 +716,11 @@ def quantize_rows(
         notes.append("transformers is not installed: rows against it skipped")
     for variant, lm in variants.items():
         compiled = variant.endswith("compile")
-        runners[variant] = lambda n, lm=lm, c=compiled: lm.generate(
-            prompt, n, eos_token_id=[], compile=c
-        )
+
+        def run_attnkit(n: int, lm: TransformerLM = lm, c: bool = compiled) -> Any:
+            return lm.generate(prompt, n, eos_token_id=[], compile=c)
+
+        runners[variant] = run_attnkit
     for variant, run in runners.items():
         say(f"{name}: warm-up {variant}")
         run(new)

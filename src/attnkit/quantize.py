@@ -70,10 +70,19 @@ class Int8Linear(nn.Module):
             )
         out_features, in_features = weight.shape
         new = cls(in_features, out_features, bias=False)
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        new.weight_int8 = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        new.scale = scale.to(weight.device)
+        codes = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
+        scale = torch.empty(out_features, device=weight.device)
+        # Blocks of rows keep the float temporaries small (loading stays near the final size).
+        for start in range(0, out_features, _rows_per_block(in_features)):
+            w = (
+                weight[start : start + _rows_per_block(in_features)]
+                .detach()
+                .to(torch.float32, copy=True)
+            )
+            s = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+            scale[start : start + len(s)] = s
+            codes[start : start + len(s)] = w.div_(s[:, None]).round_().clamp_(-127, 127)
+        new.weight_int8, new.scale = codes, scale
         new.scale_bf16 = new.scale.to(torch.bfloat16)
         new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         return new
@@ -165,16 +174,24 @@ class Int4Linear(nn.Module):
         if weight.device.type != "cpu":
             raise ValueError(f"Int4Linear runs on CPU only, got a weight on {weight.device}")
         new = cls(in_features, out_features, group_size)
-        groups = weight.detach().float().reshape(out_features, -1, group_size)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scale = ((high - low) / 15).clamp(min=1e-6)
-        # Round the scale and offset to bf16 (what the kernel reads) before choosing q.
-        scale_b, zero_b = scale.bfloat16(), (low + 8 * scale).bfloat16()
-        q = torch.round(
-            (groups - zero_b.float()[..., None]) / scale_b.float()[..., None] + 8
-        ).clamp(0, 15)
-        q_int = q.reshape(out_features, in_features).to(torch.int32)
+        q_int = torch.empty(out_features, in_features, dtype=torch.int32)
+        n_groups = in_features // group_size
+        scale_b = torch.empty(out_features, n_groups, dtype=torch.bfloat16)
+        zero_b = torch.empty(out_features, n_groups, dtype=torch.bfloat16)
+        step = _rows_per_block(in_features)
+        for start in range(0, out_features, step):
+            rows = slice(start, start + step)
+            groups = (
+                weight[rows].detach().to(torch.float32, copy=True).reshape(-1, n_groups, group_size)
+            )
+            low, high = groups.amin(-1), groups.amax(-1)
+            scale = ((high - low) / 15).clamp(min=1e-6)
+            # Round the scale and offset to bf16 (what the kernel reads) before choosing q.
+            scale_b[rows], zero_b[rows] = scale.bfloat16(), (low + 8 * scale).bfloat16()
+            q = groups.sub_(zero_b[rows].float()[..., None]).div_(scale_b[rows].float()[..., None])
+            q_int[rows] = q.add_(8).round_().clamp_(0, 15).reshape(-1, in_features)
         new.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_int, 1)
+        del q_int
         # (in / group, out, 2): [scale, zero] per group and output channel.
         new.scales_and_zeros = torch.stack([scale_b.t(), zero_b.t()], dim=-1).contiguous()
         new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
@@ -210,6 +227,11 @@ class Int4Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, int4 group_size={self.group_size}"
         )
+
+
+def _rows_per_block(in_features: int) -> int:
+    """Rows of a weight quantized at a time: about 4 MiB of float32."""
+    return max(1, (1 << 20) // in_features)
 
 
 def _group_for(in_features: int, group_size: int) -> int | None:
