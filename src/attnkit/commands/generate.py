@@ -173,8 +173,7 @@ def run(args: argparse.Namespace) -> int:
     text = tokenizer.decode(prompt_ids + new, skip_special_tokens=True)
     sys.stdout.write((text[len(shown) :] if text.startswith(shown) else "") + "\n")
     sys.stdout.flush()
-    if not args.quiet:
-        print(_speed_line(len(new), start, first, time.perf_counter()), file=sys.stderr)
+    end = time.perf_counter()
     if args.attention is not None:
         all_ids = torch.tensor([prompt_ids + new])
         # Each token as text (byte-level tokenizers' "Ġsat" reads " sat").
@@ -184,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         ]
         for path in _write_attention(lm, all_ids, tokens, args):
             print(path, file=sys.stderr)
+    if not args.quiet:
+        print(_speed_line(len(new), start, first, end), file=sys.stderr)
     return 0
 
 
