@@ -33,6 +33,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--no-compile", action="store_true", help="--rows without compile=True")
     parser.add_argument("--kernels", action="store_true", help="single-row product kernels")
+    parser.add_argument(
+        "--quantize",
+        action="store_true",
+        help="fp32/bf16/int8/int4 weights on the 135M Llama shape (--shape); quality on --model",
+    )
+    parser.add_argument("--shape", default="llama-135m", help="model of --quantize")
     args = parser.parse_args(argv)
 
     if args.threads is not None:
@@ -97,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
         return decode_rows_table(args)
     if args.kernels:
         return kernels(args)
+    if args.quantize:
+        return quantize_table(args)
     if args.out is None:
         args.out = Path(__file__).parent / "results" / "bench_decode.json"
     torch.manual_seed(0)
@@ -335,6 +344,88 @@ def kernels(args: argparse.Namespace) -> dict[str, Any]:
             f"{r['vs_f32_linear']:>10.2f}"
         )
     return {"rows": table}
+
+
+QUALITY_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden press adapted from those used to "
+    "make wine. Books became cheaper and more common, literacy spread across Europe, and ideas "
+    "moved faster than ever before. Scientists could share their results, and scholars compared "
+    "texts that had previously been copied by hand, with all the errors that copying brings."
+)
+
+
+def quantize_table(args: argparse.Namespace) -> dict[str, Any]:
+    """Speed of fp32/bf16/int8/int4 weights side by side; quality on a real folder and MiniLM."""
+    from attnkit.bench import decoding as db
+
+    result = db.quantize_rows(
+        args.shape,
+        repeats=max(args.repeats, 3),
+        compile=not args.no_compile,
+        progress=lambda m: print(m, file=sys.stderr),
+    )
+    print(
+        f"{args.shape}: decode steps, median of {max(args.repeats, 3)} interleaved rounds "
+        f"(range), {result['threads']} threads, read bandwidth "
+        f"{result['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s"
+    )
+    head = (
+        "variant",
+        "tok/s",
+        "range",
+        "ttft ms",
+        "vs HF",
+        "vs fp32c",
+        "vs bf16c",
+        "vs int8c",
+        "of bound",
+    )
+    print("".join(f"{h:>14}" for h in head))
+    for r in result["rows"]:
+        lo, hi = r["step_tokens_per_s_range"]
+        cells = [
+            r["variant"],
+            f"{r['step_tokens_per_s']:.1f}",
+            f"{lo:.0f}-{hi:.0f}",
+            f"{1e3 * r['time_to_first_token_s']:.0f}",
+            *(
+                f"{r[k]:.2f}" if k in r else "-"
+                for k in (
+                    "vs_transformers",
+                    "vs_fp32_compile",
+                    "vs_bf16_compile",
+                    "vs_int8_compile",
+                    "of_bound",
+                )
+            ),
+        ]
+        print("".join(f"{c:>14}" for c in cells))
+    quality: dict[str, Any] = {}
+    if args.model is not None:
+        from tokenizers import Tokenizer
+
+        ref = TransformerLM.from_pretrained(args.model)
+        tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
+        ids = torch.tensor([tok.encode(QUALITY_TEXT).ids])
+        for mode in ("int8", "int4"):
+            q = TransformerLM.from_pretrained(args.model, quantize=mode)
+            quality[mode] = db.quantization_quality(ref, q, ids)
+            del q
+        quality["bf16"] = db.quantization_quality(
+            ref, TransformerLM.from_pretrained(args.model, dtype=torch.bfloat16), ids
+        )
+    try:
+        quality["minilm_min_cosine"] = db.minilm_cosines(QUALITY_TEXT.split(". "))
+    except ImportError as err:
+        result["notes"].append(f"MiniLM cosine skipped: {err}")
+    for mode, q in quality.items():
+        print(f"quality {mode}: {q}")
+    result["quality"] = quality
+    out = args.out or Path(__file__).parent / "results" / "bench_decode_quantize.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 if __name__ == "__main__":

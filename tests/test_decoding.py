@@ -203,3 +203,17 @@ def test_compiled_step_equals_eager() -> None:
         lm.generate(one, 8, compile=True, eos_token_id=[]),
         lm.generate(one, 8, use_cache=False, eos_token_id=[]),
     )
+
+
+def test_prepare_keeps_quantized_linears_and_their_outputs() -> None:
+    from attnkit.quantize import Int8Linear, quantize
+
+    lm = quantize(_lm(**LLAMA), "int8")
+    ids = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        want = lm(ids)
+        decoding.prepare(lm)
+        got = lm(ids)
+    assert isinstance(lm.blocks[0].attention.qkv_proj, Int8Linear)
+    assert not any(type(m) is PreparedLinear for m in lm.modules())
+    assert torch.equal(got, want)

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from attnkit import decoding, generation
 from attnkit import masks as M
+from attnkit import quantize as quantization
 from attnkit.blocks import TransformerLayer, make_norm
 from attnkit.cache import KVCache
 from attnkit.config import FAMILIES, TransformerConfig
@@ -476,6 +477,7 @@ class TransformerLM(_TransformerStack):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        quantize: quantization.Mode | None = None,
     ) -> TransformerLM:
         """Load a Hugging Face decoder folder or a llama.cpp ``.gguf`` file, in eval mode.
 
@@ -487,14 +489,31 @@ class TransformerLM(_TransformerStack):
             path: Folder with ``config.json`` and safetensors weights, or a ``.gguf`` file.
             dtype: Parameter dtype (default float32); bf16/fp16 load straight into it.
             device: Where the parameters are allocated and the weights streamed to.
+            quantize: ``"int8"`` or ``"int4"``: weight-only quantization of the linears and the
+                output head (:func:`attnkit.quantize.quantize`), applied after the weights are
+                streamed. The weights stream in at 16 bits (bf16 unless ``dtype`` is fp16), so
+                loading peaks near the size of the 16-bit model, not the fp32 one; the
+                unquantized parameters (embedding, norms) then take ``dtype``.
 
         Raises:
             FileNotFoundError: Naming missing files.
-            ValueError: Unsupported architecture or option, bad or truncated weights.
+            ValueError: Unsupported architecture or option, bad or truncated weights, unknown
+                ``quantize``.
         """
-        lm = hf.from_pretrained(path, cls=cls, dtype=dtype, device=device)
+        if quantize is not None and quantize not in quantization.MODES:
+            raise ValueError(f"quantize must be one of {quantization.MODES}, got {quantize!r}")
+        final = dtype if dtype is not None else torch.get_default_dtype()
+        staged = final
+        if quantize is not None and isinstance(final, torch.dtype) and final.itemsize > 2:
+            staged = torch.bfloat16
+        lm = hf.from_pretrained(path, cls=cls, dtype=staged if quantize else dtype, device=device)
         if not isinstance(lm, cls):
             raise TypeError(f"{cls.__name__}.from_pretrained built a {type(lm).__name__}")
+        if quantize is not None:
+            quantization.quantize(lm, quantize)
+            with torch.no_grad():
+                for param in lm.parameters():
+                    param.data = param.data.to(final)
         return lm
 
     def save_pretrained(self, path: str | Path, *, max_shard_size: int | None = None) -> Path:

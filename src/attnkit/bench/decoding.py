@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from attnkit import decoding
 from attnkit.config import FAMILIES, PRESETS, TransformerConfig
@@ -522,3 +522,201 @@ def vs_rows(
                 }
             )
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Weight-only quantization rows (issue 19): fp32, bf16, int8 and int4 weights side by side.
+
+#: The real-checkpoint shape of the quantization rows: a 135M Llama (30 layers, D576, 9/3 heads,
+#: head_dim 64, SwiGLU 1536, vocab 49152, tied, rope_theta 1e5); prompt 40, 96 new tokens.
+QUANT_MODELS: dict[str, tuple[TransformerConfig, int, int]] = {
+    "llama-135m": (
+        TransformerConfig(
+            49152,
+            576,
+            30,
+            9,
+            num_kv_heads=3,
+            ffn_dim=1536,
+            max_seq_len=256,
+            rope_base=1e5,
+            **_LLAMA,
+        ),
+        40,
+        96,
+    ),
+    "llama-tiny": DECODE_MODELS["llama-tiny"],
+}
+
+
+def _stored_bytes(model: nn.Module) -> int:
+    """Bytes a decode step reads: parameters and buffers once each (int8/int4 codes, scales)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.numel() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    embedding = getattr(model, "embedding", None)
+    if isinstance(embedding, nn.Embedding) and getattr(model, "lm_head", None) is not None:
+        w = embedding.weight  # a lookup reads one row; the quantized head reads the table
+        total -= w.numel() * w.element_size()
+    return total
+
+
+def quantized_variants(model: TransformerLM, *, compile: bool) -> dict[str, TransformerLM]:
+    """``model`` as fp32, bf16, int8 and int4 (eager and, with ``compile``, compiled)."""
+    from attnkit.quantize import quantize
+
+    out: dict[str, TransformerLM] = {}
+    for suffix, compiled in (("", False), (" compile", True)) if compile else (("", False),):
+        out[f"fp32{suffix}"] = decoding.prepare(copy.deepcopy(model), compiled=compiled)
+        bf16 = copy.deepcopy(model).to(torch.bfloat16)
+        out[f"bf16{suffix}"] = decoding.prepare(bf16, compiled=compiled)
+        for mode in ("int8", "int4"):
+            quantized = copy.deepcopy(model)
+            quantize(quantized, mode)  # type: ignore[arg-type]
+            out[f"{mode}{suffix}"] = quantized
+    return out
+
+
+@torch.no_grad()
+def quantization_quality(
+    reference: nn.Module, quantized: nn.Module, ids: Tensor
+) -> dict[str, float]:
+    """Top-1 agreement of the next-token logits and the perplexity change on ``ids`` ``(B, T)``.
+
+    Returns ``{"top1_agreement", "perplexity", "reference_perplexity", "perplexity_change"}``
+    (the change is relative: 0.01 is +1%).
+    """
+    ref = reference(ids).float()[:, :-1]
+    got = quantized(ids).float()[:, :-1]
+    target = ids[:, 1:]
+    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+
+    def perplexity(logits: Tensor) -> float:
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+        )
+        return float(loss.exp())
+
+    p_ref, p_got = perplexity(ref), perplexity(got)
+    return {
+        "top1_agreement": agree,
+        "perplexity": p_got,
+        "reference_perplexity": p_ref,
+        "perplexity_change": p_got / p_ref - 1,
+    }
+
+
+def minilm_cosines(texts: list[str]) -> dict[str, float]:
+    """Lowest cosine between all-MiniLM-L6-v2's fp32 and quantized embeddings of ``texts``
+    (needs the ``models`` extra)."""
+    from attnkit.interop import SentenceEncoder
+    from attnkit.quantize import quantize
+
+    encoder = SentenceEncoder.from_pretrained()
+    want = encoder.encode(texts)
+    out = {}
+    for mode in ("int8", "int4"):
+        quantized = copy.deepcopy(encoder)
+        quantize(quantized, mode)  # type: ignore[arg-type]
+        got = quantized.encode(texts)
+        out[mode] = float((got * want).sum(-1).min())
+    return out
+
+
+def quantize_rows(
+    name: str = "llama-135m",
+    *,
+    repeats: int = 3,
+    compile: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Decode-step tokens/s of fp32, bf16, int8 and int4 weights against transformers (fp32).
+
+    Random weights (speed does not depend on their values). Rounds are interleaved: each repeat
+    runs every variant for ``new`` tokens and for 1, the decode phase being the difference, and
+    probes the read bandwidth. Rows carry ``step_tokens_per_s``, ``time_to_first_token_s``,
+    ``vs_transformers``, ``vs_fp32_compile``, ``vs_bf16_compile`` and ``of_bound`` (the step rate
+    times the bytes the variant stores over the bandwidth). The ranges over repeats are kept.
+
+    Raises:
+        ValueError: For an unknown ``name``.
+    """
+    if name not in QUANT_MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(QUANT_MODELS)}")
+    say = progress or (lambda _msg: None)
+    config, P, new = QUANT_MODELS[name]
+    torch.manual_seed(0)
+    model = TransformerLM(config).eval()
+    prompt = torch.randint(0, config.vocab_size or 2, (1, P))
+    variants = quantized_variants(model, compile=compile)
+    runners: dict[str, Callable[[int], Any]] = {}
+    notes: list[str] = []
+    try:
+        hf = to_transformers(model)
+        runners["transformers"] = lambda n: hf.generate(
+            prompt,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    except ImportError:
+        notes.append("transformers is not installed: rows against it skipped")
+    for variant, lm in variants.items():
+        compiled = variant.endswith("compile")
+
+        def run_attnkit(n: int, lm: TransformerLM = lm, c: bool = compiled) -> Any:
+            return lm.generate(prompt, n, eos_token_id=[], compile=c)
+
+        runners[variant] = run_attnkit
+    for variant, run in runners.items():
+        say(f"{name}: warm-up {variant}")
+        run(new)
+    steps: dict[str, list[float]] = {v: [] for v in runners}
+    firsts: dict[str, list[float]] = {v: [] for v in runners}
+    bandwidths: list[float] = []
+    probe = _ReadBandwidth(1 << 28)
+    for r in range(repeats):
+        for variant, run in runners.items():
+            say(f"{name}: run {r + 1}/{repeats} {variant}")
+            t = _seconds(run, new)
+            t1 = _seconds(run, 1)
+            firsts[variant].append(t1)
+            steps[variant].append(max(t - t1, 1e-9) / (new - 1))
+        bandwidths.append(probe.measure())
+    bandwidth = max(bandwidths)
+    rows: dict[str, dict[str, Any]] = {}
+    for variant in runners:
+        rate = [1 / s for s in steps[variant]]
+        row: dict[str, Any] = {
+            "model": name,
+            "variant": variant,
+            "step_tokens_per_s": statistics.median(rate),
+            "step_tokens_per_s_range": [min(rate), max(rate)],
+            "time_to_first_token_s": statistics.median(firsts[variant]),
+        }
+        if variant in variants:
+            stored = _stored_bytes(variants[variant])
+            row["weight_bytes"] = stored
+            row["of_bound"] = row["step_tokens_per_s"] * stored / bandwidth
+        rows[variant] = row
+    for row in rows.values():
+        for key, base in (
+            ("vs_transformers", "transformers"),
+            ("vs_fp32_compile", "fp32 compile"),
+            ("vs_bf16_compile", "bf16 compile"),
+            ("vs_int8_compile", "int8 compile"),
+        ):
+            if base in rows:
+                row[key] = row["step_tokens_per_s"] / rows[base]["step_tokens_per_s"]
+    return {
+        "rows": list(rows.values()),
+        "bandwidth_bytes_per_s": bandwidth,
+        "notes": notes,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }

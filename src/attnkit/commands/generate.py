@@ -9,6 +9,8 @@ vocabulary), prints the prompt, then each new piece of text as soon as it is dec
 chat template (:mod:`attnkit.chat`) and prints the reply only; generation stops at the template's
 end-of-turn tokens (``eos_token_id`` of ``generation_config.json``). At the end, the number of
 new tokens, the time to the first token and the decoding speed go to stderr (``--quiet``: not).
+``--quantize int8|int4`` quantizes the linear weights after loading
+(:func:`attnkit.quantize.quantize`).
 
 ``--attention OUT`` also writes the attention of the whole text (prompt and continuation): one map
 per chosen ``--layer``/``--head``, a grid of the chosen layers' heads and, when
@@ -61,6 +63,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--system", default=None, metavar="TEXT", help="a system message (generate: implies --chat)"
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=("int8", "int4"),
+        default=None,
+        help="weight-only quantization of the linears after loading (default: none)",
     )
     parser.add_argument(
         "--quiet",
@@ -152,7 +160,9 @@ class Session:
         else:
             chat_tokenizer = None
             tokenizer = read_tokenizer(args.model)
-        lm = TransformerLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+        lm = TransformerLM.from_pretrained(
+            args.model, dtype=getattr(torch, args.dtype), quantize=args.quantize
+        )
         decoding.prepare(lm)  # inference only: linears laid out for one-token steps
         return cls(lm, tokenizer, chat_tokenizer)
 
