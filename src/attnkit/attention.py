@@ -257,6 +257,7 @@ class MultiHeadAttention(nn.Module):
         H = q.shape[-3]
         if (
             self.fused_qkv
+            and not torch.compiler.is_compiling()  # no data pointers in a traced graph
             and q.dim() == 4
             and q.shape[-2] == k.shape[-2]
             and k.data_ptr() == q.data_ptr() + H * q.shape[-1] * q.element_size()
