@@ -394,30 +394,24 @@ class RingKernel:
         return f"RingKernel(layout={self.layout!r})"
 
     def __call__(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Tensor | None = None,
-        *,
-        return_weights: bool = False,
-        scale: float | None = None,
-        dropout_p: float = 0.0,
-        causal: bool = False,
-        **structure: Any,
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, **options: Any
     ) -> tuple[Tensor, None]:
         """Ring attention of this rank's shard as ``(out, None)``.
+
+        Takes :func:`attnkit.functional.attend`'s options; only ``causal`` and ``scale`` may be
+        set (other options at their defaults: ``None``, ``False`` or ``0``).
 
         Shape:
             q ``(B, H, L, E)``, k/v ``(B, K, S, E)`` -> out ``(B, H, L, E)``.
         """
-        given = {n: x for n, x in structure.items() if x is not None}
+        causal, scale = bool(options.pop("causal", False)), options.pop("scale", None)
+        given = {
+            n: "a tensor" if isinstance(x, Tensor) else x
+            for n, x in options.items()
+            if isinstance(x, Tensor) or x not in (None, False, 0)
+        }
         if mask is not None:
             given["mask"] = "a tensor"
-        if return_weights:
-            given["return_weights"] = True
-        if dropout_p:
-            given["dropout_p"] = dropout_p
         if given:
             raise ValueError(f"ring attention supports only causal and scale, got {given}")
         out = ring_attention(

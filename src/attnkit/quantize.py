@@ -18,7 +18,7 @@ activations. ``benchmarks/bench_decode.py --quantize`` measures them against fp3
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,21 @@ __all__ = ["MODES", "Int4Linear", "Int8Linear", "Mode", "quantize"]
 Mode = Literal["int8", "int4"]
 MODES: tuple[Mode, ...] = ("int8", "int4")
 GROUP_SIZES = (256, 128, 64, 32)
+
+
+def _finish(layer: Any, y: Tensor, x: Tensor, shape: torch.Size) -> Tensor:
+    """A quantized layer's rows ``y`` in the input's dtype, its bias added, the input's shape."""
+    y = y.to(x.dtype)
+    if layer.bias is not None:
+        y = y + layer.bias.to(x.dtype)
+    return y.reshape(*shape[:-1], layer.out_features)
+
+
+def _describe(layer: Any, kind: str) -> str:
+    return (
+        f"in_features={layer.in_features}, out_features={layer.out_features}, "
+        f"bias={layer.bias is not None}, {kind}"
+    )
 
 
 class Int8Linear(nn.Module):
@@ -113,16 +128,10 @@ class Int8Linear(nn.Module):
             y = torch._weight_int8pack_mm(xb, self.weight_int8, self.scale_bf16)
         else:
             y = F.linear(x2, self.dequantize().to(x2.dtype))
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return _finish(self, y, x, shape)
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, int8 per-channel"
-        )
+        return _describe(self, "int8 per-channel")
 
 
 class Int4Linear(nn.Module):
@@ -217,16 +226,11 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.packed, self.group_size, self.scales_and_zeros
-        ).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        )
+        return _finish(self, y, x, shape)
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, int4 group_size={self.group_size}"
-        )
+        return _describe(self, f"int4 group_size={self.group_size}")
 
 
 def _rows_per_block(in_features: int) -> int:

@@ -144,6 +144,22 @@ def _weight_bytes(model: TransformerLM) -> int:
     return total
 
 
+def _hf_greedy(hf: Any, prompt: Tensor) -> Callable[[int], Tensor]:
+    """transformers' greedy ``generate`` of exactly ``n`` new tokens (no eos)."""
+
+    def run(n: int) -> Tensor:
+        return hf.generate(
+            prompt,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+
+    return run
+
+
 def _runner(
     model: TransformerLM, prompt: Tensor, *, compile: bool = False
 ) -> Callable[[int], Tensor]:
@@ -254,17 +270,7 @@ def decode_rows(
         if have_hf:
             hf = to_transformers(model)
 
-            def run_hf(n: int, hf: Any = hf, prompt: Tensor = prompt) -> Tensor:
-                return hf.generate(
-                    prompt,
-                    max_new_tokens=n,
-                    min_new_tokens=n,
-                    do_sample=False,
-                    pad_token_id=0,
-                    eos_token_id=None,
-                )
-
-            runners["transformers"] = run_hf
+            runners["transformers"] = _hf_greedy(hf, prompt)
         runners["attnkit"] = _runner(model, prompt)
         if compile:
             runners["attnkit compile"] = _runner(model, prompt, compile=True)
@@ -656,14 +662,7 @@ def quantize_rows(
     notes: list[str] = []
     try:
         hf = to_transformers(model)
-        runners["transformers"] = lambda n: hf.generate(
-            prompt,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
+        runners["transformers"] = _hf_greedy(hf, prompt)
     except ImportError:
         notes.append("transformers is not installed: rows against it skipped")
     for variant, lm in variants.items():
