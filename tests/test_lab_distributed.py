@@ -176,29 +176,44 @@ def test_fsdp_matches_ddp_saves_full_state_and_resumes(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_job_with_a_message(tmp_path: Path) -> None:
     import signal
+    import socket
     import time
 
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = [a if a != "30" else "5000" for a in ARGS] + ["--save-every", "2", "--eval-every", "0"]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-    cmd = [*launch, "-m", "attnkit", "lab", "--fsdp", "--timeout", "30", "--out", str(out), *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "attnkit", "lab", "--fsdp", "--timeout", "30", "--out", str(out)]
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # The two ranks are started as torchrun would start them, without torchrun's agent: the agent
+    # stops every rank as soon as one fails, before a survivor could report it.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WORLD_SIZE": "2"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [
+        subprocess.Popen(
+            [*cmd, *args],
+            env=env | {"RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    proc = procs[0]
     try:
         start = time.monotonic()
         while not (out / "checkpoint.safetensors").exists():  # training is under way
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() - start < 180, "no checkpoint within 180 s"
             time.sleep(0.2)
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        assert len(children) == 2
-        os.kill(int(children[-1]), signal.SIGKILL)  # one rank dies mid-run
+        procs[1].send_signal(signal.SIGKILL)  # one rank dies mid-run
         killed = time.monotonic()
         _, stderr = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
     assert proc.returncode != 0
     assert time.monotonic() - killed < 30  # within the stated timeout
     assert "attnkit lab: error: rank 0 of 2: the process group failed" in stderr, stderr[-3000:]
