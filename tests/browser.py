@@ -150,3 +150,17 @@ def check_focus_lines(
         brightest = max(own, key=lambda line: line["opacity"])
         assert (brightest["key"] if side == "q" else brightest["query"]) == int(values.argmax())
     return lines
+
+
+def shown_weights(driver: Any) -> torch.Tensor:
+    """Every weight the open explorer page decoded, ``(layers, H, L, S)``."""
+    return torch.tensor(
+        driver.execute_script(
+            "const e = window.attnExplorer, out = [];"
+            "for (let l = 0; l < e.layers; l++) { const a = []; out.push(a);"
+            " for (let h = 0; h < e.heads; h++) { const b = []; a.push(b);"
+            "  for (let i = 0; i < e.L; i++) { const r = []; b.push(r);"
+            "   for (let j = 0; j < e.S; j++) r.push(e.weight(l, h, i, j)); } } }"
+            "return out;"
+        )
+    )

@@ -34,6 +34,7 @@ from tests.browser import (
     hover_token,
     open_page,
     select_layer,
+    shown_weights,
 )
 
 TOKENS = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", ".", "[SEP]"]
@@ -555,16 +556,7 @@ def test_lab_report_links_the_explorer_of_the_trained_model(browser, tmp_path: P
             assert [int(t.split(":")[0]) for t in tokens] == list(range(len(tokens)))
             ids = torch.tensor([[ids_of[t.split(":")[1]] for t in tokens]])  # a held-out input
             want = attention_weights(model, ids)[0]  # (layers, H, L, L), live from the checkpoint
-            got = torch.tensor(
-                browser.execute_script(
-                    "const e = window.attnExplorer, out = [];"
-                    "for (let l = 0; l < e.layers; l++) { const a = []; out.push(a);"
-                    " for (let h = 0; h < e.heads; h++) { const b = []; a.push(b);"
-                    "  for (let i = 0; i < e.L; i++) { const r = []; b.push(r);"
-                    "   for (let j = 0; j < e.S; j++) r.push(e.weight(l, h, i, j)); } } }"
-                    "return out;"
-                )
-            )
+            got = shown_weights(browser)
             torch.testing.assert_close(got, want, atol=FLOAT16_ATOL, rtol=0)
             # the selector names the model's accuracy on this input, computed here afresh
             with torch.no_grad():

@@ -32,6 +32,7 @@ from tests.browser import (
     hover_token,
     open_page,
     select_layer,
+    shown_weights,
 )
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -338,16 +339,7 @@ def test_example_notebook_output_works_in_the_browser(browser, executed: Any) ->
         try:
             _wait_ready(browser)
             # the weights the page decoded are what the lines must show
-            shown = torch.tensor(
-                browser.execute_script(
-                    "const e = window.attnExplorer, out = [];"
-                    "for (let l = 0; l < e.layers; l++) { const a = []; out.push(a);"
-                    " for (let h = 0; h < e.heads; h++) { const b = []; a.push(b);"
-                    "  for (let i = 0; i < e.L; i++) { const r = []; b.push(r);"
-                    "   for (let j = 0; j < e.S; j++) r.push(e.weight(l, h, i, j)); } } }"
-                    "return out;"
-                )
-            )
+            shown = shown_weights(browser)
             layer = int(browser.find_element(By.ID, "layer-select").get_attribute("value"))
             _frame_lines_match(browser, shown, layer, 1)
         finally:
