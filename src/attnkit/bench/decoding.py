@@ -531,7 +531,7 @@ def vs_rows(
 
 
 # --------------------------------------------------------------------------------------------
-# Weight-only quantization rows (issue 19): fp32, bf16, int8 and int4 weights side by side.
+# Weight-only quantization rows: fp32, bf16, int8 and int4 weights side by side.
 
 #: The real-checkpoint shape of the quantization rows: a 135M Llama (30 layers, D576, 9/3 heads,
 #: head_dim 64, SwiGLU 1536, vocab 49152, tied, rope_theta 1e5); prompt 40, 96 new tokens.
