@@ -339,7 +339,7 @@ def test_fp16_scores_beyond_the_fp16_range_do_not_overflow(return_weights):
 @pytest.mark.parametrize("spread", [5.0, 300.0])
 def test_low_precision_weights_path_is_as_accurate_as_fused(dtype, spread):
     # Against float64 math on the same (rounded) inputs: the weights path must be as accurate as
-    # the fused kernel (float32 inside), not low-precision math (0.6 off for bf16, issue 11).
+    # the fused kernel (float32 inside), not low-precision math (0.6 off for bf16).
     g = torch.Generator().manual_seed(3)
     q = (torch.rand(1, 2, 128, 80, generator=g) * spread).to(dtype)
     k = (torch.rand(1, 2, 128, 80, generator=g) * spread).to(dtype)
