@@ -51,12 +51,17 @@ def _nav_pages() -> list[str]:
     return re.findall(r"^\s*-\s*(?:[^:\n]*:\s*)?([\w/.-]+\.md)\s*$", nav, re.M)
 
 
-def _figures() -> object:
-    spec = importlib.util.spec_from_file_location("make_figures", DOCS / "make_figures.py")
+def _load(name: str, path: Path) -> object:
+    """The module of a script that is not part of the package (``docs/*.py``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _figures() -> object:
+    return _load("make_figures", DOCS / "make_figures.py")
 
 
 def test_collector_finds_blocks_and_fails_on_broken_ones():
@@ -154,11 +159,7 @@ def test_make_figures_script_runs(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def _hooks() -> object:
     pytest.importorskip("mkdocs")
-    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load("docs_hooks", DOCS / "hooks.py")
 
 
 def test_docstring_roles_become_reference_links():

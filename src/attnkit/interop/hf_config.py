@@ -200,9 +200,8 @@ def _llama_config(data: dict[str, Any], arch: str) -> TransformerConfig:
     """The rotary/RMSNorm families: Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3."""
     theta, scaling = _rope(data)
     gemma = arch in _GEMMA
-    want_default = "gelu_pytorch_tanh" if gemma else "silu"  # the architectures' defaults
-    act = data.get("hidden_activation") or data.get("hidden_act") or want_default
-    want_act = "gelu_pytorch_tanh" if gemma else "silu"
+    want_act = "gelu_pytorch_tanh" if gemma else "silu"  # the only one, and the default
+    act = data.get("hidden_activation") or data.get("hidden_act") or want_act
     checks: dict[str, tuple[Any, Any]] = {"hidden_act": (act, act == want_act)}
     checks["pretraining_tp"] = (
         data.get("pretraining_tp", 1),
