@@ -227,8 +227,8 @@ def _one_query(
     as ``K`` groups of ``H / K`` rows of one key/value head each, so grouped-query attention
     needs no expanded keys, and the fused kernel runs on the slice. The general path's
     non-finite rules are kept by checking the output: every row must be finite and not all
-    zero (the fused kernel's answer for a NaN query or an all-NaN row), and the query finite;
-    otherwise the general path recomputes the step. Only plain inputs come here: heads
+    zero (the fused kernel's answer for a NaN query or an all-NaN row); otherwise the general
+    path recomputes the step. Only plain inputs come here: heads
     ``(B, H, 1, E)``, a bool key-padding mask ``(B, 1, 1, S)`` at most, no documents or
     lengths, nothing empty, not under ``torch.compile``.
 
@@ -260,10 +260,10 @@ def _one_query(
             return None
     grouped = q.reshape(B, K, H // K, E)  # (B, K, H/K, E)
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
-    # Each row's largest magnitude is finite and positive, and the query has no NaN or inf
-    # (``q * 0`` sums to 0 or NaN): one check, one read of the result.
-    check = out.abs().amax(dim=-1) + grouped.mul(0).sum(dim=-1)  # (B, K, H/K)
-    low, high = torch.aminmax(check)
+    # Each row's largest magnitude must be finite and positive. That also covers the query: a
+    # NaN or inf in it makes every score of its row NaN or infinite, whose output row is NaN
+    # or all zero.
+    low, high = torch.aminmax(out.abs().amax(dim=-1))  # over the (B, K, H/K) rows
     if not (float(low) > 0 and float(high) < math.inf):
         return None
     return out.view(B, H, 1, v.shape[-1])
