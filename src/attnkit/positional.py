@@ -319,10 +319,8 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Te
     xf = x if x.dtype == compute else x.to(compute)
     if cos.dtype != compute:
         cos, signed_sin = cos.to(compute), signed_sin.to(compute)
-    if interleaved:
-        partner = xf.unflatten(-1, (E // 2, 2)).flip(-1).flatten(-2)
-    else:
-        partner = xf.roll(E // 2, dims=-1)
+    pairs = (E // 2, 2) if interleaved else (2, E // 2)  # the pair's channels: last dim or halves
+    partner = xf.unflatten(-1, pairs).flip(-1 if interleaved else -2).flatten(-2)
     out = torch.addcmul(xf * cos, partner, signed_sin)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
