@@ -368,7 +368,7 @@ def batched_table(args: argparse.Namespace) -> dict[str, Any]:
                 verdict = "met" if r["met"] else f"MISSED by {short:.0%}"
             print(
                 f"{r['model']:<11} {r['variant']:<16} {r['batch']:>5} {r['tokens_per_s']:>8.1f} "
-                f"{vs:>6} {str(r['same_tokens_as_transformers']):>5}  {verdict}"
+                f"{vs:>6} {r['same_tokens_as_transformers']!s:>5} {verdict}"
             )
         for note in report["notes"]:
             print(f"note: {note}")

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from attnkit.bench.batched import batched_rows, left_padded_prompts
 from attnkit.bench.decoding import (
     _ReadBandwidth,
     _targets,
@@ -18,7 +19,6 @@ from attnkit.bench.decoding import (
     to_transformers,
     vs_rows,
 )
-from attnkit.bench.batched import batched_rows, left_padded_prompts
 from attnkit.config import TransformerConfig
 from attnkit.models import TransformerLM
 from tests.helpers import LLAMA_OPTIONS
