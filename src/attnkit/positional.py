@@ -288,6 +288,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = True)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
+#: Dtypes the rotation runs in as they are.
+_WIDE = (torch.float32, torch.float64)
+
+
 def _full_width(cos: Tensor, sin: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
     """Half-width tables as the full-width ``(cos, signed sin)`` that :func:`_rotate` takes.
 
@@ -315,7 +319,7 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Te
     E = x.shape[-1]
     if E % 2 or cos.shape[-1] != E:
         raise ValueError(f"rotary tables must have last dim E={E}, got {tuple(cos.shape)}")
-    compute = torch.promote_types(x.dtype, torch.float32)
+    compute = x.dtype if x.dtype in _WIDE else torch.promote_types(x.dtype, torch.float32)
     xf = x if x.dtype == compute else x.to(compute)
     if cos.dtype != compute:
         cos, signed_sin = cos.to(compute), signed_sin.to(compute)
@@ -465,7 +469,9 @@ class RotaryEmbedding(nn.Module):
         memo = self._memo
         if memo is None or memo[0] is not positions:  # checked when first seen (values: _rows)
             _check_positions(positions, L, values=False)
-        cos, sin = self._rows(positions.to(x.device), x.device)
+        if positions.device != x.device:
+            positions = positions.to(x.device)
+        cos, sin = self._rows(positions, x.device)
         return _rotate(x, cos, sin, self.interleaved)
 
     def _full_tables(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
