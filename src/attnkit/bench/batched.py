@@ -116,13 +116,7 @@ def batched_rows(
         runners["transformers"] = hf_run
     variants = {"attnkit": False, "attnkit compile": True} if compile else {"attnkit": False}
     for variant, compiled in variants.items():
-        prepared = decoding.prepare(copy.deepcopy(model), compiled=compiled)
-
-        def run(prepared: TransformerLM = prepared, compiled: bool = compiled) -> Tensor:
-            out = prepared.generate(ids, new, attention_mask=mask, compile=compiled)
-            return out[:, longest:]
-
-        runners[variant] = run
+        runners[variant] = _attnkit_run(model, ids, mask, new, compiled=compiled)
     outputs = {}
     for variant, run in runners.items():
         say(f"{name} batch {batch}: warm-up {variant}")
@@ -135,7 +129,7 @@ def batched_rows(
             run()
             times[variant].append(time.perf_counter() - start)
     ref = outputs.get("transformers")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for variant in runners:
         seconds = statistics.median(times[variant])
         rows.append(
@@ -160,3 +154,16 @@ def batched_rows(
                 row["target"] = TARGET
                 row["met"] = row["vs_transformers"] >= TARGET
     return {"rows": rows, "target": TARGET, "notes": notes, "threads": torch.get_num_threads()}
+
+
+def _attnkit_run(
+    model: TransformerLM, ids: Tensor, mask: Tensor, new: int, *, compiled: bool
+) -> Callable[[], Tensor]:
+    """Batched greedy ``generate`` of a prepared copy of ``model``; returns the new tokens."""
+    prepared = decoding.prepare(copy.deepcopy(model), compiled=compiled)
+
+    def run() -> Tensor:
+        out = prepared.generate(ids, new, attention_mask=mask, compile=compiled)
+        return out[:, ids.shape[1] :]
+
+    return run
