@@ -167,7 +167,7 @@ def capped_attention(
             s.addcmul_(s, zero).sigmoid_().mul_(2 * softcap)
         s5 = s.view(B, K, G, r, w)
         band = _positional(r, w, lo - p0, rules.causal, rules.window, q.device, compute)
-        ok = None
+        ok = empty = None
         if grads or rules.batched or bmask is not None or fmask is not None:
             ok = band.ok
             if rules.batched:
@@ -186,10 +186,8 @@ def capped_attention(
                 ok = finite if ok is None else ok & finite
             if ok is not None:
                 s5 = s5.masked_fill(~ok, -math.inf) if grads else s5.masked_fill_(~ok, -math.inf)
-                empty = ~ok.any(dim=-1, keepdim=True)
-                empty = empty if bool(empty.any()) else None
-            else:
-                empty = None
+                no_key = ~ok.any(dim=-1, keepdim=True)
+                empty = no_key if bool(no_key.any()) else None
         else:  # causal/window only: mask just the columns they cut
             for c0, c1, bias in band.cuts:
                 s5[..., c0:c1].add_(bias)
