@@ -41,7 +41,7 @@ from torch import Tensor
 
 from attnkit.interop.hf_config import config_from_hf
 from attnkit.interop.hf_weights import ModelClass, ParameterFiller, allocate
-from attnkit.positional import permute_rotary_weight
+from attnkit.positional import permute_rotary_weight, rope_inv_freq
 
 __all__ = [
     "GGML_TYPES",
@@ -288,7 +288,8 @@ def _hf_config(file: _File) -> dict[str, Any]:
 
     Raises:
         ValueError: For an architecture other than llama, or metadata with no counterpart
-            (partial rotary, rope scaling by frequency factors, an unknown scaling type).
+            (partial rotary, rotary divisors that no llama3 scaling gives, an unknown scaling
+            type).
     """
     arch = file.value("general.architecture")
     if arch != "llama":
@@ -310,11 +311,6 @@ def _hf_config(file: _File) -> dict[str, Any]:
         raise ValueError(
             f"{file.path}: rope.dimension_count {rotary} / value_length {value_dim} differ from "
             f"the head dim {head_dim} (partial rotary is not supported)"
-        )
-    if "rope_freqs.weight" in file.tensors:
-        raise ValueError(
-            f"{file.path}: tensor 'rope_freqs.weight' (rotary scaling as per-frequency factors, "
-            "Llama 3.1 style) is not supported"
         )
     embed = file.tensors.get("token_embd.weight")
     vocab = embed.shape[0] if embed is not None else len(file.value("tokenizer.ggml.tokens", []))
@@ -339,7 +335,110 @@ def _hf_config(file: _File) -> dict[str, Any]:
             "rope_type": kind,
             "factor": file.value("llama.rope.scaling.factor"),
         }
+    freqs = file.tensors.get("rope_freqs.weight")
+    if freqs is not None:
+        if "rope_scaling" in data:
+            raise ValueError(
+                f"{file.path}: both rope.scaling.type {kind!r} and tensor 'rope_freqs.weight'"
+            )
+        factors = file.read_rows(freqs, 0, math.prod(freqs.shape[:-1])).flatten()
+        scaling = llama3_scaling(factors, head_dim, data["rope_theta"], str(file.path))
+        if scaling is not None:
+            data["rope_scaling"] = scaling
     return data
+
+
+def _tidy(x: float) -> float:
+    """``x`` rounded to an integer when it is one up to float32 rounding (8192.0004 -> 8192)."""
+    if not math.isfinite(x):
+        return x
+    return float(round(x)) if abs(x - round(x)) <= 1e-5 * max(1.0, abs(x)) else x
+
+
+def llama3_scaling(
+    factors: Tensor, head_dim: int, base: float, where: str = "GGUF file"
+) -> dict[str, Any] | None:
+    """The ``rope_scaling`` whose frequencies equal llama.cpp's per-frequency divisors.
+
+    llama.cpp's converter turns Llama 3.1's ``rope_scaling`` (type ``llama3``) into the tensor
+    ``rope_freqs.weight``: one divisor per rotary frequency, 1 for the high frequencies,
+    ``factor`` for the low ones and ``1 / ((1 - s) / factor + s)`` in between, ``s`` affine in
+    the frequency. This recovers ``factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings`` with ``low_freq_factor = 1`` (the three are only defined
+    up to a common multiple: Llama 3.1's own values are 1, 4 and 8192) and checks that the
+    result reproduces every divisor (all equal: type ``linear``; all 1: no scaling).
+
+    Args:
+        factors: The divisors, ``(head_dim / 2,)``.
+        head_dim: Rotary dim ``E``.
+        base: Rotary base.
+        where: The file, for error messages.
+
+    Returns:
+        A ``rope_scaling`` dict, or None when every divisor is 1.
+
+    Raises:
+        ValueError: For divisors of the wrong length, non-positive or non-finite ones, or ones
+            no ``llama3`` scaling produces.
+    """
+    f = factors.to(torch.float64)
+    if f.shape != (head_dim // 2,) or not bool(torch.isfinite(f).all()) or bool((f <= 0).any()):
+        raise ValueError(
+            f"{where}: tensor 'rope_freqs.weight' must hold {head_dim // 2} positive divisors "
+            f"(one per rotary frequency), got shape {tuple(f.shape)}"
+        )
+    tol = 1e-5
+    if bool(((f - 1).abs() <= tol).all()):
+        return None
+    factor = float(f.max())
+    if bool(((f - factor).abs() <= tol * factor).all()):
+        scaling: dict[str, Any] = {"rope_type": "linear", "factor": _tidy(factor)}
+    else:
+        inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        x = inv / (2 * math.pi)  # 1 / wavelength
+        high = (f - 1).abs() <= tol
+        low = (f - factor).abs() <= tol * factor
+        mid = ~(high | low)
+        smooth = (1 / f - 1 / factor) / (1 - 1 / factor)  # s = L0 * x - 1 over hf - 1
+        if int(mid.sum()) >= 2:
+            xs, ss = x[mid], smooth[mid]
+            slope = float(
+                ((xs - xs.mean()) * (ss - ss.mean())).sum() / (xs - xs.mean()).square().sum()
+            )
+            intercept = float(ss.mean()) - slope * float(xs.mean())
+            hf = 1 - 1 / intercept if intercept < 0 else math.nan
+            old_len = slope * (hf - 1)
+        else:  # too few in-between frequencies to fit: place the bands between the neighbours
+            w_high = float((1 / x[high]).max()) if bool(high.any()) else 0.0
+            w_low = float((1 / x[low]).min()) if bool(low.any()) else math.inf
+            if int(mid.sum()) == 1:
+                xm, sm = float(x[mid][0]), float(smooth[mid][0])
+                old_len = math.sqrt(1 / xm * w_low) if math.isfinite(w_low) else 2 / xm
+                hf = 1 + (old_len * xm - 1) / sm
+            else:
+                old_len = math.sqrt(w_high * w_low) if w_high and math.isfinite(w_low) else math.nan
+                hf = math.sqrt(old_len / w_high) if w_high else math.nan
+        scaling = {
+            "rope_type": "llama3",
+            "factor": _tidy(factor),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": _tidy(hf),
+            "original_max_position_embeddings": _tidy(old_len),
+        }
+    length = scaling.get("original_max_position_embeddings")
+    if isinstance(length, float) and length.is_integer():
+        scaling["original_max_position_embeddings"] = int(length)  # as config.json writes it
+    try:
+        plain = rope_inv_freq(head_dim, base)
+        again = plain / rope_inv_freq(head_dim, base, scaling)
+    except (ValueError, TypeError):
+        again = None
+    if again is None or not bool(((again - f).abs() <= 1e-4 * f).all()):
+        raise ValueError(
+            f"{where}: tensor 'rope_freqs.weight' holds divisors that no llama3 or linear "
+            f"rope scaling produces (got {[round(v, 4) for v in f.tolist()]})"
+        )
+    return scaling
 
 
 _LAYER = {
@@ -410,6 +509,8 @@ def from_gguf(
     rotary = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
     with torch.no_grad():
         for name, tensor in file.tensors.items():
+            if name == "rope_freqs.weight":  # read into the config's rope_scaling
+                continue
             entry = filler.entry(hf_name(name))
             if entry is None:
                 continue
