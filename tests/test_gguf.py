@@ -45,6 +45,8 @@ TO_GGUF = {
     "lm_head.weight": "output.weight",
 }
 LAYER = {
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -118,7 +120,7 @@ def write_gguf(
         merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
         scores = []
     vocab = len(tokens)
-    model = tiny_llama(vocab, tie=tie, seed=seed, rope_scaling=rope_scaling)
+    model = tiny_llama(vocab, tie=tie, seed=seed, rope_scaling=rope_scaling, arch=arch)
     g = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(LLAMA["max_position_embeddings"])
@@ -127,7 +129,13 @@ def write_gguf(
     w.add_feed_forward_length(LLAMA["intermediate_size"])
     w.add_head_count(LLAMA["num_attention_heads"])
     w.add_head_count_kv(LLAMA["num_key_value_heads"])
-    w.add_rope_dimension_count(LLAMA["hidden_size"] // LLAMA["num_attention_heads"])
+    head_dim = (
+        getattr(model.config, "head_dim", None)
+        or LLAMA["hidden_size"] // LLAMA["num_attention_heads"]
+    )
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(LLAMA["rms_norm_eps"])
     w.add_rope_freq_base(LLAMA["rope_theta"])
     w.add_tokenizer_model(tokenizer_model)
@@ -162,7 +170,7 @@ def write_gguf(
             part, kind = rest.rsplit(".", 1)
             target = f"blk.{i}.{LAYER[part]}.{kind}"
             proj = part.rsplit(".", 1)[-1]
-            if proj in heads:
+            if proj in heads and arch == "llama":  # the qwen graphs rotate halves: no permute
                 array = llama_cpp_permute(array, heads[proj])
         else:
             target = TO_GGUF[name]
@@ -181,14 +189,30 @@ def write_gguf(
     return path
 
 
+#: GGUF architecture -> the transformers classes written under it (other names: a Llama).
+MODELS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
 def tiny_llama(
-    vocab: int, *, tie: bool, seed: int, rope_scaling: dict[str, Any] | None = None
+    vocab: int,
+    *,
+    tie: bool,
+    seed: int,
+    rope_scaling: dict[str, Any] | None = None,
+    arch: str = "llama",
 ) -> Any:
-    """The random transformers Llama that :func:`write_gguf` writes (same seed: same weights)."""
-    extra = {} if rope_scaling is None else {"rope_scaling": dict(rope_scaling)}  # it edits it
-    config = transformers.LlamaConfig(**LLAMA, vocab_size=vocab, tie_word_embeddings=tie, **extra)
+    """The random transformers model that :func:`write_gguf` writes (same seed: same weights):
+    a Llama, or for ``arch`` qwen2/qwen3 that family (Qwen2: q/k/v biases; Qwen3: qk-norm)."""
+    extra: dict[str, Any] = {} if rope_scaling is None else {"rope_scaling": dict(rope_scaling)}
+    config_cls, model_cls = MODELS.get(arch, ("LlamaConfig", "LlamaForCausalLM"))
+    config = getattr(transformers, config_cls)(
+        **LLAMA, vocab_size=vocab, tie_word_embeddings=tie, **extra
+    )
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(
@@ -429,9 +453,29 @@ def test_rope_freqs_that_no_scaling_gives_are_named(tmp_path: Path) -> None:
         TransformerLM.from_pretrained(path)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_files_equal_transformers_gguf_loading(arch: str, tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    path = write_gguf(tmp_path / f"{arch}.gguf", "Q8_0", arch=arch, chat_template=None)
+    names = set(ak_gguf._open(path).tensors)
+    assert ("blk.0.attn_q.bias" in names) == (arch == "qwen2")
+    assert ("blk.0.attn_q_norm.weight" in names) == (arch == "qwen3")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    assert type(ref).__name__ == MODELS[arch][1]
+    lm = TransformerLM.from_pretrained(path)
+    assert lm.config.qk_norm == (arch == "qwen3")
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids).logits
+    assert_close(lm(ids), want, atol=2e-3, rtol=0)
+    assert want.abs().max() > 0.05
+
+
 def test_unsupported_metadata_is_named(small_file: Path, tmp_path: Path) -> None:
-    other = write_gguf(tmp_path / "qwen.gguf", "F16", arch="qwen2")
-    with pytest.raises(ValueError, match=r"qwen\.gguf: GGUF architecture 'qwen2' is not supp"):
+    other = write_gguf(tmp_path / "phi.gguf", "F16", arch="phi3")
+    with pytest.raises(ValueError, match=r"phi\.gguf: GGUF architecture 'phi3' is not supp"):
         TransformerLM.from_pretrained(other)
     with pytest.raises(ValueError, match="no chat template"):
         format_chat(small_file, CONVERSATION)
