@@ -149,3 +149,25 @@ def test_chunk_rows_bounds_the_buffer():
     assert chunk_rows(8, 32768, 4096) == 16  # 8 * 16 * 32768 scores: the floor
     assert chunk_rows(1, 10, 5) == 5  # never more than the queries
     assert chunk_rows(64, 2048, 4096) * 64 * 2048 <= 2**20 * 2
+
+
+@pytest.mark.parametrize("window", [None, 10])
+@pytest.mark.parametrize(("at", "value"), [(None, 0.0), (45, float("nan")), (5, float("inf"))])
+def test_a_decoding_step_keeps_the_rules(window, at, value):
+    # L = 1 without gradients takes the few-call step; a non-finite key it reads sends it back to
+    # the general path (its head's rows NaN), one outside the window is never read.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 50, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    clean = k.clone()
+    if at is not None:
+        k[1, 0, at, 2] = value
+    with torch.no_grad():
+        out = attend(q, k, v, causal=True, window=window, softcap=2.0)[0]
+    allowed = loop_mask(1, 50, causal=True, window=window)
+    ref, _ = reference_attention(q, clean, v, allowed, softcap=2.0)
+    reached = at is not None and bool(allowed[..., at].any())
+    nan_rows = torch.zeros(2, 4, 1, dtype=torch.bool)
+    nan_rows[1, :2] = reached  # query heads 0 and 1 read key/value head 0
+    assert torch.equal(torch.isnan(out).any(-1), nan_rows)
+    assert_close(out[~nan_rows], ref[~nan_rows], atol=1e-10, rtol=1e-8)

@@ -679,6 +679,20 @@ def _attend_capped(
     :func:`_without_leaks` (arguments as :func:`attend`'s, checked; ``mask`` bool or
     :func:`_additive`)."""
     L, S = q.shape[-2], k.shape[-2]
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if (
+        L == 1
+        and q.dim() == 4
+        and mask is None
+        and not (rules.batched or return_weights or dropout_p or grads)
+        and q.dtype in (torch.float32, torch.float64)
+        and 0 not in (*q.shape, *k.shape, v.shape[-1])
+        and not _no_data_branches(q)
+    ):  # a decoding step: a few calls, kept only when every output row is finite and non-zero
+        out = capped.decode_step(q, k, v, softcap=softcap, scale=scale, window=rules.window)
+        low, high = torch.aminmax(out.abs().amax(dim=-1))
+        if float(low) > 0 and float(high) < math.inf:
+            return out, None
 
     def allowed() -> Tensor | None:
         constraint = None

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from attnkit.masks import Structure
 
-__all__ = ["capped_attention", "chunk_rows"]
+__all__ = ["capped_attention", "chunk_rows", "decode_step"]
 
 #: Scores per chunk at most (all heads of the batch together): 2**20 float32 are 4 MiB, which
 #: bounds the buffer's memory for long keys.
@@ -221,6 +221,46 @@ def capped_attention(
         out = out.squeeze(0)
         weights = None if weights is None else weights.squeeze(0)
     return out, weights
+
+
+def decode_step(
+    q: Tensor, k: Tensor, v: Tensor, *, softcap: float, scale: float, window: int | None = None
+) -> Tensor:
+    """One query per sequence (a decoding step) with soft-capped scores, in few calls.
+
+    The query sits after every key, so causality masks nothing and a ``window`` keeps the last
+    ``window`` keys (a slice). The ``H`` query heads are viewed as ``K`` groups of ``H / K``
+    rows, the scores computed as ``k @ q^T`` (reading ``k`` row by row), capped in place and
+    normalised along the keys. No mask, no gradients, no weights; non-finite inputs give NaN or
+    infinite output rows (an infinite raw score becomes NaN), which the caller checks.
+
+    Args:
+        q: Queries ``(B, H, 1, E)``, float32 or float64.
+        k: Keys ``(B, K, S, E)`` with ``S >= 1``.
+        v: Values ``(B, K, S, Ev)``.
+        softcap: The cap ``c > 0``.
+        scale: Multiplier of the scores.
+        window: Sliding window, if any.
+
+    Returns:
+        The output ``(B, H, 1, Ev)``.
+    """
+    B, H, _, E = q.shape
+    K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    if window is not None and window < S:
+        k, v = k[:, :, S - window :], v[:, :, S - window :]
+        S = window
+    grouped = q.reshape(B * K, H // K, E)  # (B*K, G, E)
+    s = torch.baddbmm(
+        q.new_empty(()),
+        k.reshape(B * K, S, E),
+        grouped.transpose(1, 2),
+        beta=0.0,
+        alpha=2 * scale / softcap,
+    )  # (B*K, S, G)
+    s.addcmul_(s, q.new_zeros(())).sigmoid_().mul_(2 * softcap)  # as capped_attention
+    p = torch.softmax(s, dim=1, out=s)
+    return torch.bmm(p.transpose(1, 2), v.reshape(B * K, S, Ev)).view(B, H, 1, Ev)
 
 
 def _assemble(
