@@ -259,8 +259,9 @@ def decode_step(
         alpha=2 * scale / softcap,
     )  # (B*K, S, G)
     s.addcmul_(s, q.new_zeros(())).sigmoid_().mul_(2 * softcap)  # as capped_attention
-    p = torch.softmax(s, dim=1, out=s)
-    return torch.bmm(p.transpose(1, 2), v.reshape(B * K, S, Ev)).view(B, H, 1, Ev)
+    rows = s.transpose(1, 2).contiguous()  # (B*K, G, S): a view for G = 1; the softmax along
+    p = torch.softmax(rows, dim=-1, out=rows)  # the last dim is ~3x faster than along dim 1
+    return torch.bmm(p, v.reshape(B * K, S, Ev)).view(B, H, 1, Ev)
 
 
 def _assemble(
