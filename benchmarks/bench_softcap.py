@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         header = (
             f"{'case':<8} {'L':>5} {'S':>5} {'E':>4} {'window':>6} {'fused ms':>9} "
-            f"{'softcap ms':>10} {'ratio':>6} {'textbook ms':>11} {'us/kpair':>8}"
+            f"{'softcap ms':>10} {'ratio':>6} {'textbook ms':>11} {'ns/pair':>8}"
         )
         print(header)
         print("-" * len(header))
