@@ -24,7 +24,7 @@ from attnkit.bench.decoding import DECODE_MODELS, to_transformers
 from attnkit.config import TransformerConfig
 from attnkit.models import TransformerLM
 
-__all__ = ["TARGET", "batched_rows", "left_padded_prompts"]
+__all__ = ["TARGET", "batched_rows", "left_padded_prompts", "vs_batched_rows"]
 
 #: The batched decoding target: total tokens/s against transformers' batched generate.
 TARGET = 2.0
@@ -167,3 +167,36 @@ def _attnkit_run(
         return out[:, ids.shape[1] :]
 
     return run
+
+
+def vs_batched_rows(
+    *, repeats: int = 3, compile: bool = False, names: tuple[str, ...] = ("llama-3m",)
+) -> list[dict[str, Any]]:
+    """The batched rows as ``attnkit bench --vs`` rows (``job``, ``peer``, seconds, ``note``,
+    ``goal``): each attnkit variant against transformers' batched ``generate``."""
+    out = []
+    for name in names:
+        report = batched_rows(name, repeats=repeats, compile=compile)
+        rows = {r["variant"]: r for r in report["rows"]}
+        hf = rows.get("transformers")
+        for variant, row in rows.items():
+            if variant == "transformers":
+                continue
+            notes = [
+                f"{row['batch']} left-padded prompts of {row['longest_prompt'] // 4}-"
+                f"{row['longest_prompt']} tokens, {row['new_tokens']} new, greedy",
+                f"{row['tokens_per_s']:.1f} tok/s in all",
+            ]
+            if row["same_tokens_as_transformers"] is not None:
+                notes.append(f"same tokens: {row['same_tokens_as_transformers']}")
+            out.append(
+                {
+                    "job": f"decode {name} batched{variant.replace('attnkit', '')}",
+                    "peer": "transformers batched generate",
+                    "attnkit_s": row["seconds"],
+                    "peer_s": None if hf is None else hf["seconds"],
+                    "note": "; ".join([*notes, *report["notes"]]),
+                    "goal": TARGET if hf is not None else None,
+                }
+            )
+    return out
