@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/bench_blockwise.py [--n 8192] [--window 256] [--docs 8] [--repeats 5]
         [--rows 32,64,128] [--flex] [--variants] [--bf16] [--json FILE]
+        [--modes fwd,fwd+bwd] [--cases window,documents]
 
 Every implementation runs in one process, interleaved round by round; the table reports the
 median time and the ratio to dense-mask SDPA (``x dense``, higher is faster), the ratio of the
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
     p.add_argument("--variants", action="store_true", help="also time the two-piece LSE design")
     p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--cases", default="window,documents")
     p.add_argument("--bf16", action="store_true", help="bf16 vs fp32 speed-up and error")
     p.add_argument("--error-n", type=int, default=2048, help="length of the --bf16 error check")
     p.add_argument("--json", type=Path, help="write the rows here")
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, N={a.n}, "
           f"H={a.heads}, E={a.dim}; median of {a.repeats} interleaved rounds")  # fmt: skip
-    for case in ("window", "documents"):
+    for case in a.cases.split(","):
         fns, compile_s = _implementations(case, a, rows)
         for mode in a.modes.split(","):
             results += _time_case(case, mode, fns, a, compile_s, default=_name(rows[0]))

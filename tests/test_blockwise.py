@@ -107,6 +107,25 @@ def test_low_precision_matches_float64(dtype, atol, kw):
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
 
 
+@pytest.mark.parametrize("layout", ["bhle", "blhe"])
+@pytest.mark.parametrize(
+    "B, kw",
+    [
+        (1, dict(causal=True, segment_ids=(torch.arange(64) // 16).view(1, 64))),
+        (1, dict(segment_ids=(torch.arange(64) // 32).view(1, 64))),
+        (3, dict(causal=True)),  # one tile per batch element
+        (1, dict(key_lengths=torch.tensor([50]))),  # queries in order, keys cut short
+    ],
+)
+def test_single_ordered_run_returns_the_kernel_results_as_views(layout, B, kw):
+    # One run whose tiles cover the queries in order: no output buffer, copies or additions.
+    runs = plan_runs(B, 64, 64, Structure(**kw), rows=64 if "segment_ids" not in kw else None)
+    assert len(runs) == 1
+    for dtype, atol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        q, k, v = qkv(B, 4, 2, 64, 64, dtype=dtype, layout=layout)
+        check(q, k, v, loop_mask(64, 64, **kw), atol=atol, rtol=atol, rows=runs[0].rows, **kw)
+
+
 @pytest.mark.parametrize("L, S", [(37, 37), (13, 50), (50, 13), (64, 200)])
 @pytest.mark.parametrize("window", [1, 5, 64, 400])
 def test_odd_sizes_and_windows(L, S, window):
