@@ -444,6 +444,7 @@ def train(
             ``positions``, and attends over the whole sequence with
             :func:`attnkit.distributed.ring_attention` as every attention layer's ``kernel``
             (during the training steps only; evaluation runs the whole sequence on rank 0).
+            With ``fsdp`` too, the same processes also shard the parameters.
 
     Returns:
         A :class:`TrainResult` (its ``eval`` is filled on every process).
@@ -458,8 +459,6 @@ def train(
     ctx = ctx if ctx is not None else DistContext()
     say = log if (log is not None and ctx.is_main) else (lambda _msg: None)
     cp = context_parallel and ctx.distributed
-    if cp and fsdp:
-        raise ValueError("--context-parallel and --fsdp are not combined yet; pick one")
     if cp and config.seq_len % ctx.world_size:
         raise ValueError(
             f"--context-parallel: seq_len ({config.seq_len}) must be divisible by the number "
