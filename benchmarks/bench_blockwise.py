@@ -63,8 +63,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="window,documents")
     p.add_argument("--bf16", action="store_true", help="bf16 vs fp32 speed-up and error")
     p.add_argument("--error-n", type=int, default=2048, help="length of the --bf16 error check")
+    p.add_argument(
+        "--memory",
+        default=None,
+        metavar="N,N",
+        help="instead: peak memory of blockwise fwd+bwd at these lengths (documents of N/--docs"
+        " at --n, so of equal length at every N)",
+    )
     p.add_argument("--json", type=Path, help="write the rows here")
     a = p.parse_args(argv)
+    if a.memory:
+        results = _memory(a, [int(n) for n in a.memory.split(",")])
+        if a.json:
+            a.json.write_text(json.dumps(results, indent=2))
+        return 0
     rows = [None if r == "auto" else int(r) for r in a.rows.split(",")]
     results: list[dict[str, Any]] = []
     if a.bf16:
@@ -176,6 +188,38 @@ def _time_case(
         rows.append(row)
     if flex is not None:
         print(f"{default} vs FlexAttention (compiled): {flex / med[default]:.2f}x")
+    return rows
+
+
+def _memory(a: argparse.Namespace, lengths: list[int]) -> list[dict[str, Any]]:
+    """Extra peak memory of one blockwise forward+backward (``VmHWM``) per case and length."""
+    from attnkit.profiling import peak_memory
+
+    doc_len = a.n // a.docs
+    print(f"peak memory of one blockwise fwd+bwd, fp32, H={a.heads}, E={a.dim}, W={a.window}, "
+          f"documents of {doc_len}; inputs (q, k, v, grad) not counted")  # fmt: skip
+    print(f"{'case':<10} {'N':>6} {'peak MiB':>9} {'inputs MiB':>11} {'peak/input':>11}")
+    rows = []
+    for case in ("window", "documents"):
+        for n in lengths:
+            kw: dict[str, Any] = {"causal": True, "window": a.window}
+            if case == "documents":
+                kw = {"causal": True, "segment_ids": (torch.arange(n) // doc_len).view(1, n)}
+            q, k, v = (
+                torch.randn(1, n, a.heads, a.dim).transpose(1, 2).requires_grad_() for _ in range(3)
+            )
+            grad = torch.randn(1, a.heads, n, a.dim)
+
+            def step() -> None:
+                out = block_sparse_attention(q, k, v, **kw)  # noqa: B023
+                torch.autograd.grad(out, (q, k, v), grad)  # noqa: B023
+
+            step()  # warm-up: one-time allocations are not counted
+            peak = peak_memory(step) or 0
+            one = q.numel() * q.element_size()
+            print(f"{case:<10} {n:>6} {peak / 2**20:>9.1f} {one / 2**20:>11.1f} "
+                  f"{peak / one:>11.2f}")  # fmt: skip
+            rows.append({"case": case, "n": n, "peak_bytes": peak, "input_bytes": one})
     return rows
 
 
