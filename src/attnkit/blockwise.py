@@ -46,7 +46,7 @@ from torch import Tensor
 
 from attnkit.masks import Structure
 
-__all__ = ["TileRun", "attend_runs", "plan_runs", "tile_rows"]
+__all__ = ["TileRun", "attend_runs", "native_low_precision", "plan_runs", "tile_rows"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -240,7 +240,9 @@ def attend_runs(
 
     Torch's CPU flash kernel on strided views with a custom backward where it applies (CPU,
     no dropout, ``Ev == E``, a dtype it takes), else ``torch.nn.functional.
-    scaled_dot_product_attention`` on gathered tiles with autograd.
+    scaled_dot_product_attention`` on gathered tiles with autograd. bfloat16/float16 inputs
+    on a CPU without native units for them (see :func:`native_low_precision`) are computed in
+    float32 and the result rounded.
 
     Args:
         q: Queries.
@@ -257,10 +259,36 @@ def attend_runs(
         q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
     """
     E, Ev = q.shape[3], v.shape[3]
+    if q.device.type == "cpu" and q.dtype in _LOW and not native_low_precision(q.dtype):
+        # Without bf16/fp16 matrix units the kernel converts every block it multiplies; in
+        # float32 it runs several times faster, and rounds once at the end.
+        out = attend_runs(q.float(), k.float(), v.float(), runs, scale=scale, dropout_p=dropout_p)
+        return out.to(q.dtype)
     if dropout_p == 0.0 and Ev == E and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
         out: Tensor = _FlashRuns.apply(q, k, v, runs, scale)
         return out
     return _sdpa_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def native_low_precision(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` (bfloat16 or float16) natively: AVX512-BF16 or
+    AMX tiles for bfloat16, AMX-FP16 for float16 (``True`` where torch cannot tell).
+
+    Where it does not (AVX2 only), :func:`attend_runs` computes low-precision inputs in float32:
+    there torch's bf16 flash kernel ran 1.5x (forward) to 9x (forward+backward) slower than its
+    float32 one at N=8192 (``benchmarks/bench_blockwise.py --bf16``).
+    """
+    cpu: Any = getattr(torch, "cpu", None)
+    try:
+        if dtype == torch.bfloat16:
+            return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+        return bool(cpu._is_amx_fp16_supported())
+    except AttributeError:  # an older torch: trust its kernel
+        return True
 
 
 # --------------------------------------------------------------------------------------------
