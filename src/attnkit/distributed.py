@@ -23,6 +23,7 @@ length, S key shard length, E head dim.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Literal
 
@@ -260,11 +261,35 @@ class _Ring:
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         return list(dist.batch_isend_irecv(ops))
 
-    def receive(self, like: list[Tensor]) -> tuple[list[Tensor], list[Any]]:
-        """Start receiving tensors shaped as ``like`` from the previous rank."""
-        received = [torch.empty_like(t) for t in like]
-        ops = [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
-        return received, list(dist.batch_isend_irecv(ops))
+    def receive(self, into: list[Tensor]) -> list[Any]:
+        """Start receiving tensors from the previous rank into ``into``."""
+        ops = [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in into]
+        return list(dist.batch_isend_irecv(ops))
+
+
+class _Pieces:
+    """Two alternating sets of piece buffers (the one computed on, the one being received
+    into), allocated once per call: a new buffer per piece and step would leave the freed ones
+    resident in the allocator's heap, which measured as much as the pieces saved."""
+
+    def __init__(self, like: list[Tensor], widest: int, dtype: torch.dtype | None = None) -> None:
+        self.shapes = [(t.shape[0], t.shape[1], t.shape[3]) for t in like]
+        self.sets = [
+            [torch.empty(b * h * widest * e, dtype=dtype or t.dtype, device=t.device)
+             for t, (b, h, e) in zip(like, self.shapes, strict=True)]
+            for _ in range(2)
+        ]  # fmt: skip
+        self.flip = 0
+
+    def views(self, width: int, which: int) -> list[Tensor]:
+        """Set ``which`` (0: current, 1: other) as ``(B, heads, width, E)`` tensors."""
+        flat = self.sets[(self.flip + which) % 2]
+        return [x[: b * h * width * e].view(b, h, width, e)
+                for x, (b, h, e) in zip(flat, self.shapes, strict=True)]  # fmt: skip
+
+    def swap(self) -> None:
+        """The other set becomes the current one."""
+        self.flip ^= 1
 
 
 def _wait(requests: list[Any]) -> None:
@@ -313,14 +338,17 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(B, H, L, Ev, dtype=acc, device=q.device)
         lse = torch.full((B, H, L), -math.inf, dtype=acc, device=q.device)
         bounds = _bounds(S, chunk)
+        widest = max(b - a for a, b in itertools.pairwise(bounds))
+        pieces = _Pieces([k, v], widest)
         for j in range(len(bounds) - 1):
             a, b = bounds[j], bounds[j + 1]
-            kv = [k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous()]
+            kv = pieces.views(b - a, 0)
+            kv[0].copy_(k[:, :, a:b])
+            kv[1].copy_(v[:, :, a:b])
             for step in range(ring.world):
                 more = step + 1 < ring.world
                 if more:  # the next piece travels while this one is computed
-                    incoming, requests = ring.receive(kv)
-                    requests += ring.send(kv)
+                    requests = ring.receive(pieces.views(b - a, 1)) + ring.send(kv)
                 src = (ring.rank - step) % ring.world
                 for rows, keys, is_causal in _calls(
                     ring.rank, src, causal, layout, L, S, a, b, 2 * chunk
@@ -330,7 +358,8 @@ class _RingAttention(torch.autograd.Function):
                     _merge(out[:, :, rows], lse[:, :, rows], o.to(acc), blk.to(acc))
                 if more:
                     _wait(requests)
-                    kv = incoming
+                    pieces.swap()
+                    kv = pieces.views(b - a, 0)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -351,18 +380,23 @@ class _RingAttention(torch.autograd.Function):
         dk = torch.empty(k.shape, dtype=acc, device=q.device)
         dv = torch.empty(v.shape, dtype=acc, device=q.device)
         bounds = _bounds(S, ctx.chunk)
+        widest = max(b - a for a, b in itertools.pairwise(bounds))
+        pieces, grads = _Pieces([k, v], widest), _Pieces([k, v], widest, acc)
         for j in range(len(bounds) - 1):
             a, b = bounds[j], bounds[j + 1]
-            kv = [k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous()]
-            dkv = [torch.zeros(t.shape, dtype=acc, device=q.device) for t in kv]
+            kv, dkv = pieces.views(b - a, 0), grads.views(b - a, 0)
+            kv[0].copy_(k[:, :, a:b])
+            kv[1].copy_(v[:, :, a:b])
+            dkv[0].zero_()
+            dkv[1].zero_()
             for step in range(ring.world):
                 more = step + 1 < ring.world
                 requests = []
                 if more:
-                    incoming, requests = ring.receive(kv)
-                    requests += ring.send(kv)
+                    requests = ring.receive(pieces.views(b - a, 1)) + ring.send(kv)
                 # The gradients of the next piece, or (last step) this rank's own, finished.
-                incoming_grads, grad_requests = ring.receive(dkv)
+                incoming = grads.views(b - a, 1)
+                grad_requests = ring.receive(incoming)
                 src = (ring.rank - step) % ring.world
                 for rows, keys, is_causal in _calls(
                     ring.rank, src, ctx.causal, ctx.layout, L, S, a, b, 2 * ctx.chunk
@@ -378,11 +412,13 @@ class _RingAttention(torch.autograd.Function):
                 grad_requests += ring.send(dkv)
                 _wait(requests)
                 _wait(grad_requests)
+                grads.swap()
                 if more:
-                    kv, dkv = incoming, incoming_grads
+                    pieces.swap()
+                    kv, dkv = pieces.views(b - a, 0), grads.views(b - a, 0)
                 else:
-                    dk[:, :, a:b] = incoming_grads[0]
-                    dv[:, :, a:b] = incoming_grads[1]
+                    dk[:, :, a:b] = incoming[0]
+                    dv[:, :, a:b] = incoming[1]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *none)
 
 
