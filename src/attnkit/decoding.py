@@ -103,9 +103,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if weight.dim() == 2 and weight.stride(0) == 1 and not torch.compiler.is_compiling():
         # Column-major (prepared) weight: one BLAS call on its contiguous transpose, without
         # F.linear's dispatch chain (linear -> matmul -> t -> mm) per call.
+        if bias is None:
+            return torch.matmul(x, weight.t())  # (in, out), contiguous
         rows = x.reshape(-1, x.shape[-1])  # (N, in)
-        wt = weight.t()  # (in, out), contiguous
-        y = torch.mm(rows, wt) if bias is None else torch.addmm(bias, rows, wt)
+        y = torch.addmm(bias, rows, weight.t())
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
