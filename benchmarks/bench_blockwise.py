@@ -3,7 +3,7 @@
 Usage:
     python benchmarks/bench_blockwise.py [--n 8192] [--window 256] [--docs 8] [--repeats 5]
         [--rows 32,64,128] [--flex] [--variants] [--bf16] [--json FILE]
-        [--modes fwd,fwd+bwd] [--cases window,documents]
+        [--modes fwd,fwd+bwd] [--cases window,documents] [--memory 8192,32768]
 
 Every implementation runs in one process, interleaved round by round; the table reports the
 median time and the ratio to dense-mask SDPA (``x dense``, higher is faster), the ratio of the
@@ -19,10 +19,12 @@ the same run (the ratio of ratios holds on CPUs with and without native bf16), a
 against float64 of attnkit's bf16 output and gradients next to torch's fused kernel's (at
 ``--error-n`` positions, where the float64 reference fits in memory).
 
-Recorded (AMD EPYC, AVX2 only, 2 threads, loaded machine, N=8192, medians of 2 rounds):
-bf16/fp32 speed-up torch causal SDPA fwd 0.15, fwd+bwd 0.12; attnkit window fwd 0.42,
-fwd+bwd 0.23; documents fwd 0.82, fwd+bwd 0.23 (ratios of ratios 1.9-5.5). fp32 fwd+bwd
-x dense-mask SDPA: window 13.45, documents 5.91 (fwd 25.3 and 11.3).
+Recorded (AMD EPYC, AVX2 only, 2 threads, loaded machine, N=8192, fp32, medians of 3-5 rounds):
+fwd+bwd x dense-mask SDPA window 12.4, documents 10.9 (fwd 12.3); ``--memory 8192,32768``:
+window 269 / 1021 MiB, documents 84 / 324 MiB. ``--bf16`` at N=4096 (bf16 computed in float32
+on this CPU, see ``attnkit.blockwise.native_low_precision``): bf16/fp32 speed-up torch causal
+SDPA fwd 1.25, fwd+bwd 0.14; attnkit window 1.15 / 1.12, documents 0.86 / 0.71 (ratios of
+ratios 0.92 / 8.2 and 0.69 / 5.2). See ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations

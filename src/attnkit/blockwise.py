@@ -262,8 +262,8 @@ def attend_runs(
     if q.device.type == "cpu" and q.dtype in _LOW and not native_low_precision(q.dtype):
         # Without bf16/fp16 matrix units the kernel converts every block it multiplies; in
         # float32 it runs several times faster, and rounds once at the end.
-        out = attend_runs(q.float(), k.float(), v.float(), runs, scale=scale, dropout_p=dropout_p)
-        return out.to(q.dtype)
+        wide = attend_runs(q.float(), k.float(), v.float(), runs, scale=scale, dropout_p=dropout_p)
+        return wide.to(q.dtype)
     if dropout_p == 0.0 and Ev == E and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
         out: Tensor = _FlashRuns.apply(q, k, v, runs, scale)
         return out
