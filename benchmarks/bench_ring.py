@@ -14,11 +14,11 @@ during one forward+backward with the ``VmHWM`` method of ``attnkit.profiling.pea
 contiguous layout shows. With one process the same function runs without a process group
 (plain attention on the whole sequence).
 
-Recorded (AMD EPYC, 2 cores shared with other jobs at load 12-19, so times are mostly noise;
-N=16384, causal, 8 heads, E=64, one round): 1 process 162.5 s, 259 MiB; 2 processes contiguous
-153.6 s (1.06x), 244 MiB per rank (0.94x); zigzag 190.7 s (0.85x), 260 MiB per rank (1.00x).
-Per rank the ring holds, besides its halved shards, the incoming key/value block and the
-travelling key/value gradients (sent and received buffers), which at 2 ranks eat the saving.
+Recorded (AMD EPYC, 2 cores shared with other jobs, so times are mostly noise; N=16384,
+causal, 8 heads, E=64, one round): 1 process 148.5 s, 161.8 MiB; 2 processes contiguous 105.2 s
+(1.41x), 97.0 MiB per rank (0.60x). The blocks travel in pieces of ``attnkit.distributed.CHUNK``
+keys in two reused buffer sets; what remains above half of one process is the allocator keeping
+the kernel's per-call gradient buffers resident (see ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
