@@ -181,6 +181,32 @@ def test_bf16_weights_follow_the_float64_model() -> None:
     assert err < 0.05, err
 
 
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("rows", [1, decoding.UPCAST_ROWS])
+def test_bf16_products_run_in_float32_where_bf16_is_emulated(
+    native: bool, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill's bf16 products run upcast on CPUs without bf16 dot products, and stay bf16
+    for a single row or where the CPU has them; every way rounds the float64 product to bf16."""
+    monkeypatch.setattr(decoding, "_BF16_NATIVE", native)
+    seen: list[torch.dtype] = []
+    real = torch.nn.functional.linear
+
+    def spy(x: Tensor, *args: Any) -> Tensor:
+        seen.append(x.dtype)
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    x = torch.randn(rows, 3, 40).bfloat16()
+    w, b = torch.randn(24, 40).bfloat16(), torch.randn(24).bfloat16()
+    got = decoding.linear(x, w, b)
+    want = x.double() @ w.double().T + b.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 3, 24)
+    assert_close(got.double(), want, atol=0.05, rtol=0.02)
+    upcast = rows * 3 >= decoding.UPCAST_ROWS and not native
+    assert seen == [torch.float32 if upcast else torch.bfloat16]
+
+
 def test_cache_position_needs_caches() -> None:
     lm = _lm(**LLAMA)
     with pytest.raises(ValueError, match="cache_position needs kv_caches"):
@@ -217,3 +243,19 @@ def test_prepare_keeps_quantized_linears_and_their_outputs() -> None:
     assert isinstance(lm.blocks[0].attention.qkv_proj, Int8Linear)
     assert not any(type(m) is PreparedLinear for m in lm.modules())
     assert torch.equal(got, want)
+
+
+def test_training_after_generate_and_inference_mode() -> None:
+    """generate runs its steps under inference_mode; nothing it leaves behind (rotary tables,
+    remembered rows) may break a later training step, even with the same positions tensor."""
+    lm = _lm(**LLAMA)
+    ids = torch.randint(0, 50, (2, 6))
+    positions = torch.arange(6)
+    lm.generate(ids, 3)
+    with torch.inference_mode():
+        lm(ids, positions=positions)
+    lm.train()
+    loss = lm(ids, positions=positions).logsumexp(-1).mean()
+    loss.backward()
+    grads = [p.grad for p in lm.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)

@@ -288,6 +288,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = True)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
+#: Dtypes the rotation runs in as they are.
+_WIDE = (torch.float32, torch.float64)
+
+
 def _full_width(cos: Tensor, sin: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
     """Half-width tables as the full-width ``(cos, signed sin)`` that :func:`_rotate` takes.
 
@@ -315,14 +319,12 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Te
     E = x.shape[-1]
     if E % 2 or cos.shape[-1] != E:
         raise ValueError(f"rotary tables must have last dim E={E}, got {tuple(cos.shape)}")
-    compute = torch.promote_types(x.dtype, torch.float32)
+    compute = x.dtype if x.dtype in _WIDE else torch.promote_types(x.dtype, torch.float32)
     xf = x if x.dtype == compute else x.to(compute)
     if cos.dtype != compute:
         cos, signed_sin = cos.to(compute), signed_sin.to(compute)
-    if interleaved:
-        partner = xf.unflatten(-1, (E // 2, 2)).flip(-1).flatten(-2)
-    else:
-        partner = xf.roll(E // 2, dims=-1)
+    pairs = (E // 2, 2) if interleaved else (2, E // 2)  # the pair's channels: last dim or halves
+    partner = xf.unflatten(-1, pairs).flip(-1 if interleaved else -2).flatten(-2)
     out = torch.addcmul(xf * cos, partner, signed_sin)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
@@ -467,7 +469,9 @@ class RotaryEmbedding(nn.Module):
         memo = self._memo
         if memo is None or memo[0] is not positions:  # checked when first seen (values: _rows)
             _check_positions(positions, L, values=False)
-        cos, sin = self._rows(positions.to(x.device), x.device)
+        if positions.device != x.device:
+            positions = positions.to(x.device)
+        cos, sin = self._rows(positions, x.device)
         return _rotate(x, cos, sin, self.interleaved)
 
     def _full_tables(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -507,6 +511,8 @@ class RotaryEmbedding(nn.Module):
                 and memo[2].device == device
                 and self._full is not None
                 and self._full[1] == self.interleaved  # not converted since
+                # rows made under inference_mode cannot be saved for a backward
+                and (torch.is_inference_mode_enabled() or not memo[2].is_inference())
             ):
                 return memo[2], memo[3]
             top = 0
