@@ -16,9 +16,10 @@ contiguous layout shows. With one process the same function runs without a proce
 
 Recorded (AMD EPYC, 2 cores shared with other jobs, so times are mostly noise; N=16384,
 causal, 8 heads, E=64, one round): 1 process 148.5 s, 161.8 MiB; 2 processes contiguous 105.2 s
-(1.41x), 97.0 MiB per rank (0.60x); zigzag 74.3 s (2.00x), 96.9 MiB (0.60x). The blocks travel in pieces of ``attnkit.distributed.CHUNK``
-keys in two reused buffer sets; what remains above half of one process is the allocator keeping
-the kernel's per-call gradient buffers resident (see ``benchmarks/RESULTS.md``).
+(1.41x), 97.0 MiB per rank (0.60x); zigzag 74.3 s (2.00x), 96.9 MiB (0.60x). The blocks
+travel in pieces of ``attnkit.distributed.CHUNK`` keys in two reused buffer sets; what remains
+above half of one process is the allocator keeping the kernel's per-call gradient buffers
+resident (see ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations

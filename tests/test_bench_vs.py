@@ -30,6 +30,9 @@ def test_vs_quick_table_and_json(tmp_path, capsys):
     assert (
         decode["attnkit_s"] > 0 and decode["peer_s"] > 0 and "same tokens: True" in decode["note"]
     )
+    batched = rows[("decode llama-tiny batched", "transformers batched generate")]
+    assert batched["peer_s"] > 0 and "same tokens: True" in batched["note"]
+    assert batched["goal"] == 2.0
     assert report["config"]["attention"]["seq_len"] == 512 and report["machine"]["torch"]
     assert "x = peer time / attnkit time" in out
 

@@ -441,6 +441,20 @@ def _decoding_rows(config: VsConfig) -> list[VsRow]:
 register("decoding", _decoding_rows)
 
 
+def _batched_rows(config: VsConfig) -> list[VsRow]:
+    """Left-padded prompts decoded together against transformers' batched generate (see
+    :mod:`attnkit.bench.batched`), on the first decoding model."""
+    from attnkit.bench.batched import vs_batched_rows
+
+    rows = vs_batched_rows(
+        repeats=config.repeats, compile=config.decode_compile, names=config.decode_models[:1]
+    )
+    return [VsRow(**row) for row in rows]
+
+
+register("batched decoding", _batched_rows)
+
+
 #: The ring's goal: per-rank peak memory at most this fraction of one process's.
 RING_MEMORY_GOAL = 0.6
 
