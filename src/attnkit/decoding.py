@@ -119,32 +119,33 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     Shape: x ``(*, in)``, weight ``(out, in)`` -> ``(*, out)``.
     """
-    one_row = x.dim() >= 2 and x.numel() == x.shape[-1]
-    if (
-        weight.dtype == torch.bfloat16
-        and not _BF16_NATIVE
-        and x.device.type == "cpu"
-        and x.dtype == torch.bfloat16
-        and x.numel() >= UPCAST_ROWS * x.shape[-1] > 0
-        and not torch.compiler.is_compiling()
-    ):
-        wide = None if bias is None else bias.float()
-        return F.linear(x.float(), weight.float(), wide).to(torch.bfloat16)
-    if (
-        one_row
-        and torch.compiler.is_compiling()
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and weight.is_contiguous()
-    ):
-        return _row(x, weight, bias)
-    if weight.dim() == 2 and weight.stride(0) == 1 and not torch.compiler.is_compiling():
-        # Column-major (prepared) weight: one BLAS call on its contiguous transpose, without
-        # F.linear's dispatch chain (linear -> matmul -> t -> mm) per call.
+    compiling = torch.compiler.is_compiling()
+    if not compiling and weight.dim() == 2 and weight.stride(0) == 1:
+        # Column-major (prepared, fp32) weight: one BLAS call on its contiguous transpose,
+        # without F.linear's dispatch chain (linear -> matmul -> t -> mm) per call.
         if bias is None:
             return torch.matmul(x, weight.t())  # (in, out), contiguous
         rows = x.reshape(-1, x.shape[-1])  # (N, in)
         y = torch.addmm(bias, rows, weight.t())
         return y.view(*x.shape[:-1], weight.shape[0])
+    if (
+        weight.dtype == torch.bfloat16
+        and not _BF16_NATIVE
+        and not compiling
+        and x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.numel() >= UPCAST_ROWS * x.shape[-1] > 0
+    ):
+        wide = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), wide).to(torch.bfloat16)
+    one_row = x.dim() >= 2 and x.numel() == x.shape[-1]
+    if (
+        one_row
+        and compiling
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.is_contiguous()
+    ):
+        return _row(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
