@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from attnkit.decoding import PreparedLinear
 
-__all__ = ["MODES", "Int4Linear", "Int8Linear", "Mode", "quantize"]
+__all__ = ["MODES", "Int4Linear", "Int8Linear", "Mode", "quantize", "quantize_linear"]
 
 Mode = Literal["int8", "int4"]
 MODES: tuple[Mode, ...] = ("int8", "int4")
@@ -256,6 +256,22 @@ def _quantized(weight: Tensor, bias: Tensor | None, mode: Mode, group_size: int)
     return Int8Linear.from_weight(weight, bias)
 
 
+def quantize_linear(linear: nn.Linear, mode: Mode, *, group_size: int = 128) -> nn.Module:
+    """``linear`` as an :class:`Int8Linear` or :class:`Int4Linear` (the rule of :func:`quantize`).
+
+    Loading with ``quantize=`` calls this on each linear as soon as its weight is streamed in.
+
+    Raises:
+        ValueError: Unknown ``mode`` or ``group_size``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    with torch.no_grad():
+        return _quantized(linear.weight, linear.bias, mode, group_size)
+
+
 @torch.no_grad()
 def quantize(
     model: nn.Module, mode: Mode, *, group_size: int = 128, head: bool = True
@@ -285,14 +301,15 @@ def quantize(
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     swaps = [
-        (parent, name, child)
+        (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) in (nn.Linear, PreparedLinear)
     ]
-    for parent, name, child in swaps:
-        assert isinstance(child, nn.Linear)
+    for parent, name in swaps:  # (no list of the old linears: each goes once it is swapped)
+        child = getattr(parent, name)
         setattr(parent, name, _quantized(child.weight, child.bias, mode, group_size))
+        del child
     embedding = getattr(model, "embedding", None)
     if head and isinstance(embedding, nn.Embedding) and getattr(model, "lm_head", 0) is None:
         model.lm_head = _quantized(embedding.weight, None, mode, group_size)
