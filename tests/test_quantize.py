@@ -61,18 +61,24 @@ def test_int8_linear_is_the_per_channel_rounding(bias: bool, in_features: int) -
     assert q(x.bfloat16()).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_linear_is_the_groupwise_rounding(group_size: int) -> None:
+@pytest.mark.parametrize(
+    ("group_size", "in_features", "out_features"),
+    # (the last: 8192 inputs are packed 128 rows at a time, the 208 rows in two blocks)
+    [(32, 128, 48), (64, 128, 48), (128, 128, 48), (128, 8192, 208)],
+)
+def test_int4_linear_is_the_groupwise_rounding(
+    group_size: int, in_features: int, out_features: int
+) -> None:
     torch.manual_seed(2)
-    linear = nn.Linear(128, 48, bias=True)
+    linear = nn.Linear(in_features, out_features, bias=True)
     q = Int4Linear.from_linear(linear, group_size=group_size)
-    w = linear.weight.detach().double().reshape(48, -1, group_size)
+    w = linear.weight.detach().double().reshape(out_features, -1, group_size)
     step = (w.amax(-1) - w.amin(-1)) / 15
-    deq = q.dequantize().double().reshape(48, -1, group_size)
+    deq = q.dequantize().double().reshape(out_features, -1, group_size)
     # Half a step, plus the bf16 rounding of scale and offset.
     slack = step[..., None] * 0.53 + w.abs().amax(-1, keepdim=True) * 2**-7
     assert ((deq - w).abs() <= slack).all()
-    x = torch.randn(5, 128)
+    x = torch.randn(5, in_features)
     want = _f64_product(x.bfloat16().float(), q.dequantize(), linear.bias)
     assert_close(q(x).double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
