@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", action="append", default=[], help="a decoder folder")
     parser.add_argument("--lm-dir", default=str(RESULTS / "quantize_lm"))
     parser.add_argument("--retrain", action="store_true")
-    parser.add_argument("--max-steps", type=int, default=4000)
+    parser.add_argument("--max-steps", type=int, default=2500)
     parser.add_argument("--context", type=int, default=256, help="tokens per scored window")
     parser.add_argument("--windows", type=int, default=32, help="scored windows at most")
     parser.add_argument("--shape", default="llama-135m", choices=sorted(db.QUANT_MODELS))

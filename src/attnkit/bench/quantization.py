@@ -175,13 +175,13 @@ def train_text_lm(
     out: str | Path,
     *,
     config: TransformerConfig = QUALITY_LM,
-    max_steps: int = 4000,
+    max_steps: int = 2500,
     batch: int = 16,
-    seq_len: int = 128,
+    seq_len: int = 64,
     lr: float = 3e-3,
     eval_every: int = 100,
-    patience: int = 3,
-    min_improvement: float = 0.005,
+    patience: int = 2,
+    min_improvement: float = 0.01,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -190,13 +190,14 @@ def train_text_lm(
     AdamW, linear warm-up over ``eval_every`` steps, then constant ``lr`` until the held-out loss
     (every ``eval_every`` steps) has not improved by ``min_improvement`` (relative) for
     ``patience`` evaluations; then ``lr`` decays to zero linearly over another ``eval_every``
-    steps (``max_steps`` bounds the whole run). The best weights are saved to ``out`` as a
-    Hugging Face folder with a byte-level ``tokenizer.json`` (when ``tokenizers`` is installed)
-    and ``training.json`` (the record returned).
+    steps, and the run has converged (``max_steps`` bounds the whole run). At each evaluation
+    that improves on the best, the weights are saved to ``out`` as a Hugging Face folder with a
+    byte-level ``tokenizer.json`` (when ``tokenizers`` is installed); ``training.json`` holds
+    the record returned, updated at every evaluation.
 
     Returns:
-        ``{"steps", "converged", "held_out_loss", "held_out_bits_per_byte", "history",
-        "seconds", "config"}``.
+        ``{"steps", "best_step", "converged", "held_out_loss", "held_out_bits_per_byte",
+        "history", "seconds", "config", "seq_len", "batch"}``.
 
     Raises:
         ValueError: If ``config`` is not a 256-token decoder or a size is not positive.
@@ -214,10 +215,17 @@ def train_text_lm(
     torch.manual_seed(seed)
     model = TransformerLM(config.replace(max_seq_len=max(config.max_seq_len, seq_len)))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    best, best_state, stale, decay_from = math.inf, copy.deepcopy(model.state_dict()), 0, None
-    history: list[dict[str, float]] = []
+    out = Path(out)
+    record: dict[str, Any] = {
+        "converged": False,
+        "held_out_loss": math.inf,
+        "history": [],
+        "config": {"dim": config.dim, "layers": config.num_layers, "ffn_dim": config.ffn_dim},
+        "seq_len": seq_len,
+        "batch": batch,
+    }
+    stale, decay_from = 0, None
     start = time.perf_counter()
-    step = 0
     for step in range(1, max_steps + 1):
         if decay_from is None:
             scale = min(1.0, step / eval_every)
@@ -238,34 +246,26 @@ def train_text_lm(
             continue
         model.eval()
         held = _held_out_loss(model, held_rows)
-        history.append({"step": step, "train_loss": loss.item(), "held_out_loss": held})
+        record["history"].append({"step": step, "train_loss": loss.item(), "held_out_loss": held})
         say(f"step {step}: train {loss.item():.3f}, held-out {held:.3f} nats/byte")
-        if held < best * (1 - min_improvement):
-            stale = 0
-        else:
-            stale += 1
-        if held < best:
-            best, best_state = held, copy.deepcopy(model.state_dict())
-        if decay_from is not None and scale == 0:
-            break
+        best = record["held_out_loss"]
+        stale = 0 if held < best * (1 - min_improvement) else stale + 1
+        finished = decay_from is not None and scale == 0
         if decay_from is None and stale >= patience:
             decay_from = step
-    model.load_state_dict(best_state)
-    model.eval()
-    out = Path(out)
-    model.save_pretrained(out)
-    with contextlib.suppress(ImportError):  # text_ids reads bytes without it
-        byte_tokenizer().save(str(out / "tokenizer.json"))
-    record = {
-        "steps": step,
-        "converged": decay_from is not None,
-        "held_out_loss": best,
-        "held_out_bits_per_byte": best / math.log(2),
-        "history": history,
-        "seconds": time.perf_counter() - start,
-        "config": {"dim": config.dim, "layers": config.num_layers, "ffn_dim": config.ffn_dim},
-    }
-    (out / "training.json").write_text(json.dumps(record, indent=2))
+        record |= {"steps": step, "seconds": time.perf_counter() - start}
+        if finished:
+            record["converged"] = True
+        if held < best:  # the best weights so far are saved (an interrupted run leaves them)
+            record |= {"held_out_loss": held, "held_out_bits_per_byte": held / math.log(2)}
+            record["best_step"] = step
+            model.save_pretrained(out)
+            with contextlib.suppress(ImportError):  # text_ids reads bytes without it
+                byte_tokenizer().save(str(out / "tokenizer.json"))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "training.json").write_text(json.dumps(record, indent=2))
+        if finished:
+            break
     return record
 
 
