@@ -131,3 +131,31 @@ def test_torchao_int8_matches_its_dequantized_weights() -> None:
     # int8 per-channel weights: close to the float model, not equal to it.
     assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
     assert not torch.equal(got, want)
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16", "q8_0"])
+def test_llamacpp_script_writes_gguf_that_computes_the_model(
+    precision: str, tmp_path: Path
+) -> None:
+    """The GGUF files the llama.cpp benchmark writes (llama.cpp's names and rotary order) load
+    back through attnkit's own GGUF reader as the same model, up to the precision's rounding."""
+    pytest.importorskip("gguf")
+    import importlib.util
+
+    where = Path(__file__).parents[1] / "benchmarks" / "bench_llamacpp.py"
+    spec = importlib.util.spec_from_file_location("bench_llamacpp", where)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    config = TransformerConfig(
+        320, 64, 2, 4, num_kv_heads=2, ffn_dim=128, max_seq_len=64, **FAMILIES["llama"]
+    )
+    torch.manual_seed(0)
+    lm = TransformerLM(config).eval()
+    path = script.write_gguf(lm, tmp_path / f"m-{precision}.gguf", precision)
+    loaded = TransformerLM.from_pretrained(path)
+    ids = torch.randint(0, 320, (2, 12))
+    with torch.no_grad():
+        want, got = lm(ids), loaded(ids)
+    tol = {"f32": 1e-5, "bf16": 2e-2, "q8_0": 3e-2}[precision]
+    assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
