@@ -10,6 +10,7 @@ Usage::
     python benchmarks/bench_decode.py --vs-hf [--model DIR] [--dtype bfloat16]
     python benchmarks/bench_decode.py --rows [--models llama-3m llama-100m] [--no-compile]
     python benchmarks/bench_decode.py --kernels
+    python benchmarks/bench_decode.py --batched [--models llama-3m llama-100m] [--no-compile]
 
 Prints a table and writes JSON (default ``benchmarks/results/bench_decode.json``, with
 ``--vs-hf`` ``bench_decode_vs_hf.json``).
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-compile", action="store_true", help="--rows without compile=True")
     parser.add_argument("--kernels", action="store_true", help="single-row product kernels")
     parser.add_argument(
+        "--batched", action="store_true", help="8 left-padded prompts decoded together (--models)"
+    )
+    parser.add_argument(
         "--quantize",
         action="store_true",
         help="fp32/bf16/int8/int4 weights on the 135M Llama shape (--shape); quality on --model",
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
         return decode_rows_table(args)
     if args.kernels:
         return kernels(args)
+    if args.batched:
+        return batched_table(args)
     if args.quantize:
         return quantize_table(args)
     if args.out is None:
@@ -330,6 +336,47 @@ def decode_rows_table(args: argparse.Namespace) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def batched_table(args: argparse.Namespace) -> dict[str, Any]:
+    """``--batched``: 8 left-padded prompts of mixed lengths decoded together, vs transformers."""
+    from attnkit.bench.batched import batched_rows
+
+    reports = [
+        batched_rows(
+            name,
+            batch=args.batch if args.batch > 1 else 8,
+            new=64,
+            repeats=max(args.repeats, 3),
+            compile=not args.no_compile,
+            progress=lambda msg: print(f"  {msg}", flush=True),
+        )
+        for name in args.models
+    ]
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of interleaved runs"
+    )
+    print(
+        f"{'model':<11} {'variant':<16} {'batch':>5} {'tok/s':>8} {'x hf':>6} {'same':>5}  target"
+    )
+    for report in reports:
+        for r in report["rows"]:
+            vs = f"{r['vs_transformers']:.2f}" if "vs_transformers" in r else "-"
+            verdict = ""
+            if "met" in r:
+                short = max(0.0, 1 - r["vs_transformers"] / r["target"])
+                verdict = "met" if r["met"] else f"MISSED by {short:.0%}"
+            print(
+                f"{r['model']:<11} {r['variant']:<16} {r['batch']:>5} {r['tokens_per_s']:>8.1f} "
+                f"{vs:>6} {r['same_tokens_as_transformers']!s:>5} {verdict}"
+            )
+        for note in report["notes"]:
+            print(f"note: {note}")
+    out = args.out or Path(__file__).parent / "results" / "bench_decode_batched.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"reports": reports}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def kernels(args: argparse.Namespace) -> dict[str, Any]:

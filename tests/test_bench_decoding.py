@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from attnkit.bench.batched import batched_rows, left_padded_prompts
 from attnkit.bench.decoding import (
     _ReadBandwidth,
     _targets,
@@ -117,3 +118,28 @@ def test_targets_report_the_shortfall() -> None:
     bound = got["eager fp32 steps / bandwidth bound"]
     assert bound["met"] is False and bound["shortfall"] == pytest.approx(1 - 0.5 / 0.85)
     assert got["eager fp32 vs transformers"]["met"] is True
+
+
+def test_left_padded_prompts_spread_their_lengths() -> None:
+    ids, mask = left_padded_prompts(4, 12, 50)
+    assert mask.sum(1).tolist() == [3, 6, 9, 12]
+    assert mask[:, -1].all() and (ids[~mask] == 0).all() and (ids[mask] > 0).all()
+    # Left padding: once real, real to the end.
+    assert (mask.int().diff(dim=1) >= 0).all()
+    with pytest.raises(ValueError, match="batch"):
+        left_padded_prompts(0, 12, 50)
+
+
+def test_batched_rows_agree_with_transformers() -> None:
+    pytest.importorskip("transformers")
+    tiny = {"tiny": (TransformerConfig(50, 24, 2, 4, max_seq_len=32, **LLAMA_OPTIONS), 12, 4)}
+    report = batched_rows("tiny", batch=3, new=4, repeats=1, models=tiny)
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert set(rows) == {"transformers", "attnkit"}
+    assert rows["attnkit"]["same_tokens_as_transformers"] is True
+    assert rows["attnkit"]["tokens_per_s"] == pytest.approx(3 * 4 / rows["attnkit"]["seconds"])
+    ratio = rows["attnkit"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"]
+    assert rows["attnkit"]["vs_transformers"] == pytest.approx(ratio)
+    assert rows["attnkit"]["met"] == (ratio >= report["target"])
+    with pytest.raises(ValueError, match="unknown decode model"):
+        batched_rows("nope")

@@ -181,6 +181,32 @@ def test_bf16_weights_follow_the_float64_model() -> None:
     assert err < 0.05, err
 
 
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("rows", [1, decoding.UPCAST_ROWS])
+def test_bf16_products_run_in_float32_where_bf16_is_emulated(
+    native: bool, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill's bf16 products run upcast on CPUs without bf16 dot products, and stay bf16
+    for a single row or where the CPU has them; every way rounds the float64 product to bf16."""
+    monkeypatch.setattr(decoding, "_BF16_NATIVE", native)
+    seen: list[torch.dtype] = []
+    real = torch.nn.functional.linear
+
+    def spy(x: Tensor, *args: Any) -> Tensor:
+        seen.append(x.dtype)
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    x = torch.randn(rows, 3, 40).bfloat16()
+    w, b = torch.randn(24, 40).bfloat16(), torch.randn(24).bfloat16()
+    got = decoding.linear(x, w, b)
+    want = x.double() @ w.double().T + b.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 3, 24)
+    assert_close(got.double(), want, atol=0.05, rtol=0.02)
+    upcast = rows * 3 >= decoding.UPCAST_ROWS and not native
+    assert seen == [torch.float32 if upcast else torch.bfloat16]
+
+
 def test_cache_position_needs_caches() -> None:
     lm = _lm(**LLAMA)
     with pytest.raises(ValueError, match="cache_position needs kv_caches"):

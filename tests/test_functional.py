@@ -140,9 +140,70 @@ def test_plain_causal_dispatches_to_is_causal(monkeypatch):
     assert calls[-1] == (None, True)
     q1 = q[:, :, -1:]
     sdpa(q1, k, v, causal=True)  # one query at the end sees every key: no mask at all
-    assert calls[-1] == (None, False)
+    assert calls[-1][0] is None and not calls[-1][1]
     sdpa(q[:, :, :3], k, v, causal=True)  # L != S: bottom-right mask is materialized
     assert calls[-1][0] is not None and calls[-1][1] is False
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("window", [None, 1, 3, 20])
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_query_matches_float64_reference(heads, window, padded, monkeypatch):
+    """The decoding step (one query) takes its own fast path: grouped heads, the window as a
+    slice; equal to the float64 math with every option it takes."""
+    H, K = heads
+    q, k, v = _qkv(B=3, H=H, K=K, L=1, S=9, Ev=6)
+    mask = None
+    allowed = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    if padded:  # left padding: 0, 2 and 5 slots
+        mask = torch.arange(9) >= torch.tensor([0, 2, 5])[:, None]
+        mask = mask[:, None, None, :]
+        allowed = allowed & mask
+    if window is not None:
+        allowed = allowed & (torch.arange(9) >= 9 - window)
+    shapes = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    out = sdpa(q, k, v, mask, causal=True, window=window)
+    ref, _ = reference_attention(q, k, v, allowed)
+    assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
+    kept = 9 if window is None else min(window, 9)
+    # The fused kernel saw H/K query rows per key/value head and only the window's keys.
+    assert shapes == [((3, K, H // K, 8), (3, K, kept, 8))]
+
+
+@pytest.mark.parametrize("where", ["query", "attended value", "masked key", "no key"])
+def test_one_query_non_finite_and_empty_rows_follow_the_general_rules(where):
+    """Where the fast path's check fails, the general path decides: the same result as the
+    explicit math path (which never takes the fast path)."""
+    q, k, v = _qkv(B=2, H=4, K=2, L=1, S=6)
+    mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    if where == "query":
+        q[0, 1, 0, 3] = float("nan")
+    elif where == "attended value":
+        v[1, 0, 4, 2] = float("inf")
+    elif where == "masked key":
+        mask[0, ..., 2] = False
+        k[0, 1, 2, 0] = float("nan")
+    else:
+        mask[1] = False
+    out = sdpa(q, k, v, mask, causal=True)
+    explicit, _ = sdpa(q, k, v, mask, causal=True, return_weights=True)
+    assert_close(out, explicit, atol=1e-6, rtol=1e-5, equal_nan=True)
+    nan_rows = out.isnan().any(-1)
+    if where == "query":
+        assert nan_rows[0, 1] and nan_rows.sum() == 1
+    elif where == "attended value":
+        assert nan_rows[1, :2].all() and nan_rows.sum() == 2  # heads of key/value head 0
+    elif where == "masked key":
+        assert not nan_rows.any()
+    else:
+        assert not nan_rows.any() and (out[1] == 0).all()
 
 
 @pytest.mark.parametrize("return_weights", [False, True])

@@ -250,30 +250,6 @@ class MultiHeadAttention(nn.Module):
         v = split_heads(v, self.num_kv_heads)  # (..., K, S, E)
         return q, k, v
 
-    def _rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotary positions on queries and keys; one call over both heads when they lie side by
-        side in the fused projection's output (fewer small ops per decoding step)."""
-        assert self.rotary is not None
-        H = q.shape[-3]
-        if (
-            self.fused_qkv
-            and not torch.compiler.is_compiling()  # no data pointers in a traced graph
-            and q.dim() == 4
-            and q.shape[-2] == k.shape[-2]
-            and k.data_ptr() == q.data_ptr() + H * q.shape[-1] * q.element_size()
-            and all(  # strides agree wherever they matter (dims longer than 1)
-                a == b or n == 1 for a, b, n in zip(q.stride(), k.stride(), k.shape, strict=True)
-            )
-            and q.stride(1) == q.shape[-1]  # heads side by side
-        ):
-            # q and k are column blocks of one (B, L, (H+2K)*E) projection: view them as one
-            # (B, H+K, L, E) tensor.
-            B, _, L, E = q.shape
-            qk = torch.as_strided(q, (B, H + k.shape[-3], L, E), q.stride())
-            qk = self.rotary(qk, positions)  # (B, H+K, L, E)
-            return qk[:, :H], qk[:, H:]
-        return self.rotary(q, positions), self.rotary(k, positions)
-
     def forward(
         self,
         query: Tensor,
@@ -313,20 +289,32 @@ class MultiHeadAttention(nn.Module):
             )
         positions, kv_cache = options.get("positions"), options.get("kv_cache")
         cache_position = options.get("cache_position")
-        q, k, v = self.project_qkv(query, key, value)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        if self.rotary is not None:
-            if k.shape[-2] != q.shape[-2] and kv_cache is None:
-                raise ValueError("rotary positions need self-attention (same query/key tokens)")
-            if positions is None:
-                positions = cache_position
-            if positions is None:
-                start = 0 if kv_cache is None else kv_cache.length
-                positions = torch.arange(start, start + q.shape[-2], device=q.device)
-            q, k = self._rotate(q, k, positions)
+        rotary = self.rotary
+        if rotary is not None and positions is None:
+            positions = cache_position
+        if rotary is not None and positions is None:
+            start = 0 if kv_cache is None else kv_cache.length
+            positions = torch.arange(start, start + query.shape[-2], device=query.device)
+        if self.fused_qkv and key is None and value is None and self.q_norm is self.k_norm is None:
+            # The queries' and keys' heads lie side by side in the fused projection: one rotary
+            # call rotates both (fewer small kernels per decoding step).
+            self._check_last_dims(query=query)
+            heads = self.qkv_proj(query).unflatten(-1, (-1, self.head_dim)).transpose(-2, -3)
+            H, K = self.num_heads, self.num_kv_heads  # heads: (..., H + 2K, L, E)
+            qk, v = heads[..., : H + K, :, :], heads[..., H + K :, :, :]
+            if rotary is not None:
+                qk = rotary(qk, positions)
+            q, k = qk[..., :H, :, :], qk[..., H:, :, :]
+        else:
+            q, k, v = self.project_qkv(query, key, value)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            if rotary is not None:
+                if k.shape[-2] != q.shape[-2] and kv_cache is None:
+                    raise ValueError("rotary positions need self-attention (same query/key tokens)")
+                q, k = rotary(q, positions), rotary(k, positions)
         causal, window = self.causal, self.window
         if kv_cache is not None and cache_position is not None:
             k, v = kv_cache.write(k, v, cache_position)  # (B, K, C, E): every slot

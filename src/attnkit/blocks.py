@@ -126,11 +126,16 @@ class FeedForward(nn.Module):
             h = self.activation(gate) * up
         else:
             h = self.activation(self.linear1(x))  # (..., hidden)
-        h = F.dropout(h, p=self.dropout, training=self.training)
+        h = _dropout(h, self.dropout, self.training)
         return self.linear2(h)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation_name!r}, dropout={self.dropout}"
+
+
+def _dropout(x: Tensor, p: float, training: bool) -> Tensor:
+    """``F.dropout``, without a call at all where it is the identity (evaluation, ``p = 0``)."""
+    return F.dropout(x, p=p, training=True) if training and p > 0 else x
 
 
 def _fuse_gate_up(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -305,17 +310,17 @@ class TransformerLayer(nn.Module):
         attn_out, weights = self._attend(attn_in, mask, options)
         if self.post_attn_norm is not None:
             attn_out = self.post_attn_norm(attn_out)
-        attn_out = F.dropout(attn_out, p=self.dropout, training=self.training)
+        attn_out = _dropout(attn_out, self.dropout, self.training)
         if self.norm_first:
             x = x + attn_out
             ff_out = self.feed_forward(self.norm2(x))
             if self.post_ffn_norm is not None:
                 ff_out = self.post_ffn_norm(ff_out)
-            x = x + F.dropout(ff_out, p=self.dropout, training=self.training)
+            x = x + _dropout(ff_out, self.dropout, self.training)
         else:
             x = self.norm1(x + attn_out)
             ff_out = self.feed_forward(x)
-            x = self.norm2(x + F.dropout(ff_out, p=self.dropout, training=self.training))
+            x = self.norm2(x + _dropout(ff_out, self.dropout, self.training))
         return x, weights
 
     def _build_attention(self, dim: int, num_heads: int, **options: Any) -> nn.Module:

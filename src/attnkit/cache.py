@@ -67,6 +67,7 @@ class KVCache(nn.Module):
         self.length = 0  # slots filled by update() (eager appends)
 
     def _check(self, k: Tensor, v: Tensor) -> None:
+        ck = self.k  # one module attribute lookup: this runs per layer per decoded token
         if not isinstance(k, Tensor) or not isinstance(v, Tensor):
             raise TypeError(
                 f"KVCache takes tensors, got k={type(k).__name__}, v={type(v).__name__}"
@@ -76,21 +77,19 @@ class KVCache(nn.Module):
                 f"KVCache needs k and v of the same shape (B, K, L, E), got "
                 f"k={tuple(k.shape)}, v={tuple(v.shape)}"
             )
-        B, K, _, E = k.shape
-        if (self.k.shape[0], self.k.shape[1], self.k.shape[3]) != (B, K, E):
+        held, given = ck.shape, k.shape
+        if held[0] != given[0] or held[1] != given[1] or held[3] != given[3]:
             raise ValueError(
-                f"KVCache holds (B, K, *, E)={tuple(self.k.shape[:2])}+(E={self.k.shape[3]}), "
+                f"KVCache holds (B, K, *, E)={tuple(held[:2])}+(E={held[3]}), "
                 f"got k={tuple(k.shape)}, v={tuple(v.shape)}"
             )
-        if k.dtype != self.k.dtype or v.dtype != self.k.dtype:
+        if k.dtype != ck.dtype or v.dtype != ck.dtype:
             raise TypeError(
-                f"KVCache stores {self.k.dtype}, got k {k.dtype} and v {v.dtype}; build the "
+                f"KVCache stores {ck.dtype}, got k {k.dtype} and v {v.dtype}; build the "
                 "cache with the keys' dtype"
             )
-        if k.device != self.k.device or v.device != self.k.device:
-            raise ValueError(
-                f"KVCache is on {self.k.device}, got k on {k.device} and v on {v.device}"
-            )
+        if k.device != ck.device or v.device != ck.device:
+            raise ValueError(f"KVCache is on {ck.device}, got k on {k.device} and v on {v.device}")
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append ``k``/``v`` after the filled slots and return all keys/values so far.
@@ -112,10 +111,12 @@ class KVCache(nn.Module):
                 f"KVCache capacity exceeded: {self.length} cached + {L} new = {end} > "
                 f"capacity {self.capacity}"
             )
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+        ck, cv = self.k, self.v
+        ck.narrow(2, start, L).copy_(k)
+        cv.narrow(2, start, L).copy_(v)
+        # A plain int: set without nn.Module.__setattr__'s parameter and buffer bookkeeping.
+        self.__dict__["length"] = end
+        return ck.narrow(2, 0, end), cv.narrow(2, 0, end)
 
     def write(self, k: Tensor, v: Tensor, cache_position: Tensor) -> tuple[Tensor, Tensor]:
         """Store ``k``/``v`` at the slots ``cache_position`` and return the whole storage.

@@ -27,7 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Layout", "PreparedLinear", "compiled_step", "layout_for", "linear", "prepare"]
+__all__ = [
+    "UPCAST_ROWS",
+    "Layout",
+    "PreparedLinear",
+    "compiled_step",
+    "layout_for",
+    "linear",
+    "prepare",
+]
 
 # How a single row reads a weight fastest on CPU (``benchmarks/bench_decode.py --kernels`` prints
 # the measurement; the results are in ``benchmarks/RESULTS.md``):
@@ -86,13 +94,42 @@ class PreparedLinear(nn.Linear):
         return f"{super().extra_repr()}, layout={self.layout}"
 
 
+#: From this many rows on, a bf16 product on a CPU without bf16 dot-product instructions runs
+#: in float32 (``benchmarks/RESULTS.md``: on AVX2, 512 rows x 576 -> 1536 took 732 ms in bf16
+#: and 130 ms upcast; 16 rows 36 vs 20 ms; a single row 0.25 vs 0.43 ms, so it stays bf16).
+UPCAST_ROWS = 16
+
+
+def _bf16_dot_native() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+_BF16_NATIVE = _bf16_dot_native()
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``; inside a compiled graph a single row is computed as
     ``(W * x).sum(-1)`` in float32, which inductor streams at the memory bandwidth.
 
+    On a CPU without bf16 dot-product instructions, bf16 products of at least
+    :data:`UPCAST_ROWS` rows (a prompt's prefill) run in float32 and are rounded back to bf16:
+    torch's bf16 GEMM there is emulated and several times slower than converting the weight.
+
     Shape: x ``(*, in)``, weight ``(out, in)`` -> ``(*, out)``.
     """
     one_row = x.dim() >= 2 and x.numel() == x.shape[-1]
+    if (
+        weight.dtype == torch.bfloat16
+        and not _BF16_NATIVE
+        and x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.numel() >= UPCAST_ROWS * x.shape[-1] > 0
+        and not torch.compiler.is_compiling()
+    ):
+        wide = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), wide).to(torch.bfloat16)
     if (
         one_row
         and torch.compiler.is_compiling()
@@ -103,9 +140,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if weight.dim() == 2 and weight.stride(0) == 1 and not torch.compiler.is_compiling():
         # Column-major (prepared) weight: one BLAS call on its contiguous transpose, without
         # F.linear's dispatch chain (linear -> matmul -> t -> mm) per call.
+        if bias is None:
+            return torch.matmul(x, weight.t())  # (in, out), contiguous
         rows = x.reshape(-1, x.shape[-1])  # (N, in)
-        wt = weight.t()  # (in, out), contiguous
-        y = torch.mm(rows, wt) if bias is None else torch.addmm(bias, rows, wt)
+        y = torch.addmm(bias, rows, weight.t())
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 

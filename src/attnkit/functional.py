@@ -152,6 +152,10 @@ def attend(
         raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = resolve_scale(scale, E)
+    if L == 1 and not (return_weights or dropout_p or softcap is not None):
+        out = _one_query(q, k, v, mask, scale, structure)
+        if out is not None:
+            return out, None
     gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
     try:
         rules = M.Structure(**structure)
@@ -211,6 +215,58 @@ def attend(
 
     out, weights = _without_leaks(run, q, k, v, allowed, scale=scale, softcap=softcap)
     return out, weights if return_weights else None
+
+
+def _one_query(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, structure: Any
+) -> Tensor | None:
+    """The decoding step's attention (one query per sequence), or None to take the general path.
+
+    One query sits after every key (bottom-right alignment), so causality masks nothing and a
+    window keeps the last ``window`` keys: a slice, not a mask. The ``H`` query heads are viewed
+    as ``K`` groups of ``H / K`` rows of one key/value head each, so grouped-query attention
+    needs no expanded keys, and the fused kernel runs on the slice. The general path's
+    non-finite rules are kept by checking the output: every row must be finite and not all
+    zero (the fused kernel's answer for a NaN query or an all-NaN row); otherwise the general
+    path recomputes the step. Only plain inputs come here: heads
+    ``(B, H, 1, E)``, a bool key-padding mask ``(B, 1, 1, S)`` at most, no documents or
+    lengths, nothing empty, not under ``torch.compile``.
+
+    Shape:
+        q ``(B, H, 1, E)``, k/v ``(B, K, S, E)`` -> ``(B, H, 1, Ev)``.
+    """
+    window = structure.get("window")
+    if (
+        q.dim() != 4
+        or not structure.keys() <= {"causal", "window"}
+        or (window is not None and (isinstance(window, bool) or not isinstance(window, int)))
+        or (window is not None and window < 1)
+        or 0 in q.shape
+        or 0 in k.shape
+        or v.shape[-1] == 0
+        or _no_data_branches(q)
+    ):
+        return None
+    B, H, _, E = q.shape
+    K, S = k.shape[1], k.shape[2]
+    if window is not None and window < S:
+        k, v = k[:, :, S - window :], v[:, :, S - window :]
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:3] != (1, 1):
+            return None
+        if window is not None and window < S:
+            mask = mask[..., S - window :]
+        if not bool(mask.any(dim=-1).all()):  # a row with no key: the general path zeroes it
+            return None
+    grouped = q.reshape(B, K, H // K, E)  # (B, K, H/K, E)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
+    # Each row's largest magnitude must be finite and positive. That also covers the query: a
+    # NaN or inf in it makes every score of its row NaN or infinite, whose output row is NaN
+    # or all zero.
+    low, high = torch.aminmax(out.abs().amax(dim=-1))  # over the (B, K, H/K) rows
+    if not (float(low) > 0 and float(high) < math.inf):
+        return None
+    return out.view(B, H, 1, v.shape[-1])
 
 
 def block_sparse_attention(

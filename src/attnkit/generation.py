@@ -398,7 +398,8 @@ def _decode(
                 raw = lm(ids, mask, positions=positions, logits_to_keep=1)[:, -1]
             elif step == 0:  # prefill, eager: its shapes differ from every step's
                 mask = None if full_mask is None else full_mask[:, :P]
-                raw = lm(ids, mask, positions=positions, kv_caches=caches, logits_to_keep=1)
+                with torch.inference_mode():
+                    raw = lm(ids, mask, positions=positions, kv_caches=caches, logits_to_keep=1)
                 raw = raw[:, -1]
             elif compile:  # every slot, the one to write given as a tensor
                 raw = step_fn(
@@ -411,7 +412,8 @@ def _decode(
                 )[:, -1]
             else:
                 mask = None if full_mask is None else full_mask[:, :S]
-                raw = lm(step_ids, mask, positions=step_pos, kv_caches=caches, logits_to_keep=1)
+                with torch.inference_mode():
+                    raw = lm(step_ids, mask, positions=step_pos, kv_caches=caches, logits_to_keep=1)
                 raw = raw[:, -1]
             logits = process_logits(raw, ids, options)  # (B, V)
             next_id = _pick(logits, options, generator)  # (B,)

@@ -178,7 +178,8 @@ class _TransformerStack(nn.Module):
             positions = torch.arange(start, start + L, device=h.device)
         if self.position is not None:
             h = self.position(h, positions)
-        h = self.dropout(h)
+        if self.training:  # identity in evaluation: no call per decoding step
+            h = self.dropout(h)
         weights: list[Tensor] = []
         for i, block in enumerate(self.blocks):
             h, w = block(
