@@ -180,8 +180,8 @@ def train_text_lm(
     seq_len: int = 64,
     lr: float = 3e-3,
     eval_every: int = 100,
-    patience: int = 2,
-    min_improvement: float = 0.01,
+    patience: int = 3,
+    min_improvement: float = 0.005,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
