@@ -94,7 +94,7 @@ def test_quality_rows_reject_bad_arguments(trained: tuple[Path, dict], tmp_path:
     out, _ = trained
     with pytest.raises(ValueError, match="int3"):
         bq.quality_rows(out, "text " * 100, variants=("int3",))
-    with pytest.raises(ValueError, match="fewer than 4 windows"):
+    with pytest.raises(ValueError, match="gives 0 windows of 48 tokens, fewer than 4"):
         bq.quality_rows(out, "short", context=48)
     TransformerLM(TINY.replace(vocab_size=300)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vocab_size 300"):

@@ -341,11 +341,11 @@ def quality_rows(
         raise ValueError(f"unknown variants {bad}; known: {known}")
     folder = Path(folder)
     rows = _windows(text_ids(folder, text), context, max_windows)
-    rows = rows[: len(rows) // batch * batch]
-    if not len(rows):
+    if len(rows) < batch:
         raise ValueError(
-            f"the text gives {len(rows)} windows of {context} tokens, fewer than {batch}"
+            f"the text gives {len(rows)} windows of {context} tokens, fewer than {batch} windows"
         )
+    rows = rows[: len(rows) // batch * batch]
     reference = TransformerLM.from_pretrained(folder)
     out = []
     for variant in variants:
