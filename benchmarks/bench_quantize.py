@@ -69,7 +69,10 @@ def quality_section(args: argparse.Namespace, held_out: str) -> dict[str, Any]:
     out["models"] = {}
     for label, folder in folders:
         _say(f"quality: {label}")
-        rows = bq.quality_rows(folder, held_out, context=args.context, max_windows=args.windows)
+        # The trained decoder is scored at the context it was trained on.
+        context = training.get("seq_len", args.context) if folder == lm_dir else args.context
+        windows = args.windows * args.context // context
+        rows = bq.quality_rows(folder, held_out, context=context, max_windows=windows)
         out["models"][label] = rows
     return out
 
@@ -198,8 +201,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lm-dir", default=str(RESULTS / "quantize_lm"))
     parser.add_argument("--retrain", action="store_true")
     parser.add_argument("--max-steps", type=int, default=2500)
-    parser.add_argument("--context", type=int, default=256, help="tokens per scored window")
-    parser.add_argument("--windows", type=int, default=32, help="scored windows at most")
+    parser.add_argument(
+        "--context", type=int, default=256, help="tokens per scored window (--model folders)"
+    )
+    parser.add_argument("--windows", type=int, default=32, help="scored windows of --context")
     parser.add_argument("--shape", default="llama-135m", choices=sorted(db.QUANT_MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true")
