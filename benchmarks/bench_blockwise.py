@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/bench_blockwise.py [--n 8192] [--window 256] [--docs 8] [--repeats 5]
         [--rows 32,64,128] [--flex] [--variants] [--bf16] [--json FILE]
+        [--modes fwd,fwd+bwd] [--cases window,documents] [--memory 8192,32768]
 
 Every implementation runs in one process, interleaved round by round; the table reports the
 median time and the ratio to dense-mask SDPA (``x dense``, higher is faster), the ratio of the
@@ -18,10 +19,12 @@ the same run (the ratio of ratios holds on CPUs with and without native bf16), a
 against float64 of attnkit's bf16 output and gradients next to torch's fused kernel's (at
 ``--error-n`` positions, where the float64 reference fits in memory).
 
-Recorded (AMD EPYC, AVX2 only, 2 threads, loaded machine, N=8192, medians of 2 rounds):
-bf16/fp32 speed-up torch causal SDPA fwd 0.15, fwd+bwd 0.12; attnkit window fwd 0.42,
-fwd+bwd 0.23; documents fwd 0.82, fwd+bwd 0.23 (ratios of ratios 1.9-5.5). fp32 fwd+bwd
-x dense-mask SDPA: window 13.45, documents 5.91 (fwd 25.3 and 11.3).
+Recorded (AMD EPYC, AVX2 only, 2 threads, loaded machine, N=8192, fp32, medians of 3-5 rounds):
+fwd+bwd x dense-mask SDPA window 12.4, documents 10.9 (fwd 12.3); ``--memory 8192,32768``:
+window 269 / 1021 MiB, documents 84 / 324 MiB. ``--bf16`` at N=4096 (bf16 computed in float32
+on this CPU, see ``attnkit.blockwise.native_low_precision``): bf16/fp32 speed-up torch causal
+SDPA fwd 1.25, fwd+bwd 0.14; attnkit window 1.15 / 1.12, documents 0.86 / 0.71 (ratios of
+ratios 0.92 / 8.2 and 0.69 / 5.2). See ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -59,10 +62,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
     p.add_argument("--variants", action="store_true", help="also time the two-piece LSE design")
     p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--cases", default="window,documents")
     p.add_argument("--bf16", action="store_true", help="bf16 vs fp32 speed-up and error")
     p.add_argument("--error-n", type=int, default=2048, help="length of the --bf16 error check")
+    p.add_argument(
+        "--memory",
+        default=None,
+        metavar="N,N",
+        help="instead: peak memory of blockwise fwd+bwd at these lengths (documents of N/--docs"
+        " at --n, so of equal length at every N)",
+    )
     p.add_argument("--json", type=Path, help="write the rows here")
     a = p.parse_args(argv)
+    if a.memory:
+        results = _memory(a, [int(n) for n in a.memory.split(",")])
+        if a.json:
+            a.json.write_text(json.dumps(results, indent=2))
+        return 0
     rows = [None if r == "auto" else int(r) for r in a.rows.split(",")]
     results: list[dict[str, Any]] = []
     if a.bf16:
@@ -72,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, N={a.n}, "
           f"H={a.heads}, E={a.dim}; median of {a.repeats} interleaved rounds")  # fmt: skip
-    for case in ("window", "documents"):
+    for case in a.cases.split(","):
         fns, compile_s = _implementations(case, a, rows)
         for mode in a.modes.split(","):
             results += _time_case(case, mode, fns, a, compile_s, default=_name(rows[0]))
@@ -174,6 +190,38 @@ def _time_case(
         rows.append(row)
     if flex is not None:
         print(f"{default} vs FlexAttention (compiled): {flex / med[default]:.2f}x")
+    return rows
+
+
+def _memory(a: argparse.Namespace, lengths: list[int]) -> list[dict[str, Any]]:
+    """Extra peak memory of one blockwise forward+backward (``VmHWM``) per case and length."""
+    from attnkit.profiling import peak_memory
+
+    doc_len = a.n // a.docs
+    print(f"peak memory of one blockwise fwd+bwd, fp32, H={a.heads}, E={a.dim}, W={a.window}, "
+          f"documents of {doc_len}; inputs (q, k, v, grad) not counted")  # fmt: skip
+    print(f"{'case':<10} {'N':>6} {'peak MiB':>9} {'inputs MiB':>11} {'peak/input':>11}")
+    rows = []
+    for case in ("window", "documents"):
+        for n in lengths:
+            kw: dict[str, Any] = {"causal": True, "window": a.window}
+            if case == "documents":
+                kw = {"causal": True, "segment_ids": (torch.arange(n) // doc_len).view(1, n)}
+            q, k, v = (
+                torch.randn(1, n, a.heads, a.dim).transpose(1, 2).requires_grad_() for _ in range(3)
+            )
+            grad = torch.randn(1, a.heads, n, a.dim)
+
+            def step() -> None:
+                out = block_sparse_attention(q, k, v, **kw)  # noqa: B023
+                torch.autograd.grad(out, (q, k, v), grad)  # noqa: B023
+
+            step()  # warm-up: one-time allocations are not counted
+            peak = peak_memory(step) or 0
+            one = q.numel() * q.element_size()
+            print(f"{case:<10} {n:>6} {peak / 2**20:>9.1f} {one / 2**20:>11.1f} "
+                  f"{peak / one:>11.2f}")  # fmt: skip
+            rows.append({"case": case, "n": n, "peak_bytes": peak, "input_bytes": one})
     return rows
 
 

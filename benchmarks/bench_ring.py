@@ -4,39 +4,35 @@ Usage:
     python benchmarks/bench_ring.py [--n 16384] [--ranks 1,2] [--heads 8] [--dim 64]
         [--layouts contiguous,zigzag] [--repeats 2] [--json FILE]
 
-For every process count and layout it starts that many processes (``torch.multiprocessing``,
-gloo, one thread each), builds a whole causal sequence of ``--n`` positions from one seed,
-gives each rank its shard, and times ``attnkit.distributed.ring_attention`` forward+backward
-(median of ``--repeats`` after one warm-up; the slowest rank counts). Each rank measures its
-peak memory growth during one forward+backward with the ``VmHWM`` method of
-``attnkit.profiling.peak_memory`` (``/proc/self/clear_refs``). It also reports the rank's
-busy time (the forward+backward with the ring's waits) so the causal load imbalance of the
-contiguous layout shows. With one process the same function runs without communication.
+For every process count and layout it runs :func:`attnkit.bench.ring.measure_ring` (the
+measurement behind the ring rows of ``attnkit bench --vs``): that many processes
+(``torch.multiprocessing``, gloo, one thread each) each take their shard of one causal sequence
+of ``--n`` positions and time ``attnkit.distributed.ring_attention`` forward+backward (median of
+``--repeats`` after one warm-up; the slowest rank counts), and measure their peak memory growth
+during one forward+backward with the ``VmHWM`` method of ``attnkit.profiling.peak_memory``
+(``/proc/self/clear_refs``). Each rank's time is listed, so the causal load imbalance of the
+contiguous layout shows. With one process the same function runs without a process group
+(plain attention on the whole sequence).
 
-Recorded (AMD EPYC, 2 cores shared with other jobs at load 12-19, so times are mostly noise;
-N=16384, causal, 8 heads, E=64, one round): 1 process 162.5 s, 259 MiB; 2 processes contiguous
-153.6 s (1.06x), 244 MiB per rank (0.94x); zigzag 190.7 s (0.85x), 260 MiB per rank (1.00x).
-Per rank the ring holds, besides its halved shards, the incoming key/value block and the
-travelling key/value gradients (sent and received buffers), which at 2 ranks eat the saving.
+Recorded (AMD EPYC, 2 cores shared with other jobs, so times are mostly noise; N=16384,
+causal, 8 heads, E=64, one round): 1 process 148.5 s, 161.8 MiB; 2 processes contiguous 105.2 s
+(1.41x), 97.0 MiB per rank (0.60x); zigzag 74.3 s (2.00x), 96.9 MiB (0.60x). The blocks
+travel in pieces of ``attnkit.distributed.CHUNK`` keys in two reused buffer sets; what remains
+above half of one process is the allocator keeping the kernel's per-call gradient buffers
+resident (see ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from attnkit.distributed import ring_attention, shard
-from attnkit.profiling import peak_memory
+from attnkit.bench.ring import RingJob, measure_ring
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,11 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     single: dict[str, float] = {}
     for world in (int(r) for r in a.ranks.split(",")):
         for layout in a.layouts.split(",") if world > 1 else ["contiguous"]:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "result.json"
-                init = f"file://{Path(tmp) / 'rendezvous'}"
-                mp.spawn(_worker, args=(world, init, a, layout, str(out)), nprocs=world)
-                result = json.loads(out.read_text())
+            job = RingJob(a.n, world, layout, a.heads, a.dim, a.repeats)
+            result = measure_ring(job)
             seconds = max(result["seconds"])
             peak = max(result["peak"])
             if world == 1:
@@ -75,41 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         a.json.write_text(json.dumps(rows, indent=2))
     return 0
-
-
-def _worker(rank: int, world: int, init: str, a: argparse.Namespace, layout: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        gen = torch.Generator().manual_seed(0)
-        whole = [
-            torch.randn(1, a.n, a.heads, a.dim, generator=gen).transpose(1, 2) for _ in range(4)
-        ]
-        q, k, v, grad = (shard(t, 2, rank, world, layout=layout).contiguous() for t in whole)
-        del whole
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-
-        def step() -> None:
-            o = ring_attention(q, k, v, causal=True, layout=layout)
-            torch.autograd.grad(o, (q, k, v), grad)
-
-        step()  # warm-up
-        dist.barrier()
-        peak = peak_memory(step)
-        times = []
-        for _ in range(a.repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        result = {"seconds": statistics.median(times), "peak": peak or 0}
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            merged = {key: [r[key] for r in gathered] for key in result}
-            Path(out).write_text(json.dumps(merged))
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ def test_vs_quick_table_and_json(tmp_path, capsys):
     assert (
         decode["attnkit_s"] > 0 and decode["peer_s"] > 0 and "same tokens: True" in decode["note"]
     )
+    batched = rows[("decode llama-tiny batched", "transformers batched generate")]
+    assert batched["peer_s"] > 0 and "same tokens: True" in batched["note"]
+    assert batched["goal"] == 2.0
     assert report["config"]["attention"]["seq_len"] == 512 and report["machine"]["torch"]
     assert "x = peer time / attnkit time" in out
 
@@ -66,3 +69,15 @@ def test_default_bench_shows_a_progress_bar(capsys):
     assert main([*argv, "--window", "8", "--repeats", "1", "--no-backward"]) == 0
     err = capsys.readouterr().err
     assert "attnkit bench" in err and "1/1" in err  # tqdm's counter
+
+
+@pytest.mark.slow
+def test_ring_rows_compare_two_processes_with_one():
+    config = bench_vs.VsConfig(bench_vs.AttentionJob(heads=2, head_dim=8), repeats=1, ring_len=256)
+    timing, memory = bench_vs.ROW_MAKERS["ring"](config)
+    assert timing.job == "ring fwd+bwd 2 ranks" and timing.peer == "1 process"
+    assert timing.attnkit_s > 0 and timing.peer_s > 0 and timing.goal is None
+    assert memory.unit == "bytes" and memory.attnkit_s >= 0 and memory.peer_s >= 0
+    assert memory.goal == pytest.approx(1 / 0.6) and memory.target.startswith(">= 1.67x")
+    line = bench_vs.format_vs_table([memory], config).splitlines()[-1]
+    assert "MiB" in line and "goal <= 0.6x one process" in line

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit.blockwise import TileRun, attend_runs, plan_runs, tile_rows
+from attnkit.blockwise import TileRun, attend_runs, native_low_precision, plan_runs, tile_rows
 from attnkit.functional import block_sparse_attention
 from attnkit.masks import Structure
 from tests.reference import loop_mask, reference_attention
@@ -105,6 +105,43 @@ def test_low_precision_matches_float64(dtype, atol, kw):
     q, k, v = qkv(1, 4, 2, 100, 100, E=16, dtype=dtype, layout="blhe")
     out, grads = check(q, k, v, loop_mask(100, 100, **kw), atol=atol, rtol=atol, rows=64, **kw)
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+
+
+@pytest.mark.parametrize("layout", ["bhle", "blhe"])
+@pytest.mark.parametrize(
+    "B, kw",
+    [
+        (1, dict(causal=True, segment_ids=(torch.arange(64) // 16).view(1, 64))),
+        (1, dict(segment_ids=(torch.arange(64) // 32).view(1, 64))),
+        (3, dict(causal=True)),  # one tile per batch element
+        (1, dict(key_lengths=torch.tensor([50]))),  # queries in order, keys cut short
+    ],
+)
+def test_single_ordered_run_returns_the_kernel_results_as_views(layout, B, kw):
+    # One run whose tiles cover the queries in order: no output buffer, copies or additions.
+    runs = plan_runs(B, 64, 64, Structure(**kw), rows=64 if "segment_ids" not in kw else None)
+    assert len(runs) == 1
+    for dtype, atol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        q, k, v = qkv(B, 4, 2, 64, 64, dtype=dtype, layout=layout)
+        check(q, k, v, loop_mask(64, 64, **kw), atol=atol, rtol=atol, rows=runs[0].rows, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_without_native_units_is_float32_rounded(dtype):
+    kw = dict(causal=True, segment_ids=torch.tensor([[0] * 40 + [1] * 60]))
+    q, k, v = qkv(1, 4, 2, 100, 100, E=16, dtype=dtype, layout="blhe")
+    out = blockwise_attention(q, k, v, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    wide = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = blockwise_attention(*wide, **kw)
+    ref_grads = torch.autograd.grad(ref, wide, torch.ones_like(ref))
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    if native_low_precision(dtype):  # the kernel's own low-precision path: close, not equal
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    else:
+        assert torch.equal(out, ref.to(dtype))
+        for g, w in zip(grads, ref_grads, strict=True):
+            assert torch.equal(g, w.to(dtype))
 
 
 @pytest.mark.parametrize("L, S", [(37, 37), (13, 50), (50, 13), (64, 200)])

@@ -243,3 +243,19 @@ def test_prepare_keeps_quantized_linears_and_their_outputs() -> None:
     assert isinstance(lm.blocks[0].attention.qkv_proj, Int8Linear)
     assert not any(type(m) is PreparedLinear for m in lm.modules())
     assert torch.equal(got, want)
+
+
+def test_training_after_generate_and_inference_mode() -> None:
+    """generate runs its steps under inference_mode; nothing it leaves behind (rotary tables,
+    remembered rows) may break a later training step, even with the same positions tensor."""
+    lm = _lm(**LLAMA)
+    ids = torch.randint(0, 50, (2, 6))
+    positions = torch.arange(6)
+    lm.generate(ids, 3)
+    with torch.inference_mode():
+        lm(ids, positions=positions)
+    lm.train()
+    loss = lm(ids, positions=positions).logsumexp(-1).mean()
+    loss.backward()
+    grads = [p.grad for p in lm.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)

@@ -31,24 +31,31 @@ def _worker(rank, world, init, case):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        B, H, K, N, E, causal, layout = case
-        q, k, v, grad = _inputs(B, H, K, N, E, seed=N + H + int(causal))
-        # The reference on the whole sequence, in float64.
-        leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        allowed = torch.ones(N, N, dtype=torch.bool).tril() if causal else None
-        ref, _ = reference_attention(*leaves, allowed)
-        ref_grads = torch.autograd.grad(ref, leaves, grad.double())
-        # This rank's shards, in float32.
-        mine = [shard(t, 2, rank, world, layout=layout).requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*mine, causal=causal, layout=layout)
-        grads = torch.autograd.grad(out, mine, shard(grad, 2, rank, world, layout=layout))
-        expected = [shard(t, 2, rank, world, layout=layout) for t in (ref, *ref_grads)]
-        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), expected, strict=True):
-            assert got.dtype == torch.float32, name
-            err = (got.double() - want).abs().max().item()
-            assert err < 1e-5, f"rank {rank}: {name} differs by {err:.2e} ({case})"
+        for one in case if isinstance(case, list) else [case]:
+            _check_case(rank, world, one)
     finally:
         dist.destroy_process_group()
+
+
+def _check_case(rank, world, case):
+    """One case: this rank's output and gradients against the float64 whole sequence."""
+    B, H, K, N, E, causal, layout, *rest = case
+    options = {"chunk": rest[0]} if rest else {}
+    q, k, v, grad = _inputs(B, H, K, N, E, seed=N + H + int(causal))
+    # The reference on the whole sequence, in float64.
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    allowed = torch.ones(N, N, dtype=torch.bool).tril() if causal else None
+    ref, _ = reference_attention(*leaves, allowed)
+    ref_grads = torch.autograd.grad(ref, leaves, grad.double())
+    # This rank's shards, in float32.
+    mine = [shard(t, 2, rank, world, layout=layout).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, causal=causal, layout=layout, **options)
+    grads = torch.autograd.grad(out, mine, shard(grad, 2, rank, world, layout=layout))
+    expected = [shard(t, 2, rank, world, layout=layout) for t in (ref, *ref_grads)]
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), expected, strict=True):
+        assert got.dtype == torch.float32, name
+        err = (got.double() - want).abs().max().item()
+        assert err < 1e-5, f"rank {rank}: {name} differs by {err:.2e} ({case})"
 
 
 def _spawn(world, case, tmp_path):
@@ -76,6 +83,12 @@ def test_four_ranks_equal_whole_sequence(causal, layout, heads, N, tmp_path):
     # float64 reference of the whole sequence, so the long case has one head).
     H, K = heads
     _spawn(4, (2 if N < 4096 else 1, H, K, N, 8, causal, layout), tmp_path)
+
+
+def test_blocks_travel_in_pieces(tmp_path):
+    # 3 uneven pieces of 85-86 keys per shard of 256: the diagonal piece is cut too.
+    layouts = [(False, "contiguous"), (True, "contiguous"), (True, "zigzag")]
+    _spawn(2, [(1, 4, 2, 512, 8, c, layout, 90) for c, layout in layouts], tmp_path)
 
 
 def test_zigzag_on_two_ranks(tmp_path):

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import Tensor
 
 from attnkit import TransformerEncoder
 from attnkit.explorer import (
@@ -140,6 +141,37 @@ def test_accepts_what_attnkit_models_return() -> None:
     torch.testing.assert_close(stack_weights(torch.stack(weights)), stacked)  # (layers, 1, H, L, S)
     payload = _payload(explorer_html([str(i) for i in range(6)], weights))
     torch.testing.assert_close(_decode(payload), stacked, atol=FLOAT16_ATOL, rtol=0)
+
+
+def test_a_soft_capped_model_shows_its_capped_weights() -> None:
+    # Gemma 2's soft-capping changes the weights: the explorer shows what the layers computed
+    # with the cap, equal to the capped float64 math on the layers' own queries and keys.
+    from attnkit import TransformerConfig, TransformerLM
+    from tests.reference import loop_mask, reference_attention
+
+    config = TransformerConfig(
+        vocab_size=50, dim=32, num_layers=2, num_heads=4, norm="rmsnorm", attn_softcap=1.5
+    )
+    torch.manual_seed(0)
+    model = TransformerLM(config).eval()
+    seen: list[tuple[Tensor, Tensor, Tensor]] = []
+    for block in model.blocks:
+        kernel = block.attention.kernel
+
+        def record(q, k, v, *args, kernel=kernel, **kw):
+            seen.append((q.detach(), k.detach(), v.detach()))
+            return kernel(q, k, v, *args, **kw)
+
+        block.attention.kernel = record
+    ids = torch.randint(0, 50, (1, 9))
+    with torch.no_grad():
+        _, weights = model(ids, return_weights=True)
+    shown = _decode(_payload(explorer_html([str(i) for i in range(9)], weights)))
+    allowed = loop_mask(9, 9, causal=True)
+    capped = torch.stack([reference_attention(*t, allowed, softcap=1.5)[1][0] for t in seen])
+    plain = torch.stack([reference_attention(*t, allowed)[1][0] for t in seen])
+    torch.testing.assert_close(shown.double(), capped, atol=FLOAT16_ATOL, rtol=0)
+    assert (shown.double() - plain).abs().max() > 100 * FLOAT16_ATOL  # the cap shows
 
 
 def test_initial_layer() -> None:

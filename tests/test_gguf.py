@@ -45,6 +45,8 @@ TO_GGUF = {
     "lm_head.weight": "output.weight",
 }
 LAYER = {
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -98,9 +100,14 @@ def write_gguf(
     chat_template: str | None = QWEN2,
     tokenizer_model: str = "gpt2",
     arch: str = "llama",
+    rope_scaling: dict[str, Any] | None = None,
+    rope_freqs: np.ndarray | None = None,
 ) -> Path:
     """A tiny random Llama GGUF file whose 2-D weights are of ``type_name``, with a byte-level
-    BPE vocabulary (``tokenizer_model="gpt2"``) or a SentencePiece one (``"llama"``)."""
+    BPE vocabulary (``tokenizer_model="gpt2"``) or a SentencePiece one (``"llama"``).
+
+    With a llama3 ``rope_scaling`` the file holds ``rope_freqs.weight`` as llama.cpp's converter
+    writes it (``rope_freqs`` overrides those divisors)."""
     if tokenizer_model == "llama":
         tokens, types, scores = sentencepiece_vocab()
         merges: list[str] = []
@@ -113,14 +120,7 @@ def write_gguf(
         merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
         scores = []
     vocab = len(tokens)
-    config = transformers.LlamaConfig(**LLAMA, vocab_size=vocab, tie_word_embeddings=tie)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(
-                1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p)
-            )
+    model = tiny_llama(vocab, tie=tie, seed=seed, rope_scaling=rope_scaling, arch=arch)
     g = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(LLAMA["max_position_embeddings"])
@@ -129,7 +129,13 @@ def write_gguf(
     w.add_feed_forward_length(LLAMA["intermediate_size"])
     w.add_head_count(LLAMA["num_attention_heads"])
     w.add_head_count_kv(LLAMA["num_key_value_heads"])
-    w.add_rope_dimension_count(LLAMA["hidden_size"] // LLAMA["num_attention_heads"])
+    head_dim = (
+        getattr(model.config, "head_dim", None)
+        or LLAMA["hidden_size"] // LLAMA["num_attention_heads"]
+    )
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(LLAMA["rms_norm_eps"])
     w.add_rope_freq_base(LLAMA["rope_theta"])
     w.add_tokenizer_model(tokenizer_model)
@@ -149,6 +155,11 @@ def write_gguf(
         w.add_add_bos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    if rope_scaling is not None and rope_freqs is None:
+        head_dim = LLAMA["hidden_size"] // LLAMA["num_attention_heads"]
+        rope_freqs = llama_cpp_rope_freqs(head_dim, LLAMA["rope_theta"], rope_scaling)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     heads = {"q_proj": LLAMA["num_attention_heads"], "k_proj": LLAMA["num_key_value_heads"]}
     for name, p in model.state_dict().items():
         if name == "lm_head.weight" and tie:
@@ -159,7 +170,7 @@ def write_gguf(
             part, kind = rest.rsplit(".", 1)
             target = f"blk.{i}.{LAYER[part]}.{kind}"
             proj = part.rsplit(".", 1)[-1]
-            if proj in heads:
+            if proj in heads and arch == "llama":  # the qwen graphs rotate halves: no permute
                 array = llama_cpp_permute(array, heads[proj])
         else:
             target = TO_GGUF[name]
@@ -176,6 +187,55 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+#: GGUF architecture -> the transformers classes written under it (other names: a Llama).
+MODELS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def tiny_llama(
+    vocab: int,
+    *,
+    tie: bool,
+    seed: int,
+    rope_scaling: dict[str, Any] | None = None,
+    arch: str = "llama",
+) -> Any:
+    """The random transformers model that :func:`write_gguf` writes (same seed: same weights):
+    a Llama, or for ``arch`` qwen2/qwen3 that family (Qwen2: q/k/v biases; Qwen3: qk-norm)."""
+    extra: dict[str, Any] = {} if rope_scaling is None else {"rope_scaling": dict(rope_scaling)}
+    config_cls, model_cls = MODELS.get(arch, ("LlamaConfig", "LlamaForCausalLM"))
+    config = getattr(transformers, config_cls)(
+        **LLAMA, vocab_size=vocab, tie_word_embeddings=tie, **extra
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(
+                1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p)
+            )
+    return model
+
+
+def llama_cpp_rope_freqs(head_dim: int, base: float, scaling: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's converter for Llama 3.1: one divisor per rotary frequency."""
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * np.pi * base ** (i / head_dim)
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
@@ -341,9 +401,81 @@ def test_sentencepiece_tokenizer_equals_transformers(tmp_path: Path) -> None:
     assert tok.encode("Ç").ids == [1, tok.token_to_id("\u2581"), 3 + 0xC3, 3 + 0x87]
 
 
+#: Llama 3.1's rotary scaling for a model trained on 64 positions (head dim 64, base 10000: high,
+#: in-between and low frequencies all occur).
+ROPE_LLAMA3: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def test_llama3_rope_freqs_equal_the_hf_model_with_that_scaling(tmp_path: Path) -> None:
+    # transformers' GGUF loader ignores rope_freqs.weight, so the reference is the transformers
+    # model the file was written from, with the same llama3 rope_scaling.
+    path = write_gguf(tmp_path / "l31.gguf", "F32", rope_scaling=ROPE_LLAMA3, chat_template=None)
+    lm = TransformerLM.from_pretrained(path)
+    assert lm.config.rope_scaling == ROPE_LLAMA3
+    vocab = lm.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = tiny_llama(vocab, tie=False, seed=0, rope_scaling=ROPE_LLAMA3)(ids).logits
+        plain = tiny_llama(vocab, tie=False, seed=0)(ids).logits
+        got = lm(ids)
+    assert_close(got, want, atol=2e-3, rtol=0)
+    assert (got - plain).abs().max() > 50 * 2e-3  # the scaling shows at these positions
+
+
+@pytest.mark.parametrize(
+    ("freqs", "scaling"),
+    [
+        (np.full(32, 2.0), {"rope_type": "linear", "factor": 2.0}),
+        (np.ones(32), None),
+        (
+            llama_cpp_rope_freqs(64, 10_000.0, ROPE_LLAMA3 | {"factor": 3.0}),
+            ROPE_LLAMA3 | {"factor": 3.0},
+        ),
+    ],
+)
+def test_rope_freqs_map_to_the_scaling_that_gives_them(freqs, scaling, tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "f.gguf", "F16", rope_freqs=freqs, chat_template=None)
+    assert TransformerLM.from_pretrained(path).config.rope_scaling == scaling
+
+
+def test_rope_freqs_that_no_scaling_gives_are_named(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "odd.gguf", "F16", rope_freqs=np.linspace(1, 3, 32))
+    with pytest.raises(ValueError, match=r"odd\.gguf: tensor 'rope_freqs\.weight' holds divisors"):
+        TransformerLM.from_pretrained(path)
+    path = write_gguf(tmp_path / "short.gguf", "F16", rope_freqs=np.ones(5))
+    with pytest.raises(ValueError, match=r"'rope_freqs\.weight' must hold 32 positive divisors"):
+        TransformerLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_files_equal_transformers_gguf_loading(arch: str, tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    path = write_gguf(tmp_path / f"{arch}.gguf", "Q8_0", arch=arch, chat_template=None)
+    names = set(ak_gguf._open(path).tensors)
+    assert ("blk.0.attn_q.bias" in names) == (arch == "qwen2")
+    assert ("blk.0.attn_q_norm.weight" in names) == (arch == "qwen3")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    assert type(ref).__name__ == MODELS[arch][1]
+    lm = TransformerLM.from_pretrained(path)
+    assert lm.config.qk_norm == (arch == "qwen3")
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids).logits
+    assert_close(lm(ids), want, atol=2e-3, rtol=0)
+    assert want.abs().max() > 0.05
+
+
 def test_unsupported_metadata_is_named(small_file: Path, tmp_path: Path) -> None:
-    other = write_gguf(tmp_path / "qwen.gguf", "F16", arch="qwen2")
-    with pytest.raises(ValueError, match=r"qwen\.gguf: GGUF architecture 'qwen2' is not supp"):
+    other = write_gguf(tmp_path / "phi.gguf", "F16", arch="phi3")
+    with pytest.raises(ValueError, match=r"phi\.gguf: GGUF architecture 'phi3' is not supp"):
         TransformerLM.from_pretrained(other)
     with pytest.raises(ValueError, match="no chat template"):
         format_chat(small_file, CONVERSATION)

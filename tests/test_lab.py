@@ -24,6 +24,7 @@ from attnkit.lab.tasks import IGNORE, TASKS, get_task, is_held_out  # noqa: E402
 from attnkit.lab.train import (  # noqa: E402
     LabConfig,
     attention_weights,
+    autocast,
     build_model,
     eval_set,
     head_alignment,
@@ -140,6 +141,7 @@ def test_task_errors_name_the_problem() -> None:
         ({"seq_len": 40, "max_seq_len": 20}, r"max_seq_len \(20\) must be >= seq_len \(40\)"),
         ({"steps": 0}, "sizes must be positive"),
         ({"task": "nope"}, "valid tasks"),
+        ({"dtype": "float16"}, "dtype must be one of float32, bfloat16; got 'float16'"),
     ],
 )
 def test_config_rejects_sizes_that_do_not_fit(changes: dict, message: str) -> None:
@@ -233,6 +235,21 @@ def test_short_run_learns_the_task_and_attends_along_the_anti_diagonal() -> None
     align = head_alignment(task, x, attention_weights(result.model, x))  # (layers, H)
     # Chance is 1/6 per head; the two heads may share the anti-diagonal between them.
     assert float(align.max()) > 0.5 and float(align.sum(-1).max()) > 0.9, align
+
+
+def test_bfloat16_autocast_learns_as_well_as_float32() -> None:
+    fp32 = train(TINY, progress=False)
+    bf16 = train(replace(TINY, dtype="bfloat16"), progress=False)
+    assert bf16.eval["accuracy"] >= 0.97, bf16.eval
+    assert abs(bf16.eval["accuracy"] - fp32.eval["accuracy"]) <= 0.02
+    # It ran in bf16: other numbers, float32 master weights, bf16 logits under the context.
+    assert bf16.history[0]["loss"] != fp32.history[0]["loss"]
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    x, _ = eval_set(TINY.make_task(), 4, seed=0)
+    with autocast("bfloat16", "cpu"):
+        assert bf16.model(x).dtype == torch.bfloat16
+    with autocast("float32", "cpu"):
+        assert bf16.model(x).dtype == torch.float32
 
 
 def test_training_is_deterministic_in_the_seed() -> None:
@@ -388,6 +405,8 @@ def test_cli_runs_a_tiny_lab(tmp_path: Path, capsys) -> None:
             "--no-progress",
             "--seed",
             "3",
+            "--dtype",
+            "bfloat16",
         ]
     )
     assert code == 0
@@ -395,6 +414,7 @@ def test_cli_runs_a_tiny_lab(tmp_path: Path, capsys) -> None:
     assert "eval_accuracy" in out and str(tmp_path / "metrics.json") in out
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["config"]["seed"] == 3 and metrics["config"]["steps"] == 30
+    assert metrics["config"]["dtype"] == "bfloat16"
     assert not (tmp_path / "report.html").exists()
 
 

@@ -14,8 +14,11 @@ import torch
 pytest.importorskip("matplotlib")  # the figures
 pytest.importorskip("tqdm")  # the lab's training (claim 10)
 
+from torch import nn
+
 from attnkit import (
     LearnedPositionalEmbedding,
+    MultiHeadAttention,
     PositionalTransformerBlock,
     ScaleDotProductAttention,
     SinusoidalPositionalEncoding,
@@ -31,9 +34,9 @@ def test_tour_writes_report_claims_figures_and_explorer(tmp_path: Path, capsys) 
     tour_command.add_arguments(parser)
     assert tour_command.run(parser.parse_args(["--out", str(tmp_path)])) == 0
     printed = capsys.readouterr().out
-    assert "10 of 10 claims pass" in printed
+    assert "12 of 12 claims pass" in printed
     claims = json.loads((tmp_path / "claims.json").read_text(encoding="utf-8"))
-    assert [c["id"] for c in claims] == list(range(1, 11))
+    assert [c["id"] for c in claims] == list(range(1, 13))
     for c in claims:
         assert {"id", "claim", "passed", "measured", "figure"} <= set(c)
         assert c["claim"] == T.CLAIMS[c["id"]][1]
@@ -45,7 +48,7 @@ def test_tour_writes_report_claims_figures_and_explorer(tmp_path: Path, capsys) 
     report = (tmp_path / "report.html").read_text(encoding="utf-8")
     order = [int(m) for m in re.findall(r'<section class="claim" id="claim-(\d+)"', report)]
     assert order == list(T.BLOG_ORDER)  # the blog's order
-    assert report.count('data-passed="true"') == 10
+    assert report.count('data-passed="true"') == 12
     assert 'href="explorer.html"' in report and (tmp_path / "explorer.html").is_file()
 
 
@@ -63,6 +66,8 @@ def test_tour_writes_report_claims_figures_and_explorer(tmp_path: Path, capsys) 
         T.check_rope_norm,
         T.check_rope_relative,
         T.check_causal,
+        T.check_softcap,
+        T.check_qk_norm,
     ],
 )
 def test_fast_checks_pass_on_attnkit(check) -> None:
@@ -155,3 +160,29 @@ def test_claim_10_fails_on_an_untrained_model() -> None:
     assert result.explorer is not None and len(result.explorer[0]) == 10
     with pytest.raises(ValueError, match="LabConfig"):
         T.check_interpretable(build_model(config))
+
+
+def test_claim_11_fails_when_the_layer_does_not_cap() -> None:
+    result = T.check_softcap(lambda: MultiHeadAttention(32, 4))  # no softcap
+    assert not result.passed
+    rows = result.measured["per_gain"]
+    assert rows[-1]["capped_range"] > 2 * result.measured["cap"]
+    # ... and a cap too large to be reached within the gains fails too (the claim needs it met)
+    assert not T.check_softcap(lambda: MultiHeadAttention(32, 4, softcap=1e4)).passed
+
+
+def test_claim_11_bounds_hold_at_another_cap() -> None:
+    result = T.check_softcap(cap=1.0)
+    assert result.passed, result.verdict
+    bound = result.measured["max_weight_bound"]
+    assert bound == pytest.approx(1 / (1 + 31 * math.exp(-2.0)))
+    assert all(r["capped_largest_weight"] <= bound for r in result.measured["per_gain"])
+
+
+def test_claim_12_fails_without_the_norms() -> None:
+    result = T.check_qk_norm(lambda: MultiHeadAttention(64, 4, bias=False))
+    assert not result.passed
+    assert result.measured["normed_relative_change"] > 10  # grows like the plain layer
+    # A norm on the queries only leaves the keys' growth in the scores: fails as well.
+    half = T.check_qk_norm(lambda: MultiHeadAttention(64, 4, bias=False, q_norm=nn.RMSNorm(16)))
+    assert not half.passed

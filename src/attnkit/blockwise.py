@@ -46,7 +46,7 @@ from torch import Tensor
 
 from attnkit.masks import Structure
 
-__all__ = ["TileRun", "attend_runs", "plan_runs", "tile_rows"]
+__all__ = ["TileRun", "attend_runs", "native_low_precision", "plan_runs", "tile_rows"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -240,7 +240,9 @@ def attend_runs(
 
     Torch's CPU flash kernel on strided views with a custom backward where it applies (CPU,
     no dropout, ``Ev == E``, a dtype it takes), else ``torch.nn.functional.
-    scaled_dot_product_attention`` on gathered tiles with autograd.
+    scaled_dot_product_attention`` on gathered tiles with autograd. bfloat16/float16 inputs
+    on a CPU without native units for them (see :func:`native_low_precision`) are computed in
+    float32 and the result rounded.
 
     Args:
         q: Queries.
@@ -257,10 +259,36 @@ def attend_runs(
         q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
     """
     E, Ev = q.shape[3], v.shape[3]
+    if q.device.type == "cpu" and q.dtype in _LOW and not native_low_precision(q.dtype):
+        # Without bf16/fp16 matrix units the kernel converts every block it multiplies; in
+        # float32 it runs several times faster, and rounds once at the end.
+        wide = attend_runs(q.float(), k.float(), v.float(), runs, scale=scale, dropout_p=dropout_p)
+        return wide.to(q.dtype)
     if dropout_p == 0.0 and Ev == E and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
         out: Tensor = _FlashRuns.apply(q, k, v, runs, scale)
         return out
     return _sdpa_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def native_low_precision(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` (bfloat16 or float16) natively: AVX512-BF16 or
+    AMX tiles for bfloat16, AMX-FP16 for float16 (``True`` where torch cannot tell).
+
+    Where it does not (AVX2 only), :func:`attend_runs` computes low-precision inputs in float32:
+    there torch's bf16 flash kernel ran 1.5x (forward) to 9x (forward+backward) slower than its
+    float32 one at N=8192 (``benchmarks/bench_blockwise.py --bf16``).
+    """
+    cpu: Any = getattr(torch, "cpu", None)
+    try:
+        if dtype == torch.bfloat16:
+            return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+        return bool(cpu._is_amx_fp16_supported())
+    except AttributeError:  # an older torch: trust its kernel
+        return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,14 +296,31 @@ def attend_runs(
 
 
 class _FlashRuns(torch.autograd.Function):
-    """One flash-kernel call per run on strided views; the backward calls the kernel's own."""
+    """One flash-kernel call per run on strided views; the backward calls the kernel's own.
+
+    When a single run's tiles cover the queries in order (documents of equal length, a short
+    causal sequence per batch element), the kernel's output, written ``(count, rows, H, Ev)``
+    in memory, already is the ``(B, L, H, Ev)`` layout of the result: it is returned as a view,
+    and when the run's key spans also cover the keys in order the backward returns the
+    kernel's gradients as views too (no zero-filled buffers, copies or additions).
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], scale: float
     ) -> Tensor:
         B, H, L, _ = q.shape
-        Ev = v.shape[3]
+        S, Ev = k.shape[2], v.shape[3]
+        ctx.runs, ctx.scale = runs, scale
+        if len(runs) == 1 and runs[0].empty is None and _in_order(runs[0], B, L, rows=True):
+            r = runs[0]
+            mask = _kernel_mask(r, q.dtype)
+            o, lse = _flash(*_views(r, q, k, v), 0.0, r.causal, attn_mask=mask, scale=scale)
+            out = _whole(o, B, L)
+            ctx.save_for_backward(q, k, v, out)
+            ctx.masks, ctx.lses, ctx.outs, ctx.direct = [mask], [lse], None, True
+            ctx.keys_in_order = _in_order(r, B, S, rows=False)
+            return out
         covered = sum(r.count * r.rows for r in runs) == B * L
         alloc = torch.empty if covered else torch.zeros
         out = alloc(B, L, H, Ev, dtype=q.dtype, device=q.device).transpose(1, 2)  # (B,H,L,Ev)
@@ -291,12 +336,35 @@ class _FlashRuns(torch.autograd.Function):
             outs.append(o)
             lses.append(lse)
         ctx.save_for_backward(q, k, v)
-        ctx.runs, ctx.scale, ctx.masks, ctx.outs, ctx.lses = runs, scale, masks, outs, lses
+        ctx.masks, ctx.outs, ctx.lses, ctx.direct = masks, outs, lses, False
         ctx.covered = covered
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if ctx.direct:
+            q, k, v, out = ctx.saved_tensors
+            (r,) = ctx.runs
+            B, L, S = q.shape[0], q.shape[2], k.shape[2]
+            gq, gk, gv = _flash_backward(
+                _q_view(grad_out, r),
+                *_views(r, q, k, v),
+                _q_view(out, r),
+                ctx.lses[0],
+                0.0,
+                r.causal,
+                attn_mask=ctx.masks[0],
+                scale=ctx.scale,
+            )
+            dq = _whole(gq, B, L)
+            if ctx.keys_in_order:
+                return dq, _whole(gk, B, S), _whole(gv, B, S), None, None
+            acc = torch.promote_types(q.dtype, torch.float32)
+            dk = torch.zeros_like(k, dtype=acc)
+            dv = torch.zeros_like(v, dtype=acc)
+            _add_spans(dk, gk, r)
+            _add_spans(dv, gv, r)
+            return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
         q, k, v = ctx.saved_tensors
         # Overlapping spans add into dk/dv; accumulate low precision in float32.
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -318,6 +386,20 @@ class _FlashRuns(torch.autograd.Function):
             _add_spans(dk, gk, r)
             _add_spans(dv, gv, r)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _in_order(r: TileRun, B: int, n: int, *, rows: bool) -> bool:
+    """Whether the run's query tiles (``rows``) or key spans cover all ``B * n`` positions,
+    one after the other in ``(batch, position)`` order."""
+    first, step, size = (r.i, r.di, r.rows) if rows else (r.j, r.dj, r.width)
+    flat_step = r.db * n + step if r.count > 1 else size
+    return r.b == 0 and first == 0 and flat_step == size and r.count * size == B * n
+
+
+def _whole(t: Tensor, B: int, n: int) -> Tensor:
+    """A kernel result ``(count, heads, size, E)``, laid out ``(count, size, heads, E)`` in
+    memory and covering all positions in order, as the ``(B, heads, n, E)`` view."""
+    return t.transpose(1, 2).reshape(B, n, t.shape[1], t.shape[3]).transpose(1, 2)
 
 
 def _sdpa_runs(

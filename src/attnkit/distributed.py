@@ -23,6 +23,7 @@ length, S key shard length, E head dim.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Literal
 
@@ -207,6 +208,39 @@ def _pieces(
 # --------------------------------------------------------------------------------------------
 # the ring
 
+#: Keys per travelling piece: a block crosses the ring in pieces this long, each one computed and
+#: passed on before the next, so a rank holds a few pieces of key/value (and gradient) blocks
+#: instead of whole blocks; kernel calls take at most twice as many query rows, which bounds
+#: their gradient buffers. 512 keeps the per-rank peak of 2 ranks near half of one process's
+#: at N=16384 (``benchmarks/bench_ring.py``).
+CHUNK = 512
+
+
+def _bounds(n: int, chunk: int) -> list[int]:
+    """Boundaries of ``n`` keys cut into near-equal pieces of at most ``chunk``."""
+    c = max(1, -(-n // chunk))
+    return [n * j // c for j in range(c + 1)]
+
+
+def _calls(
+    rank: int, src: int, causal: bool, layout: str, L: int, S: int, a: int, b: int, rows: int
+) -> list[tuple[slice, slice, bool]]:
+    """The kernel calls of keys ``a .. b - 1`` of rank ``src``'s block: (query rows, keys
+    within the piece, causal), at most ``rows`` query rows each."""
+    calls = []
+    for q_rows, keys, is_causal in _pieces(rank, src, causal, layout, L, S):
+        k0, k1, _ = keys.indices(S)
+        lo, hi = max(k0, a), min(k1, b)
+        if lo >= hi:
+            continue
+        r0, r1, _ = q_rows.indices(L)
+        piece = slice(lo - a, hi - a)
+        if is_causal:  # the diagonal (L == S): query i attends keys <= i
+            calls.append((slice(lo, hi), piece, True))  # top-left causal on the square
+            r0 = hi  # later queries attend every key of the piece
+        calls += [(slice(x, min(x + rows, r1)), piece, False) for x in range(r0, r1, rows)]
+    return calls
+
 
 class _Ring:
     """The point-to-point neighbours of this rank in ``group``."""
@@ -222,12 +256,40 @@ class _Ring:
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def pass_on(self, tensors: list[Tensor]) -> tuple[list[Tensor], list[Any]]:
-        """Start sending ``tensors`` to the next rank and receiving the previous rank's."""
-        received = [torch.empty_like(t) for t in tensors]
+    def send(self, tensors: list[Tensor]) -> list[Any]:
+        """Start sending ``tensors`` to the next rank."""
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
-        return received, dist.batch_isend_irecv(ops)
+        return list(dist.batch_isend_irecv(ops))
+
+    def receive(self, into: list[Tensor]) -> list[Any]:
+        """Start receiving tensors from the previous rank into ``into``."""
+        ops = [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in into]
+        return list(dist.batch_isend_irecv(ops))
+
+
+class _Pieces:
+    """Two alternating sets of piece buffers (the one computed on, the one being received
+    into), allocated once per call: a new buffer per piece and step would leave the freed ones
+    resident in the allocator's heap, which measured as much as the pieces saved."""
+
+    def __init__(self, like: list[Tensor], widest: int, dtype: torch.dtype | None = None) -> None:
+        self.shapes = [(t.shape[0], t.shape[1], t.shape[3]) for t in like]
+        self.sets = [
+            [torch.empty(b * h * widest * e, dtype=dtype or t.dtype, device=t.device)
+             for t, (b, h, e) in zip(like, self.shapes, strict=True)]
+            for _ in range(2)
+        ]  # fmt: skip
+        self.flip = 0
+
+    def views(self, width: int, which: int) -> list[Tensor]:
+        """Set ``which`` (0: current, 1: other) as ``(B, heads, width, E)`` tensors."""
+        flat = self.sets[(self.flip + which) % 2]
+        return [x[: b * h * width * e].view(b, h, width, e)
+                for x, (b, h, e) in zip(flat, self.shapes, strict=True)]  # fmt: skip
+
+    def swap(self) -> None:
+        """The other set becomes the current one."""
+        self.flip ^= 1
 
 
 def _wait(requests: list[Any]) -> None:
@@ -236,6 +298,16 @@ def _wait(requests: list[Any]) -> None:
 
 
 class _RingAttention(torch.autograd.Function):
+    """Ring attention; the blocks travel in pieces of ``chunk`` keys.
+
+    Piece ``j`` of every block goes once around the ring before piece ``j + 1`` starts: at
+    step ``s`` rank ``r`` holds piece ``j`` of rank ``r - s``'s block, starts receiving the
+    same piece of the next block from ``r - 1`` and sending its own to ``r + 1``, computes, and
+    waits. Every rank posts both transfers of a step before waiting on either, so the ring
+    cannot deadlock. The backward's pieces carry the key/value gradients accumulated so far;
+    after the last step they go to the block's owner.
+    """
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -246,61 +318,108 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         group: Any,
         layout: str,
+        chunk: int,
     ) -> Tensor:
         ring = _Ring(group)
+        ctx.causal, ctx.scale, ctx.group, ctx.layout, ctx.chunk = (
+            causal,
+            scale,
+            group,
+            layout,
+            chunk,
+        )
+        if ring.world == 1:  # plain attention on the local sequence
+            out, lse = _block_forward(q, k, v, causal, scale)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
         B, H, L = q.shape[:3]
         S, Ev = k.shape[2], v.shape[3]
         acc = torch.promote_types(q.dtype, torch.float32)
         out = torch.zeros(B, H, L, Ev, dtype=acc, device=q.device)
         lse = torch.full((B, H, L), -math.inf, dtype=acc, device=q.device)
-        kv = [k.contiguous(), v.contiguous()]
-        for step in range(ring.world):
-            src = (ring.rank - step) % ring.world
-            if step + 1 < ring.world:  # the next block travels while this one is computed
-                incoming, requests = ring.pass_on(kv)
-            for rows, keys, is_causal in _pieces(ring.rank, src, causal, layout, L, S):
-                o, blk = _block_forward(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                                        is_causal, scale)  # fmt: skip
-                _merge(out[:, :, rows], lse[:, :, rows], o.to(acc), blk.to(acc))
-            if step + 1 < ring.world:
-                _wait(requests)
-                kv = incoming
+        bounds = _bounds(S, chunk)
+        widest = max(b - a for a, b in itertools.pairwise(bounds))
+        pieces = _Pieces([k, v], widest)
+        for j in range(len(bounds) - 1):
+            a, b = bounds[j], bounds[j + 1]
+            kv = pieces.views(b - a, 0)
+            kv[0].copy_(k[:, :, a:b])
+            kv[1].copy_(v[:, :, a:b])
+            for step in range(ring.world):
+                more = step + 1 < ring.world
+                if more:  # the next piece travels while this one is computed
+                    requests = ring.receive(pieces.views(b - a, 1)) + ring.send(kv)
+                src = (ring.rank - step) % ring.world
+                for rows, keys, is_causal in _calls(
+                    ring.rank, src, causal, layout, L, S, a, b, 2 * chunk
+                ):
+                    o, blk = _block_forward(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                                            is_causal, scale)  # fmt: skip
+                    _merge(out[:, :, rows], lse[:, :, rows], o.to(acc), blk.to(acc))
+                if more:
+                    _wait(requests)
+                    pieces.swap()
+                    kv = pieces.views(b - a, 0)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.group, ctx.layout = causal, scale, group, layout
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.group)
+        none = (None,) * 5
+        if ring.world == 1:
+            dq, dk, dv = _block_backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale)
+            return (dq, dk, dv, *none)
         L, S = q.shape[2], k.shape[2]
         acc = torch.promote_types(q.dtype, torch.float32)
         grad_out = grad_out.contiguous()
         lse = lse.to(torch.float32) if q.dtype != torch.float64 else lse
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = [k.contiguous(), v.contiguous()]
-        dkv = [torch.zeros(k.shape, dtype=acc, device=q.device),
-               torch.zeros(v.shape, dtype=acc, device=q.device)]  # fmt: skip
-        for step in range(ring.world):
-            src = (ring.rank - step) % ring.world
-            if step + 1 < ring.world:
-                incoming, requests = ring.pass_on(kv)
-            for rows, keys, is_causal in _pieces(ring.rank, src, ctx.causal, ctx.layout, L, S):
-                gq, gk, gv = _block_backward(
-                    grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                    out[:, :, rows], lse[:, :, rows], is_causal, ctx.scale,
-                )  # fmt: skip
-                dq[:, :, rows] += gq
-                dkv[0][:, :, keys] += gk
-                dkv[1][:, :, keys] += gv
-            # The gradients travel with their block; after the last step they reach its owner.
-            dkv, grad_requests = ring.pass_on(dkv) if ring.world > 1 else (dkv, [])
-            if step + 1 < ring.world:
+        dk = torch.empty(k.shape, dtype=acc, device=q.device)
+        dv = torch.empty(v.shape, dtype=acc, device=q.device)
+        bounds = _bounds(S, ctx.chunk)
+        widest = max(b - a for a, b in itertools.pairwise(bounds))
+        pieces, grads = _Pieces([k, v], widest), _Pieces([k, v], widest, acc)
+        for j in range(len(bounds) - 1):
+            a, b = bounds[j], bounds[j + 1]
+            kv, dkv = pieces.views(b - a, 0), grads.views(b - a, 0)
+            kv[0].copy_(k[:, :, a:b])
+            kv[1].copy_(v[:, :, a:b])
+            dkv[0].zero_()
+            dkv[1].zero_()
+            for step in range(ring.world):
+                more = step + 1 < ring.world
+                requests = []
+                if more:
+                    requests = ring.receive(pieces.views(b - a, 1)) + ring.send(kv)
+                # The gradients of the next piece, or (last step) this rank's own, finished.
+                incoming = grads.views(b - a, 1)
+                grad_requests = ring.receive(incoming)
+                src = (ring.rank - step) % ring.world
+                for rows, keys, is_causal in _calls(
+                    ring.rank, src, ctx.causal, ctx.layout, L, S, a, b, 2 * ctx.chunk
+                ):
+                    gq, gk, gv = _block_backward(
+                        grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                        out[:, :, rows], lse[:, :, rows], is_causal, ctx.scale,
+                    )  # fmt: skip
+                    dq[:, :, rows] += gq
+                    dkv[0][:, :, keys] += gk
+                    dkv[1][:, :, keys] += gv
+                # On to the next holder of this piece; after the last step, to its owner.
+                grad_requests += ring.send(dkv)
                 _wait(requests)
-                kv = incoming
-            _wait(grad_requests)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+                _wait(grad_requests)
+                grads.swap()
+                if more:
+                    pieces.swap()
+                    kv, dkv = pieces.views(b - a, 0), grads.views(b - a, 0)
+                else:
+                    dk[:, :, a:b] = incoming[0]
+                    dv[:, :, a:b] = incoming[1]
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *none)
 
 
 def ring_attention(
@@ -312,6 +431,7 @@ def ring_attention(
     group: Any = None,
     scale: float | None = None,
     layout: Layout = "contiguous",
+    chunk: int = CHUNK,
 ) -> Tensor:
     """Attention of this rank's query shard over the keys and values of every rank.
 
@@ -329,6 +449,8 @@ def ring_attention(
         scale: Multiplier of the scores; defaults to ``1 / sqrt(E)``.
         layout: How the sequence is laid out over the ranks, ``"contiguous"`` or ``"zigzag"``
             (see :func:`shard_positions`; it matters only with ``causal``).
+        chunk: Keys per travelling piece of a block (see :data:`CHUNK`): smaller pieces hold
+            less memory per rank and make more, smaller kernel calls.
 
     Returns:
         This rank's output shard.
@@ -339,7 +461,8 @@ def ring_attention(
     Raises:
         TypeError: Non-tensor or non-float inputs, or mismatched dtypes/devices.
         ValueError: Inputs not 4-d, mismatched batch/head/length/dims, ``H % K != 0``,
-            ``causal`` with ``L != S``, an odd zigzag shard, a bad ``scale`` or ``layout``.
+            ``causal`` with ``L != S``, an odd zigzag shard, a bad ``scale``, ``layout`` or
+            ``chunk``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -368,7 +491,9 @@ def ring_attention(
         scale = 1.0 / math.sqrt(E)
     elif not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    result: Tensor = _RingAttention.apply(q, k, v, causal, float(scale), group, layout)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    result: Tensor = _RingAttention.apply(q, k, v, causal, float(scale), group, layout, chunk)
     return result
 
 

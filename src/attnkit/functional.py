@@ -11,6 +11,8 @@ Every module in attnkit computes ``softmax(Q K^T * scale + mask) V`` by calling
   of a materialized mask whenever that is equivalent);
 * structured sparsity (``window``, ``segment_ids``, ``key_lengths``) on long sequences
   -> :mod:`attnkit.sparse`, which skips key blocks that are entirely masked;
+* soft-capped scores (``softcap``) -> :mod:`attnkit.softcap`, the same math one chunk of
+  queries at a time, reading only the keys the chunk may attend;
 * weights requested (or no keys at all) -> the explicit math below, which is also the reference
   that the tests check the fused path against.
 
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import masks as M
+from attnkit import softcap as capped
 from attnkit import sparse
 
 if TYPE_CHECKING:
@@ -97,8 +100,9 @@ def scaled_dot_product_attention(
         dropout_p: Dropout probability on the attention weights (pass 0 at evaluation).
         softcap: Cap the scores smoothly to ``(-softcap, softcap)`` with
             ``tanh(s / softcap) * softcap`` before the mask (Gemma 2's attention-logit
-            soft-capping). torch's fused kernels cannot modify scores, so this runs the explicit
-            path (float32 for half-precision inputs).
+            soft-capping). torch's fused kernels cannot modify scores, so this runs
+            :mod:`attnkit.softcap`'s chunked kernel, which skips the keys that ``causal`` and
+            ``window`` exclude (float32 for half-precision inputs).
         return_weights: Also return the attention weights (forces the explicit path, computed in
             float32 for half-precision inputs and cast back).
 
@@ -171,8 +175,10 @@ def attend(
     rules.check(L, S, batch=q.shape[0] if rules.batched else None)
     if mask is not None and mask.dtype != torch.bool:
         mask = _additive(mask, q.dtype)
+    if softcap is not None:  # the fused kernels cannot cap scores
+        return _attend_capped(q, k, v, mask, rules, scale, dropout_p, softcap, return_weights)
 
-    explicit = return_weights or softcap is not None  # the fused kernels cannot cap scores
+    explicit = return_weights
     if rules.sparse and mask is None and not explicit and S > 0:
         grads = q.requires_grad or k.requires_grad or v.requires_grad
         backward = torch.is_grad_enabled() and grads
@@ -655,6 +661,66 @@ def _nan_rows(q: Tensor) -> Tensor:
     CPU). Its gradient with respect to ``q`` is zero.
     """
     return q.mul(0).sum(dim=-1, keepdim=True)
+
+
+def _attend_capped(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    rules: M.Structure,
+    scale: float,
+    dropout_p: float,
+    softcap: float,
+    return_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`attend` with soft-capped scores: :func:`attnkit.softcap.capped_attention`, which
+    reads only the key span each chunk of queries may attend, under the non-finite rules of
+    :func:`_without_leaks` (arguments as :func:`attend`'s, checked; ``mask`` bool or
+    :func:`_additive`)."""
+    L, S = q.shape[-2], k.shape[-2]
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if (
+        L == 1
+        and q.dim() == 4
+        and mask is None
+        and not (rules.batched or return_weights or dropout_p or grads)
+        and q.dtype in (torch.float32, torch.float64)
+        and 0 not in (*q.shape, *k.shape, v.shape[-1])
+        and not _no_data_branches(q)
+    ):  # a decoding step: a few calls, kept only when every output row is finite and non-zero
+        out = capped.decode_step(q, k, v, softcap=softcap, scale=scale, window=rules.window)
+        low, high = torch.aminmax(out.abs().amax(dim=-1))
+        if float(low) > 0 and float(high) < math.inf:
+            return out, None
+
+    def allowed() -> Tensor | None:
+        constraint = None
+        if rules.sparse:
+            constraint = rules.mask(L, S, device=q.device)  # (B or 1, 1, L, S)
+            if not rules.batched:
+                constraint = constraint[0, 0]  # (L, S)
+        elif rules.causal and L > 1:
+            constraint = M.causal_mask(L, S, device=q.device)
+        given = mask if mask is None or mask.dtype == torch.bool else _allowed(mask)
+        return M.restrict(given, constraint)
+
+    def run(k: Tensor, v: Tensor, drop: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        this_mask = mask if drop is None else M.restrict(mask, ~drop)
+        return capped.capped_attention(
+            q,
+            k,
+            v,
+            this_mask,
+            rules,
+            softcap=softcap,
+            scale=scale,
+            dropout_p=dropout_p,
+            return_weights=return_weights,
+        )
+
+    out, weights = _without_leaks(run, q, k, v, allowed, scale=scale, softcap=softcap)
+    return out, weights if return_weights else None
 
 
 def _explicit_attention(

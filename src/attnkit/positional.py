@@ -511,6 +511,8 @@ class RotaryEmbedding(nn.Module):
                 and memo[2].device == device
                 and self._full is not None
                 and self._full[1] == self.interleaved  # not converted since
+                # rows made under inference_mode cannot be saved for a backward
+                and (torch.is_inference_mode_enabled() or not memo[2].is_inference())
             ):
                 return memo[2], memo[3]
             top = 0

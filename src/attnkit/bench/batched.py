@@ -24,7 +24,7 @@ from attnkit.bench.decoding import DECODE_MODELS, to_transformers
 from attnkit.config import TransformerConfig
 from attnkit.models import TransformerLM
 
-__all__ = ["TARGET", "batched_rows", "left_padded_prompts"]
+__all__ = ["TARGET", "batched_rows", "left_padded_prompts", "vs_batched_rows"]
 
 #: The batched decoding target: total tokens/s against transformers' batched generate.
 TARGET = 2.0
@@ -116,13 +116,7 @@ def batched_rows(
         runners["transformers"] = hf_run
     variants = {"attnkit": False, "attnkit compile": True} if compile else {"attnkit": False}
     for variant, compiled in variants.items():
-        prepared = decoding.prepare(copy.deepcopy(model), compiled=compiled)
-
-        def run(prepared: TransformerLM = prepared, compiled: bool = compiled) -> Tensor:
-            out = prepared.generate(ids, new, attention_mask=mask, compile=compiled)
-            return out[:, longest:]
-
-        runners[variant] = run
+        runners[variant] = _attnkit_run(model, ids, mask, new, compiled=compiled)
     outputs = {}
     for variant, run in runners.items():
         say(f"{name} batch {batch}: warm-up {variant}")
@@ -135,7 +129,7 @@ def batched_rows(
             run()
             times[variant].append(time.perf_counter() - start)
     ref = outputs.get("transformers")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for variant in runners:
         seconds = statistics.median(times[variant])
         rows.append(
@@ -160,3 +154,51 @@ def batched_rows(
                 row["target"] = TARGET
                 row["met"] = row["vs_transformers"] >= TARGET
     return {"rows": rows, "target": TARGET, "notes": notes, "threads": torch.get_num_threads()}
+
+
+def _attnkit_run(
+    model: TransformerLM, ids: Tensor, mask: Tensor, new: int, *, compiled: bool
+) -> Callable[[], Tensor]:
+    """Batched greedy ``generate`` of a prepared copy of ``model``; returns the new tokens."""
+    prepared = decoding.prepare(copy.deepcopy(model), compiled=compiled)
+
+    def run() -> Tensor:
+        out = prepared.generate(ids, new, attention_mask=mask, compile=compiled)
+        return out[:, ids.shape[1] :]
+
+    return run
+
+
+def vs_batched_rows(
+    *, repeats: int = 3, compile: bool = False, names: tuple[str, ...] = ("llama-3m",)
+) -> list[dict[str, Any]]:
+    """The batched rows as ``attnkit bench --vs`` rows (``job``, ``peer``, seconds, ``note``,
+    ``goal``): each attnkit variant against transformers' batched ``generate``."""
+    out = []
+    for name in names:
+        config, longest, _ = DECODE_MODELS[name]
+        room = config.max_seq_len - longest  # a small model's table may hold fewer than 64
+        report = batched_rows(name, new=min(64, room), repeats=repeats, compile=compile)
+        rows = {r["variant"]: r for r in report["rows"]}
+        hf = rows.get("transformers")
+        for variant, row in rows.items():
+            if variant == "transformers":
+                continue
+            notes = [
+                f"{row['batch']} left-padded prompts of {row['longest_prompt'] // 4}-"
+                f"{row['longest_prompt']} tokens, {row['new_tokens']} new, greedy",
+                f"{row['tokens_per_s']:.1f} tok/s in all",
+            ]
+            if row["same_tokens_as_transformers"] is not None:
+                notes.append(f"same tokens: {row['same_tokens_as_transformers']}")
+            out.append(
+                {
+                    "job": f"decode {name} batched{variant.replace('attnkit', '')}",
+                    "peer": "transformers batched generate",
+                    "attnkit_s": row["seconds"],
+                    "peer_s": None if hf is None else hf["seconds"],
+                    "note": "; ".join([*notes, *report["notes"]]),
+                    "goal": TARGET if hf is not None else None,
+                }
+            )
+    return out

@@ -10,6 +10,10 @@ warm-up call each that also checks the results agree), with both absolute times 
   CPU; its compile time is in the note);
 * ``documents fwd`` / ``documents fwd+bwd``: causal attention within packed documents
   (``segment_ids``), same peers;
+* ``ring fwd+bwd`` / ``ring memory``: causal :func:`attnkit.distributed.ring_attention` on
+  2 gloo processes against one process on the whole sequence (N=16384, 8 heads, E=64, fp32,
+  one thread per process; :mod:`attnkit.bench.ring`): the slowest rank's time, and the largest
+  per-rank peak memory growth (goal: at most 0.6x that of one process, i.e. ``x >= 1.67``);
 * ``MiniLM encode``: :class:`attnkit.interop.SentenceEncoder` against sentence-transformers on
   all-MiniLM-L6-v2, 128 texts of mixed length (one of 400 words), batch 32;
 * ``decode llama-3m`` / ``decode llama-100m`` (eager and ``compile``): cached greedy generation
@@ -80,6 +84,8 @@ class VsConfig:
         decode_models: Models of :data:`attnkit.bench.decoding.DECODE_MODELS` for the decoding
             rows (cached greedy generation against transformers).
         decode_compile: Also time ``generate(..., compile=True)`` (compiles once per model).
+        ring_len: Whole sequence of the ring rows.
+        ring_world: Processes of the ring rows.
     """
 
     attention: AttentionJob = field(default_factory=AttentionJob)
@@ -89,6 +95,8 @@ class VsConfig:
     long_words: int = 400
     decode_models: tuple[str, ...] = ("llama-3m", "llama-100m")
     decode_compile: bool = True
+    ring_len: int = 16384
+    ring_world: int = 2
 
     @classmethod
     def quick(cls, *, flex: bool = False) -> VsConfig:
@@ -101,6 +109,7 @@ class VsConfig:
             long_words=40,
             decode_models=("llama-tiny",),
             decode_compile=False,
+            ring_len=512,
         )
 
 
@@ -111,10 +120,12 @@ class VsRow:
     Attributes:
         job: What runs, e.g. ``"window fwd"``.
         peer: What a user would pick instead.
-        attnkit_s: Median seconds of attnkit, or None when not measured.
-        peer_s: Median seconds of the peer, or None when it could not run.
+        attnkit_s: Median seconds of attnkit (bytes for a ``unit="bytes"`` row), or None when
+            not measured.
+        peer_s: Median seconds of the peer (bytes), or None when it could not run.
         note: Sizes, agreement, compile time, why a peer was skipped.
-        goal: The speedup this row aims at, if any.
+        goal: The ratio ``peer / attnkit`` this row aims at, if any.
+        unit: ``"s"`` (times) or ``"bytes"`` (peak memory).
     """
 
     job: str
@@ -123,13 +134,14 @@ class VsRow:
     peer_s: float | None
     note: str = ""
     goal: float | None = None
+    unit: str = "s"
 
     @property
     def target(self) -> str:
         """The goal and whether it is met, e.g. ``">= 12x: 6% short"``; empty without a goal."""
         if self.goal is None:
             return ""
-        text = f">= {self.goal:g}x"
+        text = f">= {self.goal:.3g}x"
         if self.speedup is None:
             return text
         if self.speedup >= self.goal:
@@ -186,15 +198,15 @@ def format_vs_table(rows: list[VsRow], config: VsConfig) -> str:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
         f"{config.repeats} interleaved rounds; x = peer time / attnkit time (> 1: attnkit faster)"
     )
-    cols = ("job", "attnkit ms", "peer", "peer ms", "x", "target", "note")
+    cols = ("job", "attnkit ms", "peer", "peer ms", "x", "target", "note")  # or MiB, as marked
     table = [cols]
     for r in rows:
         table.append(
             (
                 r.job,
-                _ms(r.attnkit_s),
+                _value(r.attnkit_s, r.unit),
                 r.peer,
-                _ms(r.peer_s),
+                _value(r.peer_s, r.unit),
                 "-" if r.speedup is None else f"{r.speedup:.2f}",
                 r.target,
                 r.note,
@@ -429,12 +441,57 @@ def _decoding_rows(config: VsConfig) -> list[VsRow]:
 register("decoding", _decoding_rows)
 
 
+def _batched_rows(config: VsConfig) -> list[VsRow]:
+    """Left-padded prompts decoded together against transformers' batched generate (see
+    :mod:`attnkit.bench.batched`), on the first decoding model."""
+    from attnkit.bench.batched import vs_batched_rows
+
+    rows = vs_batched_rows(
+        repeats=config.repeats, compile=config.decode_compile, names=config.decode_models[:1]
+    )
+    return [VsRow(**row) for row in rows]
+
+
+register("batched decoding", _batched_rows)
+
+
+#: The ring's goal: per-rank peak memory at most this fraction of one process's.
+RING_MEMORY_GOAL = 0.6
+
+
+def _ring_rows(config: VsConfig) -> list[VsRow]:
+    """Ring attention on ``ring_world`` processes against one process (see
+    :mod:`attnkit.bench.ring`)."""
+    from attnkit.bench.ring import RingJob, measure_ring
+
+    att, n, world = config.attention, config.ring_len, config.ring_world
+    jobs = {w: RingJob(n, w, "contiguous", att.heads, att.head_dim, config.repeats)
+            for w in (1, world)}  # fmt: skip
+    single, ring = (measure_ring(job) for job in jobs.values())
+    size = f"causal N={n}, fp32, H={att.heads}, E={att.head_dim}, 1 thread per process"
+    peer = "1 process"
+    per_rank = ", ".join(f"{t:.2f}" for t in ring["seconds"])
+    return [
+        VsRow(f"ring fwd+bwd {world} ranks", peer, max(ring["seconds"]), single["seconds"][0],
+              f"{size}; slowest rank; per rank s {per_rank}"),
+        VsRow(f"ring memory {world} ranks", peer, max(ring["peak"]), single["peak"][0],
+              f"{size}; largest per-rank peak growth (VmHWM); goal <= {RING_MEMORY_GOAL}x "
+              "one process", 1 / RING_MEMORY_GOAL, "bytes"),
+    ]  # fmt: skip
+
+
+register("ring", _ring_rows)
+
+
 # --------------------------------------------------------------------------------------------
 # helpers
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+def _value(x: float | None, unit: str) -> str:
+    """Seconds as ms, bytes as ``"... MiB"``, ``"-"`` for nothing."""
+    if x is None:
+        return "-"
+    return f"{x / 2**20:.1f} MiB" if unit == "bytes" else f"{x * 1e3:.1f}"
 
 
 def _progress(items: list[str], desc: str, *, enabled: bool) -> Iterable[str]:

@@ -94,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=("cpu", "cuda"), default=None, help="compute device (CUDA if available)"
     )
     t.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="compute dtype; bfloat16 runs the forward passes under torch.autocast (float32)",
+    )
+    t.add_argument(
         "--fsdp",
         action="store_true",
         help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) "
@@ -148,6 +154,7 @@ def _config(args: argparse.Namespace) -> LabConfig:
         eval_size=args.eval_size,
         eval_every=args.eval_every,
         save_every=args.save_every,
+        dtype=args.dtype,
     )
 
 

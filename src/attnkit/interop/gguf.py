@@ -18,11 +18,15 @@ block of rows at a time straight into the model's parameters:
            int8 scales and ``d``: ``d * scale * (q - 32)`` per sub-block of 16
 =========  ==================================================================================
 
-Llama-architecture files are supported (``general.architecture == "llama"``, which llama.cpp
-also writes for Mistral-style models). llama.cpp's converter permutes each head's query and key
+Supported architectures (``general.architecture``): ``llama`` (which llama.cpp also writes for
+Mistral-style models), ``qwen2`` (q/k/v biases) and ``qwen3`` (qk-norm: ``attn_q_norm`` and
+``attn_k_norm``). For ``llama`` files llama.cpp's converter permutes each head's query and key
 rows so that rotary pairs are interleaved; loading undoes it (the Hugging Face layout attnkit's
-Llama config uses). The config is mapped through :func:`attnkit.interop.hf_config.config_from_hf`,
-so every option is mapped or rejected exactly as for a Hugging Face folder.
+Llama config uses); the Qwen graphs rotate halves as Hugging Face does. Llama 3.1's rotary
+scaling is stored as per-frequency divisors (``rope_freqs.weight``); loading turns them back into
+the ``llama3`` ``rope_scaling`` that gives exactly those divisors (:func:`llama3_scaling`). The
+config is mapped through :func:`attnkit.interop.hf_config.config_from_hf`, so every option is
+mapped or rejected exactly as for a Hugging Face folder.
 
 Needs the ``gguf`` extra (``gguf``, ``numpy``, ``tokenizers``).
 """
@@ -41,14 +45,16 @@ from torch import Tensor
 
 from attnkit.interop.hf_config import config_from_hf
 from attnkit.interop.hf_weights import ModelClass, ParameterFiller, Replace, allocate
-from attnkit.positional import permute_rotary_weight
+from attnkit.positional import permute_rotary_weight, rope_inv_freq
 
 __all__ = [
+    "ARCHITECTURES",
     "GGML_TYPES",
     "GGUFTensor",
     "GGUFTokenizer",
     "dequantize",
     "from_gguf",
+    "llama3_scaling",
     "read_tokenizer",
 ]
 
@@ -284,69 +290,186 @@ def _open(path: Path) -> _File:
 
 
 def _hf_config(file: _File) -> dict[str, Any]:
-    """The ``config.json`` of the Hugging Face Llama equivalent to the file's metadata.
+    """The ``config.json`` of the Hugging Face model equivalent to the file's metadata.
 
     Raises:
-        ValueError: For an architecture other than llama, or metadata with no counterpart
-            (partial rotary, rope scaling by frequency factors, an unknown scaling type).
+        ValueError: For an architecture other than llama/qwen2/qwen3, or metadata with no
+            counterpart (partial rotary, rotary divisors that no llama3 scaling gives, an
+            unknown scaling type).
     """
     arch = file.value("general.architecture")
-    if arch != "llama":
+    if arch not in ARCHITECTURES:
         raise ValueError(
-            f"{file.path}: GGUF architecture {arch!r} is not supported (supported: llama)"
+            f"{file.path}: GGUF architecture {arch!r} is not supported (supported: "
+            f"{', '.join(ARCHITECTURES)})"
         )
 
+    def value(key: str, default: Any = None) -> Any:
+        return file.value(f"{arch}.{key}", default)
+
     def need(key: str) -> Any:
-        value = file.value(f"llama.{key}")
-        if value is None:
-            raise ValueError(f"{file.path} lacks the metadata llama.{key}")
-        return value
+        found = value(key)
+        if found is None:
+            raise ValueError(f"{file.path} lacks the metadata {arch}.{key}")
+        return found
 
     dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(file.value("llama.attention.key_length", dim // heads))
-    rotary = int(file.value("llama.rope.dimension_count", head_dim))
-    value_dim = int(file.value("llama.attention.value_length", head_dim))
+    head_dim = int(value("attention.key_length", dim // heads))
+    rotary = int(value("rope.dimension_count", head_dim))
+    value_dim = int(value("attention.value_length", head_dim))
     if rotary != head_dim or value_dim != head_dim:
         raise ValueError(
             f"{file.path}: rope.dimension_count {rotary} / value_length {value_dim} differ from "
             f"the head dim {head_dim} (partial rotary is not supported)"
         )
-    if "rope_freqs.weight" in file.tensors:
-        raise ValueError(
-            f"{file.path}: tensor 'rope_freqs.weight' (rotary scaling as per-frequency factors, "
-            "Llama 3.1 style) is not supported"
-        )
     embed = file.tensors.get("token_embd.weight")
     vocab = embed.shape[0] if embed is not None else len(file.value("tokenizer.ggml.tokens", []))
     data: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_act": "silu",  # llama.cpp's llama graph: SwiGLU
-        "vocab_size": int(file.value("llama.vocab_size", vocab)),
+        "architectures": [ARCHITECTURES[arch]],
+        "hidden_act": "silu",  # llama.cpp's llama and qwen graphs: SwiGLU
+        "vocab_size": int(value("vocab_size", vocab)),
         "hidden_size": dim,
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(file.value("llama.attention.head_count_kv", heads)),
+        "num_key_value_heads": int(value("attention.head_count_kv", heads)),
         "head_dim": head_dim,
-        "max_position_embeddings": int(file.value("llama.context_length", 2048)),
-        "rms_norm_eps": float(file.value("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(file.value("llama.rope.freq_base", 10_000.0)),
+        "max_position_embeddings": int(value("context_length", 2048)),
+        "rms_norm_eps": float(value("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(value("rope.freq_base", 10_000.0)),
         "tie_word_embeddings": "output.weight" not in file.tensors,
     }
-    kind = file.value("llama.rope.scaling.type")
+    if arch == "qwen3":  # q/k/v biases are optional there (Qwen2 always has them)
+        data["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
+    kind = value("rope.scaling.type")
     if kind not in (None, "none"):  # config_from_hf maps linear and rejects the others
         data["rope_scaling"] = {
             "rope_type": kind,
-            "factor": file.value("llama.rope.scaling.factor"),
+            "factor": value("rope.scaling.factor"),
         }
+    freqs = file.tensors.get("rope_freqs.weight")
+    if freqs is not None:
+        if "rope_scaling" in data:
+            raise ValueError(
+                f"{file.path}: both rope.scaling.type {kind!r} and tensor 'rope_freqs.weight'"
+            )
+        factors = file.read_rows(freqs, 0, math.prod(freqs.shape[:-1])).flatten()
+        scaling = llama3_scaling(factors, head_dim, data["rope_theta"], str(file.path))
+        if scaling is not None:
+            data["rope_scaling"] = scaling
     return data
 
+
+def _tidy(x: float) -> float:
+    """``x`` rounded to an integer when it is one up to float32 rounding (8192.0004 -> 8192)."""
+    if not math.isfinite(x):
+        return x
+    return float(round(x)) if abs(x - round(x)) <= 1e-5 * max(1.0, abs(x)) else x
+
+
+def llama3_scaling(
+    factors: Tensor, head_dim: int, base: float, where: str = "GGUF file"
+) -> dict[str, Any] | None:
+    """The ``rope_scaling`` whose frequencies equal llama.cpp's per-frequency divisors.
+
+    llama.cpp's converter turns Llama 3.1's ``rope_scaling`` (type ``llama3``) into the tensor
+    ``rope_freqs.weight``: one divisor per rotary frequency, 1 for the high frequencies,
+    ``factor`` for the low ones and ``1 / ((1 - s) / factor + s)`` in between, ``s`` affine in
+    the frequency. This recovers ``factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings`` with ``low_freq_factor = 1`` (the three are only defined
+    up to a common multiple: Llama 3.1's own values are 1, 4 and 8192) and checks that the
+    result reproduces every divisor (all equal: type ``linear``; all 1: no scaling).
+
+    Args:
+        factors: The divisors, ``(head_dim / 2,)``.
+        head_dim: Rotary dim ``E``.
+        base: Rotary base.
+        where: The file, for error messages.
+
+    Returns:
+        A ``rope_scaling`` dict, or None when every divisor is 1.
+
+    Raises:
+        ValueError: For divisors of the wrong length, non-positive or non-finite ones, or ones
+            no ``llama3`` scaling produces.
+    """
+    f = factors.to(torch.float64)
+    if f.shape != (head_dim // 2,) or not bool(torch.isfinite(f).all()) or bool((f <= 0).any()):
+        raise ValueError(
+            f"{where}: tensor 'rope_freqs.weight' must hold {head_dim // 2} positive divisors "
+            f"(one per rotary frequency), got shape {tuple(f.shape)}"
+        )
+    tol = 1e-5
+    if bool(((f - 1).abs() <= tol).all()):
+        return None
+    factor = float(f.max())
+    if bool(((f - factor).abs() <= tol * factor).all()):
+        scaling: dict[str, Any] = {"rope_type": "linear", "factor": _tidy(factor)}
+    else:
+        inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        x = inv / (2 * math.pi)  # 1 / wavelength
+        high = (f - 1).abs() <= tol
+        low = (f - factor).abs() <= tol * factor
+        mid = ~(high | low)
+        smooth = (1 / f - 1 / factor) / (1 - 1 / factor)  # s = L0 * x - 1 over hf - 1
+        if int(mid.sum()) >= 2:
+            xs, ss = x[mid], smooth[mid]
+            slope = float(
+                ((xs - xs.mean()) * (ss - ss.mean())).sum() / (xs - xs.mean()).square().sum()
+            )
+            intercept = float(ss.mean()) - slope * float(xs.mean())
+            hf = 1 - 1 / intercept if intercept < 0 else math.nan
+            old_len = slope * (hf - 1)
+        else:  # too few in-between frequencies to fit: place the bands between the neighbours
+            w_high = float((1 / x[high]).max()) if bool(high.any()) else 0.0
+            w_low = float((1 / x[low]).min()) if bool(low.any()) else math.inf
+            if int(mid.sum()) == 1:
+                xm, sm = float(x[mid][0]), float(smooth[mid][0])
+                old_len = math.sqrt(1 / xm * w_low) if math.isfinite(w_low) else 2 / xm
+                hf = 1 + (old_len * xm - 1) / sm
+            else:
+                old_len = math.sqrt(w_high * w_low) if w_high and math.isfinite(w_low) else math.nan
+                hf = math.sqrt(old_len / w_high) if w_high else math.nan
+        scaling = {
+            "rope_type": "llama3",
+            "factor": _tidy(factor),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": _tidy(hf),
+            "original_max_position_embeddings": _tidy(old_len),
+        }
+    length = scaling.get("original_max_position_embeddings")
+    if isinstance(length, float) and length.is_integer():
+        scaling["original_max_position_embeddings"] = int(length)  # as config.json writes it
+    try:
+        plain = rope_inv_freq(head_dim, base)
+        again = plain / rope_inv_freq(head_dim, base, scaling)
+    except (ValueError, TypeError):
+        again = None
+    if again is None or not bool(((again - f).abs() <= 1e-4 * f).all()):
+        raise ValueError(
+            f"{where}: tensor 'rope_freqs.weight' holds divisors that no llama3 or linear "
+            f"rope scaling produces (got {[round(v, 4) for v in f.tolist()]})"
+        )
+    return scaling
+
+
+#: ``general.architecture`` -> the Hugging Face architecture with the same graph.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's qk-norm
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -361,7 +484,7 @@ _GLOBAL = {
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face Llama name of llama.cpp tensor ``name`` (itself when it has none)."""
+    """The Hugging Face name of llama.cpp tensor ``name`` (itself when it has none)."""
     if name in _GLOBAL:
         return _GLOBAL[name]
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
@@ -382,7 +505,7 @@ def from_gguf(
     device: str | torch.device | None = None,
     replace: Replace | None = None,
 ) -> Any:
-    """Load a Llama-architecture GGUF file into ``cls(config)`` (eval mode).
+    """Load a Llama-, Qwen2- or Qwen3-architecture GGUF file into ``cls(config)`` (eval mode).
 
     Args:
         path: The ``.gguf`` file.
@@ -409,10 +532,17 @@ def from_gguf(
     file = _open(path)
     _, config = config_from_hf(_hf_config(file))
     lm = allocate(cls, config, dtype=dtype, device=device, stream_linears=replace is not None)
-    filler = ParameterFiller(lm, "llama GGUF", str(path), replace=replace)
+    arch = file.value("general.architecture")
+    filler = ParameterFiller(lm, f"{arch} GGUF", str(path), replace=replace)
+    # llama.cpp's converter interleaves the rotary pairs of Llama's q/k rows (its llama graph
+    # rotates adjacent pairs); Qwen's graphs rotate halves, as Hugging Face does: no permutation.
     rotary = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
+    if arch != "llama":
+        rotary = {}
     with torch.no_grad():
         for name, tensor in file.tensors.items():
+            if name == "rope_freqs.weight":  # read into the config's rope_scaling
+                continue
             entry = filler.entry(hf_name(name))
             if entry is None:
                 continue

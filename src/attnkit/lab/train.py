@@ -31,10 +31,12 @@ from attnkit.lab.tasks import IGNORE, Task, get_task
 from attnkit.models import TransformerEncoder
 
 __all__ = [
+    "DTYPES",
     "POSITIONS",
     "LabConfig",
     "TrainResult",
     "attention_weights",
+    "autocast",
     "build_model",
     "default_lengths",
     "eval_set",
@@ -49,6 +51,9 @@ __all__ = [
 
 LabPositions = Literal["none", "sinusoidal", "rope"]
 POSITIONS: tuple[LabPositions, ...] = ("none", "sinusoidal", "rope")
+LabDtype = Literal["float32", "bfloat16"]
+#: Compute dtypes of the lab: ``bfloat16`` runs the forward under ``torch.autocast``.
+DTYPES: tuple[LabDtype, ...] = ("float32", "bfloat16")
 # Options that may change when a run is resumed; the rest must match the checkpoint.
 RESUMABLE = frozenset({"steps", "eval_every", "save_every", "eval_size"})
 _EVAL_SEED_OFFSET = 1 << 40  # the evaluation stream never meets a training step's stream
@@ -85,6 +90,9 @@ class LabConfig:
         eval_every: Evaluate every this many steps (0: only at the end).
         save_every: Checkpoint every this many steps (0: only at the end).
         seed: Seed of the initialisation and the data.
+        dtype: ``"float32"``, or ``"bfloat16"``: the forward passes of training and evaluation
+            run under ``torch.autocast`` in bfloat16 (matrix products and attention in bf16;
+            the parameters, their gradients, the optimizer and the loss stay float32).
     """
 
     task: str = "reverse"
@@ -107,6 +115,7 @@ class LabConfig:
     eval_every: int = 50
     save_every: int = 0
     seed: int = 0
+    dtype: LabDtype = "float32"
 
     def __post_init__(self) -> None:
         ints = {
@@ -146,6 +155,8 @@ class LabConfig:
                 f"rope needs an even head dim, got dim/num_heads = {self.dim}/"
                 f"{self.num_heads} = {head_dim}"
             )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.max_seq_len is not None and self.max_seq_len < self.seq_len:
             raise ValueError(
                 f"max_seq_len ({self.max_seq_len}) must be >= seq_len ({self.seq_len})"
@@ -198,6 +209,14 @@ class LabConfig:
             raise ValueError(f"unknown LabConfig fields {unknown}")
         # runs saved before rope_base existed trained rotary models with the base of 10,000
         return cls(**{"rope_base": 10_000.0, **data})
+
+
+def autocast(dtype: LabDtype, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
+    """The context the lab's forward passes run in: ``torch.autocast`` to ``dtype`` on
+    ``device``'s type, or nothing for ``"float32"``."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=getattr(torch, dtype))
 
 
 def build_model(config: LabConfig) -> TransformerEncoder:
@@ -280,9 +299,21 @@ def _masked_stats(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tens
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, inputs: Tensor, targets: Tensor, *, chunk: int = 500
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    chunk: int = 500,
+    dtype: LabDtype = "float32",
 ) -> dict[str, float]:
     """Token accuracy, sequence accuracy and mean loss over the scored positions.
+
+    Args:
+        model: The tagger.
+        inputs: Held-out sequences.
+        targets: Their targets.
+        chunk: Sequences per forward pass.
+        dtype: ``"bfloat16"`` runs the forward under ``torch.autocast`` (as the lab trained).
 
     Returns:
         ``{"accuracy", "sequence_accuracy", "loss", "sequences"}``.
@@ -294,7 +325,8 @@ def evaluate(
     for start in range(0, inputs.shape[0], chunk):
         x = inputs[start : start + chunk].to(device)
         y = targets[start : start + chunk].to(device)
-        logits = model(x)  # (b, L, V)
+        with autocast(dtype, device):
+            logits = model(x)  # (b, L, V)
         l_sum, c, n = _masked_stats(logits, y)
         loss, correct, count = loss + float(l_sum), correct + float(c), count + float(n)
         ok = (logits.argmax(-1) == y) | (y == IGNORE)
@@ -412,6 +444,7 @@ def train(
             ``positions``, and attends over the whole sequence with
             :func:`attnkit.distributed.ring_attention` as every attention layer's ``kernel``
             (during the training steps only; evaluation runs the whole sequence on rank 0).
+            With ``fsdp`` too, the same processes also shard the parameters.
 
     Returns:
         A :class:`TrainResult` (its ``eval`` is filled on every process).
@@ -426,8 +459,6 @@ def train(
     ctx = ctx if ctx is not None else DistContext()
     say = log if (log is not None and ctx.is_main) else (lambda _msg: None)
     cp = context_parallel and ctx.distributed
-    if cp and fsdp:
-        raise ValueError("--context-parallel and --fsdp are not combined yet; pick one")
     if cp and config.seq_len % ctx.world_size:
         raise ValueError(
             f"--context-parallel: seq_len ({config.seq_len}) must be divisible by the number "
@@ -533,10 +564,11 @@ def train(
             group["lr"] = _lr_at(config, step)
         if pos is not None:
             x, y = x[:, pos], y[:, pos]
-            with ring_kernels(model, ring_group):
+            with ring_kernels(model, ring_group), autocast(config.dtype, ctx.device):
                 logits = net(x, positions=pos.to(ctx.device))
         else:
-            logits = net(x)
+            with autocast(config.dtype, ctx.device):
+                logits = net(x)
         loss_sum, correct, count = _masked_stats(logits, y)
         # DDP averages gradients over processes, hence the world_size factor.
         loss = loss_sum * (ctx.world_size / max(n_global, 1.0))
@@ -559,7 +591,7 @@ def train(
             window = [0.0, 0.0, 0.0]
             # (a sharded model's forward is a collective: every rank evaluates)
             if eval_due and done != config.steps and (ctx.is_main or sharded):
-                ev = evaluate(model, eval_x, eval_y)
+                ev = evaluate(model, eval_x, eval_y, dtype=config.dtype)
                 row |= {"eval_loss": ev["loss"], "eval_accuracy": ev["accuracy"]}
             history.append(row)
             bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}", refresh=False)
@@ -568,7 +600,7 @@ def train(
             save(done)
     bar.close()
     step = max(start, end)
-    final = evaluate(model, eval_x, eval_y)
+    final = evaluate(model, eval_x, eval_y, dtype=config.dtype)
     if step == config.steps and (not history or "eval_accuracy" not in history[-1]):
         if history and history[-1]["step"] == step:
             history[-1] |= {"eval_loss": final["loss"], "eval_accuracy": final["accuracy"]}

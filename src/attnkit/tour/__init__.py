@@ -1,4 +1,5 @@
-"""``attnkit tour``: every claim of the blog, measured on attnkit's own modules.
+"""``attnkit tour``: every claim of the blog (and two on today's variants), measured on attnkit's
+own modules.
 
 * :mod:`attnkit.tour.claims`: one check per claim; each measures and returns a
   :class:`ClaimResult` (verdict, numbers, what its picture needs);
@@ -19,11 +20,13 @@ from attnkit.tour.claims import (
     check_frequencies,
     check_interpretable,
     check_permutation,
+    check_qk_norm,
     check_rope_norm,
     check_rope_relative,
     check_saturation,
     check_scaled_scores,
     check_sinusoidal_shift,
+    check_softcap,
     train_tour_model,
 )
 from attnkit.tour.figures import draw
@@ -39,11 +42,13 @@ __all__ = [
     "check_frequencies",
     "check_interpretable",
     "check_permutation",
+    "check_qk_norm",
     "check_rope_norm",
     "check_rope_relative",
     "check_saturation",
     "check_scaled_scores",
     "check_sinusoidal_shift",
+    "check_softcap",
     "draw",
     "run_tour",
     "train_tour_model",

@@ -247,6 +247,47 @@ def draw_interpretable(result: ClaimResult) -> Figure:
     )
 
 
+def draw_softcap(result: ClaimResult) -> Figure:
+    """Claim 11: each row's log-weight range and the largest weight against the tokens' gain."""
+    m = result.measured
+    rows, cap, bound = m["per_gain"], m["cap"], m["max_weight_bound"]
+    gains = [r["gain"] for r in rows]
+    fig, (ax1, ax2) = _figure(11.0, 4.3, cols=2)
+    ax1.plot(gains, [r["uncapped_range"] for r in rows], "o-", color="#d62728", label="uncapped")
+    ax1.plot(gains, [r["capped_range"] for r in rows], "o-", color="#1f77b4", label=f"c = {cap:g}")
+    ax1.axhline(2 * cap, color="#1f77b4", ls=":", label="2c")
+    ax1.set(
+        xscale="log", yscale="log", xlabel="gain g of the tokens", ylabel="max log-weight range"
+    )
+    _title(ax1, "A row's log-weights (its scores) span at most 2c")
+    ax2.plot(
+        gains, [r["uncapped_max_weight"] for r in rows], "o-", color="#d62728", label="uncapped"
+    )
+    ax2.plot(gains, [r["capped_max_weight"] for r in rows], "o-", color="#1f77b4", label="capped")
+    ax2.axhline(bound, color="#1f77b4", ls=":", label=f"bound {bound:.3f}")
+    ax2.set(xscale="log", ylim=(0, 1.05), xlabel="gain g of the tokens")
+    ax2.set(ylabel="mean largest weight of a row")
+    _title(ax2, f"Softmax over {m['keys']} keys: capped rows never go one-hot")
+    return fig
+
+
+def draw_qk_norm(result: ClaimResult) -> Figure:
+    """Claim 12: the scores' within-row std against the tokens' gain, with and without qk-norm."""
+    m = result.measured
+    rows = m["per_gain"]
+    gains = [r["gain"] for r in rows]
+    fig, (ax,) = _figure(6.4, 4.0)
+    plain = [r["plain_std"] for r in rows]
+    ax.plot(gains, plain, "o-", color="#d62728", label=f"no qk-norm (slope {m['plain_slope']:.2f})")
+    ax.plot(gains, [plain[0] * (g / gains[0]) ** 2 for g in gains], "k:", lw=1, label="∝ g²")
+    ax.plot(gains, [r["normed_std"] for r in rows], "o-", color="#1f77b4", label="RMSNorm on q, k")
+    ax.set(xscale="log", yscale="log", xlabel="gain g of the tokens", ylabel="std of the scores")
+    ax.set_xticks(gains, [f"{g:g}" for g in gains])
+    ax.minorticks_off()
+    _title(ax, "Scores read from the weights as the activations grow")
+    return fig
+
+
 DRAW: dict[int, Callable[[ClaimResult], Figure]] = {
     1: draw_scaled_scores,
     2: draw_saturation,
@@ -258,6 +299,8 @@ DRAW: dict[int, Callable[[ClaimResult], Figure]] = {
     8: draw_rope_relative,
     9: draw_causal,
     10: draw_interpretable,
+    11: draw_softcap,
+    12: draw_qk_norm,
 }
 """Claim id -> the function that draws it."""
 

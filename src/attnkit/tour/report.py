@@ -1,6 +1,7 @@
 """The tour's run and its page: measure every claim, draw it, write the report.
 
-:func:`run_tour` runs the ten checks of :mod:`attnkit.tour.claims` in the blog's order, draws each
+:func:`run_tour` runs the checks of :mod:`attnkit.tour.claims` in the blog's order (then
+today's variants), draws each
 result with :mod:`attnkit.tour.figures` and writes ``report.html`` (the shared page shell of
 :mod:`attnkit.pages`), ``claims.json``, one PNG per claim under ``figures/`` and ``explorer.html``:
 the trained model of claim 10 in the interactive explorer (:mod:`attnkit.explorer`).
@@ -46,7 +47,7 @@ def _threads(n: int) -> Iterator[None]:
 
 
 def run_tour(out_dir: str | Path, *, log: Callable[[str], None] | None = None) -> list[ClaimResult]:
-    """Measure the ten claims and write ``report.html``, ``claims.json``, figures and explorer.
+    """Measure the claims and write ``report.html``, ``claims.json``, figures and explorer.
 
     Args:
         out_dir: Directory to write (created).
@@ -118,7 +119,8 @@ def _report(out: Path, results: Sequence[ClaimResult], explorer: Path | None) ->
     body = (
         "<h1>A tour of <i>All you need for attention</i>, measured</h1>\n"
         "<p>Each claim of the blog is checked on attnkit's own modules: the blog's classes, the "
-        "positional encodings, the models and a model trained by the lab. "
+        "positional encodings, the models and a model trained by the lab; two more claims "
+        "measure variants of today's models (soft-capping, qk-norm). "
         f"<b>{passed} of {len(results)}</b> claims pass. The numbers are in "
         '<a href="claims.json">claims.json</a>.</p>\n' + "\n".join(parts)
     )

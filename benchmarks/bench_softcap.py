@@ -1,0 +1,173 @@
+"""Soft-capped attention (Gemma 2's ``tanh(s / c) * c``) vs torch's fused kernel without a cap.
+
+torch's fused kernels cannot modify scores, so ``attnkit.functional.attend(..., softcap=c)``
+runs :mod:`attnkit.softcap`'s chunked kernel. The bar is the fused kernel on the same call
+without the cap: the goal is a ratio <= 1.2 at a causal prefill (``L = S``) and at a decode
+step (``L = 1``), and a sliding window whose cost follows the allowed pairs (the time per query
+stays flat as ``L`` grows). Both sides go through ``attend``, so its checks and NaN guards
+count on both; the ``textbook`` column is the full-matrix math the capped call ran before
+(``functional._explicit_attention``, L x S scores and a dense mask).
+
+Times are medians of interleaved rounds in this process, so machine noise hits every column
+alike.
+
+Usage:
+    python benchmarks/bench_softcap.py                      # prefill, decode, window
+    python benchmarks/bench_softcap.py --threads 1 --repeats 9 --json results.json
+    python benchmarks/bench_softcap.py --rows 16 32 64 128  # sweep the chunk height
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from attnkit import functional, masks, softcap
+from attnkit.profiling import time_interleaved
+
+CAP = 50.0  # Gemma 2's attn_logit_softcapping
+HEADS = 8
+
+
+def _inputs(L: int, S: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, HEADS, L, E, generator=g)
+    k = torch.randn(1, HEADS, S, E, generator=g)
+    v = torch.randn(1, HEADS, S, E, generator=g)
+    return q, k, v
+
+
+def _time(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    with torch.no_grad():
+        for fn in fns.values():
+            fn()  # warm-up: allocation, kernel selection, cached masks
+        samples = time_interleaved(fns, repeats=repeats)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def case(
+    kind: str, L: int, S: int, E: int, *, window: int | None, repeats: int, textbook: bool
+) -> dict[str, object]:
+    """Time one shape: fused without cap, attnkit with cap (and optionally the textbook)."""
+    q, k, v = _inputs(L, S, E)
+    structure: dict[str, object] = {"causal": True}
+    if window is not None:
+        structure["window"] = window
+    fns: dict[str, Callable[[], object]] = {
+        "fused": lambda: functional.attend(q, k, v, **structure),  # type: ignore[arg-type]
+        "softcap": lambda: functional.attend(q, k, v, softcap=CAP, **structure),  # type: ignore[arg-type]
+    }
+    if textbook:
+        mask = masks.Structure(**structure).mask(L, S)[0, 0]  # type: ignore[arg-type]
+        scale = 1 / math.sqrt(E)
+        fns["textbook"] = lambda: functional._explicit_attention(
+            q, k, v, mask, scale=scale, dropout_p=0.0, softcap=CAP
+        )
+    med = _time(fns, repeats)
+    pairs = sum(
+        min(S, i + S - L + 1) - (0 if window is None else max(0, i + S - L - window + 1))
+        for i in range(L)
+    )
+    return {
+        "kind": kind,
+        "L": L,
+        "S": S,
+        "E": E,
+        "window": window,
+        "pairs": pairs,
+        "fused_s": med["fused"],
+        "softcap_s": med["softcap"],
+        "ratio": med["softcap"] / med["fused"],
+        "textbook_s": med.get("textbook"),
+    }
+
+
+def sweep_rows(rows: list[int], L: int, E: int, repeats: int) -> list[dict[str, object]]:
+    """The chunk height: the capped kernel at each ``rows`` vs the fused kernel, causal L=S."""
+    q, k, v = _inputs(L, L, E)
+    rules = masks.Structure(causal=True)
+    scale = 1 / math.sqrt(E)
+    fns: dict[str, Callable[[], object]] = {
+        "fused": lambda: functional.attend(q, k, v, causal=True)
+    }
+    for r in rows:
+        fns[str(r)] = lambda r=r: softcap.capped_attention(  # type: ignore[misc]
+            q, k, v, None, rules, softcap=CAP, scale=scale, rows=r
+        )
+    med = _time(fns, repeats)
+    out = []
+    for r in rows:
+        ratio = med[str(r)] / med["fused"]
+        out.append({"L": L, "E": E, "rows": r, "ratio": ratio, "time_s": med[str(r)]})
+        print(f"L={L:>5} E={E:>4} rows={r:>5}: {med[str(r)] * 1e3:8.2f} ms  x{ratio:.2f}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--prefill", type=int, nargs="*", default=[256, 512, 1024, 2048])
+    p.add_argument("--decode", type=int, nargs="*", default=[128, 512, 2048])
+    p.add_argument("--windowed", type=int, nargs="*", default=[2048, 4096, 8192])
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--textbook", action="store_true", help="also time the full-matrix math")
+    p.add_argument("--rows", type=int, nargs="*", help="sweep the chunk height instead")
+    p.add_argument("--json", type=Path, default=Path("benchmarks/results/softcap.json"))
+    args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(
+        f"soft-capped attention (c={CAP}) vs fused without cap: fp32, B=1, {HEADS} heads, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of "
+        f"{args.repeats} interleaved rounds"
+    )
+    result: dict[str, object] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    if args.rows:
+        result["rows"] = [
+            row for L in args.prefill for E in args.head_dims
+            for row in sweep_rows(args.rows, L, E, args.repeats)
+        ]  # fmt: skip
+    else:
+        header = (
+            f"{'case':<8} {'L':>5} {'S':>5} {'E':>4} {'window':>6} {'fused ms':>9} "
+            f"{'softcap ms':>10} {'ratio':>6} {'textbook ms':>11} {'ns/pair':>8}"
+        )
+        print(header)
+        print("-" * len(header))
+        shapes = [("prefill", n, n, None) for n in args.prefill]
+        shapes += [("decode", 1, n, None) for n in args.decode]
+        shapes += [("window", n, n, args.window) for n in args.windowed]
+        rows = []
+        for kind, L, S, window in shapes:
+            for E in args.head_dims:
+                reps = args.repeats * (20 if kind == "decode" else 1)
+                textbook = args.textbook and kind != "window" and L <= 2048
+                row = case(kind, L, S, E, window=window, repeats=reps, textbook=textbook)
+                rows.append(row)
+                tb = row["textbook_s"]
+                per_pair = row["softcap_s"] / row["pairs"] * 1e9  # type: ignore[operator]
+                print(
+                    f"{kind:<8} {L:>5} {S:>5} {E:>4} {window or '':>6} "
+                    f"{row['fused_s'] * 1e3:>9.3f} {row['softcap_s'] * 1e3:>10.3f} "  # type: ignore[operator]
+                    f"{row['ratio']:>6.2f} {'' if tb is None else f'{tb * 1e3:.2f}':>11} "
+                    f"{per_pair:>8.2f}",
+                    flush=True,
+                )
+        result["cases"] = rows
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""Attention with soft-capped scores, one chunk of queries at a time.
+
+Gemma 2 caps every attention score smoothly, ``c * tanh(s / c)``, before the mask. torch's fused
+kernels cannot modify scores, and the textbook math materializes all ``L * S`` scores and then
+makes several passes over them (scale, divide, tanh, multiply, mask, softmax). Here the queries
+are cut into chunks of ``rows`` queries; a chunk reads only the contiguous key span its queries
+may attend under ``causal`` and ``window`` (and below the longest ``key_lengths``), so a sliding
+window costs ``L * (window + rows)`` scores instead of ``L * S`` and a causal prefill about half.
+Each chunk's scores land in one preallocated buffer that stays in the CPU caches: ``baddbmm``
+with the scale folded in, the cap in place, only the masks that cut the span, an in-place softmax,
+and one ``bmm`` with the span's values. With gradients the same steps run out of place, so that
+autograd can save what it needs (memory then follows the allowed pairs, like the textbook math).
+
+Inputs come validated from :mod:`attnkit.functional`, which also keeps non-finite keys and values
+away from the queries that may not attend them. A query that may attend no key gets an output row
+(and weights) of exactly zero. Semantics of the structure are those of
+:class:`attnkit.masks.Structure` (bottom-right aligned queries).
+
+Shape legend: B batch, H query heads, K key/value heads, G = H / K query heads per key head,
+L query length, S key length, E head dim, Ev value head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnkit.masks import Structure
+
+__all__ = ["capped_attention", "chunk_rows", "decode_step"]
+
+#: Scores per chunk at most (all heads of the batch together): 2**20 float32 are 4 MiB, which
+#: bounds the buffer's memory for long keys.
+CHUNK_SCORES = 2**20
+#: Most queries per chunk: a causal chunk computes ``rows**2 / 2`` masked scores on its diagonal,
+#: and the buffer should stay in cache; 64 beat 16, 32, 128 and 256 at causal L=S=256..2048
+#: (``benchmarks/bench_softcap.py --rows``).
+MAX_ROWS = 64
+#: Fewest queries per chunk (below this the per-call overhead dominates).
+MIN_ROWS = 16
+
+
+def chunk_rows(heads: int, width: int, L: int) -> int:
+    """Queries per chunk: :data:`MAX_ROWS`, fewer when ``heads * rows * width`` would pass
+    :data:`CHUNK_SCORES` (but at least :data:`MIN_ROWS`).
+
+    Args:
+        heads: Batch times query heads.
+        width: Keys a chunk attends at most (``S``, or ``window + rows`` for a window).
+        L: Query length.
+
+    Returns:
+        The chunk height, between 1 and ``L``.
+    """
+    rows = CHUNK_SCORES // max(1, heads * width)
+    rows = max(MIN_ROWS, min(MAX_ROWS, rows // MIN_ROWS * MIN_ROWS))
+    return max(1, min(rows, L))
+
+
+def capped_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    structure: Structure,
+    *,
+    softcap: float,
+    scale: float,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    rows: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """``softmax(c * tanh(q k^T * scale / c) + mask) v`` over the keys each query may attend.
+
+    Args:
+        q: Queries ``(..., H, L, E)`` or ``(L, E)``, validated by
+            :func:`attnkit.functional.check_inputs`.
+        k: Keys ``(..., K, S, E)`` with ``H % K == 0`` (grouped-query attention).
+        v: Values ``(..., K, S, Ev)``.
+        mask: Bool (``True`` = may attend) or additive float mask with masked entries exactly
+            ``-inf``, broadcastable to ``(..., H, L, S)``, or None.
+        structure: Checked ``causal``/``window``/``segment_ids``/``key_lengths`` (ids and
+            lengths of the batch ``B`` of a 4-dim ``q``).
+        softcap: The cap ``c > 0``.
+        scale: Multiplier of the scores.
+        dropout_p: Dropout probability on the attention weights.
+        return_weights: Also return the weights ``(..., H, L, S)`` (zero outside each chunk's
+            span).
+        rows: Queries per chunk; defaults to :func:`chunk_rows`.
+
+    Returns:
+        ``(out, weights or None)`` in ``q``'s dtype, computed in float32 for half precision.
+
+    Shape:
+        q ``(..., H, L, E)``, k ``(..., K, S, E)``, v ``(..., K, S, Ev)`` ->
+        out ``(..., H, L, Ev)``, weights ``(..., H, L, S)``.
+    """
+    dtype = q.dtype
+    compute = torch.promote_types(dtype, torch.float32)
+    squeeze = q.dim() == 2
+    if squeeze:  # no head dim: one head
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    batch_shape, (H, L, E), (K, S, Ev) = q.shape[:-3], q.shape[-3:], v.shape[-3:]
+    B, G = math.prod(batch_shape), H // K if K else 0  # H = K = 0: an empty output
+    q5 = q.to(compute).reshape(B, K, G, L, E)
+    k3 = k.to(compute).reshape(B * K, S, E)
+    v3 = v.to(compute).reshape(B * K, S, Ev)
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    fmask = bmask = None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            bmask = _per_chunk(mask, batch_shape, K, G)
+        else:
+            fmask = _per_chunk(mask.to(compute), batch_shape, K, G)
+    rules = structure.to(B, S, q.device) if structure.batched else structure
+    off = S - L  # query i sits at key position i + off
+    longest = S if rules.key_lengths is None else int(rules.key_lengths.max())
+    if rows is None:
+        widest = S if rules.window is None else min(S, 2 * rules.window + 1)
+        rows = chunk_rows(B * H, widest, L)
+        if rules.window is not None:
+            rows = chunk_rows(B * H, min(S, widest + rows), L)
+
+    out = q5.new_empty(B, K, G, L, Ev)
+    weights = q5.new_zeros(B, K, G, L, S) if return_weights and not grads else None
+    buffer = None if grads else q5.new_empty(B * K * G * rows * min(S, longest))
+    zero = q5.new_zeros(())
+    pieces: list[tuple[int, int, int, Tensor, Tensor | None]] = []
+    for i0 in range(0, L, rows):
+        i1 = min(L, i0 + rows)
+        r, p0, p1 = i1 - i0, i0 + off, i1 - 1 + off
+        lo, hi = 0, longest
+        if rules.causal:
+            hi = min(hi, p1 + 1)
+        if rules.window is not None:
+            lo, hi = max(lo, p0 - rules.window + 1), min(hi, p1 + rules.window)
+        if hi <= lo:  # no query of the chunk may attend any key: zero rows
+            out[:, :, :, i0:i1].zero_()
+            continue
+        w = hi - lo
+        qc = q5[:, :, :, i0:i1].reshape(B * K, G * r, E)  # a view unless G > 1 and r < L
+        kc = k3[:, lo:hi].transpose(1, 2)  # (B*K, E, w)
+        # c * tanh(x / c) = 2c * sigmoid(2x / c) - c; softmax ignores the shift by c, and
+        # torch's CPU sigmoid is ~6x faster than its tanh.
+        alpha = 2 * scale / softcap
+        if buffer is None:
+            s = torch.baddbmm(qc.new_empty(()), qc, kc, beta=0.0, alpha=alpha)
+            s = torch.sigmoid(s) * (2 * softcap)
+        else:
+            s = buffer[: B * K * G * r * w].view(B * K, G * r, w)
+            if G * r == 1:  # decoding: k @ q^T reads k row by row (~1.4x faster on CPU)
+                col = s.view(B * K, w, 1)
+                torch.baddbmm(
+                    col, kc.transpose(1, 2), qc.transpose(1, 2), beta=0.0, alpha=alpha, out=col
+                )
+            else:
+                torch.baddbmm(s, qc, kc, beta=0.0, alpha=alpha, out=s)
+            # inf -> NaN (s + s * 0), as the textbook math's uncapped +inf score would make the
+            # row NaN: the output then shows that a non-finite input was met, and
+            # attnkit.functional reruns with its rules (a capped inf would look finite).
+            s.addcmul_(s, zero).sigmoid_().mul_(2 * softcap)
+        s5 = s.view(B, K, G, r, w)
+        band = _positional(r, w, lo - p0, rules.causal, rules.window, q.device, compute)
+        ok = empty = None
+        if grads or rules.batched or bmask is not None or fmask is not None:
+            ok = band.ok
+            if rules.batched:
+                i = torch.arange(i0, i1, device=q.device).view(1, r, 1)
+                j = torch.arange(lo, hi, device=q.device).view(1, 1, w)
+                b = torch.arange(B, device=q.device).view(B, 1, 1)
+                rule = rules.allows(i, j, b, L=L, S=S)[:, None, None]  # (B, 1, 1, r or 1, w)
+                ok = rule if ok is None else ok & rule
+            if bmask is not None:
+                given = _chunk(bmask, i0, i1, lo, hi)
+                ok = given if ok is None else ok & given
+            if fmask is not None:
+                add = _chunk(fmask, i0, i1, lo, hi)
+                s5 = s5 + add if grads else s5.add_(add)
+                finite = add > -math.inf
+                ok = finite if ok is None else ok & finite
+            if ok is not None:
+                s5 = s5.masked_fill(~ok, -math.inf) if grads else s5.masked_fill_(~ok, -math.inf)
+                no_key = ~ok.any(dim=-1, keepdim=True)
+                empty = no_key if bool(no_key.any()) else None
+        else:  # causal/window only: mask just the columns they cut
+            for c0, c1, bias in band.cuts:
+                s5[..., c0:c1].add_(bias)
+            empty = band.empty
+        if empty is not None:  # rows without a key: a finite softmax input, zeroed below
+            s5 = s5.masked_fill(empty, 0.0) if grads else s5.masked_fill_(empty, 0.0)
+        s = s5.view(B * K, G * r, w) if grads else s
+        p = torch.softmax(s, dim=-1) if grads else torch.softmax(s, dim=-1, out=s)
+        if empty is not None:
+            p5 = p.view(B, K, G, r, w)
+            p5 = p5.masked_fill(empty, 0.0) if grads else p5.masked_fill_(empty, 0.0)
+            p = p5.view(B * K, G * r, w)
+        if dropout_p > 0.0:
+            p = F.dropout(p, p=dropout_p)
+        if grads:
+            o = torch.bmm(p, v3[:, lo:hi]).view(B, K, G, r, Ev)
+            pieces.append((i0, lo, hi, o, p.view(B, K, G, r, w) if return_weights else None))
+            continue
+        if G == 1 or r == L:  # the chunk's rows of out as one (B*K, G*r, Ev) view
+            torch.bmm(p, v3[:, lo:hi], out=out.view(B * K, G * L, Ev)[:, G * i0 : G * i1])
+        else:
+            out[:, :, :, i0:i1].copy_(torch.bmm(p, v3[:, lo:hi]).view(B, K, G, r, Ev))
+        if weights is not None:
+            weights[:, :, :, i0:i1, lo:hi].copy_(p.view(B, K, G, r, w))
+    if grads:
+        out, weights = _assemble(pieces, q5, k3, v3, L, S, Ev, return_weights)
+    out = out.reshape(*batch_shape, H, L, Ev).to(dtype)
+    if weights is not None:
+        weights = weights.reshape(*batch_shape, H, L, S).to(dtype)
+    if squeeze:
+        out = out.squeeze(0)
+        weights = None if weights is None else weights.squeeze(0)
+    return out, weights
+
+
+def decode_step(
+    q: Tensor, k: Tensor, v: Tensor, *, softcap: float, scale: float, window: int | None = None
+) -> Tensor:
+    """One query per sequence (a decoding step) with soft-capped scores, in few calls.
+
+    The query sits after every key, so causality masks nothing and a ``window`` keeps the last
+    ``window`` keys (a slice). The ``H`` query heads are viewed as ``K`` groups of ``H / K``
+    rows, the scores computed as ``k @ q^T`` (reading ``k`` row by row), capped in place and
+    normalised along the keys. No mask, no gradients, no weights; non-finite inputs give NaN or
+    infinite output rows (an infinite raw score becomes NaN), which the caller checks.
+
+    Args:
+        q: Queries ``(B, H, 1, E)``, float32 or float64.
+        k: Keys ``(B, K, S, E)`` with ``S >= 1``.
+        v: Values ``(B, K, S, Ev)``.
+        softcap: The cap ``c > 0``.
+        scale: Multiplier of the scores.
+        window: Sliding window, if any.
+
+    Returns:
+        The output ``(B, H, 1, Ev)``.
+    """
+    B, H, _, E = q.shape
+    K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    if window is not None and window < S:
+        k, v = k[:, :, S - window :], v[:, :, S - window :]
+        S = window
+    grouped = q.reshape(B * K, H // K, E)  # (B*K, G, E)
+    s = torch.baddbmm(
+        q.new_empty(()),
+        k.reshape(B * K, S, E),
+        grouped.transpose(1, 2),
+        beta=0.0,
+        alpha=2 * scale / softcap,
+    )  # (B*K, S, G)
+    s.addcmul_(s, q.new_zeros(())).sigmoid_().mul_(2 * softcap)  # as capped_attention
+    rows = s.transpose(1, 2).contiguous()  # (B*K, G, S): a view for G = 1; the softmax along
+    p = torch.softmax(rows, dim=-1, out=rows)  # the last dim is ~3x faster than along dim 1
+    return torch.bmm(p, v.reshape(B * K, S, Ev)).view(B, H, 1, Ev)
+
+
+def _assemble(
+    pieces: list[tuple[int, int, int, Tensor, Tensor | None]],
+    q5: Tensor,
+    k3: Tensor,
+    v3: Tensor,
+    L: int,
+    S: int,
+    Ev: int,
+    return_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The chunks computed with autograd, as ``(out, weights)`` ``(B, K, G, L, Ev / S)``.
+
+    Rows of skipped chunks are zeros; when no chunk was computed the output still depends on
+    every input (with zero gradients), as the textbook math's does.
+    """
+    B, K, G = q5.shape[:3]
+    outs, probs, at = [], [], 0
+    for i0, lo, hi, o, p in pieces:
+        if i0 > at:  # skipped chunks before this one
+            outs.append(q5.new_zeros(B, K, G, i0 - at, Ev))
+            probs.append(q5.new_zeros(B, K, G, i0 - at, S))
+        outs.append(o)
+        if p is not None:
+            probs.append(F.pad(p, (lo, S - hi)))
+        at = i0 + o.shape[3]
+    if at < L or not outs:
+        outs.append(q5.new_zeros(B, K, G, L - at, Ev))
+        probs.append(q5.new_zeros(B, K, G, L - at, S))
+    out = torch.cat(outs, dim=3)
+    if not pieces:  # keep the graph: zero gradients for every input, never NaN
+        never = torch.zeros((), dtype=torch.bool, device=q5.device)
+        out = out + torch.where(never, q5.sum() + k3.sum() + v3.sum(), 0.0)
+    weights = torch.cat(probs, dim=3) if return_weights else None
+    return out, weights
+
+
+def _per_chunk(mask: Tensor, batch_shape: torch.Size, K: int, G: int) -> Tensor:
+    """A mask broadcastable to ``(*batch_shape, H, L, S)`` as a ``(B or 1, K or 1, G or 1, L, S)``
+    tensor whose chunks broadcast against the scores ``(B, K, G, rows, width)``."""
+    L, S = mask.shape[-2:]
+    lead = mask.shape[:-2]
+    if all(n == 1 for n in lead):
+        return mask.reshape(1, 1, 1, L, S)
+    full = mask.expand(*batch_shape, K * G, L, S)
+    B = math.prod(batch_shape)
+    return full.reshape(B, K, G, L, S)  # a view where the dims allow, else one copy
+
+
+def _chunk(mask: Tensor, i0: int, i1: int, lo: int, hi: int) -> Tensor:
+    """Rows ``i0:i1`` and keys ``lo:hi`` of a :func:`_per_chunk` mask."""
+    return mask[..., i0:i1, lo:hi]
+
+
+@dataclass(frozen=True)
+class _Band:
+    """What ``causal``/``window`` allow in a chunk's span (see :func:`_positional`).
+
+    Attributes:
+        ok: Bool ``(rows, width)`` (``True`` = may attend), or None when every pair may.
+        cuts: ``(c0, c1, bias)`` for the column ranges ``c0:c1`` where some pair is masked:
+            ``bias`` is ``(rows, c1 - c0)``, 0 where allowed and ``-inf`` where masked (adding
+            it in place is ~6x faster on CPU than ``masked_fill_``).
+        empty: Bool ``(rows, 1)`` of the queries without any key, or None when there is none.
+    """
+
+    ok: Tensor | None
+    cuts: tuple[tuple[int, int, Tensor], ...]
+    empty: Tensor | None
+
+
+@functools.lru_cache(maxsize=256)
+def _positional(
+    rows: int,
+    width: int,
+    offset: int,
+    causal: bool,
+    window: int | None,
+    device: Any,
+    dtype: torch.dtype,
+) -> _Band:
+    """The :class:`_Band` of a span starting ``offset`` keys after the chunk's first query
+    position (cached: a prefill repeats the same few shapes)."""
+    if not causal and window is None:
+        return _Band(None, (), None)
+    d = torch.arange(rows, device=device).view(rows, 1) - offset  # query - key position
+    d = d - torch.arange(width, device=device).view(1, width)
+    ok = torch.ones(rows, width, dtype=torch.bool, device=device)
+    if causal:
+        ok &= d >= 0
+    if window is not None:
+        ok &= d.abs() < window
+    cut_columns = (~ok).any(dim=0).tolist()
+    if not any(cut_columns):
+        return _Band(None, (), None)
+    cuts, c = [], 0
+    while c < width:  # maximal runs of columns with a masked pair
+        if cut_columns[c]:
+            c1 = c
+            while c1 < width and cut_columns[c1]:
+                c1 += 1
+            bias = torch.zeros(rows, c1 - c, dtype=dtype, device=device)
+            cuts.append((c, c1, bias.masked_fill_(~ok[:, c:c1], -math.inf)))
+            c = c1
+        else:
+            c += 1
+    empty = ~ok.any(dim=-1, keepdim=True)
+    return _Band(ok, tuple(cuts), empty if bool(empty.any()) else None)

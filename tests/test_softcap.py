@@ -1,0 +1,173 @@
+"""The chunked kernel for soft-capped scores (:mod:`attnkit.softcap`) against float64 math.
+
+The property test draws the same random problems as ``tests/test_properties.py`` (shapes with
+``L != S``, grouped-query heads, empty dims, bool and float masks, every structure option) and
+runs them in chunks of 1-3 queries, so that chunk boundaries, skipped chunks, cut spans and rows
+without keys all occur; outputs, weights and gradients must equal the textbook math in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+from attnkit import masks as M
+from attnkit.functional import attend
+from attnkit.functional import scaled_dot_product_attention as sdpa
+from attnkit.softcap import capped_attention, chunk_rows
+from tests.reference import loop_mask, reference_attention
+from tests.test_properties import PROFILE, TOL, Case, cases
+
+
+@settings(PROFILE, max_examples=150)
+@given(
+    case=cases(dtypes=(torch.float32, torch.float64), grad=True),
+    rows=st.integers(1, 3),
+    cap=st.sampled_from([0.5, 2.0, 30.0]),
+    grad=st.booleans(),
+)
+def test_chunks_equal_the_float64_reference(case: Case, rows: int, cap: float, grad: bool) -> None:
+    atol, rtol = TOL[case.q.dtype]
+    q, k, v = case.inputs()
+    B, L, S = q.shape[0], q.shape[-2], k.shape[-2]
+    rules = M.Structure(**case.structure)
+    rules.check(L, S, batch=B)
+    scale = 1 / math.sqrt(q.shape[-1])
+    with torch.set_grad_enabled(grad):  # without: the in-place path on one buffer
+        out, weights = capped_attention(
+            q, k, v, case.mask, rules, softcap=cap, scale=scale, return_weights=True, rows=rows
+        )
+    ref, ref_w = reference_attention(q, k, v, case.allowed, bias=case.bias, softcap=cap)
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    assert weights is not None
+    assert_close(weights.double(), ref_w.expand_as(weights), atol=atol, rtol=rtol)
+    seen = case.allowed.any(-1, keepdim=True)  # rows that attend anything; the others are 0
+    assert torch.where(seen, 0.0, out.detach()).eq(0).all()
+    if not grad:
+        return
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), g.to(out.dtype), allow_unused=True)
+    want = torch.autograd.grad(ref, (q, k, v), g, allow_unused=True)
+    for name, a, b, t in zip("qkv", got, want, (q, k, v), strict=True):
+        a = torch.zeros_like(t) if a is None else a
+        b = torch.zeros_like(t) if b is None else b
+        assert torch.isfinite(a).all(), name
+        assert_close(a.double(), b.double(), atol=10 * atol, rtol=10 * rtol, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("L", "S", "heads", "structure"),
+    [
+        (300, 300, (4, 4), {"causal": True}),  # several chunks, diagonal cut in each
+        (150, 300, (4, 2), {"causal": True}),  # bottom-right aligned queries, grouped heads
+        (300, 300, (2, 1), {"causal": True, "window": 37}),  # spans cut on both sides
+        (200, 260, (2, 2), {"window": 25}),  # a two-sided window
+        (1, 300, (4, 1), {"causal": True}),  # a decoding step with grouped heads
+        (1, 300, (2, 2), {"causal": True}),  # a decoding step, one query per key head
+    ],
+)
+def test_attend_with_softcap_equals_the_reference_at_several_chunks(L, S, heads, structure):
+    H, K = heads
+    g = torch.Generator().manual_seed(L + S)
+    q = (4 * torch.randn(2, H, L, 16, generator=g)).requires_grad_()
+    k = (4 * torch.randn(2, K, S, 16, generator=g)).requires_grad_()
+    v = torch.randn(2, K, S, 16, generator=g).requires_grad_()
+    allowed = loop_mask(L, S, **structure)
+    ref, ref_w = reference_attention(q, k, v, allowed, softcap=5.0)
+    out, weights = sdpa(q, k, v, softcap=5.0, return_weights=True, **structure)
+    assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    assert_close(weights.double(), ref_w, atol=2e-5, rtol=1e-4)
+    with torch.no_grad():  # the in-place path gives the same numbers
+        assert_close(sdpa(q, k, v, softcap=5.0, **structure), out.detach(), atol=1e-6, rtol=0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    want = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for got, exp in zip(grads, want, strict=True):
+        assert_close(got.double(), exp.double(), atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_computed_in_float32(dtype):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 90, 8, generator=g).to(dtype) for _ in range(3))
+    out = attend(q, k, v, causal=True, window=20, softcap=1.5)[0]
+    ref, _ = reference_attention(q, k, v, loop_mask(90, 90, causal=True, window=20), softcap=1.5)
+    assert out.dtype == dtype
+    assert_close(out.double(), ref, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+def test_a_window_never_reads_the_keys_outside_its_span():
+    # Cost follows the allowed pairs: a chunk reads only the keys its queries may attend. NaN
+    # keys and values far outside every window would poison any chunk that read them (the
+    # kernel itself does not guard against non-finite inputs; functional does).
+    g = torch.Generator().manual_seed(0)
+    L, window = 384, 16
+    rows = chunk_rows(2, 2 * window + 64, L)  # the kernel's default here
+    assert L % rows == 0
+    q, k, v = (torch.randn(1, 2, L, 8, generator=g) for _ in range(3))
+    late = torch.arange(L) >= L - rows  # the last chunk's queries...
+    far = slice(0, L - rows - window + 1)  # ...and the keys before its span
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[..., far, :] = float("nan")
+    v_bad[..., far, :] = float("nan")
+    rules = M.Structure(causal=True, window=window)
+    with torch.no_grad():
+        out, _ = capped_attention(q, k_bad, v_bad, None, rules, softcap=3.0, scale=0.3)
+        clean, _ = capped_attention(q, k, v, None, rules, softcap=3.0, scale=0.3)
+    assert torch.isfinite(out[..., late, :]).all()
+    assert torch.equal(out[..., late, :], clean[..., late, :])
+    # ... and with a NaN inside the last chunk's span, that chunk is poisoned: the test can fail.
+    k_bad[..., L - 2, :] = float("nan")
+    with torch.no_grad():
+        out, _ = capped_attention(q, k_bad, v_bad, None, rules, softcap=3.0, scale=0.3)
+    assert torch.isnan(out[..., L - 1, :]).all()
+
+
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan")])
+@pytest.mark.parametrize("grad", [False, True])
+def test_non_finite_keys_follow_the_rules_of_functional(value, grad):
+    # attend keeps its NaN/inf rules with a cap: a non-finite key poisons exactly the rows that
+    # may attend it (a capped infinite score is finite, so the zeroed key cannot stand in for
+    # it), with or without gradients.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 200, 8, generator=g) for _ in range(3))
+    k[0, 1, 150, 3] = value
+    q.requires_grad_(grad)
+    out = attend(q, k, v, causal=True, window=30, softcap=2.0)[0]
+    reach = torch.zeros(1, 2, 200, dtype=torch.bool)
+    reach[0, 1, 150:180] = True  # head 1, queries 150 .. 150 + window - 1
+    assert torch.equal(torch.isnan(out).any(-1), reach)
+
+
+def test_chunk_rows_bounds_the_buffer():
+    assert chunk_rows(8, 1024, 4096) == 64
+    assert chunk_rows(8, 32768, 4096) == 16  # 8 * 16 * 32768 scores: the floor
+    assert chunk_rows(1, 10, 5) == 5  # never more than the queries
+    assert chunk_rows(64, 2048, 4096) * 64 * 2048 <= 2**20 * 2
+
+
+@pytest.mark.parametrize("window", [None, 10])
+@pytest.mark.parametrize(("at", "value"), [(None, 0.0), (45, float("nan")), (5, float("inf"))])
+def test_a_decoding_step_keeps_the_rules(window, at, value):
+    # L = 1 without gradients takes the few-call step; a non-finite key it reads sends it back to
+    # the general path (its head's rows NaN), one outside the window is never read.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 50, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    clean = k.clone()
+    if at is not None:
+        k[1, 0, at, 2] = value
+    with torch.no_grad():
+        out = attend(q, k, v, causal=True, window=window, softcap=2.0)[0]
+    allowed = loop_mask(1, 50, causal=True, window=window)
+    ref, _ = reference_attention(q, clean, v, allowed, softcap=2.0)
+    reached = at is not None and bool(allowed[..., at].any())
+    nan_rows = torch.zeros(2, 4, 1, dtype=torch.bool)
+    nan_rows[1, :2] = reached  # query heads 0 and 1 read key/value head 0
+    assert torch.equal(torch.isnan(out).any(-1), nan_rows)
+    assert_close(out[~nan_rows], ref[~nan_rows], atol=1e-10, rtol=1e-8)
