@@ -428,11 +428,17 @@ def test_legacy_rope_keys_and_bad_dtype(llama_folder: Path, tmp_path: Path) -> N
 
 def test_safetensors_header_matches_the_tensors(llama_folder: Path) -> None:
     header = hf.read_safetensors_header(llama_folder / "model.safetensors")
+    raw = (llama_folder / "model.safetensors").read_bytes()
     with safetensors.safe_open(llama_folder / "model.safetensors", "pt") as f:
         assert sorted(header) == sorted(f.keys())
         for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
             t = f.get_tensor(key)
-            assert header[key] == (t.dtype, tuple(t.shape), t.nbytes)
+            dtype, shape, nbytes, offset = header[key]
+            assert (dtype, shape, nbytes) == (t.dtype, tuple(t.shape), t.nbytes)
+            # The offset is where the tensor's bytes are (block reads start there).
+            assert offset is not None
+            at = torch.frombuffer(bytearray(raw[offset : offset + nbytes]), dtype=t.dtype)
+            assert torch.equal(at.reshape(t.shape), t)
 
 
 def test_to_transformers_computes_the_same_function(case: Any) -> None:

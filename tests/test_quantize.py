@@ -61,18 +61,24 @@ def test_int8_linear_is_the_per_channel_rounding(bias: bool, in_features: int) -
     assert q(x.bfloat16()).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_linear_is_the_groupwise_rounding(group_size: int) -> None:
+@pytest.mark.parametrize(
+    ("group_size", "in_features", "out_features"),
+    # (the last: 8192 inputs are packed 128 rows at a time, the 208 rows in two blocks)
+    [(32, 128, 48), (64, 128, 48), (128, 128, 48), (128, 8192, 208)],
+)
+def test_int4_linear_is_the_groupwise_rounding(
+    group_size: int, in_features: int, out_features: int
+) -> None:
     torch.manual_seed(2)
-    linear = nn.Linear(128, 48, bias=True)
+    linear = nn.Linear(in_features, out_features, bias=True)
     q = Int4Linear.from_linear(linear, group_size=group_size)
-    w = linear.weight.detach().double().reshape(48, -1, group_size)
+    w = linear.weight.detach().double().reshape(out_features, -1, group_size)
     step = (w.amax(-1) - w.amin(-1)) / 15
-    deq = q.dequantize().double().reshape(48, -1, group_size)
+    deq = q.dequantize().double().reshape(out_features, -1, group_size)
     # Half a step, plus the bf16 rounding of scale and offset.
     slack = step[..., None] * 0.53 + w.abs().amax(-1, keepdim=True) * 2**-7
     assert ((deq - w).abs() <= slack).all()
-    x = torch.randn(5, 128)
+    x = torch.randn(5, in_features)
     want = _f64_product(x.bfloat16().float(), q.dequantize(), linear.bias)
     assert_close(q(x).double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
@@ -186,22 +192,68 @@ def test_explorer_page_from_a_quantized_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_from_pretrained_quantizes_after_loading(mode: str, tmp_path: Path) -> None:
+def test_from_pretrained_quantizes_while_loading(mode: str, tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     lm = _lm()
     lm.save_pretrained(tmp_path)
     loaded = TransformerLM.from_pretrained(tmp_path, quantize=mode)  # type: ignore[arg-type]
     assert loaded.embedding.weight.dtype == torch.float32
-    # Weights stream in at bf16 before quantizing: the reference quantizes the bf16-rounded ones.
-    rounded = copy.deepcopy(lm)
-    with torch.no_grad():
-        for p in rounded.parameters():
-            p.copy_(p.bfloat16().float())
-    ref = quantize(rounded, mode)  # type: ignore[arg-type]
+    # Each linear is quantized from its float32 weight as it streams in: the same model as
+    # quantizing the loaded float32 model.
+    ref = quantize(copy.deepcopy(lm), mode)  # type: ignore[arg-type]
     ids = torch.randint(0, 96, (1, 12))
     with torch.no_grad():
         assert_close(loaded(ids), ref(ids), rtol=1e-5, atol=1e-5)
     assert isinstance(loaded.lm_head, Int4Linear if mode == "int4" else Int8Linear)
+    assert not any(type(m) is nn.Linear for m in loaded.modules())
+    assert not any(t.is_meta for t in [*loaded.parameters(), *loaded.buffers()])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_streamed_loading_holds_one_full_precision_linear_at_a_time(
+    tied: bool, tmp_path: Path
+) -> None:
+    """Each linear is replaced once its weight is full, before the next one is allocated beyond
+    the one in flight: at every replacement at most two full-precision weights are alive."""
+    pytest.importorskip("safetensors")
+    import gc
+    import weakref
+
+    from attnkit.interop import hf
+
+    lm = _lm(tie_embeddings=tied)
+    lm.save_pretrained(tmp_path, max_shard_size=40_000)  # several shards
+    alive: list[weakref.ref[Tensor]] = []
+    most = 0
+
+    def replace(linear: nn.Linear) -> nn.Module:
+        nonlocal most
+        alive.append(weakref.ref(linear.weight))
+        gc.collect()
+        most = max(most, sum(r() is not None for r in alive))
+        return Int8Linear.from_linear(linear)
+
+    loaded = hf.from_pretrained(tmp_path, cls=TransformerLM, replace=replace)
+    linears = [m for m in lm.modules() if type(m) is nn.Linear]
+    assert len(alive) == len(linears) and most <= 2
+    gc.collect()
+    assert all(r() is None for r in alive)
+    ref = quantize(copy.deepcopy(lm), "int8", head=False)
+    ids = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        assert_close(loaded(ids), ref(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_streamed_loading_names_a_missing_tensor(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file, save_file
+
+    _lm().save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"blocks\.1\.feed_forward\.gate_up\.weight"):
+        TransformerLM.from_pretrained(tmp_path, quantize="int8")
 
 
 TEXTS = [

@@ -22,6 +22,7 @@ Hugging Face decoder folders (:mod:`attnkit.interop.hf`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -491,10 +492,10 @@ class TransformerLM(_TransformerStack):
             dtype: Parameter dtype (default float32); bf16/fp16 load straight into it.
             device: Where the parameters are allocated and the weights streamed to.
             quantize: ``"int8"`` or ``"int4"``: weight-only quantization of the linears and the
-                output head (:func:`attnkit.quantize.quantize`), applied after the weights are
-                streamed. The weights stream in at 16 bits (bf16 unless ``dtype`` is fp16), so
-                loading peaks near the size of the 16-bit model, not the fp32 one; the
-                unquantized parameters (embedding, norms) then take ``dtype``.
+                output head (:func:`attnkit.quantize.quantize`). Each linear is quantized as soon
+                as its weight is streamed in, so loading peaks near the quantized model's size,
+                not the full-precision one's; the other parameters (embedding, norms) take
+                ``dtype``.
 
         Raises:
             FileNotFoundError: Naming missing files.
@@ -503,18 +504,14 @@ class TransformerLM(_TransformerStack):
         """
         if quantize is not None and quantize not in quantization.MODES:
             raise ValueError(f"quantize must be one of {quantization.MODES}, got {quantize!r}")
-        final = dtype if dtype is not None else torch.get_default_dtype()
-        staged = final
-        if quantize is not None and isinstance(final, torch.dtype) and final.itemsize > 2:
-            staged = torch.bfloat16
-        lm = hf.from_pretrained(path, cls=cls, dtype=staged if quantize else dtype, device=device)
+        replace = None
+        if quantize is not None:
+            replace = functools.partial(quantization.quantize_linear, mode=quantize)
+        lm = hf.from_pretrained(path, cls=cls, dtype=dtype, device=device, replace=replace)
         if not isinstance(lm, cls):
             raise TypeError(f"{cls.__name__}.from_pretrained built a {type(lm).__name__}")
         if quantize is not None:
-            quantization.quantize(lm, quantize)
-            with torch.no_grad():
-                for param in lm.parameters():
-                    param.data = param.data.to(final)
+            quantization.quantize(lm, quantize)  # the tied output head
         return lm
 
     def save_pretrained(self, path: str | Path, *, max_shard_size: int | None = None) -> Path:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from attnkit.decoding import PreparedLinear
 
-__all__ = ["MODES", "Int4Linear", "Int8Linear", "Mode", "quantize"]
+__all__ = ["MODES", "Int4Linear", "Int8Linear", "Mode", "quantize", "quantize_linear"]
 
 Mode = Literal["int8", "int4"]
 MODES: tuple[Mode, ...] = ("int8", "int4")
@@ -84,7 +84,8 @@ class Int8Linear(nn.Module):
                 f"and dtype {weight.dtype}"
             )
         out_features, in_features = weight.shape
-        new = cls(in_features, out_features, bias=False)
+        with torch.device("meta"):  # (the buffers are replaced below: no zeros to fill)
+            new = cls(in_features, out_features, bias=False)
         codes = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
         scale = torch.empty(out_features, device=weight.device)
         # Blocks of rows keep the float temporaries small (loading stays near the final size).
@@ -183,11 +184,13 @@ class Int4Linear(nn.Module):
         if weight.device.type != "cpu":
             raise ValueError(f"Int4Linear runs on CPU only, got a weight on {weight.device}")
         new = cls(in_features, out_features, group_size)
-        q_int = torch.empty(out_features, in_features, dtype=torch.int32)
         n_groups = in_features // group_size
         scale_b = torch.empty(out_features, n_groups, dtype=torch.bfloat16)
         zero_b = torch.empty(out_features, n_groups, dtype=torch.bfloat16)
-        step = _rows_per_block(in_features)
+        # The packing is row-block independent in blocks of 64 rows: pack a block at a time so
+        # the int32 codes never exist for the whole weight.
+        step = max(64, _rows_per_block(in_features) // 64 * 64)
+        packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
         for start in range(0, out_features, step):
             rows = slice(start, start + step)
             groups = (
@@ -198,9 +201,9 @@ class Int4Linear(nn.Module):
             # Round the scale and offset to bf16 (what the kernel reads) before choosing q.
             scale_b[rows], zero_b[rows] = scale.bfloat16(), (low + 8 * scale).bfloat16()
             q = groups.sub_(zero_b[rows].float()[..., None]).div_(scale_b[rows].float()[..., None])
-            q_int[rows] = q.add_(8).round_().clamp_(0, 15).reshape(-1, in_features)
-        new.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_int, 1)
-        del q_int
+            q_int = q.add_(8).round_().clamp_(0, 15).reshape(-1, in_features).to(torch.int32)
+            packed[rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_int, 1)
+        new.packed = packed
         # (in / group, out, 2): [scale, zero] per group and output channel.
         new.scales_and_zeros = torch.stack([scale_b.t(), zero_b.t()], dim=-1).contiguous()
         new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
@@ -256,6 +259,22 @@ def _quantized(weight: Tensor, bias: Tensor | None, mode: Mode, group_size: int)
     return Int8Linear.from_weight(weight, bias)
 
 
+def quantize_linear(linear: nn.Linear, mode: Mode, *, group_size: int = 128) -> nn.Module:
+    """``linear`` as an :class:`Int8Linear` or :class:`Int4Linear` (the rule of :func:`quantize`).
+
+    Loading with ``quantize=`` calls this on each linear as soon as its weight is streamed in.
+
+    Raises:
+        ValueError: Unknown ``mode`` or ``group_size``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    with torch.no_grad():
+        return _quantized(linear.weight, linear.bias, mode, group_size)
+
+
 @torch.no_grad()
 def quantize(
     model: nn.Module, mode: Mode, *, group_size: int = 128, head: bool = True
@@ -285,14 +304,15 @@ def quantize(
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     swaps = [
-        (parent, name, child)
+        (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) in (nn.Linear, PreparedLinear)
     ]
-    for parent, name, child in swaps:
-        assert isinstance(child, nn.Linear)
+    for parent, name in swaps:  # (no list of the old linears: each goes once it is swapped)
+        child = getattr(parent, name)
         setattr(parent, name, _quantized(child.weight, child.bias, mode, group_size))
+        del child
     embedding = getattr(model, "embedding", None)
     if head and isinstance(embedding, nn.Embedding) and getattr(model, "lm_head", 0) is None:
         model.lm_head = _quantized(embedding.weight, None, mode, group_size)

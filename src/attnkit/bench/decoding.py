@@ -560,14 +560,26 @@ def _stored_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
-        if t.numel() and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
+        inner = _plain_tensors(t)
+        for part in inner:
+            if part.numel() and part.data_ptr() not in seen:
+                seen.add(part.data_ptr())
+                total += part.numel() * part.element_size()
     embedding = getattr(model, "embedding", None)
     if isinstance(embedding, nn.Embedding) and getattr(model, "lm_head", None) is not None:
         w = embedding.weight  # a lookup reads one row; the quantized head reads the table
         total -= w.numel() * w.element_size()
     return total
+
+
+def _plain_tensors(t: Tensor) -> list[Tensor]:
+    """The plain tensors holding ``t``'s data: ``t`` itself, or a tensor subclass's parts
+    (torchao's quantized weights keep their int8 codes and scales as inner tensors)."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None or type(t) in (Tensor, nn.Parameter):
+        return [t]
+    names, _ = flatten()
+    return [p for name in names for p in _plain_tensors(getattr(t, name))]
 
 
 def quantized_variants(model: TransformerLM, *, compile: bool) -> dict[str, TransformerLM]:
@@ -638,8 +650,14 @@ def quantize_rows(
     repeats: int = 3,
     compile: bool = True,
     progress: Callable[[str], None] | None = None,
+    extra: Callable[[TransformerLM], dict[str, nn.Module]] | None = None,
+    only: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Decode-step tokens/s of fp32, bf16, int8 and int4 weights against transformers (fp32).
+
+    ``extra(model)`` adds variants (another library's quantization of the same model; a name
+    ending in ``compile`` runs compiled); ``only`` keeps just the named variants (transformers
+    always runs).
 
     Random weights (speed does not depend on their values). Rounds are interleaved: each repeat
     runs every variant for ``new`` tokens and for 1, the decode phase being the difference, and
@@ -657,7 +675,11 @@ def quantize_rows(
     torch.manual_seed(0)
     model = TransformerLM(config).eval()
     prompt = torch.randint(0, config.vocab_size or 2, (1, P))
-    variants = quantized_variants(model, compile=compile)
+    variants: dict[str, nn.Module] = dict(quantized_variants(model, compile=compile))
+    added = extra(model) if extra is not None else {}
+    variants |= added
+    if only is not None:
+        variants = {k: v for k, v in variants.items() if k in only}
     runners: dict[str, Callable[[int], Any]] = {}
     notes: list[str] = []
     try:
@@ -668,13 +690,19 @@ def quantize_rows(
     for variant, lm in variants.items():
         compiled = variant.endswith("compile")
 
-        def run_attnkit(n: int, lm: TransformerLM = lm, c: bool = compiled) -> Any:
+        def run_attnkit(n: int, lm: Any = lm, c: bool = compiled) -> Any:
             return lm.generate(prompt, n, eos_token_id=[], compile=c)
 
         runners[variant] = run_attnkit
-    for variant, run in runners.items():
+    for variant, run in list(runners.items()):
         say(f"{name}: warm-up {variant}")
-        run(new)
+        try:
+            run(new)
+        except Exception as err:  # another library's variant that does not run here
+            if variant not in added:
+                raise
+            notes.append(f"{variant} failed and was left out: {type(err).__name__}: {err}")
+            del runners[variant]
     steps: dict[str, list[float]] = {v: [] for v in runners}
     firsts: dict[str, list[float]] = {v: [] for v in runners}
     bandwidths: list[float] = []

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from attnkit.interop.hf_config import config_from_hf
-from attnkit.interop.hf_weights import ModelClass, ParameterFiller, allocate
+from attnkit.interop.hf_weights import ModelClass, ParameterFiller, Replace, allocate
 from attnkit.positional import permute_rotary_weight, rope_inv_freq
 
 __all__ = [
@@ -503,6 +503,7 @@ def from_gguf(
     cls: ModelClass,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    replace: Replace | None = None,
 ) -> Any:
     """Load a Llama-, Qwen2- or Qwen3-architecture GGUF file into ``cls(config)`` (eval mode).
 
@@ -512,6 +513,8 @@ def from_gguf(
         dtype: Parameter dtype (default: torch's default dtype); quantized tensors are
             dequantized to float32 a block of rows at a time and cast.
         device: Where the parameters are allocated (default: CPU).
+        replace: Swap each plain ``nn.Linear`` for ``replace(linear)`` once its weight is read
+            (see :func:`attnkit.interop.hf.from_pretrained`).
 
     Returns:
         The model; ``generation_config`` holds the file's bos/eos/pad ids (eos: the end-of-text
@@ -528,9 +531,9 @@ def from_gguf(
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     file = _open(path)
     _, config = config_from_hf(_hf_config(file))
-    lm = allocate(cls, config, dtype=dtype, device=device)
+    lm = allocate(cls, config, dtype=dtype, device=device, stream_linears=replace is not None)
     arch = file.value("general.architecture")
-    filler = ParameterFiller(lm, f"{arch} GGUF", str(path))
+    filler = ParameterFiller(lm, f"{arch} GGUF", str(path), replace=replace)
     # llama.cpp's converter interleaves the rotary pairs of Llama's q/k rows (its llama graph
     # rotates adjacent pairs); Qwen's graphs rotate halves, as Hugging Face does: no permutation.
     rotary = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}

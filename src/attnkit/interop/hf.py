@@ -30,6 +30,7 @@ from attnkit.interop.hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, h
 from attnkit.interop.hf_weights import (
     ModelClass,
     ParameterFiller,
+    Replace,
     WeightEntry,
     allocate,
     hf_state_dict,
@@ -126,6 +127,7 @@ def from_pretrained(
     cls: ModelClass,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    replace: Replace | None = None,
 ) -> Any:
     """Load a Hugging Face decoder folder or a ``.gguf`` file into ``cls(config)`` (eval mode).
 
@@ -140,6 +142,9 @@ def from_pretrained(
             ``torch.float16`` load straight into that dtype.
         device: Where the parameters are allocated and the weights copied to (default: CPU), e.g.
             ``"cuda"``; nothing passes through a full CPU copy of the model.
+        replace: Swap each plain ``nn.Linear`` for ``replace(linear)`` as soon as its weight is
+            loaded (in ``dtype``), e.g. a quantized linear: only a linear or two is ever held in
+            full precision (see :class:`attnkit.interop.hf_weights.ParameterFiller`).
 
     Returns:
         The model; ``model.generation_config`` holds the folder's eos/pad/bos ids.
@@ -152,7 +157,7 @@ def from_pretrained(
     """
     path = Path(path)
     if path.suffix == ".gguf" and not path.is_dir():
-        return gguf.from_gguf(path, cls=cls, dtype=dtype, device=device)
+        return gguf.from_gguf(path, cls=cls, dtype=dtype, device=device, replace=replace)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
     if not (path / "config.json").is_file():
@@ -160,9 +165,9 @@ def from_pretrained(
     arch, config = config_from_hf(read_json(path / "config.json"))
     files = _weight_files(path)
     headers = {f: read_safetensors_header(f) for f in files}  # errors before any allocation
-    lm = allocate(cls, config, dtype=dtype, device=device)
+    lm = allocate(cls, config, dtype=dtype, device=device, stream_linears=replace is not None)
     base_prefix = "transformer." if arch == "GPT2LMHeadModel" else "model."
-    filler = ParameterFiller(lm, arch, str(path), base_prefix=base_prefix)
+    filler = ParameterFiller(lm, arch, str(path), base_prefix=base_prefix, replace=replace)
     with torch.no_grad():
         for file, entries in headers.items():
             with open_safetensors(file) as f:

@@ -4,10 +4,17 @@
 q/k/v projection, transposed for GPT-2's ``Conv1D``); :class:`ParameterFiller` checks and places
 tensors read one at a time (by the safetensors and GGUF readers) into a model's parameters;
 :func:`hf_state_dict` is the other direction, the tensors a Hugging Face folder holds.
+
+Streamed replacement (weight-only quantization while loading): given ``replace``,
+:func:`allocate` leaves the weight of every plain ``nn.Linear`` unallocated, the filler allocates
+it when its first tensor arrives and, once it is full, swaps the linear for ``replace(linear)``
+and drops the full-precision weight. Loading then peaks near the final (replaced) model's size
+plus a linear or two, not at the full-precision model's size.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +28,13 @@ from attnkit.positional import permute_rotary_weight
 # The model class a loader builds: ``cls(config)`` (:class:`attnkit.TransformerLM`, which sits
 # above this package and passes itself in).
 ModelClass = Callable[[TransformerConfig], nn.Module]
+# What a plain linear becomes once its weight is loaded (a quantized linear, say).
+Replace = Callable[[nn.Linear], nn.Module]
 
 __all__ = [
     "ModelClass",
     "ParameterFiller",
+    "Replace",
     "WeightEntry",
     "allocate",
     "hf_state_dict",
@@ -141,9 +151,13 @@ def allocate(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    stream_linears: bool = False,
 ) -> Any:
     """``cls(config)`` with uninitialised parameters, built on the meta device and allocated
     once in ``dtype`` on ``device`` (for a loader to fill).
+
+    With ``stream_linears``, the weights of plain ``nn.Linear`` modules stay on the meta device:
+    a :class:`ParameterFiller` with ``replace`` allocates each when its tensor arrives.
 
     Raises:
         TypeError: If ``dtype`` is not a floating torch dtype or ``device`` not a device.
@@ -159,11 +173,43 @@ def allocate(
         raise TypeError(f"device must be a torch.device or its name, got {device!r}") from err
     with torch.device("meta"):
         lm = cls(config)
-    lm = lm.to(dtype).to_empty(device=target)
+    lm = lm.to(dtype)
+    if not stream_linears:
+        lm = lm.to_empty(device=target)
+    else:
+        made: dict[int, nn.Parameter] = {}  # shared parameters stay shared
+        for module in lm.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if type(module) is nn.Linear and name == "weight":
+                    continue
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(
+                        torch.empty_like(param, device=target), param.requires_grad
+                    )
+                setattr(module, name, made[id(param)])
+            for name, buf in list(module.named_buffers(recurse=False)):
+                module._buffers[name] = torch.empty_like(buf, device=target)
     for name, buf in lm.named_buffers():
         if buf.numel():  # to_empty left them uninitialised; every buffer here is recomputable
             raise ValueError(f"unexpected non-empty buffer {name} after allocating {config}")
     return lm
+
+
+def _release_freed_memory() -> None:
+    """Hand the allocator's free pages back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere). Without it the staged weights freed between the long-lived quantized ones leave
+    holes in the heap that count as resident memory: +50-70% over the final model's size."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 
 
 class ParameterFiller:
@@ -178,15 +224,55 @@ class ParameterFiller:
         where: The checkpoint's path (named in errors).
         base_prefix: Tried before a name that is not in the map (base-model checkpoints, such as
             the original gpt2, omit ``transformer.``/``model.``).
+        replace: For a model from :func:`allocate` with ``stream_linears``: each plain linear
+            whose weight is on the meta device gets it allocated (in that dtype) when its first
+            tensor arrives and is swapped for ``replace(linear)`` once its weight and bias are
+            full (checked as the next tensor arrives and in :meth:`finish`).
     """
 
-    def __init__(self, lm: nn.Module, arch: str, where: str, *, base_prefix: str = "") -> None:
+    def __init__(
+        self,
+        lm: nn.Module,
+        arch: str,
+        where: str,
+        *,
+        base_prefix: str = "",
+        replace: Replace | None = None,
+    ) -> None:
         self.arch, self.where, self.base_prefix = arch, where, base_prefix
+        self.lm, self.replace = lm, replace
         self.config: TransformerConfig = lm.config  # type: ignore[assignment]
         self.entries = weight_map(arch, self.config)
         self.params = dict(lm.named_parameters())
+        self.sizes = {k: p.numel() for k, p in self.params.items()}
         self.filled = dict.fromkeys(self.params, 0)
         self.unexpected: list[str] = []
+        # Linears waiting for their weight (module name -> module), when streaming.
+        self.pending: dict[str, nn.Linear] = {}
+        if replace is not None:
+            self.pending = {
+                name: m
+                for name, m in lm.named_modules()
+                if type(m) is nn.Linear and m.weight.is_meta
+            }
+        real = [p for p in self.params.values() if not p.is_meta]
+        self.device = real[0].device if real else torch.device("cpu")
+
+    def _swap_full(self) -> None:
+        """Swap every pending linear whose weight (and bias) is full for ``replace(linear)``."""
+        assert self.replace is not None or not self.pending
+        for name, linear in list(self.pending.items()):
+            parts = [f"{name}.weight"] + ([f"{name}.bias"] if linear.bias is not None else [])
+            if linear.weight.is_meta or any(self.filled[k] < self.sizes[k] for k in parts):
+                continue
+            parent, _, attr = name.rpartition(".")
+            new = self.replace(linear)  # type: ignore[misc]
+            setattr(self.lm.get_submodule(parent), attr, new)
+            del self.pending[name]
+            for k in parts:  # the full-precision weight goes with the last reference
+                self.params.pop(k)
+            del linear
+            _release_freed_memory()
 
     def entry(self, key: str) -> WeightEntry | None:
         """The entry of checkpoint tensor ``key``; ``None`` (noted unless ignorable) if none."""
@@ -202,6 +288,18 @@ class ParameterFiller:
         Raises:
             ValueError: If ``shape`` is not the shape the config needs (naming file and tensor).
         """
+        self._swap_full()
+        module = entry.param.rpartition(".")[0]
+        if module in self.pending and entry.param.endswith(".weight"):
+            linear = self.pending[module]
+            if linear.weight.is_meta:
+                staged = torch.empty_like(linear.weight, device=self.device)
+                linear.weight = nn.Parameter(staged, requires_grad=False)
+                self.params[entry.param] = linear.weight
+        if entry.param not in self.params:
+            raise ValueError(
+                f"{file}: tensor {key} fills {entry.param}, which an earlier tensor already filled"
+            )
         target: Tensor = self.params[entry.param]
         if entry.rows is not None:
             target = target[entry.rows[0] : entry.rows[1]]
@@ -220,13 +318,14 @@ class ParameterFiller:
         Raises:
             ValueError: Naming up to 8 tensors without a place, or the unfilled parameters.
         """
+        self._swap_full()
         if self.unexpected:
             more = len(self.unexpected) - 8
             raise ValueError(
                 f"{self.where}: tensors with no place in {self.arch} as configured: "
                 f"{self.unexpected[:8]}" + (f" and {more} more" if more > 0 else "")
             )
-        missing = [k for k, p in self.params.items() if self.filled[k] < p.numel()]
+        missing = [k for k, n in self.sizes.items() if self.filled[k] < n]
         if missing:
             raise ValueError(f"{self.where}: the weights lack tensors for {missing[:8]}")
 

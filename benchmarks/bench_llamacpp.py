@@ -1,0 +1,247 @@
+"""attnkit against llama.cpp (through ``llama-cpp-python``): decode tokens/s per precision.
+
+Usage::
+
+    python benchmarks/bench_llamacpp.py                      # random 135M-shape Llama
+    python benchmarks/bench_llamacpp.py --model DIR --gguf-dir GGUFS
+    python benchmarks/bench_llamacpp.py --model DIR --gguf f32=FILE --gguf q8_0=FILE2
+
+Needs ``llama-cpp-python`` (``pip install llama-cpp-python``; it builds llama.cpp from source,
+so it is not a dependency of attnkit and no test runs this script); without it the script says
+so and exits. Pairs, each measured side by side in interleaved rounds (medians of the decode-step
+rate: the time of ``new`` tokens minus the time of one, over ``new - 1``):
+
+* llama.cpp ``f32`` vs attnkit fp32 (``compile=True``),
+* llama.cpp ``bf16`` vs attnkit bf16 weights (compiled),
+* llama.cpp ``q8_0`` vs attnkit int8 weight-only (``quantize="int8"``, eager and compiled).
+
+The GGUF files: ``--gguf PRECISION=FILE`` (e.g. converted with llama.cpp's own
+``convert_hf_to_gguf.py --outtype f32|bf16|q8_0``), or, for the precisions not given, written
+here from the attnkit model with the ``gguf`` package's writer (tensor names and the rotary
+channel order of llama.cpp's converter; q8_0 quantized by ``gguf.quants``). Goals: attnkit /
+llama.cpp >= 1.15 in fp32 and >= 1.0 in bf16.
+
+Prints a table and writes JSON (default ``benchmarks/results/bench_llamacpp.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnkit.bench import decoding as db
+from attnkit.models import TransformerLM
+
+PAIRS = {"f32": "fp32 compile", "bf16": "bf16 compile", "q8_0": "int8 compile"}
+GOALS = {"f32": 1.15, "bf16": 1.0}
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter order: each head's rotary halves as interleaved pairs."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    )
+
+
+def write_gguf(lm: TransformerLM, path: Path, precision: str) -> Path:
+    """``lm`` (a tied or untied Llama-shaped model) as a GGUF file of 2-D weights in
+    ``precision`` (``f32``, ``bf16`` or ``q8_0``), with a placeholder SentencePiece vocabulary
+    (speed does not depend on the tokens). Needs the ``gguf`` package."""
+    import gguf
+    import numpy as np
+
+    from attnkit.interop.hf_weights import hf_state_dict
+
+    c = lm.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(c.max_seq_len)
+    w.add_embedding_length(c.dim)
+    w.add_block_count(c.num_layers)
+    w.add_feed_forward_length(int(c.ffn_dim or 4 * c.dim))
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_layer_norm_rms_eps(c.eps)
+    w.add_rope_freq_base(c.rope_base)
+    vocab = int(c.vocab_size or 0)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(vocab - len(tokens))]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:vocab])
+    w.add_token_types(([2, 3, 3] + [6] * 256 + [1] * vocab)[:vocab])
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(vocab - 259)])
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    heads = {"self_attn.q_proj": c.num_heads, "self_attn.k_proj": c.num_kv_heads}
+    kind = {"f32": None, "bf16": gguf.GGMLQuantizationType.BF16}
+    for name, t in hf_state_dict(lm, "LlamaForCausalLM"):
+        t = t.float()
+        if name.startswith("model.layers."):
+            i, rest = name.removeprefix("model.layers.").split(".", 1)
+            part, what = rest.rsplit(".", 1)
+            if part in heads:
+                t = _permute(t, heads[part])
+            target = f"blk.{i}.{layer[part]}.{what}"
+        else:
+            target = names[name]
+        if t.dim() == 1 or precision == "f32":
+            w.add_tensor(target, t.numpy().astype(np.float32))
+        elif precision == "bf16":
+            w.add_tensor(target, t.bfloat16().view(torch.uint8).numpy(), raw_dtype=kind["bf16"])
+        else:
+            q = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(target, gguf.quants.quantize(t.numpy(), q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _llama_runner(path: Path, prompt: list[int], threads: int) -> Callable[[int], Any]:
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_ctx=len(prompt) + 256, n_threads=threads, verbose=False)
+
+    def run(n: int) -> None:
+        llm.reset()
+        llm.eval(prompt)
+        for _ in range(n - 1):  # (speed only: the next token is a fixed one)
+            llm.eval([prompt[-1]])
+
+    return run
+
+
+def _step_rate(run: Callable[[int], Any], new: int) -> float:
+    start = time.perf_counter()
+    run(new)
+    mid = time.perf_counter()
+    run(1)
+    end = time.perf_counter()
+    return (new - 1) / max((mid - start) - (end - mid), 1e-9)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="Hugging Face Llama folder (default: random)")
+    parser.add_argument("--shape", default="llama-135m", choices=sorted(db.QUANT_MODELS))
+    parser.add_argument("--gguf", action="append", default=[], help="PRECISION=FILE")
+    parser.add_argument("--prompt", type=int, default=40)
+    parser.add_argument("--new", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "bench_llamacpp.json"
+    )
+    args = parser.parse_args(argv)
+    try:
+        import llama_cpp
+    except ImportError:
+        print(
+            "llama-cpp-python is not installed: nothing to compare against "
+            "(pip install llama-cpp-python builds llama.cpp from source)",
+            file=sys.stderr,
+        )
+        return {"skipped": "llama-cpp-python not installed"}
+    given = dict(item.split("=", 1) for item in args.gguf)
+    bad = sorted(set(given) - set(PAIRS))
+    if bad:
+        raise ValueError(f"unknown precisions {bad}; known: {sorted(PAIRS)}")
+    if args.model is not None:
+        lm = TransformerLM.from_pretrained(args.model)
+    else:
+        torch.manual_seed(0)
+        lm = TransformerLM(db.QUANT_MODELS[args.shape][0]).eval()
+    prompt = torch.randint(3, int(lm.config.vocab_size or 4), (1, args.prompt))
+    variants = db.quantized_variants(lm, compile=True)
+    threads = torch.get_num_threads()
+    runners: dict[str, Callable[[int], Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision in PAIRS:
+            path = Path(given[precision]) if precision in given else None
+            if path is None:
+                path = write_gguf(lm, Path(tmp) / f"model-{precision}.gguf", precision)
+            try:
+                runners[f"llama.cpp {precision}"] = _llama_runner(path, prompt[0].tolist(), threads)
+            except Exception as err:  # a type this build's CPU path does not run
+                print(f"llama.cpp {precision} failed: {err}", file=sys.stderr)
+        for name in (*PAIRS.values(), "int8"):
+
+            def run(n: int, lm: Any = variants[name], c: bool = name.endswith("compile")) -> Any:
+                return lm.generate(prompt, n, eos_token_id=[], compile=c)
+
+            runners[f"attnkit {name}"] = run
+        for name, run in runners.items():
+            print(f"warm-up {name}", file=sys.stderr)
+            run(args.new)
+        rates: dict[str, list[float]] = {k: [] for k in runners}
+        for _ in range(args.repeats):
+            for name, run in runners.items():
+                rates[name].append(_step_rate(run, args.new))
+    median = {k: statistics.median(v) for k, v in rates.items()}
+    rows = []
+    print(
+        f"\n{'llama.cpp':<10} {'tok/s':>8}  {'attnkit':<18} {'tok/s':>8} {'ratio':>7} {'goal':>6}"
+    )
+    for precision, ours in PAIRS.items():
+        theirs = median.get(f"llama.cpp {precision}")
+        mine = median[f"attnkit {ours}"]
+        ratio = None if theirs is None else mine / theirs
+        goal = GOALS.get(precision)
+        rows.append(
+            {
+                "precision": precision,
+                "llama_cpp": theirs,
+                "attnkit_variant": ours,
+                "attnkit": mine,
+                "ratio": ratio,
+                "goal": goal,
+            }
+        )
+        shown = "failed" if theirs is None else f"{theirs:8.1f}"
+        print(
+            f"{precision:<10} {shown:>8}  {ours:<18} {mine:>8.1f} "
+            f"{'-' if ratio is None else f'{ratio:7.2f}':>7} {goal or '-':>6}"
+        )
+    result = {
+        "rows": rows,
+        "rates": median,
+        "threads": threads,
+        "machine": platform.processor() or platform.machine(),
+        "llama_cpp_python": getattr(llama_cpp, "__version__", "?"),
+        "torch": torch.__version__,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Weight-only quantization: quality on real weights, loading peak memory, and speed beside torchao.
+
+Usage::
+
+    python benchmarks/bench_quantize.py                       # everything below
+    python benchmarks/bench_quantize.py --model DIR [--model DIR2]   # also real decoder folders
+    python benchmarks/bench_quantize.py --skip speed --skip memory   # quality only
+
+Sections (``--skip NAME`` leaves one out):
+
+* ``quality``: a byte-level Llama-shaped decoder trained on English text until its held-out loss
+  converges (:func:`attnkit.bench.quantization.train_text_lm`; kept in ``--lm-dir`` and reused),
+  and every ``--model`` folder, loaded as fp32, bf16, int8, int4 and torchao int8: top-1
+  agreement with fp32 and perplexity change on held-out English text. Targets: int8 top-1
+  agreement >= 97%, perplexity within +2%; int4 top-1 agreement >= 90%.
+* ``minilm``: all-MiniLM-L6-v2's int8/int4 embeddings of held-out English sentences, lowest cosine
+  to fp32 (target: int8 >= 0.99); needs the ``models`` extra.
+* ``memory``: peak memory of ``from_pretrained(..., quantize="int8")`` (and int4) in a child
+  process over the loaded model's bytes, on a random ``--shape`` folder and every ``--model``
+  (target: <= 1.2x).
+* ``speed``: decode-step tokens/s on the ``--shape`` model: fp32, bf16, attnkit int8/int4 and
+  torchao's ``Int8WeightOnlyConfig``, eager and compiled, against transformers fp32, in
+  interleaved rounds (medians). Targets: int8 >= 3.0x transformers fp32 and >= 1.8x attnkit
+  bf16; int4 >= 1.5x int8.
+
+Prints tables and writes JSON (default ``benchmarks/results/bench_quantize.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnkit.bench import decoding as db
+from attnkit.bench import quantization as bq
+from attnkit.models import TransformerLM
+
+SECTIONS = ("quality", "minilm", "memory", "speed")
+RESULTS = Path(__file__).parent / "results"
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _target(what: str, measured: float, goal: float, *, at_most: bool = False) -> dict[str, Any]:
+    met = measured <= goal if at_most else measured >= goal
+    short = (measured / goal - 1) if at_most else (1 - measured / goal)
+    return {"what": what, "measured": measured, "target": goal, "met": met, "short": max(0, short)}
+
+
+def quality_section(args: argparse.Namespace, held_out: str) -> dict[str, Any]:
+    folders: list[tuple[str, Path]] = []
+    lm_dir = Path(args.lm_dir)
+    if not (lm_dir / "training.json").is_file() or args.retrain:
+        _say(f"training the byte-level English decoder into {lm_dir} (until convergence)")
+        bq.train_text_lm(lm_dir, max_steps=args.max_steps, progress=_say)
+    training = json.loads((lm_dir / "training.json").read_text())
+    folders.append(("trained byte-level decoder", lm_dir))
+    folders += [(str(m), Path(m)) for m in args.model]
+    out: dict[str, Any] = {"training": {k: v for k, v in training.items() if k != "history"}}
+    out["models"] = {}
+    for label, folder in folders:
+        _say(f"quality: {label}")
+        # The trained decoder is scored at the context it was trained on.
+        context = training.get("seq_len", args.context) if folder == lm_dir else args.context
+        windows = args.windows * args.context // context
+        rows = bq.quality_rows(folder, held_out, context=context, max_windows=windows)
+        out["models"][label] = rows
+    return out
+
+
+def print_quality(result: dict[str, Any]) -> list[dict[str, Any]]:
+    t = result["training"]
+    print(
+        f"\ntrained decoder: {t['steps']} steps, converged={t['converged']}, held-out "
+        f"{t['held_out_bits_per_byte']:.3f} bits/byte"
+    )
+    print(f"{'model':<34} {'variant':<14} {'top-1 agree':>11} {'ppl':>9} {'ppl change':>10}")
+    targets = []
+    for label, rows in result["models"].items():
+        for row in rows:
+            print(
+                f"{label[-34:]:<34} {row['variant']:<14} {row['top1_agreement']:>10.2%} "
+                f"{row['perplexity']:>9.4f} {row['perplexity_change']:>+10.2%}"
+            )
+            if row["variant"] == "int8":
+                targets.append(_target(f"{label}: int8 top-1", row["top1_agreement"], 0.97))
+                targets.append(
+                    _target(f"{label}: int8 ppl", row["perplexity_change"], 0.02, at_most=True)
+                )
+            if row["variant"] == "int4":
+                targets.append(_target(f"{label}: int4 top-1", row["top1_agreement"], 0.90))
+    return targets
+
+
+def minilm_section(held_out: str) -> dict[str, Any]:
+    sentences = [s.strip() for s in held_out.replace("\n", " ").split(". ") if len(s) > 40][:64]
+    try:
+        cosines = db.minilm_cosines(sentences)
+    except (ImportError, FileNotFoundError) as err:
+        return {"skipped": f"{type(err).__name__}: {err}"}
+    return {"sentences": len(sentences), "lowest_cosine": cosines}
+
+
+def _random_folder(shape: str, where: Path) -> Path:
+    config, _, _ = db.QUANT_MODELS[shape]
+    torch.manual_seed(0)
+    TransformerLM(config).save_pretrained(where / shape)
+    return where / shape
+
+
+def memory_section(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = [(f"random {args.shape}", _random_folder(args.shape, Path(tmp)))]
+        folders += [(str(m), Path(m)) for m in args.model]
+        for label, folder in folders:
+            for mode in ("int8", "int4", "fp32"):
+                _say(f"memory: {label} {mode}")
+                rows.append({"model": label, **bq.load_peak(folder, mode)})
+    return rows
+
+
+def print_memory(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    print(f"\n{'model':<34} {'mode':<6} {'peak MB':>9} {'model MB':>9} {'peak/model':>10}")
+    targets = []
+    for r in rows:
+        ratio = r["peak_over_model"]
+        print(
+            f"{r['model'][-34:]:<34} {r['mode']:<6} {(r['peak_bytes'] or 0) / 1e6:>9.1f} "
+            f"{r['model_bytes'] / 1e6:>9.1f} {ratio if ratio is not None else float('nan'):>10.2f}"
+        )
+        if r["mode"] == "int8" and ratio is not None:
+            targets.append(_target(f"{r['model']}: int8 load peak", ratio, 1.2, at_most=True))
+    return targets
+
+
+def speed_section(args: argparse.Namespace) -> dict[str, Any]:
+    return db.quantize_rows(
+        args.shape,
+        repeats=args.repeats,
+        compile=not args.no_compile,
+        progress=_say,
+        extra=lambda m: dict(bq.torchao_variants(m, compile=not args.no_compile)),
+    )
+
+
+def print_speed(result: dict[str, Any]) -> list[dict[str, Any]]:
+    print(f"\nread bandwidth {result['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    print(
+        f"{'variant':<22} {'tok/s':>8} {'vs hf fp32':>10} {'vs bf16 c':>10} {'vs int8 c':>10} "
+        f"{'of bound':>9}"
+    )
+    rows = {r["variant"]: r for r in result["rows"]}
+    for v, r in rows.items():
+        cells = [
+            f"{r[k]:>10.2f}" if k in r else f"{'-':>10}"
+            for k in ("vs_transformers", "vs_bf16_compile", "vs_int8_compile")
+        ]
+        bound = f"{r['of_bound']:>9.0%}" if "of_bound" in r else f"{'-':>9}"
+        print(f"{v:<22} {r['step_tokens_per_s']:>8.1f} {' '.join(cells)} {bound}")
+    for note in result["notes"]:
+        print(f"note: {note}")
+    targets = []
+    best8 = max(
+        (r for v, r in rows.items() if v.startswith("int8")),
+        key=lambda r: r["step_tokens_per_s"],
+        default=None,
+    )
+    if best8 is not None and "vs_transformers" in best8:
+        targets.append(_target("int8 vs transformers fp32", best8["vs_transformers"], 3.0))
+    if best8 is not None and "vs_bf16_compile" in best8:
+        targets.append(_target("int8 vs attnkit bf16 (compiled)", best8["vs_bf16_compile"], 1.8))
+    best4 = max(
+        (r for v, r in rows.items() if v.startswith("int4")),
+        key=lambda r: r["step_tokens_per_s"],
+        default=None,
+    )
+    if best4 is not None and best8 is not None:
+        ratio = best4["step_tokens_per_s"] / best8["step_tokens_per_s"]
+        targets.append(_target("int4 vs int8", ratio, 1.5))
+    ao = [r for v, r in rows.items() if v.startswith("torchao")]
+    if ao and best8 is not None:
+        best_ao = max(ao, key=lambda r: r["step_tokens_per_s"])
+        ratio = best8["step_tokens_per_s"] / best_ao["step_tokens_per_s"]
+        targets.append(_target("attnkit int8 vs torchao int8 (best of each)", ratio, 1.0))
+    return targets
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", default=[], help="a decoder folder")
+    parser.add_argument("--lm-dir", default=str(RESULTS / "quantize_lm"))
+    parser.add_argument("--retrain", action="store_true")
+    parser.add_argument("--max-steps", type=int, default=2500)
+    parser.add_argument(
+        "--context", type=int, default=256, help="tokens per scored window (--model folders)"
+    )
+    parser.add_argument("--windows", type=int, default=32, help="scored windows of --context")
+    parser.add_argument("--shape", default="llama-135m", choices=sorted(db.QUANT_MODELS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--skip", action="append", default=[], choices=SECTIONS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_quantize.json")
+    args = parser.parse_args(argv)
+    _, held_out = bq.english_text()
+    result: dict[str, Any] = {
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    targets: list[dict[str, Any]] = []
+    if "quality" not in args.skip:
+        result["quality"] = quality_section(args, held_out)
+        targets += print_quality(result["quality"])
+    if "minilm" not in args.skip:
+        result["minilm"] = minilm_section(held_out)
+        print(f"\nall-MiniLM-L6-v2: {result['minilm']}")
+        for mode, cos in result["minilm"].get("lowest_cosine", {}).items():
+            if mode == "int8":
+                targets.append(_target("MiniLM int8 lowest cosine", cos, 0.99))
+    if "memory" not in args.skip:
+        result["memory"] = memory_section(args)
+        targets += print_memory(result["memory"])
+    if "speed" not in args.skip:
+        result["speed"] = speed_section(args)
+        targets += print_speed(result["speed"])
+    result["targets"] = targets
+    print(f"\n{'target':<52} {'measured':>9} {'goal':>6}  status")
+    for t in targets:
+        status = "met" if t["met"] else f"{t['short']:.0%} short"
+        print(f"{t['what'][-52:]:<52} {t['measured']:>9.4f} {t['target']:>6}  {status}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
