@@ -23,6 +23,7 @@ from attnkit.chat import format_chat
 from attnkit.interop import gguf as ak_gguf
 from attnkit.interop import hf
 from tests.chat_templates import CONVERSATION, QWEN2, train_tokenizer
+from tests.helpers import ROPE_LLAMA3
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -399,17 +400,6 @@ def test_sentencepiece_tokenizer_equals_transformers(tmp_path: Path) -> None:
     assert tok.encode("the cat").ids[0] == 1  # bos added, as llama.cpp does
     # bos, the word marker, and the two UTF-8 bytes of Ç as byte-fallback tokens <0xC3> <0x87>
     assert tok.encode("Ç").ids == [1, tok.token_to_id("\u2581"), 3 + 0xC3, 3 + 0x87]
-
-
-#: Llama 3.1's rotary scaling for a model trained on 64 positions (head dim 64, base 10000: high,
-#: in-between and low frequencies all occur).
-ROPE_LLAMA3: dict[str, Any] = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 
 
 def test_llama3_rope_freqs_equal_the_hf_model_with_that_scaling(tmp_path: Path) -> None:

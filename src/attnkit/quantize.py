@@ -259,6 +259,14 @@ def _quantized(weight: Tensor, bias: Tensor | None, mode: Mode, group_size: int)
     return Int8Linear.from_weight(weight, bias)
 
 
+def _check_options(mode: str, group_size: int) -> None:
+    """Raise a ValueError naming an unknown ``mode`` or ``group_size``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+
+
 def quantize_linear(linear: nn.Linear, mode: Mode, *, group_size: int = 128) -> nn.Module:
     """``linear`` as an :class:`Int8Linear` or :class:`Int4Linear` (the rule of :func:`quantize`).
 
@@ -267,10 +275,7 @@ def quantize_linear(linear: nn.Linear, mode: Mode, *, group_size: int = 128) -> 
     Raises:
         ValueError: Unknown ``mode`` or ``group_size``.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    _check_options(mode, group_size)
     with torch.no_grad():
         return _quantized(linear.weight, linear.bias, mode, group_size)
 
@@ -299,10 +304,7 @@ def quantize(
     Raises:
         ValueError: Unknown ``mode`` or ``group_size``.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    _check_options(mode, group_size)
     swaps = [
         (parent, name)
         for parent in model.modules()
