@@ -46,13 +46,6 @@ PAIRS = {"f32": "fp32 compile", "bf16": "bf16 compile", "q8_0": "int8 compile"}
 GOALS = {"f32": 1.15, "bf16": 1.0}
 
 
-def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter order: each head's rotary halves as interleaved pairs."""
-    return (
-        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-    )
-
-
 def write_gguf(lm: TransformerLM, path: Path, precision: str) -> Path:
     """``lm`` (a tied or untied Llama-shaped model) as a GGUF file of 2-D weights in
     ``precision`` (``f32``, ``bf16`` or ``q8_0``), with a placeholder SentencePiece vocabulary
@@ -60,7 +53,9 @@ def write_gguf(lm: TransformerLM, path: Path, precision: str) -> Path:
     import gguf
     import numpy as np
 
+    from attnkit.interop.gguf import llama_cpp_name
     from attnkit.interop.hf_weights import hf_state_dict
+    from attnkit.positional import permute_rotary_weight
 
     c = lm.config
     w = gguf.GGUFWriter(str(path), "llama")
@@ -83,34 +78,16 @@ def write_gguf(lm: TransformerLM, path: Path, precision: str) -> Path:
     w.add_unk_token_id(0)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    layer = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
     heads = {"self_attn.q_proj": c.num_heads, "self_attn.k_proj": c.num_kv_heads}
     kind = {"f32": None, "bf16": gguf.GGMLQuantizationType.BF16}
     for name, t in hf_state_dict(lm, "LlamaForCausalLM"):
         t = t.float()
-        if name.startswith("model.layers."):
-            i, rest = name.removeprefix("model.layers.").split(".", 1)
-            part, what = rest.rsplit(".", 1)
-            if part in heads:
-                t = _permute(t, heads[part])
-            target = f"blk.{i}.{layer[part]}.{what}"
-        else:
-            target = names[name]
+        part = name.split(".", 3)[-1].rsplit(".", 1)[0]  # e.g. self_attn.q_proj
+        if name.startswith("model.layers.") and part in heads:  # llama.cpp's rotary order
+            t = permute_rotary_weight(t, heads[part], to="interleaved")
+        target = llama_cpp_name(name)
+        if target == name:
+            raise ValueError(f"no llama.cpp name for {name!r}")
         if t.dim() == 1 or precision == "f32":
             w.add_tensor(target, t.numpy().astype(np.float32))
         elif precision == "bf16":

@@ -487,3 +487,12 @@ def test_generate_command_reads_gguf(chat_file: Path, capsys: pytest.CaptureFixt
     assert isinstance(ids, list)
     reply = lm.generate(torch.tensor([ids]), 5, eos_token_id=list(found.stop_ids))[0, len(ids) :]
     assert capsys.readouterr().out == found.tokenizer.decode(reply.tolist()) + "\n"
+
+
+def test_llama_cpp_names_invert_the_loaders_names() -> None:
+    from attnkit.interop.gguf import hf_name, llama_cpp_name
+
+    for name in [*TO_GGUF.values(), *(f"blk.7.{n}.weight" for n in LAYER.values())]:
+        assert llama_cpp_name(hf_name(name)) == name
+    assert llama_cpp_name("model.layers.2.self_attn.q_proj.bias") == "blk.2.attn_q.bias"
+    assert llama_cpp_name("not.a.weight") == "not.a.weight"

@@ -55,6 +55,7 @@ __all__ = [
     "dequantize",
     "from_gguf",
     "llama3_scaling",
+    "llama_cpp_name",
     "read_tokenizer",
 ]
 
@@ -481,6 +482,20 @@ _GLOBAL = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
+def llama_cpp_name(name: str) -> str:
+    """The llama.cpp tensor name of Hugging Face parameter ``name``: the inverse of
+    ``hf_name`` (itself when it has none)."""
+    for gguf_name, hf in _GLOBAL.items():
+        if hf == name:
+            return gguf_name
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if match:
+        for gguf_name, hf in _LAYER.items():
+            if hf == match.group(2):
+                return f"blk.{match.group(1)}.{gguf_name}"
+    return name
 
 
 def hf_name(name: str) -> str:
