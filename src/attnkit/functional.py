@@ -266,11 +266,9 @@ def _one_query(
             return None
     grouped = q.reshape(B, K, H // K, E)  # (B, K, H/K, E)
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
-    # Each row's largest magnitude must be finite and positive. That also covers the query: a
-    # NaN or inf in it makes every score of its row NaN or infinite, whose output row is NaN
-    # or all zero.
-    low, high = torch.aminmax(out.abs().amax(dim=-1))  # over the (B, K, H/K) rows
-    if not (float(low) > 0 and float(high) < math.inf):
+    # The check also covers the query: a NaN or inf in it makes every score of its row NaN or
+    # infinite, whose output row is NaN or all zero.
+    if _may_hide_non_finite(out, None):
         return None
     return out.view(B, H, 1, v.shape[-1])
 
@@ -438,12 +436,16 @@ def _no_data_branches(t: Tensor) -> bool:
 
 
 def _may_hide_non_finite(out: Tensor, weights: Tensor | None) -> bool:
-    """Whether a non-finite key or value may have leaked into ``out`` or been hidden by it."""
-    if not _is_finite(out) or (weights is not None and not _is_finite(weights)):
+    """Whether a non-finite key or value may have leaked into ``out`` or been hidden by it: a
+    row that is not finite, or all zero (no key, or all scores NaN)."""
+    if weights is not None and not _is_finite(weights):
         return True
-    if out.shape[-1] == 0:  # Ev = 0: no values to hide anything in
+    if out.numel() == 0:  # Ev = 0 or no rows: no values to hide anything in
         return False
-    return bool((out.abs().amax(dim=-1) == 0).any())  # a zero row: no key, or all scores NaN
+    # One read of ``out``: each row's largest magnitude must be positive and finite (NaN
+    # propagates through the maxima and fails both comparisons).
+    low, high = torch.aminmax(out.abs().amax(dim=-1))
+    return not (float(low) > 0 and float(high) < math.inf)
 
 
 def resolve_scale(scale: float | None, E: int) -> float:
@@ -690,8 +692,7 @@ def _attend_capped(
         and not _no_data_branches(q)
     ):  # a decoding step: a few calls, kept only when every output row is finite and non-zero
         out = capped.decode_step(q, k, v, softcap=softcap, scale=scale, window=rules.window)
-        low, high = torch.aminmax(out.abs().amax(dim=-1))
-        if float(low) > 0 and float(high) < math.inf:
+        if not _may_hide_non_finite(out, None):
             return out, None
 
     def allowed() -> Tensor | None:
