@@ -274,18 +274,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = True)
             f"rotary tables must have last dim E/2 for E={E}, got cos {tuple(cos.shape)}, "
             f"sin {tuple(sin.shape)}"
         )
-    compute = torch.promote_types(x.dtype, torch.float32)
-    xf = x if x.dtype == compute else x.to(compute)
-    if cos.dtype != compute:
-        cos, sin = cos.to(compute), sin.to(compute)
-    if interleaved:
-        pairs = xf.unflatten(-1, (E // 2, 2))  # (..., L, E/2, 2)
-        x1, x2 = pairs[..., 0], pairs[..., 1]
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    else:
-        x1, x2 = xf.chunk(2, dim=-1)  # (..., L, E/2) each
-        out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    return _rotate(x, *_full_width(cos, sin, interleaved), interleaved)
 
 
 #: Dtypes the rotation runs in as they are.
@@ -308,10 +297,9 @@ def _full_width(cos: Tensor, sin: Tensor, interleaved: bool) -> tuple[Tensor, Te
 
 def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Tensor:
     """:func:`apply_rope` with full-width tables: ``x * cos + partner(x) * signed_sin``, where
-    ``partner`` swaps the two channels of each pair (adjacent ones, or the two halves).
-
-    The same products and sums as :func:`apply_rope` (``a - b`` is ``a + (-b)``), in three
-    kernels instead of eight: this runs twice per layer per decoded token.
+    ``partner`` swaps the two channels of each pair (adjacent ones, or the two halves). Each
+    output channel is ``x_i cos - x_j sin`` or ``x_i cos + x_j sin`` as in the textbook form
+    (``a - b`` is ``a + (-b)``), in three kernels: this runs twice per layer per decoded token.
 
     Shape:
         x ``(..., L, E)``, cos/signed_sin broadcastable to it -> like ``x``.
