@@ -100,12 +100,40 @@ def test_prepare_swaps_plain_linears_and_keeps_outputs(name: str, compiled: bool
     decoding.prepare(lm, compiled=compiled)
     linears = [m for m in lm.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is PreparedLinear for m in linears)
+    norms = [m for m in lm.modules() if isinstance(m, nn.RMSNorm)]
+    assert all(type(m) is decoding.PreparedRMSNorm for m in norms)
+    assert bool(norms) == (CONFIGS[name].get("norm") == "rmsnorm")
     assert list(lm.state_dict()) == names  # same parameters under the same names
     assert_close(lm(ids), want, **TOL)
     layout = lm.blocks[0].attention.qkv_proj.layout
     assert layout == ("linear" if compiled else "transposed")
     w = lm.blocks[0].attention.qkv_proj.weight
     assert w.is_contiguous() == compiled  # eager fp32: column-major storage, same values
+
+
+@pytest.mark.parametrize("eps", [1e-5, None])
+def test_prepared_rmsnorm_equals_torch_and_keeps_gradients(eps: float | None) -> None:
+    norm = nn.RMSNorm(16, eps=eps)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    fast = decoding.PreparedRMSNorm.from_norm(norm)
+    assert fast.weight is norm.weight and list(fast.state_dict()) == list(norm.state_dict())
+    x = torch.randn(3, 5, 16) * torch.logspace(-3, 3, 5)[:, None]  # tiny to large rows
+    x[0, 0] = 0.0  # an all-zero row: eps alone
+    with torch.inference_mode():
+        assert_close(fast(x), norm(x), atol=0, rtol=2e-6)
+    wide = x.double()
+    ref = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + (eps or 1.19209e-07))
+    with torch.inference_mode():
+        assert_close(fast(x).double(), ref * norm.weight.double(), atol=0, rtol=2e-6)
+    # With gradients, torch's own forward runs: same gradients as the unprepared norm.
+    xg = x.clone().requires_grad_()
+    fast(xg).square().sum().backward()
+    assert xg.grad is not None and norm.weight.grad is not None
+    want = x.clone().requires_grad_()
+    norm.weight.grad = None
+    norm(want).square().sum().backward()
+    assert_close(xg.grad, want.grad)
 
 
 def test_layouts_follow_the_measured_rule() -> None:

@@ -46,6 +46,8 @@ def split_heads(x: Tensor, num_heads: int) -> Tensor:
 
 def merge_heads(x: Tensor) -> Tensor:
     """``(..., H, L, E) -> (..., L, H*E)``."""
+    if x.dim() == 4 and x.shape[2] == 1 and x.is_contiguous():  # one token: a plain view
+        return x.view(x.shape[0], 1, -1)
     return x.transpose(-2, -3).flatten(-2)
 
 
@@ -298,8 +300,13 @@ class MultiHeadAttention(nn.Module):
         if self.fused_qkv and key is None and value is None and self.q_norm is self.k_norm is None:
             # The queries' and keys' heads lie side by side in the fused projection: one rotary
             # call rotates both (fewer small kernels per decoding step).
-            self._check_last_dims(query=query)
-            heads = self.qkv_proj(query).unflatten(-1, (-1, self.head_dim)).transpose(-2, -3)
+            if query.shape[-1] != self.embed_dim:
+                self._check_last_dims(query=query)
+            qkv = self.qkv_proj(query)  # (..., L, (H + 2K) * E)
+            if query.dim() == 3 and query.shape[1] == 1:  # one token: heads are a plain view
+                heads = qkv.view(query.shape[0], -1, 1, self.head_dim)
+            else:
+                heads = qkv.unflatten(-1, (-1, self.head_dim)).transpose(-2, -3)
             H, K = self.num_heads, self.num_kv_heads  # heads: (..., H + 2K, L, E)
             qk, v = heads[..., : H + K, :, :], heads[..., H + K :, :, :]
             if rotary is not None:
@@ -325,6 +332,21 @@ class MultiHeadAttention(nn.Module):
         elif kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, K, cached + L, E)
         return_weights = options.get("return_weights", False)
+        if (
+            q.shape[-2] == 1
+            and kv_cache is not None
+            and self.kernel is functional.attend
+            and not return_weights
+            and self.softcap is None
+            and not (self.training and self.dropout)
+        ):
+            # A decoding step through the default kernel: its one-query path directly (the
+            # shapes and dtypes are this layer's own, checked by the projection and the cache).
+            structure = {"window": window} if window is not None else {}
+            scale = functional.resolve_scale(self.scale, q.shape[-1])
+            one = functional.one_query(q, k, v, mask, scale, structure)
+            if one is not None:
+                return self.out_proj(merge_heads(one)), None
         extra = {} if self.softcap is None else {"softcap": self.softcap}
         out, weights = self.kernel(
             q,

@@ -126,7 +126,8 @@ class FeedForward(nn.Module):
             h = self.activation(gate) * up
         else:
             h = self.activation(self.linear1(x))  # (..., hidden)
-        h = _dropout(h, self.dropout, self.training)
+        if self.training:
+            h = _dropout(h, self.dropout, True)
         return self.linear2(h)
 
     def extra_repr(self) -> str:
@@ -306,22 +307,24 @@ class TransformerLayer(nn.Module):
             ``(x, weights)``: ``x`` of shape ``(B, L, D)``; ``weights`` ``(B, H, L, S)`` when
             asked for, else ``None``.
         """
+        training = self.training
         attn_in = self.norm1(x) if self.norm_first else x
         attn_out, weights = self._attend(attn_in, mask, options)
         if self.post_attn_norm is not None:
             attn_out = self.post_attn_norm(attn_out)
-        attn_out = _dropout(attn_out, self.dropout, self.training)
+        if training:
+            attn_out = _dropout(attn_out, self.dropout, True)
         if self.norm_first:
             x = x + attn_out
             ff_out = self.feed_forward(self.norm2(x))
             if self.post_ffn_norm is not None:
                 ff_out = self.post_ffn_norm(ff_out)
-            x = x + _dropout(ff_out, self.dropout, self.training)
-        else:
-            x = self.norm1(x + attn_out)
-            ff_out = self.feed_forward(x)
-            x = self.norm2(x + _dropout(ff_out, self.dropout, self.training))
-        return x, weights
+            return x + (_dropout(ff_out, self.dropout, True) if training else ff_out), weights
+        x = self.norm1(x + attn_out)
+        ff_out = self.feed_forward(x)
+        if training:
+            ff_out = _dropout(ff_out, self.dropout, True)
+        return self.norm2(x + ff_out), weights
 
     def _build_attention(self, dim: int, num_heads: int, **options: Any) -> nn.Module:
         """The block's self-attention: a :class:`MultiHeadAttention` with one fused q/k/v."""

@@ -31,6 +31,7 @@ __all__ = [
     "UPCAST_ROWS",
     "Layout",
     "PreparedLinear",
+    "PreparedRMSNorm",
     "compiled_step",
     "layout_for",
     "linear",
@@ -88,10 +89,53 @@ class PreparedLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         """Shape: ``(*, in) -> (*, out)``."""
+        if self.layout == "transposed":
+            # fp32 on CPU: F.linear multiplies by the column-major weight's contiguous transpose
+            # in one BLAS call (its transpose is a C++ view, not a Python op per call).
+            return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layout={self.layout}"
+
+
+class PreparedRMSNorm(nn.RMSNorm):
+    """An ``nn.RMSNorm`` prepared for decoding: same parameters, a shorter CPU forward.
+
+    Built by :meth:`from_norm`, which shares the original's ``weight``. Without gradients, a
+    float32 CPU input is normalised from its vector norm (five kernels:
+    ``x * rsqrt(||x||^2 / D + eps) * w``) instead of torch's composite ``rms_norm`` (about ten
+    for a one-token row; ``benchmarks/RESULTS.md``); every other case is ``nn.RMSNorm``'s own
+    forward. The two differ by float rounding only.
+    """
+
+    @classmethod
+    def from_norm(cls, norm: nn.RMSNorm) -> PreparedRMSNorm:
+        """A prepared norm over ``norm``'s parameters."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.normalized_shape, new.eps = norm.normalized_shape, norm.eps
+        new.elementwise_affine = norm.elementwise_affine
+        new.weight = norm.weight
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Shape: ``(..., dim) -> (..., dim)``."""
+        weight = self.weight
+        grads = x.requires_grad or (weight is not None and weight.requires_grad)
+        if (
+            x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or len(self.normalized_shape) != 1
+            or (grads and torch.is_grad_enabled())
+            or torch.compiler.is_compiling()
+        ):
+            return super().forward(x)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
+        inv = norm.square_().mul_(1.0 / x.shape[-1]).add_(eps).rsqrt_()
+        y = x * inv
+        return y if weight is None else y.mul_(weight)
 
 
 #: From this many rows on, a bf16 product on a CPU without bf16 dot-product instructions runs
@@ -120,14 +164,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Shape: x ``(*, in)``, weight ``(out, in)`` -> ``(*, out)``.
     """
     compiling = torch.compiler.is_compiling()
-    if not compiling and weight.dim() == 2 and weight.stride(0) == 1:
-        # Column-major (prepared, fp32) weight: one BLAS call on its contiguous transpose,
-        # without F.linear's dispatch chain (linear -> matmul -> t -> mm) per call.
-        if bias is None:
-            return torch.matmul(x, weight.t())  # (in, out), contiguous
-        rows = x.reshape(-1, x.shape[-1])  # (N, in)
-        y = torch.addmm(bias, rows, weight.t())
-        return y.view(*x.shape[:-1], weight.shape[0])
     if (
         weight.dtype == torch.bfloat16
         and not _BF16_NATIVE
@@ -228,7 +264,8 @@ def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
 
     Every plain ``nn.Linear`` (exactly that type) is replaced by a :class:`PreparedLinear` over
     the same parameters; subclasses (quantized or LoRA linears, a user's own) are kept as they
-    are. Plain ``nn.Embedding`` tables get the same layout (a tied output head reads them as a
+    are; every plain ``nn.RMSNorm`` likewise by a :class:`PreparedRMSNorm`. Plain
+    ``nn.Embedding`` tables get the same layout (a tied output head reads them as a
     matrix; looking up a few rows does not mind). The prepared weights of CPU models are
     gathered into huge-page blocks. Outputs are
     unchanged up to the rounding of another summation order. Tied weights stay tied.
@@ -244,6 +281,14 @@ def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, PreparedLinear.from_linear(child, compiled=compiled))
+    norms: list[tuple[nn.Module, str, nn.RMSNorm]] = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.RMSNorm
+    ]
+    for parent, name, norm in norms:
+        setattr(parent, name, PreparedRMSNorm.from_norm(norm))
     if not compiled:  # a tied output head reads the embedding table as a matrix
         for m in model.modules():
             if type(m) is nn.Embedding and layout_for(m.weight) == "transposed":

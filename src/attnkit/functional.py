@@ -157,7 +157,7 @@ def attend(
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = resolve_scale(scale, E)
     if L == 1 and not (return_weights or dropout_p or softcap is not None):
-        out = _one_query(q, k, v, mask, scale, structure)
+        out = one_query(q, k, v, mask, scale, structure)
         if out is not None:
             return out, None
     gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
@@ -223,7 +223,7 @@ def attend(
     return out, weights if return_weights else None
 
 
-def _one_query(
+def one_query(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, structure: Any
 ) -> Tensor | None:
     """The decoding step's attention (one query per sequence), or None to take the general path.
@@ -444,7 +444,7 @@ def _may_hide_non_finite(out: Tensor, weights: Tensor | None) -> bool:
         return False
     # One read of ``out``: each row's largest magnitude must be positive and finite (NaN
     # propagates through the maxima and fails both comparisons).
-    low, high = torch.aminmax(out.abs().amax(dim=-1))
+    low, high = torch.aminmax(torch.linalg.vector_norm(out, math.inf, dim=-1))
     return not (float(low) > 0 and float(high) < math.inf)
 
 

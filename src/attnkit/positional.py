@@ -311,8 +311,10 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Te
     xf = x if x.dtype == compute else x.to(compute)
     if cos.dtype != compute:
         cos, signed_sin = cos.to(compute), signed_sin.to(compute)
-    pairs = (E // 2, 2) if interleaved else (2, E // 2)  # the pair's channels: last dim or halves
-    partner = xf.unflatten(-1, pairs).flip(-1 if interleaved else -2).flatten(-2)
+    if interleaved:  # pairs are adjacent channels
+        partner = xf.unflatten(-1, (E // 2, 2)).flip(-1).flatten(-2)
+    else:  # pairs are the two halves: swapping them is a roll by half
+        partner = xf.roll(E // 2, -1)
     out = torch.addcmul(xf * cos, partner, signed_sin)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
