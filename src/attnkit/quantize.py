@@ -9,15 +9,31 @@ scale and offset per group of input channels); the model's own forward runs them
 quantized). A tied output head gets a quantized copy of the embedding (``lm_head``) while the lookup
 keeps the full-precision table.
 
-Kernels: one row inside a compiled graph is a streaming reduction over the int8 weight (inductor
-converts the bytes as it reads them); otherwise int8 runs ``torch._weight_int8pack_mm`` (input
-sizes that are multiples of 8; others, and other devices, multiply by the dequantized weight)
-and int4 torch's CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``), both with bf16
-activations. ``benchmarks/bench_decode.py --quantize`` measures them against fp32 and bf16.
+Kernels. One row inside a compiled graph is a streaming reduction over the int8 weight (inductor
+converts the bytes as it reads them). In eager mode on a CPU an :class:`Int8Linear` runs the
+kernel :func:`choose_int8_kernel` measured fastest for its shape when it was built (one row, the
+process's thread count; the choice is cached per shape):
+
+* ``"fbgemm"``: torch's dynamic quantized linear (``torch.ops.quantized.linear_dynamic`` on a
+  prepacked copy of the weight): each call quantizes the activations to 7-bit integers (one
+  asymmetric scale per row; 7 bits because AVX2's 8-bit multiply-add saturates 8-bit ones) and
+  multiplies integers. The prepacked copy doubles the int8 weight's memory.
+* ``"int8pack"``: ``torch._weight_int8pack_mm`` with bf16 activations (input sizes that are
+  multiples of 8). Where the CPU has no bf16 units it converts as it goes.
+* ``"dequantize"``: the float product with the dequantized weight (other devices, other sizes).
+
+Int4 runs torch's CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``) with bf16 activations
+(float32 ones take a path an order of magnitude slower). ``benchmarks/bench_quantize.py`` measures
+the candidates per matrix of a model and the decode steps against fp32 and bf16.
 """
 
 from __future__ import annotations
 
+import functools
+import statistics
+import time
+import warnings
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -26,11 +42,24 @@ from torch import Tensor, nn
 
 from attnkit.decoding import PreparedLinear
 
-__all__ = ["MODES", "Int4Linear", "Int8Linear", "Mode", "quantize", "quantize_linear"]
+__all__ = [
+    "INT8_KERNELS",
+    "MODES",
+    "Int4Linear",
+    "Int8Linear",
+    "Mode",
+    "choose_int8_kernel",
+    "int8_kernels",
+    "quantize",
+    "quantize_linear",
+]
 
 Mode = Literal["int8", "int4"]
 MODES: tuple[Mode, ...] = ("int8", "int4")
 GROUP_SIZES = (256, 128, 64, 32)
+#: The ways an :class:`Int8Linear` multiplies (see the module's docstring); ``"auto"`` measures.
+INT8_KERNELS = ("fbgemm", "int8pack", "dequantize")
+Int8Kernel = Literal["auto", "fbgemm", "int8pack", "dequantize"]
 
 
 def _finish(layer: Any, y: Tensor, x: Tensor, shape: torch.Size) -> Tensor:
@@ -52,7 +81,9 @@ class Int8Linear(nn.Module):
     """A linear whose weight is int8 with one float32 scale per output channel.
 
     ``weight ≈ weight_int8 * scale[:, None]`` (symmetric, round to nearest, scale
-    ``max|row| / 127``). The bias, if any, keeps its dtype. Build it with :meth:`from_linear`.
+    ``max|row| / 127``). The bias, if any, keeps its dtype. Build it with :meth:`from_linear`;
+    ``kernel`` names how it multiplies in eager mode (:data:`INT8_KERNELS`; see the module's
+    docstring).
 
     Shape: ``(*, in_features) -> (*, out_features)``, in the input's dtype.
     """
@@ -73,17 +104,36 @@ class Int8Linear(nn.Module):
             "scale_bf16", torch.ones(out_features, dtype=torch.bfloat16), persistent=False
         )
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.kernel = "dequantize"
+        self._packed: Any = None  # fbgemm's prepacked weight (kernel "fbgemm")
 
     @classmethod
     @torch.no_grad()
-    def from_weight(cls, weight: Tensor, bias: Tensor | None = None) -> Int8Linear:
-        """Quantize ``weight`` ``(out, in)`` (any float dtype) per output channel."""
+    def from_weight(
+        cls, weight: Tensor, bias: Tensor | None = None, *, kernel: Int8Kernel = "auto"
+    ) -> Int8Linear:
+        """Quantize ``weight`` ``(out, in)`` (any float dtype) per output channel.
+
+        ``kernel="auto"`` takes :func:`choose_int8_kernel`'s measured choice for the shape.
+
+        Raises:
+            ValueError: A weight that is not 2-D float, an unknown ``kernel``, or one that
+                cannot run this weight (:func:`int8_kernels`).
+        """
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ValueError(
                 f"Int8Linear needs a 2-D float weight, got shape {tuple(weight.shape)} "
                 f"and dtype {weight.dtype}"
             )
         out_features, in_features = weight.shape
+        usable = int8_kernels(in_features, weight.device)
+        if kernel == "auto":
+            kernel = choose_int8_kernel(in_features, out_features, weight.device)  # type: ignore[assignment]
+        elif kernel not in usable:
+            raise ValueError(
+                f"kernel {kernel!r} cannot run a {in_features}-input weight on "
+                f"{weight.device}; usable: {usable}"
+            )
         with torch.device("meta"):  # (the buffers are replaced below: no zeros to fill)
             new = cls(in_features, out_features, bias=False)
         codes = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
@@ -101,12 +151,15 @@ class Int8Linear(nn.Module):
         new.weight_int8, new.scale = codes, scale
         new.scale_bf16 = new.scale.to(torch.bfloat16)
         new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        new.kernel = kernel
+        if kernel == "fbgemm":
+            new._packed = _fbgemm_pack(codes, scale)
         return new
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, *, kernel: Int8Kernel = "auto") -> Int8Linear:
         """Quantize ``linear``'s weight; its bias is kept as it is."""
-        return cls.from_weight(linear.weight, linear.bias)
+        return cls.from_weight(linear.weight, linear.bias, kernel=kernel)
 
     def dequantize(self) -> Tensor:
         """The float32 weight this module computes with. Shape: ``(out, in)``."""
@@ -116,11 +169,17 @@ class Int8Linear(nn.Module):
         """Shape: ``(*, in) -> (*, out)``."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] == 1 and torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        kernel = self.kernel if x2.device.type == "cpu" else "dequantize"
+        if kernel == "fbgemm" and compiling:
+            kernel = "int8pack"  # (dynamo cannot trace the prepacked weight)
+        if x2.shape[0] == 1 and compiling:
             # One streaming pass over the int8 bytes; float32 sums.
             y = (self.weight_int8.float() * x2.float()).sum(-1) * self.scale
             y = y.reshape(1, -1)
-        elif x2.device.type == "cpu" and self.in_features % 8 == 0:
+        elif kernel == "fbgemm":
+            y = _fbgemm_rows(x2.float(), self._packed)
+        elif kernel == "int8pack" and self.in_features % 8 == 0:
             # (torch's kernel reads out of bounds for other input sizes.)
             xb = x2.to(torch.bfloat16).contiguous()
             # An identity view that makes inductor store the input: its int8 GEMM lowering
@@ -132,7 +191,110 @@ class Int8Linear(nn.Module):
         return _finish(self, y, x, shape)
 
     def extra_repr(self) -> str:
-        return _describe(self, "int8 per-channel")
+        return _describe(self, f"int8 per-channel, kernel={self.kernel}")
+
+
+def _fbgemm_pack(codes: Tensor, scale: Tensor) -> Any:
+    """fbgemm's prepacked copy of int8 ``codes`` ``(out, in)`` with per-row ``scale``."""
+    zeros = torch.zeros(len(scale), dtype=torch.long)
+    with warnings.catch_warnings():  # (torch.ao's deprecation notice for its quantized tensors)
+        warnings.simplefilter("ignore")
+        q = torch._make_per_channel_quantized_tensor(codes, scale.double(), zeros, 0)
+    return torch.ops.quantized.linear_prepack(q, None)
+
+
+def _fbgemm_rows(x: Tensor, packed: Any) -> Tensor:
+    """``x @ W^T`` through fbgemm's dynamic quantized linear, one activation scale per row.
+
+    fbgemm quantizes the whole input with one scale; rows of other sizes are divided by their
+    largest magnitude first (and the products multiplied back), so each row keeps its own
+    resolution. 7-bit activations (``reduce_range``): AVX2's multiply-add of unsigned 8-bit
+    activations and signed 8-bit weights saturates 16-bit pair sums.
+
+    Shape: ``(rows, in) -> (rows, out)``, float32.
+    """
+    if x.shape[0] == 1:
+        return torch.ops.quantized.linear_dynamic(x, packed, True)
+    size = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
+    return torch.ops.quantized.linear_dynamic(x / size, packed, True).mul_(size)
+
+
+def _has_fbgemm() -> bool:
+    return any(e in torch.backends.quantized.supported_engines for e in ("fbgemm", "x86"))
+
+
+def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[str, ...]:
+    """The :data:`INT8_KERNELS` that can run a weight with ``in_features`` inputs on ``device``
+    (``"dequantize"`` always can)."""
+    if torch.device(device).type != "cpu":
+        return ("dequantize",)
+    usable = ["fbgemm"] if _has_fbgemm() else []
+    if in_features % 8 == 0:
+        usable.append("int8pack")
+    return (*usable, "dequantize")
+
+
+def int8_kernel_calls(
+    weight: Tensor, kernels: tuple[str, ...] | None = None
+) -> dict[str, Callable[[Tensor], Tensor]]:
+    """One call per usable kernel that multiplies one row by ``weight`` quantized to int8
+    (``(out, in)`` float on the CPU): what :func:`choose_int8_kernel` times.
+
+    Shape: each call ``(rows, in) -> (rows, out)``.
+    """
+    kernels = kernels or int8_kernels(weight.shape[1], weight.device)
+    return {
+        k: Int8Linear.from_weight(weight, kernel=k)  # type: ignore[arg-type]
+        for k in kernels
+    }
+
+
+def time_calls(
+    calls: dict[str, Callable[[], Any]], *, rounds: int = 5, budget_s: float = 2e-3
+) -> dict[str, float]:
+    """Median seconds per call of each of ``calls``, in interleaved rounds (each round runs every
+    call about ``budget_s`` worth of times, after one warm-up call each)."""
+    repeat = {}
+    for name, call in calls.items():
+        start = time.perf_counter()
+        call()
+        repeat[name] = max(1, min(50, int(budget_s / max(time.perf_counter() - start, 1e-7))))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            for _ in range(repeat[name]):
+                call()
+            times[name].append((time.perf_counter() - start) / repeat[name])
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@functools.cache
+def _measured_choice(in_features: int, out_features: int, threads: int) -> str:
+    candidates = tuple(k for k in int8_kernels(in_features) if k != "dequantize")
+    if len(candidates) < 2:
+        return candidates[0] if candidates else "dequantize"
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(1, in_features, generator=gen)
+    layers = int8_kernel_calls(weight, candidates)
+    with torch.no_grad():
+        seconds = time_calls({k: functools.partial(m, x) for k, m in layers.items()})
+    return min(seconds, key=seconds.__getitem__)
+
+
+def choose_int8_kernel(
+    in_features: int, out_features: int, device: torch.device | str = "cpu"
+) -> str:
+    """The fastest of :func:`int8_kernels` at multiplying one row by an ``(out, in)`` int8 weight.
+
+    Measured on the CPU at the first call for each shape and thread count (interleaved rounds,
+    medians; a random weight of the shape), then cached for the process; other devices get
+    ``"dequantize"``.
+    """
+    if torch.device(device).type != "cpu":
+        return "dequantize"
+    return _measured_choice(in_features, out_features, torch.get_num_threads())
 
 
 class Int4Linear(nn.Module):
@@ -249,40 +411,55 @@ def _group_for(in_features: int, group_size: int) -> int | None:
     return None
 
 
-def _quantized(weight: Tensor, bias: Tensor | None, mode: Mode, group_size: int) -> nn.Module:
+def _quantized(
+    weight: Tensor, bias: Tensor | None, mode: Mode, group_size: int, kernel: Int8Kernel = "auto"
+) -> nn.Module:
     if mode == "int4" and weight.device.type == "cpu" and weight.shape[0] % 16 == 0:
         group = _group_for(weight.shape[1], group_size)
         if group is not None:
             return Int4Linear.from_weight(weight, bias, group_size=group)
     # int4 weights the kernel cannot pack (inputs no group size divides, outputs not a multiple
     # of 16, other devices) fall back to int8.
-    return Int8Linear.from_weight(weight, bias)
+    if kernel not in int8_kernels(weight.shape[1], weight.device):
+        kernel = "auto"  # (a named kernel that cannot run this weight: the measured choice)
+    return Int8Linear.from_weight(weight, bias, kernel=kernel)
 
 
-def _check_options(mode: str, group_size: int) -> None:
-    """Raise a ValueError naming an unknown ``mode`` or ``group_size``."""
+def _check_options(mode: str, group_size: int, int8_kernel: str = "auto") -> None:
+    """Raise a ValueError naming an unknown ``mode``, ``group_size`` or ``int8_kernel``."""
+    if int8_kernel != "auto" and int8_kernel not in INT8_KERNELS:
+        raise ValueError(
+            f"int8_kernel must be 'auto' or one of {INT8_KERNELS}, got {int8_kernel!r}"
+        )
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
 
 
-def quantize_linear(linear: nn.Linear, mode: Mode, *, group_size: int = 128) -> nn.Module:
+def quantize_linear(
+    linear: nn.Linear, mode: Mode, *, group_size: int = 128, int8_kernel: Int8Kernel = "auto"
+) -> nn.Module:
     """``linear`` as an :class:`Int8Linear` or :class:`Int4Linear` (the rule of :func:`quantize`).
 
     Loading with ``quantize=`` calls this on each linear as soon as its weight is streamed in.
 
     Raises:
-        ValueError: Unknown ``mode`` or ``group_size``.
+        ValueError: Unknown ``mode``, ``group_size`` or ``int8_kernel``.
     """
-    _check_options(mode, group_size)
+    _check_options(mode, group_size, int8_kernel)
     with torch.no_grad():
-        return _quantized(linear.weight, linear.bias, mode, group_size)
+        return _quantized(linear.weight, linear.bias, mode, group_size, int8_kernel)
 
 
 @torch.no_grad()
 def quantize(
-    model: nn.Module, mode: Mode, *, group_size: int = 128, head: bool = True
+    model: nn.Module,
+    mode: Mode,
+    *,
+    group_size: int = 128,
+    head: bool = True,
+    int8_kernel: Int8Kernel = "auto",
 ) -> nn.Module:
     """Quantize ``model``'s linear weights in place (weight-only) and return it.
 
@@ -302,9 +479,9 @@ def quantize(
         ``model``.
 
     Raises:
-        ValueError: Unknown ``mode`` or ``group_size``.
+        ValueError: Unknown ``mode``, ``group_size`` or ``int8_kernel``.
     """
-    _check_options(mode, group_size)
+    _check_options(mode, group_size, int8_kernel)
     swaps = [
         (parent, name)
         for parent in model.modules()
@@ -313,11 +490,11 @@ def quantize(
     ]
     for parent, name in swaps:  # (no list of the old linears: each goes once it is swapped)
         child = getattr(parent, name)
-        setattr(parent, name, _quantized(child.weight, child.bias, mode, group_size))
+        setattr(parent, name, _quantized(child.weight, child.bias, mode, group_size, int8_kernel))
         del child
     embedding = getattr(model, "embedding", None)
     if head and isinstance(embedding, nn.Embedding) and getattr(model, "lm_head", 0) is None:
-        model.lm_head = _quantized(embedding.weight, None, mode, group_size)
+        model.lm_head = _quantized(embedding.weight, None, mode, group_size, int8_kernel)
     # A compiled step traced before the swap would run the old modules.
     model.__dict__.pop("_attnkit_step", None)
     return model
