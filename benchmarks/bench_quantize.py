@@ -18,6 +18,11 @@ Sections (``--skip NAME`` leaves one out):
 * ``memory``: peak memory of ``from_pretrained(..., quantize="int8")`` (and int4) in a child
   process over the loaded model's bytes, on a random ``--shape`` folder and every ``--model``
   (target: <= 1.2x).
+* ``kernels``: every candidate way to multiply one row by each weight matrix of the ``--shape``
+  model (fp32/bf16 ``F.linear``, fbgemm's dynamic int8 linear, ``torch._weight_int8pack_mm``
+  with bf16 and fp32 activations, dequantizing into a buffer, ``torch._int_mm``, torch's int4
+  kernel per group size), each call after a cache flush, interleaved, medians; the error against
+  the float64 product of the dequantized weight, and the int8 kernel the run-time choice takes.
 * ``speed``: decode-step tokens/s on the ``--shape`` model: fp32, bf16, attnkit int8/int4 and
   torchao's ``Int8WeightOnlyConfig``, eager and compiled, against transformers fp32, in
   interleaved rounds (medians). Targets: int8 >= 3.0x transformers fp32 and >= 1.8x attnkit
@@ -42,7 +47,7 @@ from attnkit.bench import decoding as db
 from attnkit.bench import quantization as bq
 from attnkit.models import TransformerLM
 
-SECTIONS = ("quality", "minilm", "memory", "speed")
+SECTIONS = ("kernels", "quality", "minilm", "memory", "speed")
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -143,6 +148,20 @@ def print_memory(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return targets
 
 
+def print_kernels(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{'matrix':<10} {'in x out':>11} {'kernel':<42} {'us':>8} {'vs fp32':>7} "
+        f"{'GB/s':>6} {'rel err':>8}"
+    )
+    for r in rows:
+        mark = " <- chosen" if r["is_choice"] else ""
+        print(
+            f"{r['matrix']:<10} {r['shape'][0]:>5}x{r['shape'][1]:<5} {r['kernel']:<42} "
+            f"{r['seconds'] * 1e6:>8.1f} {r['vs_fp32']:>7.2f} {r['bytes_per_s'] / 1e9:>6.2f} "
+            f"{r['relative_error']:>8.1e}{mark}"
+        )
+
+
 def speed_section(args: argparse.Namespace) -> dict[str, Any]:
     return db.quantize_rows(
         args.shape,
@@ -208,6 +227,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--shape", default="llama-135m", choices=sorted(db.QUANT_MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--kernel-rounds", type=int, default=9)
     parser.add_argument("--skip", action="append", default=[], choices=SECTIONS)
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_quantize.json")
     args = parser.parse_args(argv)
@@ -218,6 +238,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
     }
     targets: list[dict[str, Any]] = []
+    if "kernels" not in args.skip:
+        config = db.QUANT_MODELS[args.shape][0]
+        matrices = bq.model_matrices(config)
+        result["kernels"] = bq.kernel_rows(matrices, rounds=args.kernel_rounds, progress=_say)
+        print_kernels(result["kernels"])
     if "quality" not in args.skip:
         result["quality"] = quality_section(args, held_out)
         targets += print_quality(result["quality"])

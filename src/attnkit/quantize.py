@@ -29,11 +29,13 @@ the candidates per matrix of a model and the decode steps against fp32 and bf16.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -45,13 +47,16 @@ from attnkit.decoding import PreparedLinear
 __all__ = [
     "INT8_KERNELS",
     "MODES",
+    "CacheEvictor",
     "Int4Linear",
     "Int8Linear",
     "Mode",
     "choose_int8_kernel",
     "int8_kernels",
+    "last_level_cache_bytes",
     "quantize",
     "quantize_linear",
+    "time_calls",
 ]
 
 Mode = Literal["int8", "int4"]
@@ -134,8 +139,6 @@ class Int8Linear(nn.Module):
                 f"kernel {kernel!r} cannot run a {in_features}-input weight on "
                 f"{weight.device}; usable: {usable}"
             )
-        with torch.device("meta"):  # (the buffers are replaced below: no zeros to fill)
-            new = cls(in_features, out_features, bias=False)
         codes = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
         scale = torch.empty(out_features, device=weight.device)
         # Blocks of rows keep the float temporaries small (loading stays near the final size).
@@ -148,6 +151,22 @@ class Int8Linear(nn.Module):
             s = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
             scale[start : start + len(s)] = s
             codes[start : start + len(s)] = w.div_(s[:, None]).round_().clamp_(-127, 127)
+        return cls.from_codes(codes, scale, bias, kernel=kernel)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: Tensor,
+        scale: Tensor,
+        bias: Tensor | None = None,
+        *,
+        kernel: str = "dequantize",
+    ) -> Int8Linear:
+        """The layer of int8 ``codes`` ``(out, in)`` (kept, not copied) and float32 ``scale``
+        ``(out,)``, multiplying with ``kernel`` (one of :func:`int8_kernels`)."""
+        out_features, in_features = codes.shape
+        with torch.device("meta"):  # (the buffers are replaced below: no zeros to fill)
+            new = cls(in_features, out_features, bias=False)
         new.weight_int8, new.scale = codes, scale
         new.scale_bf16 = new.scale.to(torch.bfloat16)
         new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
@@ -234,34 +253,50 @@ def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[
     return (*usable, "dequantize")
 
 
-def int8_kernel_calls(
-    weight: Tensor, kernels: tuple[str, ...] | None = None
-) -> dict[str, Callable[[Tensor], Tensor]]:
-    """One call per usable kernel that multiplies one row by ``weight`` quantized to int8
-    (``(out, in)`` float on the CPU): what :func:`choose_int8_kernel` times.
+def last_level_cache_bytes() -> int:
+    """The CPU's last-level cache size from ``/sys`` (Linux), or 32 MiB where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = index.read_text().strip().upper()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        with contextlib.suppress(ValueError):
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=32 << 20)
 
-    Shape: each call ``(rows, in) -> (rows, out)``.
-    """
-    kernels = kernels or int8_kernels(weight.shape[1], weight.device)
-    return {
-        k: Int8Linear.from_weight(weight, kernel=k)  # type: ignore[arg-type]
-        for k in kernels
-    }
+
+class CacheEvictor:
+    """Reads a buffer of twice the last-level cache, so the next call finds its weights in memory
+    the way a decode step does (each layer's weights are read once per token)."""
+
+    def __init__(self, nbytes: int | None = None) -> None:
+        size = nbytes if nbytes is not None else 2 * last_level_cache_bytes()
+        self.buffer = torch.ones(max(size, 1 << 20) // 4)
+
+    def __call__(self) -> None:
+        self.buffer.sum()
 
 
 def time_calls(
-    calls: dict[str, Callable[[], Any]], *, rounds: int = 5, budget_s: float = 2e-3
+    calls: dict[str, Callable[[], Any]],
+    *,
+    rounds: int = 7,
+    evict: Callable[[], Any] | None = None,
+    budget_s: float = 2e-3,
 ) -> dict[str, float]:
-    """Median seconds per call of each of ``calls``, in interleaved rounds (each round runs every
-    call about ``budget_s`` worth of times, after one warm-up call each)."""
+    """Median seconds per call of each of ``calls``, in interleaved rounds after one warm-up call
+    each. With ``evict``, each round times one call after ``evict()`` (untimed); without, about
+    ``budget_s`` worth of repeated calls (the weights stay in cache)."""
     repeat = {}
     for name, call in calls.items():
         start = time.perf_counter()
         call()
-        repeat[name] = max(1, min(50, int(budget_s / max(time.perf_counter() - start, 1e-7))))
+        took = max(time.perf_counter() - start, 1e-7)
+        repeat[name] = 1 if evict is not None else max(1, min(50, int(budget_s / took)))
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
+            if evict is not None:
+                evict()
             start = time.perf_counter()
             for _ in range(repeat[name]):
                 call()
@@ -275,11 +310,13 @@ def _measured_choice(in_features: int, out_features: int, threads: int) -> str:
     if len(candidates) < 2:
         return candidates[0] if candidates else "dequantize"
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen)
+    codes = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=gen)
+    scale = torch.rand(out_features, generator=gen) / 127
     x = torch.randn(1, in_features, generator=gen)
-    layers = int8_kernel_calls(weight, candidates)
+    layers = {k: Int8Linear.from_codes(codes, scale, kernel=k) for k in candidates}
     with torch.no_grad():
-        seconds = time_calls({k: functools.partial(m, x) for k, m in layers.items()})
+        calls = {k: functools.partial(m, x) for k, m in layers.items()}
+        seconds = time_calls(calls, evict=CacheEvictor())
     return min(seconds, key=seconds.__getitem__)
 
 
@@ -288,8 +325,9 @@ def choose_int8_kernel(
 ) -> str:
     """The fastest of :func:`int8_kernels` at multiplying one row by an ``(out, in)`` int8 weight.
 
-    Measured on the CPU at the first call for each shape and thread count (interleaved rounds,
-    medians; a random weight of the shape), then cached for the process; other devices get
+    Measured on the CPU at the first call for each shape and thread count (a random weight of the
+    shape; each timed call after the cache is flushed, as in a decode step, which reads each
+    weight once; interleaved rounds, medians), then cached for the process; other devices get
     ``"dequantize"``.
     """
     if torch.device(device).type != "cpu":

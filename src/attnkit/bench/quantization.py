@@ -13,6 +13,11 @@ Used by ``benchmarks/bench_quantize.py``. Three measurements:
 * **Loading peak memory.** :func:`load_peak` loads a folder with ``quantize=`` in a child process
   and reads the peak resident memory (``VmHWM`` after resetting it through
   ``/proc/self/clear_refs``), over the bytes of the loaded model's tensors.
+* **Kernels.** :func:`kernel_rows` times every way to multiply one row by each weight matrix of a
+  model (fp32 and bf16 ``F.linear``, the int8 kernels of :class:`attnkit.quantize.Int8Linear` and
+  others, torch's int4 kernel at each group size, with bf16 and float32 activations), each call
+  after the cache is flushed (a decode step reads each weight once), with its error against the
+  float64 product of the dequantized weight.
 * **torchao.** :func:`torchao_variants` adds torchao's ``Int8WeightOnlyConfig`` to the decoding
   rows of :func:`attnkit.bench.decoding.quantize_rows`, eager and compiled.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import inspect
 import json
@@ -41,11 +47,14 @@ from torch import Tensor, nn
 from attnkit.bench.decoding import quantization_quality
 from attnkit.config import FAMILIES, TransformerConfig
 from attnkit.models import TransformerLM
+from attnkit.quantize import time_calls
 
 __all__ = [
     "QUALITY_LM",
     "english_text",
+    "kernel_rows",
     "load_peak",
+    "model_matrices",
     "quality_rows",
     "text_ids",
     "torchao_variants",
@@ -378,6 +387,7 @@ _CHILD = """
 import json, sys, tempfile, torch
 from pathlib import Path
 from attnkit.models import TransformerLM
+from attnkit.quantize import time_calls
 from attnkit.bench.decoding import _stored_bytes
 from attnkit.interop.hf import config_from_hf, read_json
 from attnkit.profiling import peak_memory
@@ -430,3 +440,159 @@ def load_peak(folder: str | Path, mode: str = "int8") -> dict[str, Any]:
     result["mode"] = mode
     result["peak_over_model"] = None if peak is None else peak / result["model_bytes"]
     return result
+
+
+def model_matrices(config: TransformerConfig) -> dict[str, tuple[int, int]]:
+    """``{name: (in_features, out_features)}`` of the linears of a :class:`TransformerLM` of
+    ``config`` (the output head counted as a linear over the embedding)."""
+    with torch.device("meta"):
+        model = TransformerLM(config.replace(num_layers=1))
+    out = {
+        name.rpartition(".")[2]: (m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    }
+    if "lm_head" not in out:
+        out["lm_head"] = (config.dim, config.vocab_size or 0)
+    return out
+
+
+def _kernel_calls(
+    weight: Tensor, x: Tensor
+) -> tuple[dict[str, Callable[[], Tensor]], dict[str, Tensor]]:
+    """Every candidate's call on one row ``x`` and its float64 reference (the row, rounded as
+    the kernel rounds it, times the weight the kernel multiplies by)."""
+    from attnkit.quantize import Int4Linear, Int8Linear, int8_kernels
+
+    out_features, in_features = weight.shape
+    x64 = x.double()
+    xb64 = x.bfloat16().double()
+    calls: dict[str, Callable[[], Tensor]] = {}
+    refs: dict[str, Tensor] = {}
+    calls["fp32 F.linear"] = lambda: F.linear(x, weight)
+    refs["fp32 F.linear"] = x64 @ weight.double().T
+    wb = weight.bfloat16()
+    calls["bf16 F.linear"] = lambda: F.linear(x.bfloat16(), wb)
+    refs["bf16 F.linear"] = xb64 @ wb.double().T
+    q = Int8Linear.from_weight(weight, kernel="dequantize")
+    deq = q.dequantize().double()
+    usable = int8_kernels(in_features)
+    if "fbgemm" in usable:
+        fb = Int8Linear.from_codes(q.weight_int8, q.scale, kernel="fbgemm")
+        calls["int8 fbgemm (7-bit activations)"] = lambda: fb(x)
+        scale, zero = torch._choose_qparams_per_tensor(x, True)
+        xq = ((x.double() / scale).round() + zero).clamp(0, 127)
+        refs["int8 fbgemm (7-bit activations)"] = ((xq - zero) * scale) @ deq.T
+    if "int8pack" in usable:
+        xb = x.bfloat16()
+        calls["int8 int8pack, bf16 activations"] = lambda: torch._weight_int8pack_mm(
+            xb, q.weight_int8, q.scale_bf16
+        )
+        refs["int8 int8pack, bf16 activations"] = xb64 @ deq.T
+        with contextlib.suppress(RuntimeError):  # (a build that takes bf16 only)
+            torch._weight_int8pack_mm(x, q.weight_int8, q.scale)
+            calls["int8 int8pack, fp32 activations"] = lambda: torch._weight_int8pack_mm(
+                x, q.weight_int8, q.scale
+            )
+            refs["int8 int8pack, fp32 activations"] = x64 @ deq.T
+    buffer = torch.empty(out_features, in_features)
+
+    def dequantize_into_buffer() -> Tensor:
+        torch.mul(q.weight_int8, q.scale[:, None], out=buffer)
+        return F.linear(x, buffer)
+
+    calls["int8 dequantize into a buffer + F.linear"] = dequantize_into_buffer
+    refs["int8 dequantize into a buffer + F.linear"] = x64 @ deq.T
+    codes_t = q.weight_int8.t()
+
+    def int_mm() -> Tensor:
+        size = x.abs().amax(-1, keepdim=True) / 127
+        xq = (x / size).round_().to(torch.int8)
+        return torch._int_mm(xq, codes_t).float() * size * q.scale
+
+    with contextlib.suppress(RuntimeError):  # (builds without a CPU int8 matmul)
+        int_mm()
+        calls["int8 _int_mm (8-bit activations per row)"] = int_mm
+        size = x64.abs().amax(-1, keepdim=True) / 127
+        refs["int8 _int_mm (8-bit activations per row)"] = (x64 / size).round() * size @ deq.T
+    for group in (32, 64, 128, 256):
+        if in_features % group or out_features % 16:
+            continue
+        layer = Int4Linear.from_weight(weight, group_size=group)
+        deq4 = layer.dequantize().double()
+        packed, sz = layer.packed, layer.scales_and_zeros
+        op = torch.ops.aten._weight_int4pack_mm_for_cpu
+        calls[f"int4 g{group}, bf16 activations"] = functools.partial(
+            op, x.bfloat16(), packed, group, sz
+        )
+        refs[f"int4 g{group}, bf16 activations"] = xb64 @ deq4.T
+        with contextlib.suppress(RuntimeError):
+            op(x, packed, group, sz.float())
+            calls[f"int4 g{group}, fp32 activations"] = functools.partial(
+                op, x, packed, group, sz.float()
+            )
+            refs[f"int4 g{group}, fp32 activations"] = x64 @ deq4.T
+    return calls, refs
+
+
+# The kernel_rows label of each Int8Linear kernel.
+_LABELS = {
+    "fbgemm": "int8 fbgemm (7-bit activations)",
+    "int8pack": "int8 int8pack, bf16 activations",
+    "dequantize": "int8 dequantize into a buffer + F.linear",
+}
+
+
+@torch.no_grad()
+def kernel_rows(
+    matrices: dict[str, tuple[int, int]],
+    *,
+    rounds: int = 9,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Seconds per one-row product of each kernel on each ``{name: (in, out)}`` matrix.
+
+    Each timed call follows a flush of the cache (:class:`attnkit.quantize.CacheEvictor`: a
+    decode step reads every weight once, from memory); all kernels of a matrix are interleaved
+    over ``rounds`` rounds and the median kept. Random weights (speed does not depend on them).
+
+    Returns:
+        One row per matrix and kernel: ``matrix``, ``shape`` (in, out), ``kernel``,
+        ``seconds``, ``vs_fp32`` (fp32 ``F.linear``'s time over this one's), ``bytes_per_s``
+        (the weight bytes read over the time), ``relative_error`` (largest absolute difference
+        from the float64 reference, over the reference's largest magnitude), ``chosen`` (the
+        kernel :func:`attnkit.quantize.choose_int8_kernel` takes for the shape), ``is_choice``
+        (this row is that kernel).
+    """
+    from attnkit.quantize import CacheEvictor, choose_int8_kernel
+
+    say = progress or (lambda _msg: None)
+    evict = CacheEvictor()
+    rows = []
+    for name, (in_features, out_features) in matrices.items():
+        say(f"kernels: {name} ({in_features} -> {out_features})")
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+        x = torch.randn(1, in_features, generator=gen)
+        calls, refs = _kernel_calls(weight, x)
+        seconds = time_calls(calls, rounds=rounds, evict=evict)
+        chosen = choose_int8_kernel(in_features, out_features)
+        for kernel, took in seconds.items():
+            ref = refs[kernel]
+            err = (calls[kernel]().double() - ref).abs().max() / ref.abs().max()
+            bits = 32 if kernel.startswith("fp32") else 16 if kernel.startswith("bf16") else 8
+            bits = 4 if kernel.startswith("int4") else bits
+            rows.append(
+                {
+                    "matrix": name,
+                    "shape": [in_features, out_features],
+                    "kernel": kernel,
+                    "seconds": took,
+                    "vs_fp32": seconds["fp32 F.linear"] / took,
+                    "bytes_per_s": in_features * out_features * bits / 8 / took,
+                    "relative_error": float(err),
+                    "chosen": chosen,
+                    "is_choice": kernel == _LABELS[chosen],
+                }
+            )
+    return rows
