@@ -228,9 +228,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--kernel-rounds", type=int, default=9)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)"
+    )
     parser.add_argument("--skip", action="append", default=[], choices=SECTIONS)
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_quantize.json")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     _, held_out = bq.english_text()
     result: dict[str, Any] = {
         "machine": platform.processor() or platform.machine(),

@@ -52,6 +52,7 @@ __all__ = [
     "Int8Linear",
     "Mode",
     "choose_int8_kernel",
+    "int8_kernel_seconds",
     "int8_kernels",
     "last_level_cache_bytes",
     "quantize",
@@ -305,19 +306,40 @@ def time_calls(
 
 
 @functools.cache
-def _measured_choice(in_features: int, out_features: int, threads: int) -> str:
+def _measured_seconds(in_features: int, out_features: int, threads: int) -> dict[str, float]:
     candidates = tuple(k for k in int8_kernels(in_features) if k != "dequantize")
     if len(candidates) < 2:
-        return candidates[0] if candidates else "dequantize"
+        return {}
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=gen)
     scale = torch.rand(out_features, generator=gen) / 127
     x = torch.randn(1, in_features, generator=gen)
-    layers = {k: Int8Linear.from_codes(codes, scale, kernel=k) for k in candidates}
+    # Copies of the weight, 1.5x the last-level cache in all (64 at most): each timed call reads
+    # its weight from memory, one after another, as the layers of a decode step do.
+    count = min(64, -(-3 * last_level_cache_bytes() // (2 * codes.numel())))
+    copies = [codes] + [codes.clone() for _ in range(count - 1)]
+    layers = {k: [Int8Linear.from_codes(c, scale, kernel=k) for c in copies] for k in candidates}
+
+    def run(kernel: str) -> None:
+        for layer in layers[kernel]:
+            layer(x)
+
     with torch.no_grad():
-        calls = {k: functools.partial(m, x) for k, m in layers.items()}
-        seconds = time_calls(calls, evict=CacheEvictor())
-    return min(seconds, key=seconds.__getitem__)
+        seconds = time_calls({k: functools.partial(run, k) for k in layers}, rounds=5, budget_s=0)
+    return {k: t / len(copies) for k, t in seconds.items()}
+
+
+def int8_kernel_seconds(in_features: int, out_features: int) -> dict[str, float]:
+    """Seconds per one-row product of each CPU int8 kernel (:func:`int8_kernels` but
+    ``"dequantize"``) on an ``(out, in)`` weight, as :func:`choose_int8_kernel` measured them
+    (empty where fewer than two kernels can run the shape).
+
+    Measured at the first call for each shape and thread count, then cached for the process:
+    one call on each of enough copies of a random weight to fill 1.5x the last-level cache, so
+    each reads its weight from memory, one after another, as the layers of a decode step do;
+    interleaved rounds, medians.
+    """
+    return dict(_measured_seconds(in_features, out_features, torch.get_num_threads()))
 
 
 def choose_int8_kernel(
@@ -325,14 +347,16 @@ def choose_int8_kernel(
 ) -> str:
     """The fastest of :func:`int8_kernels` at multiplying one row by an ``(out, in)`` int8 weight.
 
-    Measured on the CPU at the first call for each shape and thread count (a random weight of the
-    shape; each timed call after the cache is flushed, as in a decode step, which reads each
-    weight once; interleaved rounds, medians), then cached for the process; other devices get
-    ``"dequantize"``.
+    The timings are :func:`int8_kernel_seconds`'s; a shape only one kernel can run gets it, other
+    devices ``"dequantize"``.
     """
     if torch.device(device).type != "cpu":
         return "dequantize"
-    return _measured_choice(in_features, out_features, torch.get_num_threads())
+    seconds = int8_kernel_seconds(in_features, out_features)
+    if seconds:
+        return min(seconds, key=seconds.__getitem__)
+    usable = int8_kernels(in_features)
+    return usable[0]
 
 
 class Int4Linear(nn.Module):

@@ -457,82 +457,90 @@ def model_matrices(config: TransformerConfig) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _kernel_calls(
-    weight: Tensor, x: Tensor
-) -> tuple[dict[str, Callable[[], Tensor]], dict[str, Tensor]]:
-    """Every candidate's call on one row ``x`` and its float64 reference (the row, rounded as
-    the kernel rounds it, times the weight the kernel multiplies by)."""
-    from attnkit.quantize import Int4Linear, Int8Linear, int8_kernels
+def _fbgemm(x: Tensor, packed: Any) -> Tensor:
+    return torch.ops.quantized.linear_dynamic(x, packed, True)
+
+
+def _dequantize_into(x: Tensor, codes: Tensor, scale: Tensor, buffer: Tensor) -> Tensor:
+    torch.mul(codes, scale[:, None], out=buffer)
+    return F.linear(x, buffer)
+
+
+def _int_mm(x: Tensor, codes_t: Tensor, scale: Tensor) -> Tensor:
+    size = x.abs().amax(-1, keepdim=True) / 127
+    xq = (x / size).round_().to(torch.int8)
+    return torch._int_mm(xq, codes_t).float() * size * scale
+
+
+def _int4(x: Tensor, packed: Tensor, group: int, scales_and_zeros: Tensor) -> Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
+
+
+Kernel = tuple[Callable[..., Tensor], Tensor, tuple[Any, ...], Tensor]
+
+
+def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
+    """Every candidate kernel for one row ``x`` times ``weight``: ``(call, the row as the kernel
+    takes it, the weight's parts, float64 reference)``; ``call(row, *parts)`` is the product and
+    the reference is the row, rounded as the kernel rounds it, times the weight the kernel
+    multiplies by (in float64)."""
+    from attnkit.quantize import Int4Linear, Int8Linear, _fbgemm_pack, int8_kernels
 
     out_features, in_features = weight.shape
-    x64 = x.double()
-    xb64 = x.bfloat16().double()
-    calls: dict[str, Callable[[], Tensor]] = {}
-    refs: dict[str, Tensor] = {}
-    calls["fp32 F.linear"] = lambda: F.linear(x, weight)
-    refs["fp32 F.linear"] = x64 @ weight.double().T
+    x64, xb = x.double(), x.bfloat16()
+    xb64 = xb.double()
+    out: dict[str, Kernel] = {"fp32 F.linear": (F.linear, x, (weight,), x64 @ weight.double().T)}
     wb = weight.bfloat16()
-    calls["bf16 F.linear"] = lambda: F.linear(x.bfloat16(), wb)
-    refs["bf16 F.linear"] = xb64 @ wb.double().T
+    out["bf16 F.linear"] = (F.linear, xb, (wb,), xb64 @ wb.double().T)
     q = Int8Linear.from_weight(weight, kernel="dequantize")
     deq = q.dequantize().double()
     usable = int8_kernels(in_features)
     if "fbgemm" in usable:
-        fb = Int8Linear.from_codes(q.weight_int8, q.scale, kernel="fbgemm")
-        calls["int8 fbgemm (7-bit activations)"] = lambda: fb(x)
         scale, zero = torch._choose_qparams_per_tensor(x, True)
-        xq = ((x.double() / scale).round() + zero).clamp(0, 127)
-        refs["int8 fbgemm (7-bit activations)"] = ((xq - zero) * scale) @ deq.T
+        xq = ((x64 / scale).round() + zero).clamp(0, 127)
+        ref = ((xq - zero) * scale) @ deq.T
+        packed = _fbgemm_pack(q.weight_int8, q.scale)
+        out["int8 fbgemm (7-bit activations)"] = (_fbgemm, x, (packed,), ref)
     if "int8pack" in usable:
-        xb = x.bfloat16()
-        calls["int8 int8pack, bf16 activations"] = lambda: torch._weight_int8pack_mm(
-            xb, q.weight_int8, q.scale_bf16
-        )
-        refs["int8 int8pack, bf16 activations"] = xb64 @ deq.T
+        mm = torch._weight_int8pack_mm
+        parts = (q.weight_int8, q.scale_bf16)
+        out["int8 int8pack, bf16 activations"] = (mm, xb, parts, xb64 @ deq.T)
         with contextlib.suppress(RuntimeError):  # (a build that takes bf16 only)
-            torch._weight_int8pack_mm(x, q.weight_int8, q.scale)
-            calls["int8 int8pack, fp32 activations"] = lambda: torch._weight_int8pack_mm(
-                x, q.weight_int8, q.scale
-            )
-            refs["int8 int8pack, fp32 activations"] = x64 @ deq.T
+            mm(x, q.weight_int8, q.scale)
+            parts = (q.weight_int8, q.scale)
+            out["int8 int8pack, fp32 activations"] = (mm, x, parts, x64 @ deq.T)
     buffer = torch.empty(out_features, in_features)
-
-    def dequantize_into_buffer() -> Tensor:
-        torch.mul(q.weight_int8, q.scale[:, None], out=buffer)
-        return F.linear(x, buffer)
-
-    calls["int8 dequantize into a buffer + F.linear"] = dequantize_into_buffer
-    refs["int8 dequantize into a buffer + F.linear"] = x64 @ deq.T
-    codes_t = q.weight_int8.t()
-
-    def int_mm() -> Tensor:
-        size = x.abs().amax(-1, keepdim=True) / 127
-        xq = (x / size).round_().to(torch.int8)
-        return torch._int_mm(xq, codes_t).float() * size * q.scale
-
+    parts = (q.weight_int8, q.scale, buffer)
+    out["int8 dequantize into a buffer + F.linear"] = (_dequantize_into, x, parts, x64 @ deq.T)
     with contextlib.suppress(RuntimeError):  # (builds without a CPU int8 matmul)
-        int_mm()
-        calls["int8 _int_mm (8-bit activations per row)"] = int_mm
+        _int_mm(x, q.weight_int8.t(), q.scale)
         size = x64.abs().amax(-1, keepdim=True) / 127
-        refs["int8 _int_mm (8-bit activations per row)"] = (x64 / size).round() * size @ deq.T
+        ref = (x64 / size).round() * size @ deq.T
+        parts = (q.weight_int8.t(), q.scale)
+        out["int8 _int_mm (8-bit activations per row)"] = (_int_mm, x, parts, ref)
     for group in (32, 64, 128, 256):
         if in_features % group or out_features % 16:
             continue
         layer = Int4Linear.from_weight(weight, group_size=group)
         deq4 = layer.dequantize().double()
-        packed, sz = layer.packed, layer.scales_and_zeros
-        op = torch.ops.aten._weight_int4pack_mm_for_cpu
-        calls[f"int4 g{group}, bf16 activations"] = functools.partial(
-            op, x.bfloat16(), packed, group, sz
-        )
-        refs[f"int4 g{group}, bf16 activations"] = xb64 @ deq4.T
+        packed4, sz = layer.packed, layer.scales_and_zeros
+        out[f"int4 g{group}, bf16 activations"] = (_int4, xb, (packed4, group, sz), xb64 @ deq4.T)
         with contextlib.suppress(RuntimeError):
-            op(x, packed, group, sz.float())
-            calls[f"int4 g{group}, fp32 activations"] = functools.partial(
-                op, x, packed, group, sz.float()
-            )
-            refs[f"int4 g{group}, fp32 activations"] = x64 @ deq4.T
-    return calls, refs
+            _int4(x, packed4, group, sz.float())
+            parts = (packed4, group, sz.float())
+            out[f"int4 g{group}, fp32 activations"] = (_int4, x, parts, x64 @ deq4.T)
+    return out
+
+
+def _weight_bytes(kernel: str, in_features: int, out_features: int) -> float:
+    """Bytes of the weight a kernel reads: 4, 2, 1 or 1/2 a weight by its name's precision."""
+    per = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}[kernel.split()[0]]
+    return per * in_features * out_features
+
+
+def _run_copies(call: Callable[..., Tensor], row: Tensor, copies: list[tuple[Any, ...]]) -> None:
+    for parts in copies:
+        call(row, *parts)
 
 
 # The kernel_rows label of each Int8Linear kernel.
@@ -547,52 +555,64 @@ _LABELS = {
 def kernel_rows(
     matrices: dict[str, tuple[int, int]],
     *,
-    rounds: int = 9,
+    rounds: int = 5,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Seconds per one-row product of each kernel on each ``{name: (in, out)}`` matrix.
 
-    Each timed call follows a flush of the cache (:class:`attnkit.quantize.CacheEvictor`: a
-    decode step reads every weight once, from memory); all kernels of a matrix are interleaved
-    over ``rounds`` rounds and the median kept. Random weights (speed does not depend on them).
+    Timed the way :func:`attnkit.quantize.int8_kernel_seconds` times the int8 kernels: one call
+    on each of enough copies of the weight to fill 1.5x the last-level cache (64 copies at most),
+    so each reads its weight from memory, one after another, as the layers of a decode step do;
+    all kernels of a matrix interleaved over ``rounds`` rounds, medians. Random weights (speed
+    does not depend on their values).
 
     Returns:
         One row per matrix and kernel: ``matrix``, ``shape`` (in, out), ``kernel``,
         ``seconds``, ``vs_fp32`` (fp32 ``F.linear``'s time over this one's), ``bytes_per_s``
-        (the weight bytes read over the time), ``relative_error`` (largest absolute difference
-        from the float64 reference, over the reference's largest magnitude), ``chosen`` (the
-        kernel :func:`attnkit.quantize.choose_int8_kernel` takes for the shape), ``is_choice``
-        (this row is that kernel).
+        (the weight's bytes at the kernel's precision over the time), ``relative_error``
+        (largest absolute difference from the float64 reference, over the reference's largest
+        magnitude),
+        ``chosen`` (the kernel :func:`attnkit.quantize.choose_int8_kernel` takes for the
+        shape), ``is_choice`` (this row is that kernel).
     """
-    from attnkit.quantize import CacheEvictor, choose_int8_kernel
+    from attnkit.quantize import choose_int8_kernel, last_level_cache_bytes
 
     say = progress or (lambda _msg: None)
-    evict = CacheEvictor()
+    fill = 3 * last_level_cache_bytes() // 2
     rows = []
     for name, (in_features, out_features) in matrices.items():
         say(f"kernels: {name} ({in_features} -> {out_features})")
         gen = torch.Generator().manual_seed(0)
         weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
         x = torch.randn(1, in_features, generator=gen)
-        calls, refs = _kernel_calls(weight, x)
-        seconds = time_calls(calls, rounds=rounds, evict=evict)
+        kernels = _kernels(weight, x)
+        size = {k: _weight_bytes(k, in_features, out_features) for k in kernels}
+        copies = {
+            k: [parts] + [copy.deepcopy(parts) for _ in range(min(64, -int(-fill // size[k])) - 1)]
+            for k, (_, _, parts, _) in kernels.items()
+        }
+        runs = {
+            k: functools.partial(_run_copies, kernels[k][0], kernels[k][1], copies[k])
+            for k in kernels
+        }
+        seconds = time_calls(runs, rounds=rounds, budget_s=0)
         chosen = choose_int8_kernel(in_features, out_features)
         for kernel, took in seconds.items():
-            ref = refs[kernel]
-            err = (calls[kernel]().double() - ref).abs().max() / ref.abs().max()
-            bits = 32 if kernel.startswith("fp32") else 16 if kernel.startswith("bf16") else 8
-            bits = 4 if kernel.startswith("int4") else bits
+            call, row, parts, ref = kernels[kernel]
+            took /= len(copies[kernel])
+            err = (call(row, *parts).double() - ref).abs().max() / ref.abs().max()
             rows.append(
                 {
                     "matrix": name,
                     "shape": [in_features, out_features],
                     "kernel": kernel,
                     "seconds": took,
-                    "vs_fp32": seconds["fp32 F.linear"] / took,
-                    "bytes_per_s": in_features * out_features * bits / 8 / took,
+                    "vs_fp32": seconds["fp32 F.linear"] / len(copies["fp32 F.linear"]) / took,
+                    "bytes_per_s": size[kernel] / took,
                     "relative_error": float(err),
                     "chosen": chosen,
                     "is_choice": kernel == _LABELS[chosen],
                 }
             )
+        del copies, kernels
     return rows
