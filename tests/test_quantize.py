@@ -17,7 +17,15 @@ from torch.testing import assert_close
 from attnkit.config import TransformerConfig
 from attnkit.decoding import PreparedLinear, prepare
 from attnkit.models import TransformerLM
-from attnkit.quantize import Int4Linear, Int8Linear, quantize
+from attnkit.quantize import (
+    INT8_KERNELS,
+    Int4Linear,
+    Int8Linear,
+    choose_int8_kernel,
+    int8_kernel_seconds,
+    int8_kernels,
+    quantize,
+)
 
 LLAMA: dict[str, Any] = {
     "norm": "rmsnorm",
@@ -52,13 +60,102 @@ def test_int8_linear_is_the_per_channel_rounding(bias: bool, in_features: int) -
     assert ((q.dequantize().double() - w).abs() <= scale[:, None] / 2 + 1e-7).all()
     assert q.weight_int8.abs().amax(1).eq(127).all()
     x = torch.randn(3, 7, in_features)
-    # The kernel multiplies bf16 activations by the int8 weight: the float64 product of the
-    # bf16-rounded input and the dequantized weight is the reference.
-    want = _f64_product(x.bfloat16().float(), q.dequantize(), linear.bias)
-    got = q(x)
+    want = _f64_product(x, q.dequantize(), linear.bias)
+    got = q(x)  # (whichever kernel the run-time choice took)
     assert got.shape == (3, 7, 80) and got.dtype == torch.float32
     assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     assert q(x.bfloat16()).dtype == torch.bfloat16
+
+
+def _fbgemm_reference(x: Tensor, deq: Tensor) -> tuple[Tensor, Tensor]:
+    """The float64 product of the rows of ``x`` as the fbgemm kernel rounds them (each row divided
+    by its largest magnitude, one 7-bit asymmetric grid for the whole tensor) and ``deq``, and
+    the most that rounding ties (an input half-way between two steps, which float32 and float64
+    may round either way) can move it."""
+    size = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    if len(x) == 1:
+        size = torch.ones_like(size)
+    xn = x / size
+    scale, zero = torch._choose_qparams_per_tensor(xn, True)  # torch's own choice of the grid
+    steps = xn.double() / scale
+    codes = steps.round().add(zero).clamp(0, 127)
+    rows = (codes - zero) * scale * size.double()
+    ties = ((steps - steps.floor() - 0.5).abs() < 1e-4).double() * scale * size.double()
+    return rows @ deq.double().T, ties @ deq.double().abs().T
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+def test_each_int8_kernel_is_the_float64_product_within_its_rounding(
+    kernel: str, rows: int
+) -> None:
+    """Each kernel against the float64 product of the dequantized weight and the activations as
+    that kernel rounds them: bf16 (int8pack), 7-bit per row (fbgemm), none (dequantize)."""
+    if kernel not in int8_kernels(96):
+        pytest.skip(f"{kernel} does not run here")
+    torch.manual_seed(3)
+    linear = nn.Linear(96, 48, bias=True)
+    q = Int8Linear.from_linear(linear, kernel=kernel)  # type: ignore[arg-type]
+    assert q.kernel == kernel and kernel in repr(q)
+    x = torch.randn(rows, 96)
+    x[-1] *= 50  # rows of different sizes: each keeps its own resolution
+    deq = q.dequantize()
+    bias = linear.bias.detach().double()
+    magnitude = x.double().abs() @ deq.double().abs().T  # the sums' scale, for float32 rounding
+    if kernel == "fbgemm":
+        want, ties = _fbgemm_reference(x, deq)
+        want = want + bias
+        slack = 1e-5 * magnitude + ties
+    elif kernel == "int8pack":
+        # (the kernel takes the scales in the activations' dtype: bf16-rounded)
+        deq_b = q.weight_int8.double() * q.scale_bf16.double()[:, None]
+        want = x.bfloat16().double() @ deq_b.T + bias
+        # (bf16 rounding of the sum and of its product with the scale)
+        slack = 2**-7 * want.abs() + 1e-5 * magnitude
+    else:
+        want = x.double() @ deq.double().T + bias
+        slack = 1e-5 * magnitude
+    got = q(x).double()
+    assert ((got - want).abs() <= slack + 1e-6).all(), (got - want).abs().max()
+    # Not vacuous: the activations' rounding is far above the slack where a kernel rounds them.
+    exact = x.double() @ deq.double().T + bias
+    if kernel != "dequantize":
+        assert ((got - exact).abs() > slack + 1e-6).any()
+
+
+def test_fbgemm_kernel_does_not_saturate_large_products() -> None:
+    """All-maximal weights times all-large activations: AVX2's 8-bit multiply-add saturates its
+    16-bit pair sums with full 8-bit activations; the kernel's 7-bit ones stay exact."""
+    if "fbgemm" not in int8_kernels(64):
+        pytest.skip("fbgemm does not run here")
+    q = Int8Linear.from_weight(torch.ones(16, 64), kernel="fbgemm")
+    x = torch.full((1, 64), 3.0)
+    x[0, 0] = -0.01
+    assert_close(q(x), x.sum().expand(1, 16), rtol=1e-2, atol=0)
+
+
+def test_int8_kernel_choice_is_the_fastest_measured() -> None:
+    seconds = int8_kernel_seconds(128, 64)
+    usable = int8_kernels(128)
+    assert set(seconds) == set(usable) - {"dequantize"} or len(usable) < 3
+    assert all(t > 0 for t in seconds.values())
+    chosen = choose_int8_kernel(128, 64)
+    assert chosen in usable
+    if seconds:
+        assert seconds[chosen] == min(seconds.values())
+    # Input sizes the int8pack kernel cannot take are never timed with it.
+    assert "int8pack" not in int8_kernel_seconds(100, 64)
+    assert choose_int8_kernel(128, 64, "meta") == "dequantize"
+
+
+def test_int8_kernel_names_are_checked() -> None:
+    with pytest.raises(ValueError, match="int8pack"):
+        Int8Linear.from_weight(torch.randn(8, 100), kernel="int8pack")
+    with pytest.raises(ValueError, match="'fast'"):
+        quantize(_lm(), "int8", int8_kernel="fast")  # type: ignore[arg-type]
+    # A named kernel is used wherever it can run (elsewhere the measured choice).
+    lm = quantize(_lm(), "int8", int8_kernel="dequantize")
+    assert {m.kernel for m in lm.modules() if isinstance(m, Int8Linear)} == {"dequantize"}
 
 
 @pytest.mark.parametrize(
