@@ -34,6 +34,7 @@ Prints tables and writes JSON (default ``benchmarks/results/bench_quantize.json`
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import sys
@@ -46,6 +47,7 @@ import torch
 from attnkit.bench import decoding as db
 from attnkit.bench import quantization as bq
 from attnkit.models import TransformerLM
+from attnkit.quantize import choose_int8_kernel, quantize
 
 SECTIONS = ("kernels", "quality", "minilm", "memory", "speed")
 RESULTS = Path(__file__).parent / "results"
@@ -162,14 +164,27 @@ def print_kernels(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def _extra_variants(model: TransformerLM, args: argparse.Namespace) -> dict[str, Any]:
+    """torchao's int8, and int8 with every linear on ``torch._weight_int8pack_mm`` (the kernel
+    before the run-time choice) for the before/after ratio."""
+    out: dict[str, Any] = dict(bq.torchao_variants(model, compile=not args.no_compile))
+    out["before: int8pack everywhere"] = quantize(
+        copy.deepcopy(model), "int8", int8_kernel="int8pack"
+    )
+    return out
+
+
 def speed_section(args: argparse.Namespace) -> dict[str, Any]:
-    return db.quantize_rows(
+    result = db.quantize_rows(
         args.shape,
         repeats=args.repeats,
         compile=not args.no_compile,
         progress=_say,
-        extra=lambda m: dict(bq.torchao_variants(m, compile=not args.no_compile)),
+        extra=lambda m: _extra_variants(m, args),
     )
+    matrices = bq.model_matrices(db.QUANT_MODELS[args.shape][0]).values()
+    result["int8_kernel_choice"] = {f"{i}x{o}": choose_int8_kernel(i, o) for i, o in matrices}
+    return result
 
 
 def print_speed(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -186,6 +201,7 @@ def print_speed(result: dict[str, Any]) -> list[dict[str, Any]]:
         ]
         bound = f"{r['of_bound']:>9.0%}" if "of_bound" in r else f"{'-':>9}"
         print(f"{v:<22} {r['step_tokens_per_s']:>8.1f} {' '.join(cells)} {bound}")
+    print(f"int8 kernel per matrix (in x out): {result['int8_kernel_choice']}")
     for note in result["notes"]:
         print(f"note: {note}")
     targets = []

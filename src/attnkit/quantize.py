@@ -314,9 +314,9 @@ def _measured_seconds(in_features: int, out_features: int, threads: int) -> dict
     codes = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=gen)
     scale = torch.rand(out_features, generator=gen) / 127
     x = torch.randn(1, in_features, generator=gen)
-    # Copies of the weight, 1.5x the last-level cache in all (64 at most): each timed call reads
+    # Copies of the weight, 1.5x the last-level cache in all (32 at most): each timed call reads
     # its weight from memory, one after another, as the layers of a decode step do.
-    count = min(64, -(-3 * last_level_cache_bytes() // (2 * codes.numel())))
+    count = min(32, -(-3 * last_level_cache_bytes() // (2 * codes.numel())))
     copies = [codes] + [codes.clone() for _ in range(count - 1)]
     layers = {k: [Int8Linear.from_codes(c, scale, kernel=k) for c in copies] for k in candidates}
 
@@ -335,9 +335,9 @@ def int8_kernel_seconds(in_features: int, out_features: int) -> dict[str, float]
     (empty where fewer than two kernels can run the shape).
 
     Measured at the first call for each shape and thread count, then cached for the process:
-    one call on each of enough copies of a random weight to fill 1.5x the last-level cache, so
-    each reads its weight from memory, one after another, as the layers of a decode step do;
-    interleaved rounds, medians.
+    one call on each of enough copies of a random weight to fill 1.5x the last-level cache (32
+    copies at most), so each reads its weight from memory, one after another, as the layers of a
+    decode step do; interleaved rounds, medians.
     """
     return dict(_measured_seconds(in_features, out_features, torch.get_num_threads()))
 

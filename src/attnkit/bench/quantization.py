@@ -561,7 +561,7 @@ def kernel_rows(
     """Seconds per one-row product of each kernel on each ``{name: (in, out)}`` matrix.
 
     Timed the way :func:`attnkit.quantize.int8_kernel_seconds` times the int8 kernels: one call
-    on each of enough copies of the weight to fill 1.5x the last-level cache (64 copies at most),
+    on each of enough copies of the weight to fill 1.5x the last-level cache (32 copies at most),
     so each reads its weight from memory, one after another, as the layers of a decode step do;
     all kernels of a matrix interleaved over ``rounds`` rounds, medians. Random weights (speed
     does not depend on their values).
@@ -588,7 +588,7 @@ def kernel_rows(
         kernels = _kernels(weight, x)
         size = {k: _weight_bytes(k, in_features, out_features) for k in kernels}
         copies = {
-            k: [parts] + [copy.deepcopy(parts) for _ in range(min(64, -int(-fill // size[k])) - 1)]
+            k: [parts] + [copy.deepcopy(parts) for _ in range(min(32, -int(-fill // size[k])) - 1)]
             for k, (_, _, parts, _) in kernels.items()
         }
         runs = {
