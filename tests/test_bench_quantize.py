@@ -159,3 +159,35 @@ def test_llamacpp_script_writes_gguf_that_computes_the_model(
         want, got = lm(ids), loaded(ids)
     tol = {"f32": 1e-5, "bf16": 2e-2, "q8_0": 3e-2}[precision]
     assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_model_matrices_are_the_models_linears() -> None:
+    config = TransformerConfig(256, 64, 2, 4, num_kv_heads=2, ffn_dim=96, **FAMILIES["llama"])
+    matrices = bq.model_matrices(config)
+    lm = TransformerLM(config)
+    for name, (i, o) in matrices.items():
+        if name == "lm_head":  # the tied head: the embedding as a linear
+            assert (i, o) == (lm.embedding.embedding_dim, lm.embedding.num_embeddings)
+            continue
+        linear = next(m for n, m in lm.named_modules() if n.endswith(name))
+        assert (linear.in_features, linear.out_features) == (i, o)
+    assert matrices["qkv_proj"] == (64, 64 + 2 * 2 * 16)
+
+
+def test_kernel_rows_time_every_kernel_against_its_rounding() -> None:
+    from attnkit.quantize import choose_int8_kernel
+
+    rows = bq.kernel_rows({"a": (128, 64), "b": (96, 32)}, rounds=2)
+    for name in ("a", "b"):
+        mine = [r for r in rows if r["matrix"] == name]
+        kernels = {r["kernel"] for r in mine}
+        assert {"fp32 F.linear", "bf16 F.linear", "int4 g32, bf16 activations"} <= kernels
+        assert sum(r["is_choice"] for r in mine) == 1
+        assert mine[0]["chosen"] == choose_int8_kernel(*mine[0]["shape"])
+        assert all(r["seconds"] > 0 and r["bytes_per_s"] > 0 for r in mine)
+        fp32 = next(r for r in mine if r["kernel"] == "fp32 F.linear")
+        assert fp32["vs_fp32"] == 1.0 and fp32["relative_error"] < 1e-5
+        # Every kernel is its float64 reference up to the rounding of its output (bf16 at most).
+        assert all(r["relative_error"] < 1e-2 for r in mine), mine
+    # 96 inputs: int4 groups of 32 only (96 is no multiple of 64).
+    assert not any(r["kernel"].startswith("int4 g64") for r in rows if r["matrix"] == "b")
