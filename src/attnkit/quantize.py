@@ -34,7 +34,7 @@ import functools
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -278,7 +278,7 @@ class CacheEvictor:
 
 
 def time_calls(
-    calls: dict[str, Callable[[], Any]],
+    calls: Mapping[str, Callable[[], Any]],
     *,
     rounds: int = 7,
     evict: Callable[[], Any] | None = None,

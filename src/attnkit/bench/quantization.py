@@ -403,8 +403,11 @@ peak = peak_memory(lambda: box.append(TransformerLM.from_pretrained(folder, **kw
 model = box[0]
 tensors = {t.data_ptr(): t.numel() * t.element_size()
            for t in [*model.parameters(), *model.buffers()] if t.numel()}
-print(json.dumps({"peak_bytes": peak, "model_bytes": sum(tensors.values()),
-                  "read_bytes": _stored_bytes(model)}))
+# fbgemm's prepacked copies of int8 weights (kernel "fbgemm") live outside the tensors.
+packed = sum(m.weight_int8.numel() for m in model.modules()
+             if getattr(m, "_packed", None) is not None)
+print(json.dumps({"peak_bytes": peak, "model_bytes": sum(tensors.values()) + packed,
+                  "packed_bytes": packed, "read_bytes": _stored_bytes(model)}))
 """
 
 
@@ -414,10 +417,12 @@ def load_peak(folder: str | Path, mode: str = "int8") -> dict[str, Any]:
     The child loads a one-layer model of the same architecture first (imports, first-call
     allocations), then resets its peak resident memory (``/proc/self/clear_refs``),
     loads, and reports the growth of ``VmHWM`` (:func:`attnkit.profiling.peak_memory`) and the
-    bytes of the loaded model's tensors; ``mode="fp32"`` loads without quantizing.
+    bytes of the loaded model's tensors, with fbgemm's prepacked int8 copies (``packed_bytes``);
+    ``mode="fp32"`` loads without quantizing.
 
     Returns:
-        ``{"mode", "peak_bytes", "model_bytes", "read_bytes", "peak_over_model"}``
+        ``{"mode", "peak_bytes", "model_bytes", "packed_bytes", "read_bytes",
+        "peak_over_model"}``
         (``peak_bytes`` ``None`` where ``/proc`` cannot be used).
 
     Raises:
@@ -503,7 +508,7 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
         out["int8 fbgemm (7-bit activations)"] = (_fbgemm, x, (packed,), ref)
     if "int8pack" in usable:
         mm = torch._weight_int8pack_mm
-        parts = (q.weight_int8, q.scale_bf16)
+        parts: tuple[Any, ...] = (q.weight_int8, q.scale_bf16)
         out["int8 int8pack, bf16 activations"] = (mm, xb, parts, xb64 @ deq.T)
         with contextlib.suppress(RuntimeError):  # (a build that takes bf16 only)
             mm(x, q.weight_int8, q.scale)
