@@ -181,6 +181,7 @@ def speed_section(args: argparse.Namespace) -> dict[str, Any]:
         compile=not args.no_compile,
         progress=_say,
         extra=lambda m: _extra_variants(m, args),
+        only=tuple(args.only) if args.only else None,
     )
     matrices = bq.model_matrices(db.QUANT_MODELS[args.shape][0]).values()
     result["int8_kernel_choice"] = {f"{i}x{o}": choose_int8_kernel(i, o) for i, o in matrices}
@@ -243,7 +244,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--shape", default="llama-135m", choices=sorted(db.QUANT_MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--kernel-rounds", type=int, default=9)
+    parser.add_argument("--kernel-rounds", type=int, default=5)
+    parser.add_argument(
+        "--only", action="append", default=[], help="speed: only this variant (repeatable)"
+    )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)"
     )
