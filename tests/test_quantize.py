@@ -123,6 +123,17 @@ def test_each_int8_kernel_is_the_float64_product_within_its_rounding(
         assert ((got - exact).abs() > slack + 1e-6).any()
 
 
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+def test_loading_a_state_dict_updates_every_kernel(kernel: str) -> None:
+    if kernel not in int8_kernels(64):
+        pytest.skip(f"{kernel} does not run here")
+    a = Int8Linear.from_weight(torch.randn(16, 64), kernel=kernel)  # type: ignore[arg-type]
+    b = Int8Linear.from_weight(torch.randn(16, 64), kernel=kernel)  # type: ignore[arg-type]
+    a.load_state_dict(b.state_dict())
+    x = torch.randn(3, 64)
+    assert torch.equal(a(x), b(x))
+
+
 def test_fbgemm_kernel_does_not_saturate_large_products() -> None:
     """All-maximal weights times all-large activations: AVX2's 8-bit multiply-add saturates its
     16-bit pair sums with full 8-bit activations; the kernel's 7-bit ones stay exact."""
@@ -151,6 +162,8 @@ def test_int8_kernel_choice_is_the_fastest_measured() -> None:
 def test_int8_kernel_names_are_checked() -> None:
     with pytest.raises(ValueError, match="int8pack"):
         Int8Linear.from_weight(torch.randn(8, 100), kernel="int8pack")
+    with pytest.raises(ValueError, match="'slow'"):
+        Int8Linear.from_codes(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4), kernel="slow")
     with pytest.raises(ValueError, match="'fast'"):
         quantize(_lm(), "int8", int8_kernel="fast")  # type: ignore[arg-type]
     # A named kernel is used wherever it can run (elsewhere the measured choice).

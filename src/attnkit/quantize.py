@@ -165,6 +165,8 @@ class Int8Linear(nn.Module):
     ) -> Int8Linear:
         """The layer of int8 ``codes`` ``(out, in)`` (kept, not copied) and float32 ``scale``
         ``(out,)``, multiplying with ``kernel`` (one of :func:`int8_kernels`)."""
+        if kernel not in INT8_KERNELS:
+            raise ValueError(f"kernel must be one of {INT8_KERNELS}, got {kernel!r}")
         out_features, in_features = codes.shape
         with torch.device("meta"):  # (the buffers are replaced below: no zeros to fill)
             new = cls(in_features, out_features, bias=False)
@@ -184,6 +186,12 @@ class Int8Linear(nn.Module):
     def dequantize(self) -> Tensor:
         """The float32 weight this module computes with. Shape: ``(out, in)``."""
         return self.weight_int8.float() * self.scale[:, None]
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        self.scale_bf16 = self.scale.to(torch.bfloat16)
+        if self.kernel == "fbgemm":  # (the prepacked copy follows the loaded codes)
+            self._packed = _fbgemm_pack(self.weight_int8, self.scale)
 
     def forward(self, x: Tensor) -> Tensor:
         """Shape: ``(*, in) -> (*, out)``."""
