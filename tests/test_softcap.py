@@ -204,16 +204,17 @@ def test_known_finite_inputs_skip_only_the_nan_pass(structure):
 
 @pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan")])
 @pytest.mark.parametrize("L", [200, 3])
-def test_a_non_finite_query_poisons_its_own_row(value, L):
-    # With many queries attend searches k and v first and, for a finite q, skips the kernel's
-    # inf -> NaN pass; a non-finite query keeps it (an infinite score capped to c would hide
-    # the query), with few queries the output check finds it.
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_non_finite_query_poisons_its_own_row(value, L, grad):
+    # With many queries (or gradients) attend searches k and v first and, for a finite q, skips
+    # the kernel's inf -> NaN pass; a non-finite query keeps it (an infinite score capped to c
+    # would hide the query); with few queries the output check finds it.
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 2, L, 8, generator=g)
     k, v = (torch.randn(1, 2, 200, 8, generator=g) for _ in range(2))
     clean = attend(q, k, v, causal=True, softcap=2.0)[0]
     q[0, 1, L - 2, 5] = value
-    out = attend(q, k, v, causal=True, softcap=2.0)[0]
+    out = attend(q.requires_grad_(grad), k, v, causal=True, softcap=2.0)[0].detach()
     bad = torch.zeros(1, 2, L, dtype=torch.bool)
     bad[0, 1, L - 2] = True
     assert torch.equal(torch.isnan(out).any(-1), bad)

@@ -155,6 +155,8 @@ def capped_attention(
         alpha = 2 * scale / softcap
         if buffer is None:
             s = torch.baddbmm(qc.new_empty(()), qc, kc, beta=0.0, alpha=alpha)
+            if not finite:  # inf -> NaN, as below (the gradient of 0 * s * s is 0)
+                s = s.addcmul(s, s, value=0)
             s = torch.sigmoid(s) * (2 * softcap)
         else:
             s = buffer[: B * K * G * r * w].view(B * K, G * r, w)
