@@ -66,8 +66,8 @@ class KVCache(nn.Module):
         self.capacity = capacity
         self.length = 0  # slots filled by update() (eager appends)
 
-    def _check(self, k: Tensor, v: Tensor) -> None:
-        ck = self.k  # one module attribute lookup: this runs per layer per decoded token
+    def _check(self, k: Tensor, v: Tensor, ck: Tensor) -> None:
+        """Raise unless ``k``/``v`` fit the cache ``ck`` (its keys) holds."""
         if not isinstance(k, Tensor) or not isinstance(v, Tensor):
             raise TypeError(
                 f"KVCache takes tensors, got k={type(k).__name__}, v={type(v).__name__}"
@@ -103,7 +103,8 @@ class KVCache(nn.Module):
             ValueError: If the new positions exceed the capacity, shapes do not match, or
                 ``k``/``v`` are on another device.
         """
-        self._check(k, v)
+        ck, cv = self.k, self.v
+        self._check(k, v, ck)
         L = k.shape[2]
         start, end = self.length, self.length + L
         if end > self.capacity:
@@ -111,7 +112,6 @@ class KVCache(nn.Module):
                 f"KVCache capacity exceeded: {self.length} cached + {L} new = {end} > "
                 f"capacity {self.capacity}"
             )
-        ck, cv = self.k, self.v
         ck.narrow(2, start, L).copy_(k)
         cv.narrow(2, start, L).copy_(v)
         # A plain int: set without nn.Module.__setattr__'s parameter and buffer bookkeeping.
@@ -128,7 +128,7 @@ class KVCache(nn.Module):
         Shape:
             k, v ``(B, K, L, E)``, cache_position ``(L,)`` -> ``(B, K, C, E)`` each.
         """
-        self._check(k, v)
+        self._check(k, v, self.k)
         self.k.index_copy_(2, cache_position, k)
         self.v.index_copy_(2, cache_position, v)
         return self.k, self.v

@@ -273,22 +273,17 @@ def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
     Returns:
         ``model``.
     """
-    swaps: list[tuple[nn.Module, str, nn.Linear]] = [
+    swaps = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
+        if type(child) in (nn.Linear, nn.RMSNorm)
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, PreparedLinear.from_linear(child, compiled=compiled))
-    norms: list[tuple[nn.Module, str, nn.RMSNorm]] = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.RMSNorm
-    ]
-    for parent, name, norm in norms:
-        setattr(parent, name, PreparedRMSNorm.from_norm(norm))
+        if isinstance(child, nn.Linear):
+            setattr(parent, name, PreparedLinear.from_linear(child, compiled=compiled))
+        elif isinstance(child, nn.RMSNorm):
+            setattr(parent, name, PreparedRMSNorm.from_norm(child))
     if not compiled:  # a tied output head reads the embedding table as a matrix
         for m in model.modules():
             if type(m) is nn.Embedding and layout_for(m.weight) == "transposed":
