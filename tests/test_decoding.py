@@ -4,6 +4,7 @@ and swapped modules (a LoRA-style linear) that generate must run, not bypass."""
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import pytest
@@ -120,12 +121,15 @@ def test_prepared_rmsnorm_equals_torch_and_keeps_gradients(eps: float | None) ->
     assert fast.weight is norm.weight and list(fast.state_dict()) == list(norm.state_dict())
     x = torch.randn(3, 5, 16) * torch.logspace(-3, 3, 5)[:, None]  # tiny to large rows
     x[0, 0] = 0.0  # an all-zero row: eps alone
-    with torch.inference_mode():
-        assert_close(fast(x), norm(x), atol=0, rtol=2e-6)
     wide = x.double()
     ref = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + (eps or 1.19209e-07))
+    ref = ref * norm.weight.double()
     with torch.inference_mode():
-        assert_close(fast(x).double(), ref * norm.weight.double(), atol=0, rtol=2e-6)
+        assert_close(fast(x), norm(x), atol=0, rtol=0)  # several rows: torch's own forward
+        for i, j in itertools.product(range(3), range(5)):
+            row = x[i, j].view(1, 1, 16)  # one decoding step's row: the one-row path
+            assert_close(fast(row), norm(row), atol=1e-7, rtol=2e-6)
+            assert_close(fast(row).double().view(16), ref[i, j], atol=1e-7, rtol=2e-6)
     # With gradients, torch's own forward runs: same gradients as the unprepared norm.
     xg = x.clone().requires_grad_()
     fast(xg).square().sum().backward()

@@ -19,6 +19,7 @@ a user's own) are left as they are and run as they are.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
@@ -100,14 +101,17 @@ class PreparedLinear(nn.Linear):
 
 
 class PreparedRMSNorm(nn.RMSNorm):
-    """An ``nn.RMSNorm`` prepared for decoding: same parameters, a shorter CPU forward.
+    """An ``nn.RMSNorm`` prepared for decoding: same parameters, a shorter one-row forward.
 
-    Built by :meth:`from_norm`, which shares the original's ``weight``. Without gradients, a
-    float32 CPU input is normalised from its vector norm (five kernels:
-    ``x * rsqrt(||x||^2 / D + eps) * w``) instead of torch's composite ``rms_norm`` (about ten
-    for a one-token row; ``benchmarks/RESULTS.md``); every other case is ``nn.RMSNorm``'s own
-    forward. The two differ by float rounding only.
+    Built by :meth:`from_norm`, which shares the original's ``weight``. For a single float32
+    CPU row without gradients (a one-token decoding step) the row's norm is read once and the
+    scale ``1 / sqrt(||x||^2 / D + eps)`` applied in one multiply with the weight: three torch
+    calls instead of torch's composite ``rms_norm`` (about ten small kernels; 55 vs 15-20 us per
+    row on a 2-core AMD EPYC, ``benchmarks/RESULTS.md``). Every other input runs
+    ``nn.RMSNorm``'s own forward; the two differ by float rounding only.
     """
+
+    _zero: Tensor
 
     @classmethod
     def from_norm(cls, norm: nn.RMSNorm) -> PreparedRMSNorm:
@@ -117,25 +121,28 @@ class PreparedRMSNorm(nn.RMSNorm):
         new.normalized_shape, new.eps = norm.normalized_shape, norm.eps
         new.elementwise_affine = norm.elementwise_affine
         new.weight = norm.weight
+        new._zero = torch.zeros(())  # addcmul's (broadcast) addend
         return new
 
     def forward(self, x: Tensor) -> Tensor:
         """Shape: ``(..., dim) -> (..., dim)``."""
         weight = self.weight
-        grads = x.requires_grad or (weight is not None and weight.requires_grad)
+        D = x.shape[-1]
         if (
-            x.dtype != torch.float32
-            or x.device.type != "cpu"
+            x.numel() != D
+            or x.dtype != torch.float32
             or len(self.normalized_shape) != 1
-            or (grads and torch.is_grad_enabled())
+            or (torch.is_grad_enabled() and (x.requires_grad or weight is not None))
+            or x.device.type != "cpu"
             or torch.compiler.is_compiling()
         ):
             return super().forward(x)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (..., 1)
-        inv = norm.square_().mul_(1.0 / x.shape[-1]).add_(eps).rsqrt_()
-        y = x * inv
-        return y if weight is None else y.mul_(weight)
+        norm = float(torch.linalg.vector_norm(x))
+        scale = 1.0 / math.sqrt(norm * norm / D + eps)
+        if weight is None:
+            return x * scale
+        return torch.addcmul(self._zero, x, weight, value=scale)
 
 
 #: From this many rows on, a bf16 product on a CPU without bf16 dot-product instructions runs
