@@ -11,21 +11,29 @@ count on both; the ``textbook`` column is the full-matrix math the capped call r
 Times are medians of interleaved rounds in this process, so machine noise hits every column
 alike.
 
+``--baseline REV`` adds a ``before`` column: the capped call of an earlier commit (its
+``softcap.py`` and ``functional.py``, loaded beside the current ones), timed in the same rounds.
+
 Usage:
     python benchmarks/bench_softcap.py                      # prefill, decode, window
     python benchmarks/bench_softcap.py --threads 1 --repeats 9 --json results.json
+    python benchmarks/bench_softcap.py --baseline HEAD~3    # before/after in one process
     python benchmarks/bench_softcap.py --rows 16 32 64 128  # sweep the chunk height
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -44,6 +52,32 @@ def _inputs(L: int, S: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q, k, v
 
 
+def load_baseline(rev: str) -> ModuleType:
+    """``attnkit.functional`` as of git revision ``rev``, calling that revision's softcap kernel.
+
+    Both files are loaded as extra modules (``attnkit._baseline_*``); everything else they
+    import is the current package.
+    """
+    root = Path(__file__).resolve().parents[1]
+    modules = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("softcap", "functional"):
+            text = subprocess.run(
+                ["git", "show", f"{rev}:src/attnkit/{name}.py"],
+                cwd=root, check=True, capture_output=True, text=True,
+            ).stdout  # fmt: skip
+            path = Path(tmp, f"{name}.py")
+            path.write_text(text)
+            spec = importlib.util.spec_from_file_location(f"attnkit._baseline_{name}", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            modules[name] = module
+    modules["functional"].capped = modules["softcap"]  # type: ignore[attr-defined]
+    return modules["functional"]
+
+
 def _time(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     with torch.no_grad():
         for fn in fns.values():
@@ -53,7 +87,15 @@ def _time(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float
 
 
 def case(
-    kind: str, L: int, S: int, E: int, *, window: int | None, repeats: int, textbook: bool
+    kind: str,
+    L: int,
+    S: int,
+    E: int,
+    *,
+    window: int | None,
+    repeats: int,
+    textbook: bool,
+    baseline: ModuleType | None = None,
 ) -> dict[str, object]:
     """Time one shape: fused without cap, attnkit with cap (and optionally the textbook)."""
     q, k, v = _inputs(L, S, E)
@@ -64,6 +106,8 @@ def case(
         "fused": lambda: functional.attend(q, k, v, **structure),  # type: ignore[arg-type]
         "softcap": lambda: functional.attend(q, k, v, softcap=CAP, **structure),  # type: ignore[arg-type]
     }
+    if baseline is not None:
+        fns["before"] = lambda: baseline.attend(q, k, v, softcap=CAP, **structure)
     if textbook:
         mask = masks.Structure(**structure).mask(L, S)[0, 0]  # type: ignore[arg-type]
         scale = 1 / math.sqrt(E)
@@ -86,6 +130,7 @@ def case(
         "softcap_s": med["softcap"],
         "ratio": med["softcap"] / med["fused"],
         "textbook_s": med.get("textbook"),
+        "before_ratio": med["before"] / med["fused"] if "before" in med else None,
     }
 
 
@@ -121,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--textbook", action="store_true", help="also time the full-matrix math")
     p.add_argument("--rows", type=int, nargs="*", help="sweep the chunk height instead")
+    p.add_argument("--baseline", metavar="REV", help="also time the capped call of git REV")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/softcap.json"))
     args = p.parse_args(argv)
     if args.threads is not None:
@@ -131,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.repeats} interleaved rounds"
     )
     result: dict[str, object] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    baseline = None if args.baseline is None else load_baseline(args.baseline)
+    result["baseline"] = args.baseline
     if args.rows:
         result["rows"] = [
             row for L in args.prefill for E in args.head_dims
@@ -139,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         header = (
             f"{'case':<8} {'L':>5} {'S':>5} {'E':>4} {'window':>6} {'fused ms':>9} "
-            f"{'softcap ms':>10} {'ratio':>6} {'textbook ms':>11} {'ns/pair':>8}"
+            f"{'softcap ms':>10} {'ratio':>6} {'before':>6} {'textbook ms':>11} {'ns/pair':>8}"
         )
         print(header)
         print("-" * len(header))
@@ -151,14 +199,18 @@ def main(argv: list[str] | None = None) -> int:
             for E in args.head_dims:
                 reps = args.repeats * (20 if kind == "decode" else 1)
                 textbook = args.textbook and kind != "window" and L <= 2048
-                row = case(kind, L, S, E, window=window, repeats=reps, textbook=textbook)
+                row = case(
+                    kind, L, S, E, window=window, repeats=reps, textbook=textbook,
+                    baseline=baseline,
+                )  # fmt: skip
                 rows.append(row)
-                tb = row["textbook_s"]
+                tb, before = row["textbook_s"], row["before_ratio"]
                 per_pair = row["softcap_s"] / row["pairs"] * 1e9  # type: ignore[operator]
                 print(
                     f"{kind:<8} {L:>5} {S:>5} {E:>4} {window or '':>6} "
                     f"{row['fused_s'] * 1e3:>9.3f} {row['softcap_s'] * 1e3:>10.3f} "  # type: ignore[operator]
-                    f"{row['ratio']:>6.2f} {'' if tb is None else f'{tb * 1e3:.2f}':>11} "
+                    f"{row['ratio']:>6.2f} {'' if before is None else f'{before:.2f}':>6} "
+                    f"{'' if tb is None else f'{tb * 1e3:.2f}':>11} "
                     f"{per_pair:>8.2f}",
                     flush=True,
                 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -205,6 +207,9 @@ def test_constructor_and_input_errors():
         attnkit.MultiHeadAttention(12, 4, kdim=6, fused_qkv=True)
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.5"):
         attnkit.MultiHeadAttention(12, 4, dropout=1.5)
+    for bad in (0.0, -1.0, math.inf, "50"):
+        with pytest.raises(ValueError, match=rf"softcap must be a positive finite number .*{bad}"):
+            attnkit.MultiHeadAttention(12, 4, softcap=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"hidden_dim \(16\) must be divisible by num_heads \(3\)"):
         attnkit.MultiHeadSelfAttention(8, 16, 8, 3)
     m = attnkit.MultiHeadAttention(12, 4)

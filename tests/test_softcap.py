@@ -171,3 +171,51 @@ def test_a_decoding_step_keeps_the_rules(window, at, value):
     nan_rows[1, :2] = reached  # query heads 0 and 1 read key/value head 0
     assert torch.equal(torch.isnan(out).any(-1), nan_rows)
     assert_close(out[~nan_rows], ref[~nan_rows], atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("structure", [{"causal": True}, {"causal": True, "window": 24}, {}])
+def test_known_finite_inputs_skip_only_the_nan_pass(structure):
+    # finite=True drops the pass that turns an infinite raw score into NaN: finite inputs give
+    # the same numbers as the float64 math, and a raw score that overflows is capped to c (as
+    # tanh does) instead of poisoning its row.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 150, 16, generator=g) for _ in range(3))
+    rules = M.Structure(**structure)
+    allowed = loop_mask(150, 150, **structure)
+    ref, _ = reference_attention(q, k, v, allowed, softcap=3.0)
+    with torch.no_grad():
+        for finite in (False, True):
+            out, _ = capped_attention(q, k, v, None, rules, softcap=3.0, scale=0.25, finite=finite)
+            assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        big = q.clone()
+        big[1, 2, 100] = 3e38  # finite, but most of its scores overflow float32
+        out, _ = capped_attention(big, k, v, None, rules, softcap=3.0, scale=1.0, finite=True)
+        guarded, _ = capped_attention(big, k, v, None, rules, softcap=3.0, scale=1.0)
+    assert torch.isnan(guarded[1, 2, 100]).all()
+    # The overflowing row is a finite average of the values (which scores saturate depends on
+    # float32 partial sums, so no float64 reference); every other row is the math's.
+    assert torch.isfinite(out).all()
+    assert (out[1, 2, 100].abs() <= v[1, 2].abs().amax(0)).all()
+    want, _ = reference_attention(big, k, v, allowed, scale=1.0, softcap=3.0)
+    other = torch.ones(2, 4, 150, dtype=torch.bool)
+    other[1, 2, 100] = False
+    assert_close(out[other].double(), want[other], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan")])
+@pytest.mark.parametrize("L", [200, 3])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_non_finite_query_poisons_its_own_row(value, L, grad):
+    # With many queries (or gradients) attend searches k and v first and, for a finite q, skips
+    # the kernel's inf -> NaN pass; a non-finite query keeps it (an infinite score capped to c
+    # would hide the query); with few queries the output check finds it.
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, L, 8, generator=g)
+    k, v = (torch.randn(1, 2, 200, 8, generator=g) for _ in range(2))
+    clean = attend(q, k, v, causal=True, softcap=2.0)[0]
+    q[0, 1, L - 2, 5] = value
+    out = attend(q.requires_grad_(grad), k, v, causal=True, softcap=2.0)[0].detach()
+    bad = torch.zeros(1, 2, L, dtype=torch.bool)
+    bad[0, 1, L - 2] = True
+    assert torch.equal(torch.isnan(out).any(-1), bad)
+    assert torch.equal(out[~bad], clean[~bad])

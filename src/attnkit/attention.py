@@ -187,6 +187,10 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if scale is not None and not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
+        if softcap is not None and not (
+            isinstance(softcap, int | float) and 0 < softcap < math.inf
+        ):
+            raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
         self.embed_dim, self.kdim, self.vdim = embed_dim, kdim, vdim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden_dim // num_heads
@@ -337,14 +341,13 @@ class MultiHeadAttention(nn.Module):
             and kv_cache is not None
             and self.kernel is functional.attend
             and not return_weights
-            and self.softcap is None
             and not (self.training and self.dropout)
         ):
             # A decoding step through the default kernel: its one-query path directly (the
             # shapes and dtypes are this layer's own, checked by the projection and the cache).
             structure = {"window": window} if window is not None else {}
             scale = functional.resolve_scale(self.scale, q.shape[-1])
-            one = functional.one_query(q, k, v, mask, scale, structure)
+            one = functional.one_query(q, k, v, mask, scale, structure, softcap=self.softcap)
             if one is not None:
                 return self.out_proj(merge_heads(one)), None
         extra = {} if self.softcap is None else {"softcap": self.softcap}
