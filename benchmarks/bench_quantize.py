@@ -165,8 +165,8 @@ def print_kernels(rows: list[dict[str, Any]]) -> None:
 
 
 def _extra_variants(model: TransformerLM, args: argparse.Namespace) -> dict[str, Any]:
-    """torchao's int8, and int8 with every linear on ``torch._weight_int8pack_mm`` (the kernel
-    before the run-time choice) for the before/after ratio."""
+    """torchao's int8, and int8 with every linear on ``torch._weight_int8pack_mm`` (the default
+    kernel, and the only one before the run-time choice) beside ``int8_kernel="auto"``."""
     out: dict[str, Any] = dict(bq.torchao_variants(model, compile=not args.no_compile))
     out["before: int8pack everywhere"] = quantize(
         copy.deepcopy(model), "int8", int8_kernel="int8pack"

@@ -10,9 +10,12 @@ quantized). A tied output head gets a quantized copy of the embedding (``lm_head
 keeps the full-precision table.
 
 Kernels. One row inside a compiled graph is a streaming reduction over the int8 weight (inductor
-converts the bytes as it reads them). In eager mode on a CPU an :class:`Int8Linear` runs the
-kernel :func:`choose_int8_kernel` measured fastest for its shape when it was built (one row, the
-process's thread count; the choice is cached per shape):
+converts the bytes as it reads them). In eager mode on a CPU an :class:`Int8Linear` runs
+``"int8pack"`` by default (weight-only, deterministic, one int8 copy); with
+``int8_kernel="auto"`` it runs the kernel :func:`choose_int8_kernel` measured fastest for its
+shape when it was built (one row, the process's thread count; the choice is cached per shape),
+which on AVX2 CPUs is ``"fbgemm"`` (1.6-1.8x faster decoding, ``benchmarks/RESULTS.md``) at the
+cost of a second copy of the weight and quantized activations:
 
 * ``"fbgemm"``: torch's dynamic quantized linear (``torch.ops.quantized.linear_dynamic`` on a
   prepacked copy of the weight): each call quantizes the activations to 7-bit integers (one
@@ -65,7 +68,7 @@ MODES: tuple[Mode, ...] = ("int8", "int4")
 GROUP_SIZES = (256, 128, 64, 32)
 #: The ways an :class:`Int8Linear` multiplies (see the module's docstring); ``"auto"`` measures.
 INT8_KERNELS = ("fbgemm", "int8pack", "dequantize")
-Int8Kernel = Literal["auto", "fbgemm", "int8pack", "dequantize"]
+Int8Kernel = Literal["default", "auto", "fbgemm", "int8pack", "dequantize"]
 
 
 def _finish(layer: Any, y: Tensor, x: Tensor, shape: torch.Size) -> Tensor:
@@ -116,10 +119,11 @@ class Int8Linear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_weight(
-        cls, weight: Tensor, bias: Tensor | None = None, *, kernel: Int8Kernel = "auto"
+        cls, weight: Tensor, bias: Tensor | None = None, *, kernel: Int8Kernel = "default"
     ) -> Int8Linear:
         """Quantize ``weight`` ``(out, in)`` (any float dtype) per output channel.
 
+        ``kernel="default"`` is ``"int8pack"`` where it runs the shape, else ``"dequantize"``;
         ``kernel="auto"`` takes :func:`choose_int8_kernel`'s measured choice for the shape.
 
         Raises:
@@ -133,7 +137,9 @@ class Int8Linear(nn.Module):
             )
         out_features, in_features = weight.shape
         usable = int8_kernels(in_features, weight.device)
-        if kernel == "auto":
+        if kernel == "default":
+            kernel = "int8pack" if "int8pack" in usable else "dequantize"
+        elif kernel == "auto":
             kernel = choose_int8_kernel(in_features, out_features, weight.device)  # type: ignore[assignment]
         elif kernel not in usable:
             raise ValueError(
@@ -179,7 +185,7 @@ class Int8Linear(nn.Module):
         return new
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, kernel: Int8Kernel = "auto") -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, *, kernel: Int8Kernel = "default") -> Int8Linear:
         """Quantize ``linear``'s weight; its bias is kept as it is."""
         return cls.from_weight(linear.weight, linear.bias, kernel=kernel)
 
@@ -482,7 +488,11 @@ def _group_for(in_features: int, group_size: int) -> int | None:
 
 
 def _quantized(
-    weight: Tensor, bias: Tensor | None, mode: Mode, group_size: int, kernel: Int8Kernel = "auto"
+    weight: Tensor,
+    bias: Tensor | None,
+    mode: Mode,
+    group_size: int,
+    kernel: Int8Kernel = "default",
 ) -> nn.Module:
     if mode == "int4" and weight.device.type == "cpu" and weight.shape[0] % 16 == 0:
         group = _group_for(weight.shape[1], group_size)
@@ -490,16 +500,16 @@ def _quantized(
             return Int4Linear.from_weight(weight, bias, group_size=group)
     # int4 weights the kernel cannot pack (inputs no group size divides, outputs not a multiple
     # of 16, other devices) fall back to int8.
-    if kernel not in int8_kernels(weight.shape[1], weight.device):
+    if kernel not in ("default", *int8_kernels(weight.shape[1], weight.device)):
         kernel = "auto"  # (a named kernel that cannot run this weight: the measured choice)
     return Int8Linear.from_weight(weight, bias, kernel=kernel)
 
 
-def _check_options(mode: str, group_size: int, int8_kernel: str = "auto") -> None:
+def _check_options(mode: str, group_size: int, int8_kernel: str = "default") -> None:
     """Raise a ValueError naming an unknown ``mode``, ``group_size`` or ``int8_kernel``."""
-    if int8_kernel != "auto" and int8_kernel not in INT8_KERNELS:
+    if int8_kernel not in ("default", "auto") and int8_kernel not in INT8_KERNELS:
         raise ValueError(
-            f"int8_kernel must be 'auto' or one of {INT8_KERNELS}, got {int8_kernel!r}"
+            f"int8_kernel must be 'default', 'auto' or one of {INT8_KERNELS}, got {int8_kernel!r}"
         )
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -508,7 +518,7 @@ def _check_options(mode: str, group_size: int, int8_kernel: str = "auto") -> Non
 
 
 def quantize_linear(
-    linear: nn.Linear, mode: Mode, *, group_size: int = 128, int8_kernel: Int8Kernel = "auto"
+    linear: nn.Linear, mode: Mode, *, group_size: int = 128, int8_kernel: Int8Kernel = "default"
 ) -> nn.Module:
     """``linear`` as an :class:`Int8Linear` or :class:`Int4Linear` (the rule of :func:`quantize`).
 
@@ -529,7 +539,7 @@ def quantize(
     *,
     group_size: int = 128,
     head: bool = True,
-    int8_kernel: Int8Kernel = "auto",
+    int8_kernel: Int8Kernel = "default",
 ) -> nn.Module:
     """Quantize ``model``'s linear weights in place (weight-only) and return it.
 
@@ -541,6 +551,9 @@ def quantize(
             size no group size of at most ``group_size`` divides, or whose output size is not a
             multiple of 16, gets int8).
         group_size: int4 group size: 32, 64, 128 or 256.
+        int8_kernel: The eager CPU kernel of int8 linears: ``"default"`` (``"int8pack"``
+            where it runs the shape, else ``"dequantize"``), ``"int8pack"``, ``"fbgemm"``,
+            ``"dequantize"``, or ``"auto"`` (the fastest measured per shape).
         head: Also quantize a tied output head: a model with an ``embedding`` and an
             ``lm_head`` of ``None`` (a tied :class:`attnkit.TransformerLM`) gets an ``lm_head``
             holding the quantized embedding; the embedding itself stays for the lookup.

@@ -593,7 +593,7 @@ def quantized_variants(model: TransformerLM, *, compile: bool) -> dict[str, Tran
         out[f"bf16{suffix}"] = decoding.prepare(bf16, compiled=compiled)
         for mode in ("int8", "int4"):
             quantized = copy.deepcopy(model)
-            quantize(quantized, mode)  # type: ignore[arg-type]
+            quantize(quantized, mode, int8_kernel="auto")  # type: ignore[arg-type]
             out[f"{mode}{suffix}"] = quantized
     return out
 
@@ -638,7 +638,7 @@ def minilm_cosines(texts: list[str]) -> dict[str, float]:
     out = {}
     for mode in ("int8", "int4"):
         quantized = copy.deepcopy(encoder)
-        quantize(quantized, mode)  # type: ignore[arg-type]
+        quantize(quantized, mode, int8_kernel="auto")  # type: ignore[arg-type]
         got = quantized.encode(texts)
         out[mode] = float((got * want).sum(-1).min())
     return out
