@@ -254,6 +254,10 @@ def test_compiled_step_equals_eager() -> None:
     options: dict[str, Any] = {"attention_mask": mask, "eos_token_id": []}
     want = lm.generate(prompt, 8, use_cache=False, **options)
     assert torch.equal(lm.generate(prompt, 8, compile=True, **options), want)
+    # Another length fits the same (rounded-up) cache capacity: the same graph, no recompile.
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert torch.equal(lm.generate(prompt, 5, compile=True, **options), want[:, :9])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     # Prepared for compiled steps (one row: the weights' streaming reduction), batch of one.
     decoding.prepare(lm, compiled=True)
     one = prompt[:1]

@@ -384,6 +384,14 @@ def _decode(
     """
     B, P = ids.shape
     capacity = P + max_new_tokens
+    if compile:
+        # The compiled step has one graph per cache capacity: a power of two (at least 256,
+        # within max_seq_len) lets calls of other lengths reuse it instead of recompiling.
+        bucket = max(256, 1 << (capacity - 1).bit_length())
+        capacity = max(capacity, min(bucket, getattr(lm, "max_seq_len", capacity)))
+        if full_mask is not None and full_mask.shape[1] < capacity:  # slots past the end
+            extra = full_mask.new_ones(B, capacity - full_mask.shape[1])
+            full_mask = torch.cat([full_mask, extra], dim=1)
     unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
     was_training = lm.training
     lm.eval()
