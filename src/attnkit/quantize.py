@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -46,11 +45,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit.decoding import PreparedLinear
+from attnkit.profiling import time_interleaved
 
 __all__ = [
     "INT8_KERNELS",
     "MODES",
-    "CacheEvictor",
     "Int4Linear",
     "Int8Linear",
     "Mode",
@@ -279,44 +278,13 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-class CacheEvictor:
-    """Reads a buffer of twice the last-level cache, so the next call finds its weights in memory
-    the way a decode step does (each layer's weights are read once per token)."""
-
-    def __init__(self, nbytes: int | None = None) -> None:
-        size = nbytes if nbytes is not None else 2 * last_level_cache_bytes()
-        self.buffer = torch.ones(max(size, 1 << 20) // 4)
-
-    def __call__(self) -> None:
-        self.buffer.sum()
-
-
-def time_calls(
-    calls: Mapping[str, Callable[[], Any]],
-    *,
-    rounds: int = 7,
-    evict: Callable[[], Any] | None = None,
-    budget_s: float = 2e-3,
-) -> dict[str, float]:
-    """Median seconds per call of each of ``calls``, in interleaved rounds after one warm-up call
-    each. With ``evict``, each round times one call after ``evict()`` (untimed); without, about
-    ``budget_s`` worth of repeated calls (the weights stay in cache)."""
-    repeat = {}
-    for name, call in calls.items():
-        start = time.perf_counter()
+def time_calls(calls: Mapping[str, Callable[[], Any]], *, rounds: int = 7) -> dict[str, float]:
+    """Median seconds per call of each of ``calls``: one warm-up call each, then ``rounds``
+    interleaved rounds (:func:`attnkit.profiling.time_interleaved`)."""
+    for call in calls.values():
         call()
-        took = max(time.perf_counter() - start, 1e-7)
-        repeat[name] = 1 if evict is not None else max(1, min(50, int(budget_s / took)))
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            if evict is not None:
-                evict()
-            start = time.perf_counter()
-            for _ in range(repeat[name]):
-                call()
-            times[name].append((time.perf_counter() - start) / repeat[name])
-    return {name: statistics.median(t) for name, t in times.items()}
+    samples = time_interleaved(calls, repeats=rounds)
+    return {name: statistics.median(t) for name, t in samples.items()}
 
 
 @functools.cache
@@ -339,7 +307,7 @@ def _measured_seconds(in_features: int, out_features: int, threads: int) -> dict
             layer(x)
 
     with torch.no_grad():
-        seconds = time_calls({k: functools.partial(run, k) for k in layers}, rounds=5, budget_s=0)
+        seconds = time_calls({k: functools.partial(run, k) for k in layers}, rounds=5)
     return {k: t / len(copies) for k, t in seconds.items()}
 
 

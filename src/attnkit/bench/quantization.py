@@ -387,7 +387,6 @@ _CHILD = """
 import json, sys, tempfile, torch
 from pathlib import Path
 from attnkit.models import TransformerLM
-from attnkit.quantize import time_calls
 from attnkit.bench.decoding import _stored_bytes
 from attnkit.interop.hf import config_from_hf, read_json
 from attnkit.profiling import peak_memory
@@ -600,7 +599,7 @@ def kernel_rows(
             k: functools.partial(_run_copies, kernels[k][0], kernels[k][1], copies[k])
             for k in kernels
         }
-        seconds = time_calls(runs, rounds=rounds, budget_s=0)
+        seconds = time_calls(runs, rounds=rounds)
         chosen = choose_int8_kernel(in_features, out_features)
         for kernel, took in seconds.items():
             call, row, parts, ref = kernels[kernel]
