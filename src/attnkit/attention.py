@@ -187,10 +187,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if scale is not None and not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
-        if softcap is not None and not (
-            isinstance(softcap, int | float) and 0 < softcap < math.inf
-        ):
-            raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+        functional.check_softcap(softcap)
         self.embed_dim, self.kdim, self.vdim = embed_dim, kdim, vdim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden_dim // num_heads

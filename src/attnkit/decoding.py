@@ -106,8 +106,8 @@ class PreparedRMSNorm(nn.RMSNorm):
     Built by :meth:`from_norm`, which shares the original's ``weight``. For a single float32
     CPU row without gradients (a one-token decoding step) the row's norm is read once and the
     scale ``1 / sqrt(||x||^2 / D + eps)`` applied in one multiply with the weight: three torch
-    calls instead of torch's composite ``rms_norm`` (about ten small kernels; 55 vs 15-20 us per
-    row on a 2-core AMD EPYC, ``benchmarks/RESULTS.md``). Every other input runs
+    calls instead of torch's composite ``rms_norm`` (about ten small kernels; 40 against 55-66 us
+    per row as module calls on a 2-core AMD EPYC, ``benchmarks/RESULTS.md``). Every other input runs
     ``nn.RMSNorm``'s own forward; the two differ by float rounding only.
     """
 

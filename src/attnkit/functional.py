@@ -152,8 +152,7 @@ def attend(
         weights ``(..., H, L, S)``.
     """
     check_inputs(q, k, v, mask, scale, dropout_p)
-    if softcap is not None and not (isinstance(softcap, int | float) and 0 < softcap < math.inf):
-        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    check_softcap(softcap)
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = resolve_scale(scale, E)
     if L == 1 and not (return_weights or dropout_p):
@@ -465,6 +464,12 @@ def _may_hide_non_finite(out: Tensor, weights: Tensor | None) -> bool:
     # propagates through the maxima and fails both comparisons).
     low, high = torch.aminmax(torch.linalg.vector_norm(out, math.inf, dim=-1))
     return not (float(low) > 0 and float(high) < math.inf)
+
+
+def check_softcap(softcap: float | None) -> None:
+    """Raise a ValueError unless ``softcap`` is ``None`` or a positive finite number."""
+    if softcap is not None and not (isinstance(softcap, int | float) and 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
 
 
 def resolve_scale(scale: float | None, E: int) -> float:
