@@ -110,12 +110,13 @@ def test_load_peak_reports_the_model_bytes(tmp_path: Path) -> None:
     result = bq.load_peak(tmp_path, "int8")
     loaded = TransformerLM.from_pretrained(tmp_path, quantize="int8")
     tensors = [*loaded.parameters(), *loaded.buffers()]
-    # fbgemm's prepacked copies of int8 weights count too, where the child's measured kernel
-    # choice took fbgemm (it may differ from this process's on a busy CPU).
-    int8_bytes = sum(m.weight_int8.numel() for m in loaded.modules() if isinstance(m, Int8Linear))
-    assert 0 <= result["packed_bytes"] <= int8_bytes
+    # fbgemm's prepacked int8 weights count too (the default's rule: the same in both processes).
+    packed = sum(m.packed_bytes for m in loaded.modules() if isinstance(m, Int8Linear))
+    assert result["packed_bytes"] == packed
     tensor_bytes = sum(t.numel() * t.element_size() for t in tensors if t.numel())
     assert result["model_bytes"] == tensor_bytes + result["packed_bytes"]
+    int8pack = bq.load_peak(tmp_path, "int8", int8_kernel="int8pack")
+    assert int8pack["int8_kernels"] == ["int8pack"] and int8pack["packed_bytes"] == 0
     if result["peak_bytes"] is None:
         pytest.skip("no /proc/self/clear_refs here")
     # At least the model itself was allocated while loading; the ratio is the benchmark's.

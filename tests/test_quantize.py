@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
+from attnkit import quantize as quantize_module
 from attnkit.config import TransformerConfig
 from attnkit.decoding import PreparedLinear, prepare
 from attnkit.models import TransformerLM
@@ -22,6 +23,7 @@ from attnkit.quantize import (
     Int4Linear,
     Int8Linear,
     choose_int8_kernel,
+    default_int8_kernel,
     int8_kernel_seconds,
     int8_kernels,
     quantize,
@@ -58,10 +60,10 @@ def test_int8_linear_is_the_per_channel_rounding(bias: bool, in_features: int) -
     assert_close(q.scale.double(), scale, rtol=1e-6, atol=0)
     # Every weight is within half a step of its rounding, and the codes use the full range.
     assert ((q.dequantize().double() - w).abs() <= scale[:, None] / 2 + 1e-7).all()
-    assert q.weight_int8.abs().amax(1).eq(127).all()
+    assert q.codes().abs().amax(1).eq(127).all()
     x = torch.randn(3, 7, in_features)
     want = _f64_product(x, q.dequantize(), linear.bias)
-    got = q(x)  # (whichever kernel the run-time choice took)
+    got = q(x)  # (whichever kernel the default's rule took)
     assert got.shape == (3, 7, 80) and got.dtype == torch.float32
     assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     assert q(x.bfloat16()).dtype == torch.bfloat16
@@ -108,7 +110,7 @@ def test_each_int8_kernel_is_the_float64_product_within_its_rounding(
         slack = 1e-5 * magnitude + ties
     elif kernel == "int8pack":
         # (the kernel takes the scales in the activations' dtype: bf16-rounded)
-        deq_b = q.weight_int8.double() * q.scale_bf16.double()[:, None]
+        deq_b = q.codes().double() * q.scale_bf16.double()[:, None]
         want = x.bfloat16().double() @ deq_b.T + bias
         # (bf16 rounding of the sum and of its product with the scale)
         slack = 2**-7 * want.abs() + 1e-5 * magnitude
@@ -166,9 +168,137 @@ def test_int8_kernel_names_are_checked() -> None:
         Int8Linear.from_codes(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4), kernel="slow")
     with pytest.raises(ValueError, match="'fast'"):
         quantize(_lm(), "int8", int8_kernel="fast")  # type: ignore[arg-type]
-    # A named kernel is used wherever it can run (elsewhere the measured choice).
+    # A named kernel is used wherever it can run.
     lm = quantize(_lm(), "int8", int8_kernel="dequantize")
     assert {m.kernel for m in lm.modules() if isinstance(m, Int8Linear)} == {"dequantize"}
+
+
+def test_a_named_kernel_that_cannot_run_a_shape_falls_back_to_the_default_rule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def timed(*args: Any) -> str:
+        raise AssertionError("the timed choice was made")
+
+    monkeypatch.setattr(quantize_module, "choose_int8_kernel", timed)
+    lm = nn.Sequential(nn.Linear(100, 16), nn.Linear(16, 8))  # 100 inputs: no int8pack
+    quantize(lm, "int8", int8_kernel="int8pack")
+    assert lm[0].kernel == default_int8_kernel(100) and lm[1].kernel == "int8pack"
+
+
+def test_default_kernel_is_a_rule_by_cpu_features(monkeypatch: pytest.MonkeyPatch) -> None:
+    usable = int8_kernels(64)
+    if "fbgemm" in usable and not quantize_module._bf16_dot_native():
+        assert default_int8_kernel(64) == "fbgemm"
+    monkeypatch.setattr(quantize_module, "_bf16_dot_native", lambda: True)
+    assert default_int8_kernel(64) == "int8pack"
+    assert default_int8_kernel(100) == "dequantize"
+    assert default_int8_kernel(64, "meta") == "dequantize"
+    monkeypatch.setattr(quantize_module, "_bf16_dot_native", lambda: False)
+    assert default_int8_kernel(100) == ("fbgemm" if "fbgemm" in usable else "dequantize")
+    # The same model on every load: the rule, no timing.
+    a, b = quantize(_lm(), "int8"), quantize(_lm(), "int8")
+    kernels = [(n, m.kernel) for n, m in a.named_modules() if isinstance(m, Int8Linear)]
+    assert kernels == [(n, m.kernel) for n, m in b.named_modules() if isinstance(m, Int8Linear)]
+    assert {k for _, k in kernels} == {default_int8_kernel(64)}
+
+
+def test_fbgemm_layer_keeps_only_the_prepacked_codes() -> None:
+    if "fbgemm" not in int8_kernels(96):
+        pytest.skip("fbgemm does not run here")
+    torch.manual_seed(4)
+    weight = torch.randn(48, 96)
+    fb = Int8Linear.from_weight(weight, kernel="fbgemm")
+    plain = Int8Linear.from_weight(weight, kernel="dequantize")
+    assert fb.weight_int8.numel() == 0 and fb.packed_bytes == 48 * 96
+    assert plain.packed_bytes == 0
+    assert torch.equal(fb.codes(), plain.weight_int8)
+    assert torch.equal(fb.dequantize(), plain.dequantize())
+    # The same state dict: keys in the same order, the codes and scales.
+    got, want = fb.state_dict(), plain.state_dict()
+    assert list(got) == list(want) == ["weight_int8", "scale"]
+    for key in want:
+        assert torch.equal(got[key], want[key])
+
+
+def _kernels_here() -> list[str]:
+    return [k for k in INT8_KERNELS if k in int8_kernels(96)]
+
+
+@pytest.mark.parametrize("source", INT8_KERNELS)
+@pytest.mark.parametrize("target", INT8_KERNELS)
+def test_state_dicts_load_strictly_across_kernels(source: str, target: str) -> None:
+    if not {source, target} <= set(_kernels_here()):
+        pytest.skip("a kernel that does not run here")
+    torch.manual_seed(5)
+    saved = Int8Linear.from_weight(torch.randn(48, 96), torch.randn(48), kernel=source)  # type: ignore[arg-type]
+    into = Int8Linear.from_weight(torch.randn(48, 96), torch.randn(48), kernel=target)  # type: ignore[arg-type]
+    into.load_state_dict(saved.state_dict(), strict=True)
+    assert into.kernel == target
+    assert torch.equal(into.codes(), saved.codes())
+    assert torch.equal(into.scale, saved.scale)
+    # The round trip back gives the same codes, and the loaded layer multiplies with them.
+    back = Int8Linear.from_weight(torch.randn(48, 96), torch.randn(48), kernel=source)  # type: ignore[arg-type]
+    back.load_state_dict(into.state_dict(), strict=True)
+    assert torch.equal(back.codes(), saved.codes())
+    fresh = Int8Linear.from_codes(saved.codes(), saved.scale, saved.bias, kernel=target)
+    x = torch.randn(3, 96)
+    assert torch.equal(into(x), fresh(x))
+
+
+def test_model_state_dicts_load_strictly_across_kernels() -> None:
+    kernels = _kernels_here()
+    models = {k: quantize(_lm(), "int8", int8_kernel=k) for k in kernels}  # type: ignore[arg-type]
+    dicts = {k: m.state_dict() for k, m in models.items()}
+    first = dicts[kernels[0]]
+    for k, sd in dicts.items():
+        assert list(sd) == list(first), k
+        assert all(torch.equal(sd[n], first[n]) for n in first), k
+    for source in kernels:  # other weights, saved from a model with each kernel
+        other = _lm()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.normal_()
+        quantize(other, "int8", int8_kernel=source)  # type: ignore[arg-type]
+        want = {n: m.codes() for n, m in other.named_modules() if isinstance(m, Int8Linear)}
+        for k, m in models.items():
+            m.load_state_dict(other.state_dict(), strict=True)
+            got = {n: q.codes() for n, q in m.named_modules() if isinstance(q, Int8Linear)}
+            assert all(torch.equal(got[n], want[n]) for n in want), (source, k)
+    with pytest.raises(RuntimeError, match="weight_int8"):
+        models[kernels[0]].load_state_dict(_lm(vocab=80).state_dict(), strict=True)
+
+
+def test_bad_codes_in_a_state_dict_are_named() -> None:
+    if "fbgemm" not in int8_kernels(96):
+        pytest.skip("fbgemm does not run here")
+    layer = Int8Linear.from_weight(torch.randn(48, 96), kernel="fbgemm")
+    state = layer.state_dict()
+    with pytest.raises(RuntimeError, match=r"weight_int8.*\(48, 80\).*\(48, 96\)"):
+        layer.load_state_dict({**state, "weight_int8": torch.zeros(48, 80, dtype=torch.int8)})
+    with pytest.raises(RuntimeError, match=r"weight_int8.*float32"):
+        layer.load_state_dict({**state, "weight_int8": torch.zeros(48, 96)})
+    with pytest.raises(RuntimeError, match=r"Missing key.*weight_int8"):
+        layer.load_state_dict({"scale": state["scale"]})
+
+
+def test_copies_of_an_fbgemm_layer_are_independent() -> None:
+    if "fbgemm" not in int8_kernels(96):
+        pytest.skip("fbgemm does not run here")
+    import gc
+
+    layer = Int8Linear.from_weight(torch.randn(48, 96), kernel="fbgemm")
+    x = torch.randn(2, 96)
+    want = layer(x)
+    handles = set(quantize_module._PACKED)
+    copied = copy.deepcopy(layer)
+    assert int(copied.fbgemm_handle) != int(layer.fbgemm_handle)
+    del layer
+    gc.collect()
+    assert torch.equal(copied(x), want)
+    # Each layer's prepacked weight goes with it (and a reloaded one replaces the old).
+    assert set(quantize_module._PACKED) - handles == {int(copied.fbgemm_handle)}
+    copied.load_state_dict(copied.state_dict())
+    assert set(quantize_module._PACKED) - handles == {int(copied.fbgemm_handle)}
 
 
 @pytest.mark.parametrize(
@@ -280,13 +410,17 @@ def test_generate_on_a_quantized_model_is_its_greedy_loop(mode: str) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_int8_steps_agree_with_eager() -> None:
-    lm = quantize(_lm(), "int8")
+@pytest.mark.parametrize("kernel", ["default", "int8pack"])
+def test_compiled_int8_steps_agree_with_eager(kernel: str) -> None:
+    lm = quantize(_lm(), "int8", int8_kernel=kernel)  # type: ignore[arg-type]
     prompt = torch.randint(0, 96, (1, 6))
     eager = lm.generate(prompt, 8, eos_token_id=[])
-    # One row compiled is a float32 reduction over the int8 weight (eager reads bf16 inputs);
-    # the fixed seed's greedy path has no near-ties for the difference to flip.
+    # fbgemm's calls are opaque ops of the compiled graph (the same products as eager); one
+    # int8pack row compiled is a float32 reduction over the int8 weight (eager reads bf16
+    # inputs): the fixed seed's greedy path has no near-ties for the difference to flip.
     assert torch.equal(lm.generate(prompt, 8, eos_token_id=[], compile=True), eager)
+    # Another length reuses the graph; the step's logits match the eager step's.
+    assert torch.equal(lm.generate(prompt, 5, eos_token_id=[], compile=True), eager[:, :11])
 
 
 def test_explorer_page_from_a_quantized_model(tmp_path: Path) -> None:

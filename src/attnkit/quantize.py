@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import statistics
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -54,6 +56,7 @@ __all__ = [
     "Int8Linear",
     "Mode",
     "choose_int8_kernel",
+    "default_int8_kernel",
     "int8_kernel_seconds",
     "int8_kernels",
     "last_level_cache_bytes",
@@ -88,10 +91,14 @@ def _describe(layer: Any, kind: str) -> str:
 class Int8Linear(nn.Module):
     """A linear whose weight is int8 with one float32 scale per output channel.
 
-    ``weight ≈ weight_int8 * scale[:, None]`` (symmetric, round to nearest, scale
-    ``max|row| / 127``). The bias, if any, keeps its dtype. Build it with :meth:`from_linear`;
-    ``kernel`` names how it multiplies in eager mode (:data:`INT8_KERNELS`; see the module's
-    docstring).
+    ``weight ≈ codes * scale[:, None]`` (symmetric, round to nearest, scale ``max|row| / 127``).
+    The bias, if any, keeps its dtype. Build it with :meth:`from_linear`; ``kernel`` names how it
+    multiplies (:data:`INT8_KERNELS`; see the module's docstring).
+
+    The codes are stored once: in the ``weight_int8`` buffer, or, with the ``"fbgemm"`` kernel,
+    only in fbgemm's prepacked copy (``weight_int8`` is then an empty placeholder and
+    :meth:`codes` unpacks them). Either way the state dict holds ``weight_int8`` with the codes,
+    so a state dict saved from a layer with one kernel loads into a layer with any other.
 
     Shape: ``(*, in_features) -> (*, out_features)``, in the input's dtype.
     """
@@ -99,6 +106,7 @@ class Int8Linear(nn.Module):
     weight_int8: Tensor
     scale: Tensor
     scale_bf16: Tensor
+    fbgemm_handle: Tensor
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False) -> None:
         super().__init__()
@@ -111,6 +119,11 @@ class Int8Linear(nn.Module):
         self.register_buffer(
             "scale_bf16", torch.ones(out_features, dtype=torch.bfloat16), persistent=False
         )
+        # Which prepacked weight a compiled graph's fbgemm call reads (a tensor, so that graphs
+        # of models of the same shape are shared; -1: none).
+        self.register_buffer(
+            "fbgemm_handle", torch.tensor(-1, dtype=torch.long, device="cpu"), persistent=False
+        )
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.kernel = "dequantize"
         self._packed: Any = None  # fbgemm's prepacked weight (kernel "fbgemm")
@@ -122,8 +135,8 @@ class Int8Linear(nn.Module):
     ) -> Int8Linear:
         """Quantize ``weight`` ``(out, in)`` (any float dtype) per output channel.
 
-        ``kernel="default"`` is ``"int8pack"`` where it runs the shape, else ``"dequantize"``;
-        ``kernel="auto"`` takes :func:`choose_int8_kernel`'s measured choice for the shape.
+        ``kernel="default"`` is :func:`default_int8_kernel`'s rule for the shape (the same on
+        every run); ``kernel="auto"`` takes :func:`choose_int8_kernel`'s measured choice.
 
         Raises:
             ValueError: A weight that is not 2-D float, an unknown ``kernel``, or one that
@@ -137,7 +150,7 @@ class Int8Linear(nn.Module):
         out_features, in_features = weight.shape
         usable = int8_kernels(in_features, weight.device)
         if kernel == "default":
-            kernel = "int8pack" if "int8pack" in usable else "dequantize"
+            kernel = default_int8_kernel(in_features, weight.device)  # type: ignore[assignment]
         elif kernel == "auto":
             kernel = choose_int8_kernel(in_features, out_features, weight.device)  # type: ignore[assignment]
         elif kernel not in usable:
@@ -168,19 +181,23 @@ class Int8Linear(nn.Module):
         *,
         kernel: str = "dequantize",
     ) -> Int8Linear:
-        """The layer of int8 ``codes`` ``(out, in)`` (kept, not copied) and float32 ``scale``
-        ``(out,)``, multiplying with ``kernel`` (one of :func:`int8_kernels`)."""
+        """The layer of int8 ``codes`` ``(out, in)`` and float32 ``scale`` ``(out,)``,
+        multiplying with ``kernel`` (one of :func:`int8_kernels`). ``codes`` are kept (not
+        copied), except with ``"fbgemm"``, which keeps only its prepacked copy of them."""
         if kernel not in INT8_KERNELS:
             raise ValueError(f"kernel must be one of {INT8_KERNELS}, got {kernel!r}")
         out_features, in_features = codes.shape
         with torch.device("meta"):  # (the buffers are replaced below: no zeros to fill)
             new = cls(in_features, out_features, bias=False)
-        new.weight_int8, new.scale = codes, scale
+        new.scale = scale
         new.scale_bf16 = new.scale.to(torch.bfloat16)
+        new.fbgemm_handle = torch.tensor(-1)
         new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         new.kernel = kernel
         if kernel == "fbgemm":
-            new._packed = _fbgemm_pack(codes, scale)
+            new._set_packed(_fbgemm_pack(codes, scale))
+        else:
+            new.weight_int8 = codes
         return new
 
     @classmethod
@@ -188,15 +205,78 @@ class Int8Linear(nn.Module):
         """Quantize ``linear``'s weight; its bias is kept as it is."""
         return cls.from_weight(linear.weight, linear.bias, kernel=kernel)
 
+    def _set_packed(self, packed: Any) -> None:
+        """Keep fbgemm's prepacked ``packed`` as the only copy of the codes."""
+        self._packed = packed
+        self.weight_int8 = torch.empty(0, dtype=torch.int8)
+        previous = _FINALIZERS.pop(self, None)
+        if previous is not None:  # (the replaced prepacked weight goes now)
+            previous()
+        handle = next(_HANDLES)
+        _PACKED[handle] = packed
+        _FINALIZERS[self] = weakref.finalize(self, _PACKED.pop, handle, None)
+        self.fbgemm_handle = torch.tensor(handle)
+
+    def codes(self) -> Tensor:
+        """The int8 codes, ``(out, in)``: ``weight_int8``, or unpacked from fbgemm's prepacked
+        copy (a new tensor) where that is the only one."""
+        if self._packed is None:
+            return self.weight_int8
+        with warnings.catch_warnings():  # (torch.ao's deprecation notice for quantized tensors)
+            warnings.simplefilter("ignore")
+            weight, _ = torch.ops.quantized.linear_unpack(self._packed)
+            return weight.int_repr()
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of fbgemm's prepacked weight (about one a weight; 0 for other kernels)."""
+        return 0 if self._packed is None else self.in_features * self.out_features
+
     def dequantize(self) -> Tensor:
         """The float32 weight this module computes with. Shape: ``(out, in)``."""
-        return self.weight_int8.float() * self.scale[:, None]
+        return self.codes().to(self.scale.device).float() * self.scale[:, None]
 
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
-        super()._load_from_state_dict(state_dict, prefix, *args)
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._packed is not None:  # (the codes, in the placeholder's place)
+            destination[prefix + "weight_int8"] = self.codes()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + "weight_int8"
+        codes = state_dict.get(key) if self._packed is not None else None
+        if codes is not None:  # (the placeholder takes them; the prepacked copy is rebuilt)
+            state_dict = {**state_dict, key: self.weight_int8}
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         self.scale_bf16 = self.scale.to(torch.bfloat16)
-        if self.kernel == "fbgemm":  # (the prepacked copy follows the loaded codes)
-            self._packed = _fbgemm_pack(self.weight_int8, self.scale)
+        if self._packed is None:
+            return
+        shape = (self.out_features, self.in_features)
+        if codes is None:  # (a non-strict load without codes: the new scales, the old codes)
+            codes = self.codes()
+        elif not isinstance(codes, Tensor) or codes.shape != shape or codes.dtype != torch.int8:
+            error_msgs.append(
+                f"size mismatch for {key}: copying {getattr(codes, 'dtype', type(codes))} "
+                f"{tuple(getattr(codes, 'shape', ()))} from checkpoint, the layer holds int8 "
+                f"codes of shape {shape}."
+            )
+            return
+        self._set_packed(_fbgemm_pack(codes.detach().cpu(), self.scale))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self._packed is not None:  # (a copy: its prepacked weight gets a handle of its own)
+            self._set_packed(self._packed)
 
     def forward(self, x: Tensor) -> Tensor:
         """Shape: ``(*, in) -> (*, out)``."""
@@ -205,13 +285,14 @@ class Int8Linear(nn.Module):
         compiling = torch.compiler.is_compiling()
         kernel = self.kernel if x2.device.type == "cpu" else "dequantize"
         if kernel == "fbgemm" and compiling:
-            kernel = "int8pack"  # (dynamo cannot trace the prepacked weight)
-        if x2.shape[0] == 1 and compiling:
+            # (an opaque call in the graph: dynamo cannot trace the prepacked weight)
+            y = _fbgemm_linear(x2.float(), self.fbgemm_handle, self.out_features)
+        elif kernel == "fbgemm":
+            y = _fbgemm_rows(x2.float(), self._packed)
+        elif x2.shape[0] == 1 and compiling:
             # One streaming pass over the int8 bytes; float32 sums.
             y = (self.weight_int8.float() * x2.float()).sum(-1) * self.scale
             y = y.reshape(1, -1)
-        elif kernel == "fbgemm":
-            y = _fbgemm_rows(x2.float(), self._packed)
         elif kernel == "int8pack" and self.in_features % 8 == 0:
             # (torch's kernel reads out of bounds for other input sizes.)
             xb = x2.to(torch.bfloat16).contiguous()
@@ -227,13 +308,33 @@ class Int8Linear(nn.Module):
         return _describe(self, f"int8 per-channel, kernel={self.kernel}")
 
 
+# fbgemm's prepacked weights by handle, for the compiled graphs' calls (an entry goes with its
+# layer).
+_PACKED: dict[int, Any] = {}
+_HANDLES = itertools.count()
+_FINALIZERS: weakref.WeakKeyDictionary[Int8Linear, weakref.finalize[Any, Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _fbgemm_pack(codes: Tensor, scale: Tensor) -> Any:
-    """fbgemm's prepacked copy of int8 ``codes`` ``(out, in)`` with per-row ``scale``."""
+    """fbgemm's prepacked copy of int8 ``codes`` ``(out, in)`` with per-row ``scale``.
+
+    Packed by fbgemm itself where it is available (the ``x86`` engine would hand CPUs with VNNI
+    to oneDNN, whose packed weight keeps a second copy of the codes).
+    """
     zeros = torch.zeros(len(scale), dtype=torch.long)
+    engines = torch.backends.quantized.supported_engines
+    engine = "fbgemm" if "fbgemm" in engines else torch.backends.quantized.engine
+    before = torch.backends.quantized.engine
     with warnings.catch_warnings():  # (torch.ao's deprecation notice for its quantized tensors)
         warnings.simplefilter("ignore")
         q = torch._make_per_channel_quantized_tensor(codes, scale.double(), zeros, 0)
-    return torch.ops.quantized.linear_prepack(q, None)
+        try:
+            torch.backends.quantized.engine = engine
+            return torch.ops.quantized.linear_prepack(q, None)
+        finally:
+            torch.backends.quantized.engine = before
 
 
 def _fbgemm_rows(x: Tensor, packed: Any) -> Tensor:
@@ -252,6 +353,25 @@ def _fbgemm_rows(x: Tensor, packed: Any) -> Tensor:
     return torch.ops.quantized.linear_dynamic(x / size, packed, True).mul_(size)
 
 
+@torch.library.custom_op("attnkit::int8_fbgemm_linear", mutates_args=())
+def _fbgemm_linear(x: Tensor, handle: Tensor, out_features: int) -> Tensor:
+    """:func:`_fbgemm_rows` with the prepacked weight of ``handle``, as one op a compiled graph
+    calls. Shape: ``(rows, in) -> (rows, out_features)``, float32."""
+    return _fbgemm_rows(x.contiguous(), _PACKED[int(handle)])
+
+
+@_fbgemm_linear.register_fake
+def _(x: Tensor, handle: Tensor, out_features: int) -> Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+@functools.cache
+def _bf16_dot_native() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
 def _has_fbgemm() -> bool:
     return any(e in torch.backends.quantized.supported_engines for e in ("fbgemm", "x86"))
 
@@ -265,6 +385,21 @@ def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[
     if in_features % 8 == 0:
         usable.append("int8pack")
     return (*usable, "dequantize")
+
+
+def default_int8_kernel(in_features: int, device: torch.device | str = "cpu") -> str:
+    """The kernel ``int8_kernel="default"`` takes: a rule by CPU features, the same on every run.
+
+    ``"fbgemm"`` on CPUs with torch's fbgemm quantized engine and without bf16 dot-product
+    instructions (AVX2 CPUs: measured 1.6-1.8x faster decoding than ``"int8pack"``,
+    ``benchmarks/RESULTS.md``); elsewhere ``"int8pack"`` where it runs the shape (CPUs with
+    AVX512-BF16 or AMX multiply its bf16 activations natively), else ``"dequantize"``.
+    ``int8_kernel="auto"`` measures instead (:func:`choose_int8_kernel`).
+    """
+    usable = int8_kernels(in_features, device)
+    if "fbgemm" in usable and not _bf16_dot_native():
+        return "fbgemm"
+    return "int8pack" if "int8pack" in usable else "dequantize"
 
 
 def last_level_cache_bytes() -> int:
@@ -468,8 +603,8 @@ def _quantized(
             return Int4Linear.from_weight(weight, bias, group_size=group)
     # int4 weights the kernel cannot pack (inputs no group size divides, outputs not a multiple
     # of 16, other devices) fall back to int8.
-    if kernel not in ("default", *int8_kernels(weight.shape[1], weight.device)):
-        kernel = "auto"  # (a named kernel that cannot run this weight: the measured choice)
+    if kernel not in ("default", "auto", *int8_kernels(weight.shape[1], weight.device)):
+        kernel = "default"  # (a named kernel that cannot run this weight: the default's rule)
     return Int8Linear.from_weight(weight, bias, kernel=kernel)
 
 

@@ -565,6 +565,8 @@ def _stored_bytes(model: nn.Module) -> int:
             if part.numel() and part.data_ptr() not in seen:
                 seen.add(part.data_ptr())
                 total += part.numel() * part.element_size()
+    # fbgemm's prepacked int8 weights (outside the module's tensors)
+    total += sum(int(getattr(m, "packed_bytes", 0)) for m in model.modules())
     embedding = getattr(model, "embedding", None)
     if isinstance(embedding, nn.Embedding) and getattr(model, "lm_head", None) is not None:
         w = embedding.weight  # a lookup reads one row; the quantized head reads the table
@@ -593,7 +595,7 @@ def quantized_variants(model: TransformerLM, *, compile: bool) -> dict[str, Tran
         out[f"bf16{suffix}"] = decoding.prepare(bf16, compiled=compiled)
         for mode in ("int8", "int4"):
             quantized = copy.deepcopy(model)
-            quantize(quantized, mode, int8_kernel="auto")  # type: ignore[arg-type]
+            quantize(quantized, mode)  # type: ignore[arg-type]
             out[f"{mode}{suffix}"] = quantized
     return out
 
@@ -638,7 +640,7 @@ def minilm_cosines(texts: list[str]) -> dict[str, float]:
     out = {}
     for mode in ("int8", "int4"):
         quantized = copy.deepcopy(encoder)
-        quantize(quantized, mode, int8_kernel="auto")  # type: ignore[arg-type]
+        quantize(quantized, mode)  # type: ignore[arg-type]
         got = quantized.encode(texts)
         out[mode] = float((got * want).sum(-1).min())
     return out

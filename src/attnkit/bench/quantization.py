@@ -384,45 +384,72 @@ def quality_rows(
 
 
 _CHILD = """
-import json, sys, tempfile, torch
+import functools, json, sys, tempfile, torch
 from pathlib import Path
 from attnkit.models import TransformerLM
 from attnkit.bench.decoding import _stored_bytes
+from attnkit.interop import hf
 from attnkit.interop.hf import config_from_hf, read_json
 from attnkit.profiling import peak_memory
-folder, mode = Path(sys.argv[1]), sys.argv[2]
-kwargs = {} if mode == "fp32" else {"quantize": mode}
+from attnkit.quantize import Int8Linear, quantize, quantize_linear
+folder, mode, kernel = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+def load(folder):
+    if mode == "fp32":
+        return TransformerLM.from_pretrained(folder)
+    if kernel == "default":
+        return TransformerLM.from_pretrained(folder, quantize=mode)
+    # from_pretrained's streaming quantization with a named int8 kernel
+    replace = functools.partial(quantize_linear, mode=mode, int8_kernel=kernel)
+    lm = hf.from_pretrained(folder, cls=TransformerLM, replace=replace)
+    return quantize(lm, mode, int8_kernel=kernel)
+
+def rss():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return None
+
 # Warm-up: load a one-layer model of the same architecture first (imports, first-call buffers).
 _, config = config_from_hf(read_json(folder / "config.json"))
 with tempfile.TemporaryDirectory() as tmp:
     TransformerLM(config.replace(num_layers=1, vocab_size=256)).save_pretrained(tmp)
-    TransformerLM.from_pretrained(tmp, **kwargs)
+    load(Path(tmp))
 box = []
-peak = peak_memory(lambda: box.append(TransformerLM.from_pretrained(folder, **kwargs)))
+base = rss()
+peak = peak_memory(lambda: box.append(load(folder)))
 model = box[0]
+after = rss()
 tensors = {t.data_ptr(): t.numel() * t.element_size()
            for t in [*model.parameters(), *model.buffers()] if t.numel()}
-# fbgemm's prepacked copies of int8 weights (kernel "fbgemm") live outside the tensors.
-packed = sum(m.weight_int8.numel() for m in model.modules()
-             if getattr(m, "_packed", None) is not None)
+# fbgemm's prepacked int8 weights (kernel "fbgemm") live outside the tensors.
+packed = sum(m.packed_bytes for m in model.modules() if isinstance(m, Int8Linear))
+kernels = sorted({m.kernel for m in model.modules() if isinstance(m, Int8Linear)})
 print(json.dumps({"peak_bytes": peak, "model_bytes": sum(tensors.values()) + packed,
-                  "packed_bytes": packed, "read_bytes": _stored_bytes(model)}))
+                  "packed_bytes": packed, "read_bytes": _stored_bytes(model),
+                  "resident_bytes": None if base is None else after - base,
+                  "int8_kernels": kernels}))
 """
 
 
-def load_peak(folder: str | Path, mode: str = "int8") -> dict[str, Any]:
+def load_peak(
+    folder: str | Path, mode: str = "int8", *, int8_kernel: str = "default"
+) -> dict[str, Any]:
     """Peak memory of ``TransformerLM.from_pretrained(folder, quantize=mode)`` in a fresh process.
 
     The child loads a one-layer model of the same architecture first (imports, first-call
     allocations), then resets its peak resident memory (``/proc/self/clear_refs``),
-    loads, and reports the growth of ``VmHWM`` (:func:`attnkit.profiling.peak_memory`) and the
-    bytes of the loaded model's tensors, with fbgemm's prepacked int8 copies (``packed_bytes``);
-    ``mode="fp32"`` loads without quantizing.
+    loads, and reports the growth of ``VmHWM`` (:func:`attnkit.profiling.peak_memory`), the
+    growth of ``VmRSS`` that stays with the loaded model, and the bytes of the loaded model's
+    tensors with fbgemm's prepacked int8 weights (``packed_bytes``, one byte a weight);
+    ``mode="fp32"`` loads without quantizing. ``int8_kernel`` (other than ``"default"``) loads
+    with that :func:`attnkit.quantize.quantize` kernel, streaming as ``from_pretrained`` does.
 
     Returns:
-        ``{"mode", "peak_bytes", "model_bytes", "packed_bytes", "read_bytes",
-        "peak_over_model"}``
-        (``peak_bytes`` ``None`` where ``/proc`` cannot be used).
+        ``{"mode", "int8_kernel", "int8_kernels", "peak_bytes", "resident_bytes",
+        "model_bytes", "packed_bytes", "read_bytes", "peak_over_model"}`` (``peak_bytes`` and
+        ``resident_bytes`` ``None`` where ``/proc`` cannot be used; ``int8_kernels``: those the
+        loaded int8 layers run).
 
     Raises:
         RuntimeError: If the child fails (with its error output).
@@ -431,7 +458,7 @@ def load_peak(folder: str | Path, mode: str = "int8") -> dict[str, Any]:
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(folder), mode],
+        [sys.executable, "-c", _CHILD, str(folder), mode, int8_kernel],
         capture_output=True,
         text=True,
         env=env,
@@ -441,7 +468,7 @@ def load_peak(folder: str | Path, mode: str = "int8") -> dict[str, Any]:
         raise RuntimeError(f"loading {folder} ({mode}) failed:\n{done.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     peak = result["peak_bytes"]
-    result["mode"] = mode
+    result["mode"], result["int8_kernel"] = mode, int8_kernel
     result["peak_over_model"] = None if peak is None else peak / result["model_bytes"]
     return result
 
