@@ -202,15 +202,21 @@ def test_default_kernel_is_a_rule_by_cpu_features(monkeypatch: pytest.MonkeyPatc
     assert {k for _, k in kernels} == {default_int8_kernel(64)}
 
 
-def test_fbgemm_layer_keeps_only_the_prepacked_codes() -> None:
-    if "fbgemm" not in int8_kernels(96):
+@pytest.mark.parametrize(
+    ("in_features", "packed_inputs"),
+    # fbgemm pads packed inputs to a multiple of 512: 96 is packed whole (as 512), 576 as 512
+    # plus 64 in weight_int8 (int8pack), 1100 as 1024 plus 76 (not a multiple of 8: float)
+    [(96, 96), (576, 512), (1100, 1024)],
+)
+def test_fbgemm_layer_keeps_only_the_prepacked_codes(in_features: int, packed_inputs: int) -> None:
+    if "fbgemm" not in int8_kernels(in_features):
         pytest.skip("fbgemm does not run here")
     torch.manual_seed(4)
-    weight = torch.randn(48, 96)
+    weight = torch.randn(48, in_features)
     fb = Int8Linear.from_weight(weight, kernel="fbgemm")
     plain = Int8Linear.from_weight(weight, kernel="dequantize")
-    assert fb.weight_int8.numel() == 0 and fb.packed_bytes == 48 * 96
-    assert plain.packed_bytes == 0
+    assert fb.weight_int8.shape == (48, in_features - packed_inputs)
+    assert fb.packed_bytes == 48 * -(-packed_inputs // 512) * 512 and plain.packed_bytes == 0
     assert torch.equal(fb.codes(), plain.weight_int8)
     assert torch.equal(fb.dequantize(), plain.dequantize())
     # The same state dict: keys in the same order, the codes and scales.
@@ -218,6 +224,20 @@ def test_fbgemm_layer_keeps_only_the_prepacked_codes() -> None:
     assert list(got) == list(want) == ["weight_int8", "scale"]
     for key in want:
         assert torch.equal(got[key], want[key])
+    # The product: fbgemm's rounding on the packed inputs, the rest's kernel on the others.
+    x = torch.randn(3, in_features)
+    x[-1] *= 40
+    deq = plain.dequantize().double()
+    main, ties = _fbgemm_reference(x[:, :packed_inputs], deq[:, :packed_inputs])
+    rest = x[:, packed_inputs:].double()
+    slack = ties + 1e-5 * (x.double().abs() @ deq.abs().T)
+    if (in_features - packed_inputs) % 8 == 0:  # bf16 activations and scales
+        deq_b = plain.weight_int8.double() * plain.scale.bfloat16().double()[:, None]
+        tail = x[:, packed_inputs:].bfloat16().double() @ deq_b[:, packed_inputs:].T
+        slack = slack + 2**-7 * tail.abs()
+    else:
+        tail = rest @ deq[:, packed_inputs:].T
+    assert ((fb(x).double() - (main + tail)).abs() <= slack + 1e-6).all()
 
 
 def _kernels_here() -> list[str]:

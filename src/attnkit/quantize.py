@@ -96,8 +96,11 @@ class Int8Linear(nn.Module):
     multiplies (:data:`INT8_KERNELS`; see the module's docstring).
 
     The codes are stored once: in the ``weight_int8`` buffer, or, with the ``"fbgemm"`` kernel,
-    only in fbgemm's prepacked copy (``weight_int8`` is then an empty placeholder and
-    :meth:`codes` unpacks them). Either way the state dict holds ``weight_int8`` with the codes,
+    in fbgemm's prepacked copy (:meth:`codes` unpacks them). fbgemm pads the inputs of its
+    packed weight to a multiple of 512 (its cache block), so where ``in_features`` is larger
+    and not a multiple, only the leading multiple is packed and ``weight_int8`` keeps the
+    remaining inputs' codes (``(out, in % 512)``, multiplied by ``torch._weight_int8pack_mm``);
+    otherwise it is empty. Either way the state dict holds ``weight_int8`` with all the codes,
     so a state dict saved from a layer with one kernel loads into a layer with any other.
 
     Shape: ``(*, in_features) -> (*, out_features)``, in the input's dtype.
@@ -158,18 +161,13 @@ class Int8Linear(nn.Module):
                 f"kernel {kernel!r} cannot run a {in_features}-input weight on "
                 f"{weight.device}; usable: {usable}"
             )
-        codes = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
-        scale = torch.empty(out_features, device=weight.device)
-        # Blocks of rows keep the float temporaries small (loading stays near the final size).
-        for start in range(0, out_features, _rows_per_block(in_features)):
-            w = (
-                weight[start : start + _rows_per_block(in_features)]
-                .detach()
-                .to(torch.float32, copy=True)
-            )
-            s = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-            scale[start : start + len(s)] = s
-            codes[start : start + len(s)] = w.div_(s[:, None]).round_().clamp_(-127, 127)
+        weight = weight.detach()
+        scale = _scales(weight)
+        if kernel == "fbgemm":  # (packed a block of rows at a time: no whole int8 copy)
+            new = cls._empty(in_features, out_features, scale, bias, kernel)
+            new._set_packed(functools.partial(_round_rows, weight, scale))
+            return new
+        codes = _round_rows(weight, scale, 0, out_features)
         return cls.from_codes(codes, scale, bias, kernel=kernel)  # type: ignore[arg-type]
 
     @classmethod
@@ -187,17 +185,25 @@ class Int8Linear(nn.Module):
         if kernel not in INT8_KERNELS:
             raise ValueError(f"kernel must be one of {INT8_KERNELS}, got {kernel!r}")
         out_features, in_features = codes.shape
-        with torch.device("meta"):  # (the buffers are replaced below: no zeros to fill)
+        new = cls._empty(in_features, out_features, scale, bias, kernel)
+        if kernel == "fbgemm":
+            new._set_packed(lambda start, stop: codes[start:stop])
+        else:
+            new.weight_int8 = codes
+        return new
+
+    @classmethod
+    def _empty(
+        cls, in_features: int, out_features: int, scale: Tensor, bias: Tensor | None, kernel: str
+    ) -> Int8Linear:
+        """The layer with its scales, bias and kernel, before its codes are set."""
+        with torch.device("meta"):  # (the buffers are replaced: no zeros to fill)
             new = cls(in_features, out_features, bias=False)
         new.scale = scale
         new.scale_bf16 = new.scale.to(torch.bfloat16)
         new.fbgemm_handle = torch.tensor(-1)
         new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         new.kernel = kernel
-        if kernel == "fbgemm":
-            new._set_packed(_fbgemm_pack(codes, scale))
-        else:
-            new.weight_int8 = codes
         return new
 
     @classmethod
@@ -205,15 +211,33 @@ class Int8Linear(nn.Module):
         """Quantize ``linear``'s weight; its bias is kept as it is."""
         return cls.from_weight(linear.weight, linear.bias, kernel=kernel)
 
-    def _set_packed(self, packed: Any) -> None:
-        """Keep fbgemm's prepacked ``packed`` as the only copy of the codes."""
+    def _set_packed(self, rows: Callable[[int, int], Tensor]) -> None:
+        """Keep the int8 codes as fbgemm's prepacked copies of the leading inputs, in blocks of
+        rows (so the codes never exist twice whole), and the other inputs' in ``weight_int8``.
+
+        Args:
+            rows: ``rows(start, stop)`` gives the codes of rows ``start:stop``, ``(rows, in)``.
+        """
+        main = _fbgemm_inputs(self.in_features)
+        step = _pack_rows(main)
+        self.weight_int8 = torch.empty(self.out_features, self.in_features - main, dtype=torch.int8)
+        packed = []
+        for start in range(0, self.out_features, step):
+            codes = rows(start, start + step)
+            packed.append(
+                _fbgemm_pack(codes[:, :main].contiguous(), self.scale[start : start + step])
+            )
+            self.weight_int8[start : start + step] = codes[:, main:]
         self._packed = packed
-        self.weight_int8 = torch.empty(0, dtype=torch.int8)
+        self._register_packed()
+
+    def _register_packed(self) -> None:
+        """Give the prepacked weight a handle for compiled graphs (the old one's entry goes)."""
         previous = _FINALIZERS.pop(self, None)
-        if previous is not None:  # (the replaced prepacked weight goes now)
+        if previous is not None:
             previous()
         handle = next(_HANDLES)
-        _PACKED[handle] = packed
+        _PACKED[handle] = self._packed
         _FINALIZERS[self] = weakref.finalize(self, _PACKED.pop, handle, None)
         self.fbgemm_handle = torch.tensor(handle)
 
@@ -224,13 +248,16 @@ class Int8Linear(nn.Module):
             return self.weight_int8
         with warnings.catch_warnings():  # (torch.ao's deprecation notice for quantized tensors)
             warnings.simplefilter("ignore")
-            weight, _ = torch.ops.quantized.linear_unpack(self._packed)
-            return weight.int_repr()
+            main = [torch.ops.quantized.linear_unpack(p)[0].int_repr() for p in self._packed]
+        return torch.cat([torch.cat(main), self.weight_int8.cpu()], dim=1)
 
     @property
     def packed_bytes(self) -> int:
-        """Bytes of fbgemm's prepacked weight (about one a weight; 0 for other kernels)."""
-        return 0 if self._packed is None else self.in_features * self.out_features
+        """Bytes of fbgemm's prepacked weight: one a packed weight (fbgemm pads inputs to a
+        multiple of 512, so fewer inputs take 512 bytes a row); 0 for other kernels."""
+        if self._packed is None:
+            return 0
+        return self.out_features * -(-_fbgemm_inputs(self.in_features) // 512) * 512
 
     def dequantize(self) -> Tensor:
         """The float32 weight this module computes with. Shape: ``(out, in)``."""
@@ -271,12 +298,13 @@ class Int8Linear(nn.Module):
                 f"codes of shape {shape}."
             )
             return
-        self._set_packed(_fbgemm_pack(codes.detach().cpu(), self.scale))
+        codes = codes.detach().cpu()
+        self._set_packed(lambda start, stop: codes[start:stop])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if self._packed is not None:  # (a copy: its prepacked weight gets a handle of its own)
-            self._set_packed(self._packed)
+            self._register_packed()
 
     def forward(self, x: Tensor) -> Tensor:
         """Shape: ``(*, in) -> (*, out)``."""
@@ -286,9 +314,13 @@ class Int8Linear(nn.Module):
         kernel = self.kernel if x2.device.type == "cpu" else "dequantize"
         if kernel == "fbgemm" and compiling:
             # (an opaque call in the graph: dynamo cannot trace the prepacked weight)
-            y = _fbgemm_linear(x2.float(), self.fbgemm_handle, self.out_features)
+            y = _fbgemm_linear(
+                x2.float(), self.fbgemm_handle, self.weight_int8, self.scale, self.scale_bf16
+            )
         elif kernel == "fbgemm":
-            y = _fbgemm_rows(x2.float(), self._packed)
+            y = _fbgemm_product(
+                x2.float(), self._packed, self.weight_int8, self.scale, self.scale_bf16
+            )
         elif x2.shape[0] == 1 and compiling:
             # One streaming pass over the int8 bytes; float32 sums.
             y = (self.weight_int8.float() * x2.float()).sum(-1) * self.scale
@@ -337,7 +369,7 @@ def _fbgemm_pack(codes: Tensor, scale: Tensor) -> Any:
             torch.backends.quantized.engine = before
 
 
-def _fbgemm_rows(x: Tensor, packed: Any) -> Tensor:
+def _fbgemm_rows(x: Tensor, packed: list[Any]) -> Tensor:
     """``x @ W^T`` through fbgemm's dynamic quantized linear, one activation scale per row.
 
     fbgemm quantizes the whole input with one scale; rows of other sizes are divided by their
@@ -348,21 +380,80 @@ def _fbgemm_rows(x: Tensor, packed: Any) -> Tensor:
     Shape: ``(rows, in) -> (rows, out)``, float32.
     """
     if x.shape[0] == 1:
-        return torch.ops.quantized.linear_dynamic(x, packed, True)
+        return _fbgemm_call(x, packed)
     size = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
-    return torch.ops.quantized.linear_dynamic(x / size, packed, True).mul_(size)
+    return _fbgemm_call(x / size, packed).mul_(size)
+
+
+def _fbgemm_call(x: Tensor, packed: list[Any]) -> Tensor:
+    """fbgemm's dynamic linear on each prepacked block of rows of a weight, side by side."""
+    parts = [torch.ops.quantized.linear_dynamic(x, p, True) for p in packed]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _scales(weight: Tensor) -> Tensor:
+    """Per-row scales ``max|row| / 127`` of a float ``weight`` ``(out, in)``, float32."""
+    step = _rows_per_block(weight.shape[1])
+    blocks = (weight[start : start + step] for start in range(0, len(weight), step))
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.cat([(w.float().abs().amax(dim=1) / 127).clamp(min=tiny) for w in blocks])
+
+
+def _round_rows(weight: Tensor, scale: Tensor, start: int, stop: int) -> Tensor:
+    """The int8 codes of rows ``start:stop`` of ``weight`` with their ``scale``."""
+    rows = weight[start:stop]
+    codes = torch.empty(rows.shape, dtype=torch.int8, device=weight.device)
+    step = _rows_per_block(weight.shape[1])
+    # Blocks of rows keep the float temporaries small (loading stays near the final size).
+    for i in range(0, len(rows), step):
+        w = rows[i : i + step].to(torch.float32, copy=True)
+        s = scale[start + i : start + i + len(w), None]
+        codes[i : i + len(w)] = w.div_(s).round_().clamp_(-127, 127)
+    return codes
+
+
+def _pack_rows(inputs: int) -> int:
+    """Rows of an fbgemm weight with ``inputs`` packed inputs per prepacked block: about
+    8 MiB, a multiple of 96 (fbgemm's column blocks are 8, 32 or 48 by CPU)."""
+    return max(96, (8 << 20) // max(inputs, 1) // 96 * 96)
+
+
+def _fbgemm_inputs(in_features: int) -> int:
+    """How many leading inputs of a weight fbgemm packs: all where they fill whole blocks of
+    512 or are fewer than 512, else the largest multiple of 512 (the rest would be padded)."""
+    return in_features if in_features <= 512 else in_features // 512 * 512
+
+
+def _fbgemm_product(
+    x: Tensor, packed: list[Any], tail: Tensor, scale: Tensor, scale_bf16: Tensor
+) -> Tensor:
+    """``x @ W^T`` of an fbgemm layer: the prepacked blocks of rows of the leading inputs
+    (:func:`_fbgemm_rows`) and the ``tail`` codes ``(out, rest)`` of the remaining ones.
+
+    Shape: ``(rows, in) -> (rows, out)``, float32.
+    """
+    main = x.shape[1] - tail.shape[1]
+    y = _fbgemm_rows(x[:, :main].contiguous() if tail.shape[1] else x, packed)
+    if not tail.shape[1]:
+        return y
+    rest = x[:, main:]
+    if tail.shape[1] % 8 == 0:
+        return y.add_(torch._weight_int8pack_mm(rest.bfloat16().contiguous(), tail, scale_bf16))
+    return torch.addmm(y, rest, (tail.float() * scale[:, None]).T)
 
 
 @torch.library.custom_op("attnkit::int8_fbgemm_linear", mutates_args=())
-def _fbgemm_linear(x: Tensor, handle: Tensor, out_features: int) -> Tensor:
-    """:func:`_fbgemm_rows` with the prepacked weight of ``handle``, as one op a compiled graph
-    calls. Shape: ``(rows, in) -> (rows, out_features)``, float32."""
-    return _fbgemm_rows(x.contiguous(), _PACKED[int(handle)])
+def _fbgemm_linear(
+    x: Tensor, handle: Tensor, tail: Tensor, scale: Tensor, scale_bf16: Tensor
+) -> Tensor:
+    """:func:`_fbgemm_product` with the prepacked weight of ``handle``, as one op a compiled
+    graph calls. Shape: ``(rows, in) -> (rows, out)``, float32."""
+    return _fbgemm_product(x.contiguous(), _PACKED[int(handle)], tail, scale, scale_bf16)
 
 
 @_fbgemm_linear.register_fake
-def _(x: Tensor, handle: Tensor, out_features: int) -> Tensor:
-    return x.new_empty(x.shape[0], out_features)
+def _(x: Tensor, handle: Tensor, tail: Tensor, scale: Tensor, scale_bf16: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], scale_bf16.shape[0])
 
 
 @functools.cache

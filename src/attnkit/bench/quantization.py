@@ -384,7 +384,7 @@ def quality_rows(
 
 
 _CHILD = """
-import functools, json, sys, tempfile, torch
+import ctypes, functools, gc, json, sys, tempfile, torch
 from pathlib import Path
 from attnkit.models import TransformerLM
 from attnkit.bench.decoding import _stored_bytes
@@ -405,6 +405,11 @@ def load(folder):
     return quantize(lm, mode, int8_kernel=kernel)
 
 def rss():
+    gc.collect()
+    try:  # (freed blocks back to the system: what stays is the model's)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
