@@ -13,7 +13,8 @@ rate: the time of ``new`` tokens minus the time of one, over ``new - 1``):
 
 * llama.cpp ``f32`` vs attnkit fp32 (``compile=True``),
 * llama.cpp ``bf16`` vs attnkit bf16 weights (compiled),
-* llama.cpp ``q8_0`` vs attnkit int8 weight-only (``quantize="int8"``, eager and compiled).
+* llama.cpp ``q8_0`` vs attnkit int8 weight-only (``quantize="int8"``, its default kernel;
+  eager and compiled).
 
 The GGUF files: ``--gguf PRECISION=FILE`` (e.g. converted with llama.cpp's own
 ``convert_hf_to_gguf.py --outtype f32|bf16|q8_0``), or, for the precisions not given, written
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -42,7 +44,14 @@ import torch
 from attnkit.bench import decoding as db
 from attnkit.models import TransformerLM
 
-PAIRS = {"f32": "fp32 compile", "bf16": "bf16 compile", "q8_0": "int8 compile"}
+PRECISIONS = ("f32", "bf16", "q8_0")
+#: (llama.cpp precision, attnkit variant of ``attnkit.bench.decoding.quantized_variants``)
+PAIRS = (
+    ("f32", "fp32 compile"),
+    ("bf16", "bf16 compile"),
+    ("q8_0", "int8 compile"),
+    ("q8_0", "int8"),
+)
 GOALS = {"f32": 1.15, "bf16": 1.0}
 
 
@@ -134,6 +143,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--threads", type=int, default=0, help="threads of both (0: torch's default)"
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "bench_llamacpp.json"
     )
     args = parser.parse_args(argv)
@@ -147,9 +159,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         return {"skipped": "llama-cpp-python not installed"}
     given = dict(item.split("=", 1) for item in args.gguf)
-    bad = sorted(set(given) - set(PAIRS))
+    bad = sorted(set(given) - set(PRECISIONS))
     if bad:
-        raise ValueError(f"unknown precisions {bad}; known: {sorted(PAIRS)}")
+        raise ValueError(f"unknown precisions {bad}; known: {sorted(PRECISIONS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.model is not None:
         lm = TransformerLM.from_pretrained(args.model)
     else:
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     threads = torch.get_num_threads()
     runners: dict[str, Callable[[int], Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for precision in PAIRS:
+        for precision in PRECISIONS:
             path = Path(given[precision]) if precision in given else None
             if path is None:
                 path = write_gguf(lm, Path(tmp) / f"model-{precision}.gguf", precision)
@@ -168,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runners[f"llama.cpp {precision}"] = _llama_runner(path, prompt[0].tolist(), threads)
             except Exception as err:  # a type this build's CPU path does not run
                 print(f"llama.cpp {precision} failed: {err}", file=sys.stderr)
-        for name in (*PAIRS.values(), "int8"):
+        for name in dict.fromkeys(ours for _, ours in PAIRS):
 
             def run(n: int, lm: Any = variants[name], c: bool = name.endswith("compile")) -> Any:
                 return lm.generate(prompt, n, eos_token_id=[], compile=c)
@@ -186,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"\n{'llama.cpp':<10} {'tok/s':>8}  {'attnkit':<18} {'tok/s':>8} {'ratio':>7} {'goal':>6}"
     )
-    for precision, ours in PAIRS.items():
+    for precision, ours in PAIRS:
         theirs = median.get(f"llama.cpp {precision}")
         mine = median[f"attnkit {ours}"]
         ratio = None if theirs is None else mine / theirs
@@ -210,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "rates": median,
         "threads": threads,
+        "load_average_1min_after": os.getloadavg()[0],
         "machine": platform.processor() or platform.machine(),
         "llama_cpp_python": getattr(llama_cpp, "__version__", "?"),
         "torch": torch.__version__,

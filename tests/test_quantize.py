@@ -443,6 +443,27 @@ def test_compiled_int8_steps_agree_with_eager(kernel: str) -> None:
     assert torch.equal(lm.generate(prompt, 5, eos_token_id=[], compile=True), eager[:, :11])
 
 
+@pytest.mark.slow
+def test_compiled_fbgemm_layer_is_one_opaque_call_with_the_eager_products() -> None:
+    """fbgemm's call compiles (``fullgraph``) as an op of the graph: the same products as eager,
+    one row and several, with the split inputs (576: 512 packed, 64 beside)."""
+    if "fbgemm" not in int8_kernels(576):
+        pytest.skip("fbgemm does not run here")
+    torch.manual_seed(6)
+    layer = Int8Linear.from_weight(torch.randn(40, 576), torch.randn(40), kernel="fbgemm")
+    assert layer.weight_int8.shape == (40, 64)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    for rows in (1, 3):
+        x = torch.randn(rows, 576)
+        with torch.no_grad():
+            assert torch.equal(compiled(x), layer(x))
+    # A copy (another prepacked weight, another handle) runs through the same graph.
+    other = Int8Linear.from_weight(torch.randn(40, 576), torch.randn(40), kernel="fbgemm")
+    x = torch.randn(1, 576)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(other, fullgraph=True, dynamic=False)(x), other(x))
+
+
 def test_explorer_page_from_a_quantized_model(tmp_path: Path) -> None:
     explorer = pytest.importorskip("attnkit.explorer")
     lm = quantize(_lm(), "int8")

@@ -9,20 +9,26 @@ scale and offset per group of input channels); the model's own forward runs them
 quantized). A tied output head gets a quantized copy of the embedding (``lm_head``) while the lookup
 keeps the full-precision table.
 
-Kernels. One row inside a compiled graph is a streaming reduction over the int8 weight (inductor
-converts the bytes as it reads them). In eager mode on a CPU an :class:`Int8Linear` runs
-``"int8pack"`` by default (weight-only, deterministic, one int8 copy); with
-``int8_kernel="auto"`` it runs the kernel :func:`choose_int8_kernel` measured fastest for its
-shape when it was built (one row, the process's thread count; the choice is cached per shape),
-which on AVX2 CPUs is ``"fbgemm"`` (1.6-1.8x faster decoding, ``benchmarks/RESULTS.md``) at the
-cost of a second copy of the weight and quantized activations:
+Kernels. An :class:`Int8Linear` multiplies with one of three (``int8_kernel=``); the default
+is a rule by CPU features (:func:`default_int8_kernel`), so every load of a model gives the same
+layers; ``int8_kernel="auto"`` instead times the candidates per shape
+(:func:`choose_int8_kernel`):
 
-* ``"fbgemm"``: torch's dynamic quantized linear (``torch.ops.quantized.linear_dynamic`` on a
-  prepacked copy of the weight): each call quantizes the activations to 7-bit integers (one
-  asymmetric scale per row; 7 bits because AVX2's 8-bit multiply-add saturates 8-bit ones) and
-  multiplies integers. The prepacked copy doubles the int8 weight's memory.
+* ``"fbgemm"`` (the default on CPUs with torch's fbgemm engine and without bf16 dot-product
+  instructions, i.e. AVX2 ones: 1.6-1.8x faster decoding than ``"int8pack"`` there,
+  ``benchmarks/RESULTS.md``): torch's dynamic quantized linear
+  (``torch.ops.quantized.linear_dynamic`` on fbgemm's prepacked weight): each call quantizes
+  the activations to 7-bit integers (one asymmetric scale per row; 7 bits because AVX2's 8-bit
+  multiply-add saturates 8-bit ones) and multiplies integers. The prepacked weight is the only
+  copy of the codes (the state dict unpacks them); fbgemm pads its inputs to whole blocks of
+  512, so a weight with more inputs than that and not a multiple packs the leading multiple and
+  keeps the rest's codes beside it (multiplied by ``"int8pack"``'s kernel): the layer holds one
+  byte a weight, like the others. Inside a compiled graph the call is one opaque op
+  (``attnkit::int8_fbgemm_linear``), the same products as in eager mode.
 * ``"int8pack"``: ``torch._weight_int8pack_mm`` with bf16 activations (input sizes that are
-  multiples of 8). Where the CPU has no bf16 units it converts as it goes.
+  multiples of 8; the default where fbgemm is not, e.g. on CPUs with AVX512-BF16 or AMX). Where
+  the CPU has no bf16 units it converts as it goes. One row inside a compiled graph is a
+  streaming float32 reduction over the int8 bytes instead.
 * ``"dequantize"``: the float product with the dequantized weight (other devices, other sizes).
 
 Int4 runs torch's CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``) with bf16 activations
