@@ -17,7 +17,8 @@ Sections (``--skip NAME`` leaves one out):
   to fp32 (target: int8 >= 0.99); needs the ``models`` extra.
 * ``memory``: peak memory of ``from_pretrained(..., quantize="int8")`` (and int4) in a child
   process over the loaded model's bytes, on a random ``--shape`` folder and every ``--model``
-  (target: <= 1.2x).
+  (target: <= 1.2x), and the resident memory of int8 models loaded with the ``int8pack`` and
+  ``fbgemm`` kernels (target: fbgemm <= 1.1x int8pack).
 * ``kernels``: every candidate way to multiply one row by each weight matrix of the ``--shape``
   model (fp32/bf16 ``F.linear``, fbgemm's dynamic int8 linear, ``torch._weight_int8pack_mm``
   with bf16 and fp32 activations, dequantizing into a buffer, ``torch._int_mm``, torch's int4
