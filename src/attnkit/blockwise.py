@@ -286,13 +286,14 @@ def native_low_precision(dtype: torch.dtype, *, backward: bool = True) -> bool:
     With a backward, only where this CPU multiplies ``dtype`` natively: AVX512-BF16 or AMX
     tiles for bfloat16, AMX-FP16 for float16. Without them (AVX2 only) torch's bf16 kernel ran
     its forward+backward 7-9x slower than its float32 one, so :func:`attend_runs` computes in
-    float32 and rounds. A bfloat16 forward alone always runs in bfloat16: its two products per
-    block are all the kernel converts, and it took 1.03-1.07x the float32 kernel's time on that
-    CPU, where the three float32 copies of the inputs cost ~0.3x (fresh pages: each copy is a
-    new allocation) and the result's rounding more; it is also the kernel torch's own bf16
-    ``scaled_dot_product_attention`` runs, so attnkit's bf16/fp32 speed-up follows torch's on
-    every CPU. float16's forward kernel took 3x the float32 one there, so it keeps the float32
-    copies (``benchmarks/bench_blockwise.py --bf16``).
+    float32 and rounds. A bfloat16 forward alone runs in bfloat16 on every CPU: it is the
+    kernel torch's own bf16 ``scaled_dot_product_attention`` runs, so attnkit's bf16/fp32
+    speed-up follows torch's. On the AVX2 CPU its forward took 1.03-1.25x the float32
+    kernel's time, while float32 copies of the inputs (three fresh allocations, paged in on
+    every call) added ~0.3x; converting two documents at a time lost at 2 threads (0.69 vs
+    0.91 of the float32 speed, one conversion per chunk and input). float16's forward kernel
+    took 3x the float32 one there, so it keeps the float32 copies
+    (``benchmarks/bench_blockwise.py --bf16``).
 
     Args:
         dtype: ``torch.bfloat16`` or ``torch.float16``.
