@@ -11,6 +11,10 @@ count on both; the ``textbook`` column is the full-matrix math the capped call r
 Times are medians of interleaved rounds in this process, so machine noise hits every column
 alike.
 
+``--flex`` adds the route of a fused kernel that takes a score modification: torch's
+FlexAttention, compiled, with the cap as its ``score_mod`` and the causal/window structure as its
+block mask (compiled once per shape before the timed rounds).
+
 ``--baseline REV`` adds a ``before`` column: the capped call of an earlier commit (its
 ``softcap.py`` and ``functional.py``, loaded beside the current ones), timed in the same rounds.
 
@@ -18,6 +22,7 @@ Usage:
     python benchmarks/bench_softcap.py                      # prefill, decode, window
     python benchmarks/bench_softcap.py --threads 1 --repeats 9 --json results.json
     python benchmarks/bench_softcap.py --baseline HEAD~3    # before/after in one process
+    python benchmarks/bench_softcap.py --flex --decode      # and compiled FlexAttention
     python benchmarks/bench_softcap.py --rows 16 32 64 128  # sweep the chunk height
 """
 
@@ -86,6 +91,28 @@ def _time(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def flex_capped(L: int, S: int, window: int | None) -> Callable[..., torch.Tensor]:
+    """Compiled FlexAttention with the cap as ``score_mod`` over the causal (window) blocks.
+
+    Returns:
+        ``f(q, k, v)``, compiled on its first call.
+    """
+    from torch.nn.attention import flex_attention as fa
+
+    off = S - L  # bottom-right aligned queries, as attend's
+
+    def allowed(b: object, h: object, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        ok = i + off >= j
+        return ok if window is None else ok & (i + off - j < window)
+
+    def capped(s: torch.Tensor, *index: object) -> torch.Tensor:
+        return torch.tanh(s / CAP) * CAP
+
+    blocks = fa.create_block_mask(allowed, None, None, L, S, device="cpu")
+    compiled = torch.compile(fa.flex_attention, dynamic=False)
+    return lambda q, k, v: compiled(q, k, v, score_mod=capped, block_mask=blocks)
+
+
 def case(
     kind: str,
     L: int,
@@ -96,8 +123,10 @@ def case(
     repeats: int,
     textbook: bool,
     baseline: ModuleType | None = None,
+    flex: bool = False,
 ) -> dict[str, object]:
-    """Time one shape: fused without cap, attnkit with cap (and optionally the textbook)."""
+    """Time one shape: fused without cap, attnkit with cap (and optionally the textbook and
+    compiled FlexAttention with the cap)."""
     q, k, v = _inputs(L, S, E)
     structure: dict[str, object] = {"causal": True}
     if window is not None:
@@ -108,6 +137,15 @@ def case(
     }
     if baseline is not None:
         fns["before"] = lambda: baseline.attend(q, k, v, softcap=CAP, **structure)
+    if flex:
+        run = flex_capped(L, S, window)
+        with torch.no_grad():
+            got = run(q, k, v)
+            want, _ = functional.attend(q, k, v, softcap=CAP, **structure)  # type: ignore[arg-type]
+        err = float((got - want).abs().max())
+        if not err < 1e-4:
+            raise AssertionError(f"FlexAttention with the cap differs from attend by {err:.2e}")
+        fns["flex"] = lambda: run(q, k, v)
     if textbook:
         mask = masks.Structure(**structure).mask(L, S)[0, 0]  # type: ignore[arg-type]
         scale = 1 / math.sqrt(E)
@@ -131,6 +169,7 @@ def case(
         "ratio": med["softcap"] / med["fused"],
         "textbook_s": med.get("textbook"),
         "before_ratio": med["before"] / med["fused"] if "before" in med else None,
+        "flex_ratio": med["flex"] / med["fused"] if "flex" in med else None,
     }
 
 
@@ -167,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--textbook", action="store_true", help="also time the full-matrix math")
     p.add_argument("--rows", type=int, nargs="*", help="sweep the chunk height instead")
     p.add_argument("--baseline", metavar="REV", help="also time the capped call of git REV")
+    p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/softcap.json"))
     args = p.parse_args(argv)
     if args.threads is not None:
@@ -187,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         header = (
             f"{'case':<8} {'L':>5} {'S':>5} {'E':>4} {'window':>6} {'fused ms':>9} "
-            f"{'softcap ms':>10} {'ratio':>6} {'before':>6} {'textbook ms':>11} {'ns/pair':>8}"
+            f"{'softcap ms':>10} {'ratio':>6} {'before':>6} {'flex':>6} {'textbook ms':>11} "
+            f"{'ns/pair':>8}"
         )
         print(header)
         print("-" * len(header))
@@ -199,17 +240,19 @@ def main(argv: list[str] | None = None) -> int:
             for E in args.head_dims:
                 reps = args.repeats * (20 if kind == "decode" else 1)
                 textbook = args.textbook and kind != "window" and L <= 2048
+                flex = args.flex and kind != "decode"  # (compiles a graph per step length)
                 row = case(
                     kind, L, S, E, window=window, repeats=reps, textbook=textbook,
-                    baseline=baseline,
+                    baseline=baseline, flex=flex,
                 )  # fmt: skip
                 rows.append(row)
-                tb, before = row["textbook_s"], row["before_ratio"]
+                tb, before, fx = row["textbook_s"], row["before_ratio"], row["flex_ratio"]
                 per_pair = row["softcap_s"] / row["pairs"] * 1e9  # type: ignore[operator]
                 print(
                     f"{kind:<8} {L:>5} {S:>5} {E:>4} {window or '':>6} "
                     f"{row['fused_s'] * 1e3:>9.3f} {row['softcap_s'] * 1e3:>10.3f} "  # type: ignore[operator]
                     f"{row['ratio']:>6.2f} {'' if before is None else f'{before:.2f}':>6} "
+                    f"{'' if fx is None else f'{fx:.2f}':>6} "
                     f"{'' if tb is None else f'{tb * 1e3:.2f}':>11} "
                     f"{per_pair:>8.2f}",
                     flush=True,

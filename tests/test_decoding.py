@@ -138,6 +138,19 @@ def test_prepared_rmsnorm_equals_torch_and_keeps_gradients(eps: float | None) ->
     norm.weight.grad = None
     norm(want).square().sum().backward()
     assert_close(xg.grad, want.grad)
+    # One row with gradients on: a trainable weight gets torch's gradient; a frozen one (a
+    # fine-tuning adapter's base) takes the one-row path, outside the graph.
+    row = x[1, 2].view(1, 1, 16)
+    norm.weight.grad = None
+    fast(row).sum().backward()
+    got = norm.weight.grad.clone()
+    norm.weight.grad = None
+    norm(row).sum().backward()
+    assert_close(got, norm.weight.grad)
+    norm.weight.requires_grad_(False)
+    out = fast(row)
+    assert not out.requires_grad
+    assert_close(out, norm(row), atol=1e-7, rtol=2e-6)
 
 
 def test_layouts_follow_the_measured_rule() -> None:

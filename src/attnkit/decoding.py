@@ -132,7 +132,10 @@ class PreparedRMSNorm(nn.RMSNorm):
             x.numel() != D
             or x.dtype != torch.float32
             or len(self.normalized_shape) != 1
-            or (torch.is_grad_enabled() and (x.requires_grad or weight is not None))
+            or (
+                torch.is_grad_enabled()
+                and (x.requires_grad or (weight is not None and weight.requires_grad))
+            )
             or x.device.type != "cpu"
             or torch.compiler.is_compiling()
         ):
