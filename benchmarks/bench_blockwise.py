@@ -3,7 +3,8 @@
 Usage:
     python benchmarks/bench_blockwise.py [--n 8192] [--window 256] [--docs 8] [--repeats 5]
         [--rows 32,64,128] [--flex] [--variants] [--bf16] [--json FILE]
-        [--modes fwd,fwd+bwd] [--cases window,documents] [--memory 8192,32768]
+        [--modes fwd,fwd+bwd] [--cases window,documents] [--memory 8192,32768] [--threads N]
+        [--copies]
 
 Every implementation runs in one process, interleaved round by round; the table reports the
 median time and the ratio to dense-mask SDPA (``x dense``, higher is faster), the ratio of the
@@ -19,12 +20,13 @@ the same run (the ratio of ratios holds on CPUs with and without native bf16), a
 against float64 of attnkit's bf16 output and gradients next to torch's fused kernel's (at
 ``--error-n`` positions, where the float64 reference fits in memory).
 
-Recorded (AMD EPYC, AVX2 only, 2 threads, loaded machine, N=8192, fp32, medians of 3-5 rounds):
-fwd+bwd x dense-mask SDPA window 12.4, documents 10.9 (fwd 12.3); ``--memory 8192,32768``:
-window 269 / 1021 MiB, documents 84 / 324 MiB. ``--bf16`` at N=4096 (bf16 computed in float32
-on this CPU, see ``attnkit.blockwise.native_low_precision``): bf16/fp32 speed-up torch causal
-SDPA fwd 1.25, fwd+bwd 0.14; attnkit window 1.15 / 1.12, documents 0.86 / 0.71 (ratios of
-ratios 0.92 / 8.2 and 0.69 / 5.2). See ``benchmarks/RESULTS.md``.
+Recorded (AMD EPYC, AVX2 only, 2 threads, loaded machine, N=8192, fp32, medians of 5 rounds):
+fwd+bwd x dense-mask SDPA window 12.9, documents 11.2 (goal 12); ``--memory 8192,32768``:
+window 269 / 1021 MiB, documents 84 / 324 MiB. ``--bf16 --modes fwd`` (a bf16 forward runs
+torch's bf16 kernel, see ``attnkit.blockwise.native_low_precision``): ratio of ratios window
+0.81-1.17, documents 0.97-1.13 over six runs, medians about 1 (``--copies``: float32 copies
+0.77 / 0.83); fwd+bwd (float32 copies) window 5.6, documents 5.3 at N=4096. See
+``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument("--cases", default="window,documents")
     p.add_argument("--bf16", action="store_true", help="bf16 vs fp32 speed-up and error")
+    p.add_argument(
+        "--copies", action="store_true", help="with --bf16: also attnkit on float32 copies"
+    )
     p.add_argument("--error-n", type=int, default=2048, help="length of the --bf16 error check")
     p.add_argument(
         "--memory",
@@ -72,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: peak memory of blockwise fwd+bwd at these lengths (documents of N/--docs"
         " at --n, so of equal length at every N)",
     )
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", type=Path, help="write the rows here")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if a.memory:
         results = _memory(a, [int(n) for n in a.memory.split(",")])
         if a.json:
@@ -242,14 +250,18 @@ def _bf16(a: argparse.Namespace) -> list[dict[str, Any]]:
             )
         ),
     }
+    if a.copies:  # the other way to run bf16: float32 copies in, the result rounded
+        for name in ("attnkit window", "attnkit documents"):
+            cases[f"{name}, f32 copies"] = lambda n, make=cases[name]: _via_float32(make(n))
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(1, a.n, a.heads, a.dim, generator=gen).transpose(1, 2) for _ in range(4)]
+    modes = a.modes.split(",")
     times: dict[tuple[str, str, torch.dtype], list[float]] = {}
     for _ in range(a.repeats):
         for name, make in cases.items():
             fn = make(a.n)
             for dtype in (torch.float32, torch.bfloat16):
-                for mode in ("fwd", "fwd+bwd"):
+                for mode in modes:
                     q, k, v = (t.to(dtype).detach().requires_grad_(mode != "fwd") for t in base[:3])
                     start = time.perf_counter()
                     with torch.set_grad_enabled(mode != "fwd"):
@@ -258,16 +270,16 @@ def _bf16(a: argparse.Namespace) -> list[dict[str, Any]]:
                             torch.autograd.grad(out, (q, k, v), base[3].to(dtype))
                     times.setdefault((name, mode, dtype), []).append(time.perf_counter() - start)
     rows: list[dict[str, Any]] = []
-    print(f"\n{'implementation':<20} {'mode':<8} {'fp32 ms':>9} {'bf16 ms':>9} {'speed-up':>9} "
+    print(f"\n{'implementation':<32} {'mode':<8} {'fp32 ms':>9} {'bf16 ms':>9} {'speed-up':>9} "
           f"{'bf16 err':>9}")  # fmt: skip
     n = a.error_n
     for name, make in cases.items():
         errors = _bf16_errors(make(n), n, a)
-        for mode in ("fwd", "fwd+bwd"):
+        for mode in modes:
             t32 = statistics.median(times[(name, mode, torch.float32)])
             t16 = statistics.median(times[(name, mode, torch.bfloat16)])
             err = errors[mode]
-            print(f"{name:<20} {mode:<8} {t32 * 1e3:>9.0f} {t16 * 1e3:>9.0f} {t32 / t16:>9.2f} "
+            print(f"{name:<32} {mode:<8} {t32 * 1e3:>9.0f} {t16 * 1e3:>9.0f} {t32 / t16:>9.2f} "
                   f"{err:>9.1e}")  # fmt: skip
             rows.append({"impl": name, "mode": mode, "fp32_s": t32, "bf16_s": t16,
                          "speedup": t32 / t16, "bf16_max_err": err})  # fmt: skip
@@ -275,9 +287,20 @@ def _bf16(a: argparse.Namespace) -> list[dict[str, Any]]:
     for r in rows:
         r["speedup_vs_torch"] = r["speedup"] / ref[r["mode"]]["speedup"]
     print("ratio of ratios (attnkit speed-up / torch's): " + ", ".join(
-        f"{r['impl'].split()[-1]} {r['mode']} {r['speedup_vs_torch']:.2f}"
+        f"{r['impl'].removeprefix('attnkit ')} {r['mode']} {r['speedup_vs_torch']:.2f}"
         for r in rows if r["impl"] != "torch causal SDPA"))  # fmt: skip
     return rows
+
+
+def _via_float32(fn: Fn) -> Fn:
+    """``fn`` on float32 copies of bf16 inputs, the result rounded to bf16."""
+
+    def wide(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if q.dtype != torch.bfloat16:
+            return fn(q, k, v)
+        return fn(q.float(), k.float(), v.float()).to(q.dtype)
+
+    return wide
 
 
 def _bf16_errors(fn: Fn, n: int, a: argparse.Namespace) -> dict[str, float]:
@@ -292,7 +315,9 @@ def _bf16_errors(fn: Fn, n: int, a: argparse.Namespace) -> dict[str, float]:
 
     exact, low = run(torch.float64), run(torch.bfloat16)
     errs = [(x.double() - y).abs().max().item() for x, y in zip(low, exact, strict=True)]
-    return {"fwd": errs[0], "fwd+bwd": max(errs)}
+    with torch.no_grad():  # the forward alone may take another path (a bf16 kernel)
+        fwd = fn(*(t.bfloat16() for t in base[:3]))
+    return {"fwd": (fwd.double() - exact[0]).abs().max().item(), "fwd+bwd": max(errs)}
 
 
 def _two_pieces(q: Tensor, k: Tensor, v: Tensor, W: int) -> Tensor:

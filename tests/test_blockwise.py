@@ -144,6 +144,46 @@ def test_low_precision_without_native_units_is_float32_rounded(dtype):
             assert torch.equal(g, w.to(dtype))
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(causal=True, window=40),
+        dict(causal=True, segment_ids=torch.tensor([[0] * 90 + [1] * 150 + [2] * 60])),
+        dict(segment_ids=torch.tensor([[0] * 90 + [1] * 150 + [2] * 60]), window=70),
+    ],
+)
+def test_bf16_forward_error_within_twice_torchs_fused_kernel(kw):
+    # Without gradients bf16 runs torch's bf16 kernel on every CPU; its error against float64
+    # is held to twice that of torch's fused kernel on the dense mask (same inputs).
+    q, k, v = (t.detach() for t in qkv(2, 4, 4, 300, 300, E=32, layout="blhe"))
+    allowed = loop_mask(300, 300, **kw)
+    ref, _ = reference_attention(q, k, v, allowed)
+    low = [t.bfloat16() for t in (q, k, v)]
+    with torch.no_grad():
+        out = blockwise_attention(*low, **kw)
+        fused = torch.nn.functional.scaled_dot_product_attention(*low, attn_mask=allowed)
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - ref).abs().max().item()
+    fused_err = (fused.double() - ref).abs().max().item()
+    assert 0 < err <= 2 * fused_err
+
+
+def test_bf16_forward_of_equal_documents_is_torchs_own_bf16_kernel():
+    # Equal causal documents are one kernel call: bit for bit torch's bf16 causal SDPA per
+    # document, so attnkit's bf16 forward costs what torch's does.
+    q, k, v = (t.detach().bfloat16() for t in qkv(1, 4, 4, 256, 256, E=32, layout="blhe"))
+    seg = (torch.arange(256) // 64).view(1, 256)
+    with torch.no_grad():
+        out = blockwise_attention(q, k, v, causal=True, segment_ids=seg)
+        per_doc = [
+            torch.nn.functional.scaled_dot_product_attention(
+                *(t[:, :, i : i + 64] for t in (q, k, v)), is_causal=True
+            )
+            for i in range(0, 256, 64)
+        ]
+    assert torch.equal(out, torch.cat(per_doc, dim=2))
+
+
 @pytest.mark.parametrize("L, S", [(37, 37), (13, 50), (50, 13), (64, 200)])
 @pytest.mark.parametrize("window", [1, 5, 64, 400])
 def test_odd_sizes_and_windows(L, S, window):

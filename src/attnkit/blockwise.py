@@ -241,8 +241,8 @@ def attend_runs(
     Torch's CPU flash kernel on strided views with a custom backward where it applies (CPU,
     no dropout, ``Ev == E``, a dtype it takes), else ``torch.nn.functional.
     scaled_dot_product_attention`` on gathered tiles with autograd. bfloat16/float16 inputs
-    on a CPU without native units for them (see :func:`native_low_precision`) are computed in
-    float32 and the result rounded.
+    the kernel would run slowly (see :func:`native_low_precision`: with gradients, on a CPU
+    without native units for them) are computed in float32 and the result rounded.
 
     Args:
         q: Queries.
@@ -259,7 +259,12 @@ def attend_runs(
         q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
     """
     E, Ev = q.shape[3], v.shape[3]
-    if q.device.type == "cpu" and q.dtype in _LOW and not native_low_precision(q.dtype):
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if (
+        q.device.type == "cpu"
+        and q.dtype in _LOW
+        and not native_low_precision(q.dtype, backward=grads)
+    ):
         # Without bf16/fp16 matrix units the kernel converts every block it multiplies; in
         # float32 it runs several times faster, and rounds once at the end.
         wide = attend_runs(q.float(), k.float(), v.float(), runs, scale=scale, dropout_p=dropout_p)
@@ -274,14 +279,28 @@ _LOW = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
-def native_low_precision(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies ``dtype`` (bfloat16 or float16) natively: AVX512-BF16 or
-    AMX tiles for bfloat16, AMX-FP16 for float16 (``True`` where torch cannot tell).
+def native_low_precision(dtype: torch.dtype, *, backward: bool = True) -> bool:
+    """Whether torch's CPU flash kernel should run ``dtype`` (bfloat16 or float16) itself
+    rather than on float32 copies (``True`` where torch cannot tell).
 
-    Where it does not (AVX2 only), :func:`attend_runs` computes low-precision inputs in float32:
-    there torch's bf16 flash kernel ran 1.5x (forward) to 9x (forward+backward) slower than its
-    float32 one at N=8192 (``benchmarks/bench_blockwise.py --bf16``).
+    With a backward, only where this CPU multiplies ``dtype`` natively: AVX512-BF16 or AMX
+    tiles for bfloat16, AMX-FP16 for float16. Without them (AVX2 only) torch's bf16 kernel ran
+    its forward+backward 7-9x slower than its float32 one, so :func:`attend_runs` computes in
+    float32 and rounds. A bfloat16 forward alone runs in bfloat16 on every CPU: it is the
+    kernel torch's own bf16 ``scaled_dot_product_attention`` runs, so attnkit's bf16/fp32
+    speed-up follows torch's. On the AVX2 CPU its forward took 1.03-1.25x the float32
+    kernel's time, while float32 copies of the inputs (three fresh allocations, paged in on
+    every call) added ~0.3x; converting two documents at a time lost at 2 threads (0.69 vs
+    0.91 of the float32 speed, one conversion per chunk and input). float16's forward kernel
+    took 3x the float32 one there, so it keeps the float32 copies
+    (``benchmarks/bench_blockwise.py --bf16``).
+
+    Args:
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        backward: Whether gradients will flow through the call.
     """
+    if dtype == torch.bfloat16 and not backward:
+        return True
     cpu: Any = getattr(torch, "cpu", None)
     try:
         if dtype == torch.bfloat16:
