@@ -724,8 +724,9 @@ def _attend_capped(
     # (an inf-norm per row: ~5 ns per value on CPU against ~0.15 for a sum); the kernel's keys are
     # then finite (with gradients they are searched anyway), and with a finite q its inf -> NaN
     # pass over the scores can go.
-    search_first = 16 * L >= S and not _no_data_branches(q)
-    finite = (search_first or grads) and not _no_data_branches(q) and _is_finite(q)
+    branches = not _no_data_branches(q)
+    search_first = branches and 16 * L >= S
+    finite = branches and (search_first or grads) and _is_finite(q)
 
     def run(k: Tensor, v: Tensor, drop: Tensor | None) -> tuple[Tensor, Tensor | None]:
         this_mask = mask if drop is None else M.restrict(mask, ~drop)

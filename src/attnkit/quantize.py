@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.decoding import PreparedLinear
+from attnkit.decoding import PreparedLinear, _bf16_dot_native
 from attnkit.profiling import time_interleaved
 
 __all__ = [
@@ -462,13 +462,6 @@ def _(x: Tensor, handle: Tensor, tail: Tensor, scale: Tensor, scale_bf16: Tensor
     return x.new_empty(x.shape[0], scale_bf16.shape[0])
 
 
-@functools.cache
-def _bf16_dot_native() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
-
-
 def _has_fbgemm() -> bool:
     return any(e in torch.backends.quantized.supported_engines for e in ("fbgemm", "x86"))
 
@@ -751,9 +744,9 @@ def quantize(
             size no group size of at most ``group_size`` divides, or whose output size is not a
             multiple of 16, gets int8).
         group_size: int4 group size: 32, 64, 128 or 256.
-        int8_kernel: The eager CPU kernel of int8 linears: ``"default"`` (``"int8pack"``
-            where it runs the shape, else ``"dequantize"``), ``"int8pack"``, ``"fbgemm"``,
-            ``"dequantize"``, or ``"auto"`` (the fastest measured per shape).
+        int8_kernel: The CPU kernel of int8 linears: ``"default"`` (the rule of
+            :func:`default_int8_kernel`), ``"int8pack"``, ``"fbgemm"``, ``"dequantize"``, or
+            ``"auto"`` (the fastest measured per shape).
         head: Also quantize a tied output head: a model with an ``embedding`` and an
             ``lm_head`` of ``None`` (a tied :class:`attnkit.TransformerLM`) gets an ``lm_head``
             holding the quantized embedding; the embedding itself stays for the lookup.
