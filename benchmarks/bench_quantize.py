@@ -130,7 +130,7 @@ def memory_section(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         folders = [(f"random {args.shape}", _random_folder(args.shape, Path(tmp)))]
         folders += [(str(m), Path(m)) for m in args.model]
-        loads = [("int8", "default"), ("int8", "int8pack"), ("int8", "fbgemm")]
+        loads = [("int8", "default"), ("int8", "int8pack"), ("int8", "fbgemm"), ("int8", "avx2")]
         loads += [("int4", "default"), ("fp32", "default")]
         usable = int8_kernels(64)
         for label, folder in folders:
@@ -185,12 +185,15 @@ def print_kernels(rows: list[dict[str, Any]]) -> None:
 def _extra_variants(model: TransformerLM, args: argparse.Namespace) -> dict[str, Any]:
     """torchao's int8, and int8 with every linear on ``torch._weight_int8pack_mm`` (eager and,
     unless ``--no-compile``, compiled: a single row is then inductor's reduction over the int8
-    bytes) beside the default kernel (fbgemm on AVX2 CPUs)."""
+    bytes) and on fbgemm's dynamic linear, beside the default kernel (attnkit's ``"avx2"`` on
+    AVX2 CPUs)."""
     out: dict[str, Any] = dict(bq.torchao_variants(model, compile=not args.no_compile))
     int8pack = quantize(copy.deepcopy(model), "int8", int8_kernel="int8pack")
     out["before: int8pack"] = int8pack
     if not args.no_compile:
         out["before: int8pack compile"] = copy.deepcopy(int8pack)
+    if "fbgemm" in int8_kernels(64):
+        out["before: fbgemm"] = quantize(copy.deepcopy(model), "int8", int8_kernel="fbgemm")
     return out
 
 

@@ -175,3 +175,15 @@ def hf_greedy(
         pad_token_id=0,
         **options,
     )
+
+
+def int8_dot_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float64 product of the rows of ``x`` as the ``"avx2"`` kernel rounds them (int8 per
+    block of 32 inputs, the block's largest magnitude to 127, in float32 as the kernel does) and
+    the weight ``codes * scale``: the integer sums are exact."""
+    blocks = x.float().unflatten(-1, (-1, 32))
+    top = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, 127 / top, torch.zeros_like(top))
+    q = (blocks * inv).round()  # (half to even, as the kernel's lrintf)
+    rows = (q.double() * (top / 127).double()).flatten(-2)
+    return rows @ (codes.double() * scale.double()[:, None]).T

@@ -28,6 +28,7 @@ from attnkit.quantize import (
     int8_kernels,
     quantize,
 )
+from tests.helpers import int8_dot_reference
 
 LLAMA: dict[str, Any] = {
     "norm": "rmsnorm",
@@ -92,7 +93,8 @@ def test_each_int8_kernel_is_the_float64_product_within_its_rounding(
     kernel: str, rows: int
 ) -> None:
     """Each kernel against the float64 product of the dequantized weight and the activations as
-    that kernel rounds them: bf16 (int8pack), 7-bit per row (fbgemm), none (dequantize)."""
+    that kernel rounds them: bf16 (int8pack), 7-bit per row (fbgemm), int8 per block of 32
+    (avx2), none (dequantize)."""
     if kernel not in int8_kernels(96):
         pytest.skip(f"{kernel} does not run here")
     torch.manual_seed(3)
@@ -108,6 +110,9 @@ def test_each_int8_kernel_is_the_float64_product_within_its_rounding(
         want, ties = _fbgemm_reference(x, deq)
         want = want + bias
         slack = 1e-5 * magnitude + ties
+    elif kernel == "avx2":
+        want = int8_dot_reference(x, q.codes(), q.scale) + bias
+        slack = 1e-5 * magnitude
     elif kernel == "int8pack":
         # (the kernel takes the scales in the activations' dtype: bf16-rounded)
         deq_b = q.codes().double() * q.scale_bf16.double()[:, None]
@@ -187,14 +192,18 @@ def test_a_named_kernel_that_cannot_run_a_shape_falls_back_to_the_default_rule(
 
 def test_default_kernel_is_a_rule_by_cpu_features(monkeypatch: pytest.MonkeyPatch) -> None:
     usable = int8_kernels(64)
-    if "fbgemm" in usable and not quantize_module._bf16_dot_native():
-        assert default_int8_kernel(64) == "fbgemm"
+    if not quantize_module._bf16_dot_native():
+        assert default_int8_kernel(64) == next(
+            k for k in ("avx2", "fbgemm", "int8pack", "dequantize") if k in usable
+        )
     monkeypatch.setattr(quantize_module, "_bf16_dot_native", lambda: True)
     assert default_int8_kernel(64) == "int8pack"
     assert default_int8_kernel(100) == "dequantize"
     assert default_int8_kernel(64, "meta") == "dequantize"
     monkeypatch.setattr(quantize_module, "_bf16_dot_native", lambda: False)
+    # 100 inputs: neither avx2 (a multiple of 32) nor int8pack (of 8) runs them.
     assert default_int8_kernel(100) == ("fbgemm" if "fbgemm" in usable else "dequantize")
+    assert default_int8_kernel(96) == next(k for k in INT8_KERNELS if k in int8_kernels(96))
     # The same model on every load: the rule, no timing.
     a, b = quantize(_lm(), "int8"), quantize(_lm(), "int8")
     kernels = [(n, m.kernel) for n, m in a.named_modules() if isinstance(m, Int8Linear)]

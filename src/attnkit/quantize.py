@@ -9,14 +9,21 @@ scale and offset per group of input channels); the model's own forward runs them
 quantized). A tied output head gets a quantized copy of the embedding (``lm_head``) while the lookup
 keeps the full-precision table.
 
-Kernels. An :class:`Int8Linear` multiplies with one of three (``int8_kernel=``); the default
+Kernels. An :class:`Int8Linear` multiplies with one of four (``int8_kernel=``); the default
 is a rule by CPU features (:func:`default_int8_kernel`), so every load of a model gives the same
 layers; ``int8_kernel="auto"`` instead times the candidates per shape
 (:func:`choose_int8_kernel`):
 
-* ``"fbgemm"`` (the default on CPUs with torch's fbgemm engine and without bf16 dot-product
-  instructions, i.e. AVX2 ones: 1.6-1.8x faster decoding than ``"int8pack"`` there,
-  ``benchmarks/RESULTS.md``): torch's dynamic quantized linear
+* ``"avx2"`` (the default on CPUs without bf16 dot-product instructions, where attnkit could
+  build it): :func:`attnkit.native.int8_dot_linear`, attnkit's own kernel of AVX2 integer dot
+  products, for up to :data:`AVX2_MAX_ROWS` rows (decoding); activations rounded to int8 per
+  block of 32 inputs (as llama.cpp's ``q8_0`` dot); inputs a multiple of 32. It streams the
+  codes at about the read bandwidth, where torch's int8 kernels on such CPUs reach about a
+  third of it. More rows (a prompt) multiply the dequantized weight. Compiled graphs call it as
+  one op (``attnkit::int8_dot_linear``).
+* ``"fbgemm"`` (the default where ``"avx2"`` cannot run, on CPUs with torch's fbgemm engine
+  and without bf16 dot-product instructions: 1.6-1.8x faster decoding than ``"int8pack"``
+  there, ``benchmarks/RESULTS.md``): torch's dynamic quantized linear
   (``torch.ops.quantized.linear_dynamic`` on fbgemm's prepacked weight): each call quantizes
   the activations to 7-bit integers (one asymmetric scale per row; 7 bits because AVX2's 8-bit
   multiply-add saturates 8-bit ones) and multiplies integers. The prepacked weight is the only
@@ -26,8 +33,8 @@ layers; ``int8_kernel="auto"`` instead times the candidates per shape
   byte a weight, like the others. Inside a compiled graph the call is one opaque op
   (``attnkit::int8_fbgemm_linear``), the same products as in eager mode.
 * ``"int8pack"``: ``torch._weight_int8pack_mm`` with bf16 activations (input sizes that are
-  multiples of 8; the default where fbgemm is not, e.g. on CPUs with AVX512-BF16 or AMX). Where
-  the CPU has no bf16 units it converts as it goes. One row inside a compiled graph is a
+  multiples of 8; the default where neither of the above is, e.g. on CPUs with AVX512-BF16 or
+  AMX). Where the CPU has no bf16 units it converts as it goes. One row inside a compiled graph is a
   streaming float32 reduction over the int8 bytes instead.
 * ``"dequantize"``: the float product with the dequantized weight (other devices, other sizes).
 
@@ -53,6 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit.decoding import PreparedLinear, _bf16_dot_native
+from attnkit.native import INT8_DOT_BLOCK, int8_dot_available, int8_dot_linear
 from attnkit.profiling import time_interleaved
 
 __all__ = [
@@ -75,8 +83,11 @@ Mode = Literal["int8", "int4"]
 MODES: tuple[Mode, ...] = ("int8", "int4")
 GROUP_SIZES = (256, 128, 64, 32)
 #: The ways an :class:`Int8Linear` multiplies (see the module's docstring); ``"auto"`` measures.
-INT8_KERNELS = ("fbgemm", "int8pack", "dequantize")
-Int8Kernel = Literal["default", "auto", "fbgemm", "int8pack", "dequantize"]
+INT8_KERNELS = ("avx2", "fbgemm", "int8pack", "dequantize")
+Int8Kernel = Literal["default", "auto", "avx2", "fbgemm", "int8pack", "dequantize"]
+#: Rows up to which the ``"avx2"`` kernel multiplies (decoding, small batches); more rows (a
+#: prompt) multiply the dequantized weight, faster from about 256 rows on (measured).
+AVX2_MAX_ROWS = 256
 
 
 def _finish(layer: Any, y: Tensor, x: Tensor, shape: torch.Size) -> Tensor:
@@ -318,7 +329,14 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         compiling = torch.compiler.is_compiling()
         kernel = self.kernel if x2.device.type == "cpu" else "dequantize"
-        if kernel == "fbgemm" and compiling:
+        if kernel == "avx2" and x2.shape[0] <= AVX2_MAX_ROWS and not x2.requires_grad:
+            # (a product gradients flow through, e.g. to an adapter's input, is the float one)
+            xf = x2.float()
+            if compiling:  # (one opaque op of the graph)
+                y = torch.ops.attnkit.int8_dot_linear(xf, self.weight_int8, self.scale)
+            else:
+                y = int8_dot_linear(xf, self.weight_int8, self.scale)
+        elif kernel == "fbgemm" and compiling:
             # (an opaque call in the graph: dynamo cannot trace the prepacked weight)
             y = _fbgemm_linear(
                 x2.float(), self.fbgemm_handle, self.weight_int8, self.scale, self.scale_bf16
@@ -471,7 +489,9 @@ def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[
     (``"dequantize"`` always can)."""
     if torch.device(device).type != "cpu":
         return ("dequantize",)
-    usable = ["fbgemm"] if _has_fbgemm() else []
+    usable = ["avx2"] if in_features % INT8_DOT_BLOCK == 0 and int8_dot_available() else []
+    if _has_fbgemm():
+        usable.append("fbgemm")
     if in_features % 8 == 0:
         usable.append("int8pack")
     return (*usable, "dequantize")
@@ -480,15 +500,17 @@ def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[
 def default_int8_kernel(in_features: int, device: torch.device | str = "cpu") -> str:
     """The kernel ``int8_kernel="default"`` takes: a rule by CPU features, the same on every run.
 
-    ``"fbgemm"`` on CPUs with torch's fbgemm quantized engine and without bf16 dot-product
-    instructions (AVX2 CPUs: measured 1.6-1.8x faster decoding than ``"int8pack"``,
+    On CPUs without bf16 dot-product instructions (AVX2 ones): ``"avx2"`` where it runs the
+    shape (inputs a multiple of 32, a C compiler), else ``"fbgemm"`` (measured 1.5x and
+    1.6-1.8x faster one-row products than ``"fbgemm"`` and ``"int8pack"`` there,
     ``benchmarks/RESULTS.md``); elsewhere ``"int8pack"`` where it runs the shape (CPUs with
     AVX512-BF16 or AMX multiply its bf16 activations natively), else ``"dequantize"``.
     ``int8_kernel="auto"`` measures instead (:func:`choose_int8_kernel`).
     """
     usable = int8_kernels(in_features, device)
-    if "fbgemm" in usable and not _bf16_dot_native():
-        return "fbgemm"
+    for kernel in ("avx2", "fbgemm"):
+        if kernel in usable and not _bf16_dot_native():
+            return kernel
     return "int8pack" if "int8pack" in usable else "dequantize"
 
 

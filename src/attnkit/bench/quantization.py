@@ -520,6 +520,7 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
     takes it, the weight's parts, float64 reference)``; ``call(row, *parts)`` is the product and
     the reference is the row, rounded as the kernel rounds it, times the weight the kernel
     multiplies by (in float64)."""
+    from attnkit.native import int8_dot_linear
     from attnkit.quantize import Int4Linear, Int8Linear, _fbgemm_pack, int8_kernels
 
     out_features, in_features = weight.shape
@@ -531,6 +532,13 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
     q = Int8Linear.from_weight(weight, kernel="dequantize")
     deq = q.dequantize().double()
     usable = int8_kernels(in_features)
+    if "avx2" in usable:
+        blocks = x.unflatten(-1, (-1, 32))
+        top = blocks.abs().amax(-1, keepdim=True)
+        inv = torch.where(top > 0, 127 / top, torch.zeros_like(top))
+        ref = ((blocks * inv).round().double() * (top / 127).double()).flatten(-2) @ deq.T
+        parts = (q.weight_int8, q.scale)
+        out[_LABELS["avx2"]] = (int8_dot_linear, x, parts, ref)
     if "fbgemm" in usable:
         scale, zero = torch._choose_qparams_per_tensor(x, True)
         xq = ((x64 / scale).round() + zero).clamp(0, 127)
@@ -581,6 +589,7 @@ def _run_copies(call: Callable[..., Tensor], row: Tensor, copies: list[tuple[Any
 
 # The kernel_rows label of each Int8Linear kernel.
 _LABELS = {
+    "avx2": "int8 avx2 (int8 activations per 32)",
     "fbgemm": "int8 fbgemm (7-bit activations)",
     "int8pack": "int8 int8pack, bf16 activations",
     "dequantize": "int8 dequantize into a buffer + F.linear",

@@ -1,0 +1,106 @@
+/* Int8 weight x float activation products for a few rows (decoding), with AVX2 integer dots.
+ *
+ * y[r, o] = scale[o] * sum_b xs[r, b] * sum_{i in block b} xq[r, i] * w[o, i]
+ *
+ * The activations of each row are quantized to int8 per block of 32 inputs (one float scale a
+ * block, round to nearest), so the inner product of a block is 32 int8 x int8 products summed
+ * in integers: AVX2 multiplies unsigned by signed bytes, so the weight's sign moves onto the
+ * activation (|w| * (x * sign w)), whose pair sums stay below 2 * 127 * 127 < 2^15. Weights are
+ * int8 codes, row-major (out, n), one float scale per output row; n is a multiple of 32.
+ *
+ * Decoding reads every weight once, so the loop streams the weight: four output rows at a time
+ * (one activation block load serves four dots), prefetching the same block of the next four
+ * rows, and OpenMP threads take whole groups of rows.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BLOCK 32
+#define GROUP 4
+
+/* The 32 products of one block summed into eight int32 lanes, as floats times s, plus acc. */
+static inline __m256 block_dot(__m256i w, __m256i x, __m256 s, __m256 acc) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, acc);
+}
+
+static inline float lanes_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+static void quantize_blocks(const float *x, int64_t n, int8_t *xq, float *xs) {
+  for (int64_t b = 0; b < n / BLOCK; b++) {
+    const float *p = x + b * BLOCK;
+    float top = 0.f;
+    for (int i = 0; i < BLOCK; i++) top = fmaxf(top, fabsf(p[i]));
+    const float inv = top > 0.f ? 127.f / top : 0.f;
+    xs[b] = top / 127.f;
+    for (int i = 0; i < BLOCK; i++) xq[b * BLOCK + i] = (int8_t)lrintf(p[i] * inv);
+  }
+}
+
+/* Rows o .. o + GROUP - 1 of the product for one activation row, prefetching the same block of
+ * the next group's rows (a prefetch past the end of the weight is harmless: it never faults). */
+static inline void group_dots(const int8_t *xq, const float *xs, const int8_t *w, int64_t n,
+                              float *dots) {
+  __m256 acc[GROUP];
+  for (int k = 0; k < GROUP; k++) acc[k] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < n / BLOCK; b++) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
+    const __m256 s = _mm256_set1_ps(xs[b]);
+    if ((b & 1) == 0) /* (one 64-byte line holds two blocks) */
+      for (int k = 0; k < GROUP; k++)
+        _mm_prefetch((const char *)(w + (GROUP + k) * n + b * BLOCK), _MM_HINT_T0);
+    for (int k = 0; k < GROUP; k++)
+      acc[k] = block_dot(_mm256_loadu_si256((const __m256i *)(w + k * n + b * BLOCK)), x, s,
+                         acc[k]);
+  }
+  for (int k = 0; k < GROUP; k++) dots[k] = lanes_sum(acc[k]);
+}
+
+/* One output row of the product for one activation row (the rows after the last group). */
+static inline float row_dot(const int8_t *xq, const float *xs, const int8_t *w, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < n / BLOCK; b++)
+    acc = block_dot(_mm256_loadu_si256((const __m256i *)(w + b * BLOCK)),
+                    _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK)), _mm256_set1_ps(xs[b]),
+                    acc);
+  return lanes_sum(acc);
+}
+
+/* y (rows, out) = x (rows, n) @ (w (out, n) * scale[:, None]).T on `threads` threads; 0 on
+ * success, 1 when the activations' scratch cannot be allocated. */
+int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w,
+                        const float *scale, int64_t out, float *y, int threads) {
+  const int64_t blocks = n / BLOCK;
+  int8_t *xq = malloc((size_t)(rows * n));
+  float *xs = malloc((size_t)(rows * blocks) * sizeof(float));
+  if (!xq || !xs) {
+    free(xq);
+    free(xs);
+    return 1;
+  }
+  for (int64_t r = 0; r < rows; r++) quantize_blocks(x + r * n, n, xq + r * n, xs + r * blocks);
+  const int64_t groups = out / GROUP;
+  (void)threads; /* (unused where built without OpenMP) */
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t o = g * GROUP;
+    float dots[GROUP];
+    for (int64_t r = 0; r < rows; r++) {
+      group_dots(xq + r * n, xs + r * blocks, w + o * n, n, dots);
+      for (int k = 0; k < GROUP; k++) y[r * out + o + k] = dots[k] * scale[o + k];
+    }
+  }
+  for (int64_t o = groups * GROUP; o < out; o++)
+    for (int64_t r = 0; r < rows; r++)
+      y[r * out + o] = row_dot(xq + r * n, xs + r * blocks, w + o * n, n) * scale[o];
+  free(xq);
+  free(xs);
+  return 0;
+}

@@ -1,0 +1,212 @@
+"""Kernels attnkit compiles itself, on first use, with the system's C compiler.
+
+One today: products of int8 weights with a few float rows (decoding) through AVX2's integer dot
+products (``csrc/int8_dot.c``). On CPUs with AVX2 but neither AVX512-BF16 nor AMX, torch's int8
+kernels (fbgemm's dynamic linear, ``torch._weight_int8pack_mm``) stream one-row products at about
+a third of the read bandwidth; this one streams the codes at about the bandwidth, as llama.cpp's
+``q8_0`` dot does (``benchmarks/RESULTS.md``). Its activations are rounded to int8 per block of
+32 inputs, so it is more exact than fbgemm's (one 7-bit scale per row).
+
+The source is built by ``cc -O3 -mavx2 -mfma`` into a shared library cached under
+``$ATTNKIT_CACHE_DIR`` (default ``~/.cache/attnkit``), named by a hash of the source, the flags
+and the compiler, written atomically; it runs on the OpenMP runtime torch loaded (one thread
+pool; ``torch.set_num_threads`` applies) and is called through ``ctypes``. Where anything is
+missing (not Linux on x86-64 with AVX2 and FMA, no compiler, a build that fails),
+:func:`int8_dot_available` is false, :func:`int8_dot_unavailable` says why, and callers use
+torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["INT8_DOT_BLOCK", "int8_dot_available", "int8_dot_linear", "int8_dot_unavailable"]
+
+#: Inputs per activation scale; the weight's input count must be a multiple of it.
+INT8_DOT_BLOCK = 32
+_SOURCE = Path(__file__).with_name("csrc") / "int8_dot.c"
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-Wall")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def _openmp_runtime() -> Path | None:
+    """The OpenMP runtime (``libgomp``) this process loaded with torch, if any."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in maps:
+        path = line.split()[-1]
+        if "libgomp" in Path(path).name and Path(path).is_file():
+            return Path(path)
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ATTNKIT_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "attnkit"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(compiler: str, runtime: Path | None) -> Path:
+    """Compile the source (cached by a hash of everything that goes into the build)."""
+    source = _SOURCE.read_bytes()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=60
+    ).stdout
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), str(runtime).encode()])
+    ).hexdigest()[:16]
+    folder = _cache_dir() / "kernels"
+    target = folder / f"int8_dot-{key}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as work:
+        obj, lib = Path(work) / "int8_dot.o", Path(work) / target.name
+        compile_flags = [*_FLAGS, "-fopenmp"] if runtime else [*_FLAGS, "-Wno-unknown-pragmas"]
+        # Linked to torch's own OpenMP runtime by path, not the compiler's: one thread pool.
+        link = [str(runtime), f"-Wl,-rpath,{runtime.parent}"] if runtime else []
+        for command in (
+            [compiler, *compile_flags, "-c", str(_SOURCE), "-o", str(obj)],
+            [compiler, "-shared", str(obj), "-o", str(lib), *link],
+        ):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(lib, target)  # (atomic: a reader sees a whole library or none)
+    return target
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """The loaded library, or ``None`` and why not."""
+    if not sys.platform.startswith("linux") or platform.machine().lower() not in (
+        "x86_64",
+        "amd64",
+    ):
+        return None, f"needs Linux on x86-64 (this is {sys.platform} on {platform.machine()})"
+    if not {"avx2", "fma"} <= _cpu_flags():
+        return None, "the CPU lacks AVX2 or FMA"
+    compiler = _compiler()
+    if compiler is None:
+        return None, "no C compiler (set CC, or install gcc)"
+    try:
+        lib = ctypes.CDLL(str(_build(compiler, _openmp_runtime())))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        return None, f"the build failed: {error}"
+    call = lib.attnkit_int8_linear
+    int64, pointer = ctypes.c_int64, ctypes.c_void_p
+    call.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, ctypes.c_int]
+    call.restype = ctypes.c_int
+    return lib, ""
+
+
+def int8_dot_available() -> bool:
+    """Whether :func:`int8_dot_linear` runs here (the first call builds the kernel)."""
+    return _load()[0] is not None
+
+
+def int8_dot_unavailable() -> str:
+    """Why :func:`int8_dot_linear` cannot run here (empty where it can)."""
+    return _load()[1]
+
+
+def _check(x: Tensor, codes: Tensor, scale: Tensor) -> None:
+    if x.dtype != torch.float32 or codes.dtype != torch.int8 or scale.dtype != torch.float32:
+        raise TypeError(
+            f"int8_dot_linear takes float32 x, int8 codes and float32 scale, got {x.dtype}, "
+            f"{codes.dtype} and {scale.dtype}"
+        )
+    if (
+        x.dim() != 2
+        or codes.dim() != 2
+        or x.shape[1] != codes.shape[1]
+        or scale.shape != codes.shape[:1]
+        or codes.shape[1] % INT8_DOT_BLOCK
+    ):
+        raise ValueError(
+            f"int8_dot_linear needs x (rows, n), codes (out, n) and scale (out,) with n a "
+            f"multiple of {INT8_DOT_BLOCK}, got {tuple(x.shape)}, {tuple(codes.shape)} and "
+            f"{tuple(scale.shape)}"
+        )
+    if not (x.device.type == codes.device.type == scale.device.type == "cpu"):
+        raise ValueError(f"int8_dot_linear runs on CPU tensors, got x on {x.device}")
+
+
+def int8_dot_linear(x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
+    """``x @ (codes * scale[:, None]).T`` with ``x``'s rows rounded to int8 per block of 32.
+
+    Compiled graphs call it as one op, ``torch.ops.attnkit.int8_dot_linear`` (an op call costs
+    several times a small product in eager mode, so eager code calls this function).
+
+    Args:
+        x: Float32 activations ``(rows, n)``, ``n`` a multiple of :data:`INT8_DOT_BLOCK`.
+        codes: Int8 weight codes ``(out, n)``.
+        scale: Float32 scale per output row ``(out,)``.
+
+    Returns:
+        ``(rows, out)``, float32.
+
+    Raises:
+        TypeError: For other dtypes.
+        ValueError: For shapes that do not fit, or tensors not on the CPU.
+        RuntimeError: Where the kernel is not available (:func:`int8_dot_unavailable`).
+    """
+    _check(x, codes, scale)
+    lib, why = _load()
+    if lib is None:
+        raise RuntimeError(f"attnkit's int8 dot kernel is not available: {why}")
+    x, codes, scale = x.contiguous(), codes.contiguous(), scale.contiguous()
+    y = x.new_empty(x.shape[0], codes.shape[0])
+    failed = lib.attnkit_int8_linear(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        codes.data_ptr(),
+        scale.data_ptr(),
+        codes.shape[0],
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError(f"int8_dot_linear could not allocate {x.shape[0]} quantized rows")
+    return y
+
+
+@torch.library.custom_op("attnkit::int8_dot_linear", mutates_args=())
+def _int8_dot_linear_op(x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
+    return int8_dot_linear(x, codes, scale)
+
+
+@_int8_dot_linear_op.register_fake
+def _(x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0])

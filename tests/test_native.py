@@ -1,0 +1,174 @@
+"""attnkit's own int8 dot-product kernel (``attnkit.native``): exact against integer sums, its
+errors, its build and where it must be available."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor
+
+from attnkit import native
+from attnkit.quantize import Int8Linear
+from tests.helpers import int8_dot_reference
+
+needs_kernel = pytest.mark.skipif(
+    not native.int8_dot_available(), reason=f"no int8 dot kernel: {native.int8_dot_unavailable()}"
+)
+
+
+def _slack(x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
+    """float32 rounding of the block sums and of the products with the scales."""
+    return 1e-5 * (x.double().abs() @ (codes.double().abs() * scale.double()[:, None]).T) + 1e-30
+
+
+def test_the_kernel_builds_on_every_linux_x86_machine_with_avx2_and_a_compiler() -> None:
+    """The rule CI holds the kernel to: where it can be built, it is (the other tests of this
+    module skip only elsewhere)."""
+    can = (
+        sys.platform.startswith("linux")
+        and platform.machine().lower() in ("x86_64", "amd64")
+        and {"avx2", "fma"} <= native._cpu_flags()
+        and native._compiler() is not None
+    )
+    if not can:
+        pytest.skip("not Linux on x86-64 with AVX2, FMA and a C compiler")
+    assert native.int8_dot_available(), native.int8_dot_unavailable()
+    assert native.int8_dot_unavailable() == ""
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("rows", "out", "n"), [(2, 4, 32), (1, 130, 576), (3, 7, 96), (17, 64, 64)]
+)
+def test_products_are_the_integer_sums_of_the_rounded_rows(rows: int, out: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(rows * out + n)
+    codes = torch.randint(-128, 128, (out, n), dtype=torch.int8, generator=gen)
+    scale = torch.rand(out, generator=gen) / 100
+    x = torch.randn(rows, n, generator=gen)
+    x[0, :32] *= 1000  # blocks of very different sizes: each keeps its own scale
+    x[-1, -32:] = 0  # an all-zero block
+    got = native.int8_dot_linear(x, codes, scale).double()
+    want = int8_dot_reference(x, codes, scale)
+    assert got.shape == (rows, out)
+    assert ((got - want).abs() <= _slack(x, codes, scale)).all(), (got - want).abs().max()
+    # Not vacuous: the activations' rounding is far above the slack.
+    exact = x.double() @ (codes.double() * scale.double()[:, None]).T
+    assert ((got - exact).abs() > _slack(x, codes, scale)).any()
+
+
+@needs_kernel
+def test_the_largest_codes_do_not_saturate_the_pair_sums() -> None:
+    """AVX2 multiplies unsigned by signed bytes and sums pairs into 16 bits: |w| = 128 (code
+    -128) times an activation of 127 in every lane is the largest pair sum, 2 * 128 * 127."""
+    n = 64
+    for code in (-128, -127, 127):
+        codes = torch.full((5, n), code, dtype=torch.int8)
+        for sign in (1.0, -1.0):
+            x = torch.full((1, n), sign * 3.0)
+            got = native.int8_dot_linear(x, codes, torch.ones(5))
+            assert torch.equal(got, torch.full((1, 5), sign * 3.0 * code * n))
+
+
+@needs_kernel
+def test_threads_and_strides_do_not_change_the_product() -> None:
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(-127, 128, (70, 128), dtype=torch.int8, generator=gen)
+    scale = torch.rand(70, generator=gen)
+    x = torch.randn(128, 4, generator=gen).T  # (4, 128), not contiguous
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.int8_dot_linear(x, codes, scale)
+        torch.set_num_threads(2)
+        two = native.int8_dot_linear(x.contiguous(), codes, scale)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_a_compiled_graph_calls_the_same_kernel() -> None:
+    torch.manual_seed(2)
+    layer = Int8Linear.from_weight(torch.randn(48, 96), torch.randn(48), kernel="avx2")
+    x = torch.randn(1, 96)
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), layer(x))
+
+
+@needs_kernel
+def test_gradients_flow_through_the_float_product() -> None:
+    torch.manual_seed(3)
+    layer = Int8Linear.from_weight(torch.randn(8, 64), kernel="avx2")
+    x = torch.randn(2, 64, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None
+    assert torch.allclose(x.grad, layer.dequantize().sum(0).expand(2, 64))
+
+
+def test_bad_inputs_get_clear_errors() -> None:
+    codes, scale = torch.zeros(4, 64, dtype=torch.int8), torch.ones(4)
+    with pytest.raises(TypeError, match="float32 x"):
+        native.int8_dot_linear(torch.zeros(1, 64, dtype=torch.float64), codes, scale)
+    with pytest.raises(TypeError, match="int8 codes"):
+        native.int8_dot_linear(torch.zeros(1, 64), codes.float(), scale)
+    with pytest.raises(ValueError, match=r"\(1, 32\), \(4, 64\)"):
+        native.int8_dot_linear(torch.zeros(1, 32), codes, scale)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.int8_dot_linear(torch.zeros(1, 40), codes[:, :40], scale)
+    with pytest.raises(ValueError, match=r"\(3,\)"):
+        native.int8_dot_linear(torch.zeros(1, 64), codes, scale[:3])
+    with pytest.raises(ValueError, match="meta"):
+        native.int8_dot_linear(torch.zeros(1, 64, device="meta"), codes, scale)
+
+
+@pytest.fixture
+def fresh_build(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Builds and loads happen anew (into a temporary cache) and are forgotten afterwards."""
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    native._load.cache_clear()
+    yield
+    native._load.cache_clear()
+
+
+def test_without_a_compiler_the_reason_is_given(
+    fresh_build: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    if native.int8_dot_unavailable().startswith("needs Linux"):
+        pytest.skip(native.int8_dot_unavailable())
+    scale = torch.ones(1)
+    assert not native.int8_dot_available()
+    assert "no C compiler" in native.int8_dot_unavailable()
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        native.int8_dot_linear(torch.zeros(1, 32), torch.ones(1, 32, dtype=torch.int8), scale)
+    native._load.cache_clear()
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"sse2"})
+    assert native.int8_dot_unavailable() == "the CPU lacks AVX2 or FMA"
+
+
+def test_a_failing_build_is_reported_and_leaves_no_library(
+    fresh_build: None, monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(native, "_compiler", lambda: "false")  # (exits 1, prints nothing)
+    if native.int8_dot_unavailable().startswith("needs Linux"):
+        pytest.skip(native.int8_dot_unavailable())
+    assert native.int8_dot_unavailable().startswith("the build failed: false ")
+    assert not list((native._cache_dir() / "kernels").glob("*.so"))
+
+
+@needs_kernel
+def test_the_library_is_built_once_and_reused(fresh_build: None) -> None:
+    assert native.int8_dot_available()
+    (built,) = (native._cache_dir() / "kernels").glob("int8_dot-*.so")
+    stamp = built.stat().st_mtime_ns
+    native._load.cache_clear()
+    assert native.int8_dot_available()
+    assert built.stat().st_mtime_ns == stamp
+    assert [p.name for p in (native._cache_dir() / "kernels").iterdir()] == [built.name]
