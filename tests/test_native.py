@@ -51,7 +51,7 @@ def test_products_are_the_integer_sums_of_the_rounded_rows(rows: int, out: int, 
     x = torch.randn(rows, n, generator=gen)
     x[0, :32] *= 1000  # blocks of very different sizes: each keeps its own scale
     x[-1, -32:] = 0  # an all-zero block
-    got = native.int8_dot_linear(x, codes, scale).double()
+    got = native.int8_dot_linear(x, native.group_codes(codes), scale).double()
     want = int8_dot_reference(x, codes, scale)
     assert got.shape == (rows, out)
     assert ((got - want).abs() <= _slack(x, codes, scale)).all(), (got - want).abs().max()
@@ -82,9 +82,9 @@ def test_threads_and_strides_do_not_change_the_product() -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = native.int8_dot_linear(x, codes, scale)
+        one = native.int8_dot_linear(x, native.group_codes(codes), scale)
         torch.set_num_threads(2)
-        two = native.int8_dot_linear(x.contiguous(), codes, scale)
+        two = native.int8_dot_linear(x.contiguous(), native.group_codes(codes), scale)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -108,6 +108,22 @@ def test_gradients_flow_through_the_float_product() -> None:
     layer(x).sum().backward()
     assert x.grad is not None
     assert torch.allclose(x.grad, layer.dequantize().sum(0).expand(2, 64))
+
+
+@pytest.mark.parametrize("out", [1, 4, 7, 12])
+def test_grouped_codes_are_the_same_bytes_in_the_kernels_order(out: int) -> None:
+    codes = torch.arange(out * 64, dtype=torch.int32).remainder(251).sub(125).to(torch.int8)
+    codes = codes.view(out, 64)
+    grouped = native.group_codes(codes)
+    assert grouped.shape == codes.shape and torch.equal(native.ungroup_codes(grouped), codes)
+    assert torch.equal(grouped.flatten().sort().values, codes.flatten().sort().values)
+    whole = out // 4 * 4
+    if whole:  # the first group's first block: its four rows' first 32 codes, side by side
+        assert torch.equal(grouped.flatten()[:128], codes[:4, :32].flatten())
+        assert not torch.equal(grouped, codes)
+    assert torch.equal(grouped[whole:], codes[whole:])  # the rows after the last group
+    with pytest.raises(ValueError, match="multiple of 32 inputs, got 40"):
+        native.group_codes(torch.zeros(4, 40, dtype=torch.int8))
 
 
 def test_bad_inputs_get_clear_errors() -> None:

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -32,10 +33,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["INT8_DOT_BLOCK", "int8_dot_available", "int8_dot_linear", "int8_dot_unavailable"]
+__all__ = [
+    "INT8_DOT_BLOCK",
+    "group_codes",
+    "int8_dot_available",
+    "int8_dot_linear",
+    "int8_dot_unavailable",
+    "ungroup_codes",
+]
 
 #: Inputs per activation scale; the weight's input count must be a multiple of it.
 INT8_DOT_BLOCK = 32
+#: Output rows whose codes :func:`group_codes` lays side by side.
+_GROUP = 4
 _SOURCE = Path(__file__).with_name("csrc") / "int8_dot.c"
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-Wall")
 
@@ -79,9 +89,8 @@ def _compiler() -> str | None:
 def _build(compiler: str, runtime: Path | None) -> Path:
     """Compile the source (cached by a hash of everything that goes into the build)."""
     source = _SOURCE.read_bytes()
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=60
-    ).stdout
+    cc = shlex.split(compiler)  # (CC may carry a launcher or flags: "ccache gcc")
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(
         b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), str(runtime).encode()])
     ).hexdigest()[:16]
@@ -96,8 +105,8 @@ def _build(compiler: str, runtime: Path | None) -> Path:
         # Linked to torch's own OpenMP runtime by path, not the compiler's: one thread pool.
         link = [str(runtime), f"-Wl,-rpath,{runtime.parent}"] if runtime else []
         for command in (
-            [compiler, *compile_flags, "-c", str(_SOURCE), "-o", str(obj)],
-            [compiler, "-shared", str(obj), "-o", str(lib), *link],
+            [*cc, *compile_flags, "-c", str(_SOURCE), "-o", str(obj)],
+            [*cc, "-shared", str(obj), "-o", str(lib), *link],
         ):
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if done.returncode:
@@ -140,6 +149,30 @@ def int8_dot_unavailable() -> str:
     return _load()[1]
 
 
+def group_codes(codes: Tensor) -> Tensor:
+    """Int8 ``codes`` ``(out, n)`` in the order :func:`int8_dot_linear` reads them: one
+    sequential stream for a one-row product.
+
+    Output rows in groups of four, each group's codes block by block, the four rows' 32 codes of
+    a block side by side (``(out // 4, n // 32, 4, 32)``), then the ``out % 4`` last rows as they
+    are. The same shape and bytes, another order (a new tensor); :func:`ungroup_codes` undoes it.
+    """
+    out, n = codes.shape
+    if n % INT8_DOT_BLOCK:
+        raise ValueError(f"group_codes needs a multiple of {INT8_DOT_BLOCK} inputs, got {n}")
+    whole = out // _GROUP * _GROUP
+    head = codes[:whole].reshape(-1, _GROUP, n // INT8_DOT_BLOCK, INT8_DOT_BLOCK)
+    return torch.cat([head.transpose(1, 2).reshape(whole, n), codes[whole:]])
+
+
+def ungroup_codes(grouped: Tensor) -> Tensor:
+    """The row-major codes ``(out, n)`` of :func:`group_codes`' order (a new tensor)."""
+    out, n = grouped.shape
+    whole = out // _GROUP * _GROUP
+    head = grouped[:whole].reshape(-1, n // INT8_DOT_BLOCK, _GROUP, INT8_DOT_BLOCK)
+    return torch.cat([head.transpose(1, 2).reshape(whole, n), grouped[whole:]])
+
+
 def _check(x: Tensor, codes: Tensor, scale: Tensor) -> None:
     if x.dtype != torch.float32 or codes.dtype != torch.int8 or scale.dtype != torch.float32:
         raise TypeError(
@@ -163,14 +196,15 @@ def _check(x: Tensor, codes: Tensor, scale: Tensor) -> None:
 
 
 def int8_dot_linear(x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
-    """``x @ (codes * scale[:, None]).T`` with ``x``'s rows rounded to int8 per block of 32.
+    """``x @ (ungroup_codes(codes) * scale[:, None]).T`` with ``x``'s rows rounded to int8 per
+    block of 32 inputs.
 
     Compiled graphs call it as one op, ``torch.ops.attnkit.int8_dot_linear`` (an op call costs
     several times a small product in eager mode, so eager code calls this function).
 
     Args:
         x: Float32 activations ``(rows, n)``, ``n`` a multiple of :data:`INT8_DOT_BLOCK`.
-        codes: Int8 weight codes ``(out, n)``.
+        codes: Int8 weight codes ``(out, n)`` in :func:`group_codes`' order.
         scale: Float32 scale per output row ``(out,)``.
 
     Returns:

@@ -60,7 +60,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit.decoding import PreparedLinear, _bf16_dot_native
-from attnkit.native import INT8_DOT_BLOCK, int8_dot_available, int8_dot_linear
+from attnkit.native import (
+    INT8_DOT_BLOCK,
+    group_codes,
+    int8_dot_available,
+    int8_dot_linear,
+    ungroup_codes,
+)
 from attnkit.profiling import time_interleaved
 
 __all__ = [
@@ -112,13 +118,15 @@ class Int8Linear(nn.Module):
     The bias, if any, keeps its dtype. Build it with :meth:`from_linear`; ``kernel`` names how it
     multiplies (:data:`INT8_KERNELS`; see the module's docstring).
 
-    The codes are stored once: in the ``weight_int8`` buffer, or, with the ``"fbgemm"`` kernel,
-    in fbgemm's prepacked copy (:meth:`codes` unpacks them). fbgemm pads the inputs of its
-    packed weight to a multiple of 512 (its cache block), so where ``in_features`` is larger
-    and not a multiple, only the leading multiple is packed and ``weight_int8`` keeps the
-    remaining inputs' codes (``(out, in % 512)``, multiplied by ``torch._weight_int8pack_mm``);
-    otherwise it is empty. Either way the state dict holds ``weight_int8`` with all the codes,
-    so a state dict saved from a layer with one kernel loads into a layer with any other.
+    The codes are stored once: in the ``weight_int8`` buffer (in the ``"avx2"`` kernel's order
+    with that kernel, :func:`attnkit.native.group_codes`), or, with the ``"fbgemm"`` kernel, in
+    fbgemm's prepacked copy (:meth:`codes` gives them row-major either way). fbgemm pads the
+    inputs of its packed weight to a multiple of 512 (its cache block), so where
+    ``in_features`` is larger and not a multiple, only the leading multiple is packed and
+    ``weight_int8`` keeps the remaining inputs' codes (``(out, in % 512)``, multiplied by
+    ``torch._weight_int8pack_mm``); otherwise it is empty. Either way the state dict holds
+    ``weight_int8`` with all the codes, row-major, so a state dict saved from a layer with one
+    kernel loads into a layer with any other.
 
     Shape: ``(*, in_features) -> (*, out_features)``, in the input's dtype.
     """
@@ -198,13 +206,16 @@ class Int8Linear(nn.Module):
     ) -> Int8Linear:
         """The layer of int8 ``codes`` ``(out, in)`` and float32 ``scale`` ``(out,)``,
         multiplying with ``kernel`` (one of :func:`int8_kernels`). ``codes`` are kept (not
-        copied), except with ``"fbgemm"``, which keeps only its prepacked copy of them."""
+        copied), except with ``"fbgemm"``, which keeps only its prepacked copy of them, and
+        ``"avx2"``, which keeps them in its kernel's order (:func:`attnkit.native.group_codes`)."""
         if kernel not in INT8_KERNELS:
             raise ValueError(f"kernel must be one of {INT8_KERNELS}, got {kernel!r}")
         out_features, in_features = codes.shape
         new = cls._empty(in_features, out_features, scale, bias, kernel)
         if kernel == "fbgemm":
             new._set_packed(lambda start, stop: codes[start:stop])
+        elif kernel == "avx2":
+            new.weight_int8 = group_codes(codes)
         else:
             new.weight_int8 = codes
         return new
@@ -259,8 +270,11 @@ class Int8Linear(nn.Module):
         self.fbgemm_handle = torch.tensor(handle)
 
     def codes(self) -> Tensor:
-        """The int8 codes, ``(out, in)``: ``weight_int8``, or unpacked from fbgemm's prepacked
-        copy (a new tensor) where that is the only one."""
+        """The int8 codes, ``(out, in)``, row-major: ``weight_int8``, or (a new tensor) unpacked
+        from fbgemm's prepacked copy where that is the only one, or ``weight_int8`` put back
+        in row order from the ``"avx2"`` kernel's order."""
+        if self.kernel == "avx2":
+            return ungroup_codes(self.weight_int8)
         if self._packed is None:
             return self.weight_int8
         with warnings.catch_warnings():  # (torch.ao's deprecation notice for quantized tensors)
@@ -282,7 +296,7 @@ class Int8Linear(nn.Module):
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._packed is not None:  # (the codes, in the placeholder's place)
+        if self._packed is not None or self.kernel == "avx2":  # (the codes, row-major)
             destination[prefix + "weight_int8"] = self.codes()
 
     def _load_from_state_dict(
@@ -296,7 +310,11 @@ class Int8Linear(nn.Module):
         error_msgs: list[str],
     ) -> None:
         key = prefix + "weight_int8"
-        codes = state_dict.get(key) if self._packed is not None else None
+        given = state_dict.get(key)
+        shape = (self.out_features, self.in_features)
+        if self.kernel == "avx2" and isinstance(given, Tensor) and given.shape == shape:
+            state_dict = {**state_dict, key: group_codes(given)}  # (in the kernel's order)
+        codes = given if self._packed is not None else None
         if codes is not None:  # (the placeholder takes them; the prepacked copy is rebuilt)
             state_dict = {**state_dict, key: self.weight_int8}
         super()._load_from_state_dict(
@@ -305,7 +323,6 @@ class Int8Linear(nn.Module):
         self.scale_bf16 = self.scale.to(torch.bfloat16)
         if self._packed is None:
             return
-        shape = (self.out_features, self.in_features)
         if codes is None:  # (a non-strict load without codes: the new scales, the old codes)
             codes = self.codes()
         elif not isinstance(codes, Tensor) or codes.shape != shape or codes.dtype != torch.int8:

@@ -520,7 +520,7 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
     takes it, the weight's parts, float64 reference)``; ``call(row, *parts)`` is the product and
     the reference is the row, rounded as the kernel rounds it, times the weight the kernel
     multiplies by (in float64)."""
-    from attnkit.native import int8_dot_linear
+    from attnkit.native import group_codes, int8_dot_linear
     from attnkit.quantize import Int4Linear, Int8Linear, _fbgemm_pack, int8_kernels
 
     out_features, in_features = weight.shape
@@ -537,8 +537,8 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
         top = blocks.abs().amax(-1, keepdim=True)
         inv = torch.where(top > 0, 127 / top, torch.zeros_like(top))
         ref = ((blocks * inv).round().double() * (top / 127).double()).flatten(-2) @ deq.T
-        parts = (q.weight_int8, q.scale)
-        out[_LABELS["avx2"]] = (int8_dot_linear, x, parts, ref)
+        grouped = (group_codes(q.weight_int8), q.scale)
+        out[_LABELS["avx2"]] = (int8_dot_linear, x, grouped, ref)
     if "fbgemm" in usable:
         scale, zero = torch._choose_qparams_per_tensor(x, True)
         xq = ((x64 / scale).round() + zero).clamp(0, 127)

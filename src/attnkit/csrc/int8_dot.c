@@ -5,12 +5,15 @@
  * The activations of each row are quantized to int8 per block of 32 inputs (one float scale a
  * block, round to nearest), so the inner product of a block is 32 int8 x int8 products summed
  * in integers: AVX2 multiplies unsigned by signed bytes, so the weight's sign moves onto the
- * activation (|w| * (x * sign w)), whose pair sums stay below 2 * 127 * 127 < 2^15. Weights are
- * int8 codes, row-major (out, n), one float scale per output row; n is a multiple of 32.
+ * activation (|w| * (x * sign w)), whose pair sums stay within 2 * 128 * 127 < 2^15. Weights are
+ * int8 codes with one float scale per output row; n is a multiple of 32.
  *
- * Decoding reads every weight once, so the loop streams the weight: four output rows at a time
- * (one activation block load serves four dots), prefetching the same block of the next four
- * rows, and OpenMP threads take whole groups of rows.
+ * Decoding reads every weight once, so the codes are laid out to be read in one sequential
+ * stream: output rows in groups of four, each group's codes block by block, the four rows' 32
+ * codes of a block side by side ((out / 4, n / 32, 4, 32); the out % 4 rows after the last group
+ * stay row-major at their row-major offsets). One activation block load serves four dots, the
+ * loop prefetches a few blocks ahead (measured: 1.4-1.7x the row-major order's bandwidth), and
+ * OpenMP threads take whole groups.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -19,6 +22,7 @@
 
 #define BLOCK 32
 #define GROUP 4
+#define PREFETCH 1024 /* bytes ahead: eight blocks of a group */
 
 /* The 32 products of one block summed into eight int32 lanes, as floats times s, plus acc. */
 static inline __m256 block_dot(__m256i w, __m256i x, __m256 s, __m256 acc) {
@@ -44,26 +48,25 @@ static void quantize_blocks(const float *x, int64_t n, int8_t *xq, float *xs) {
   }
 }
 
-/* Rows o .. o + GROUP - 1 of the product for one activation row, prefetching the same block of
- * the next group's rows (a prefetch past the end of the weight is harmless: it never faults). */
+/* The four dots of one group (its codes grouped as above) with one activation row. */
 static inline void group_dots(const int8_t *xq, const float *xs, const int8_t *w, int64_t n,
                               float *dots) {
   __m256 acc[GROUP];
   for (int k = 0; k < GROUP; k++) acc[k] = _mm256_setzero_ps();
   for (int64_t b = 0; b < n / BLOCK; b++) {
+    const int8_t *codes = w + b * GROUP * BLOCK;
+    /* (a prefetch past the end of the weight is harmless: it never faults) */
+    _mm_prefetch((const char *)(codes + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char *)(codes + PREFETCH + 64), _MM_HINT_T0);
     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
     const __m256 s = _mm256_set1_ps(xs[b]);
-    if ((b & 1) == 0) /* (one 64-byte line holds two blocks) */
-      for (int k = 0; k < GROUP; k++)
-        _mm_prefetch((const char *)(w + (GROUP + k) * n + b * BLOCK), _MM_HINT_T0);
     for (int k = 0; k < GROUP; k++)
-      acc[k] = block_dot(_mm256_loadu_si256((const __m256i *)(w + k * n + b * BLOCK)), x, s,
-                         acc[k]);
+      acc[k] = block_dot(_mm256_loadu_si256((const __m256i *)(codes + k * BLOCK)), x, s, acc[k]);
   }
   for (int k = 0; k < GROUP; k++) dots[k] = lanes_sum(acc[k]);
 }
 
-/* One output row of the product for one activation row (the rows after the last group). */
+/* One row-major output row's dot with one activation row (the rows after the last group). */
 static inline float row_dot(const int8_t *xq, const float *xs, const int8_t *w, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < n / BLOCK; b++)
@@ -73,8 +76,9 @@ static inline float row_dot(const int8_t *xq, const float *xs, const int8_t *w, 
   return lanes_sum(acc);
 }
 
-/* y (rows, out) = x (rows, n) @ (w (out, n) * scale[:, None]).T on `threads` threads; 0 on
- * success, 1 when the activations' scratch cannot be allocated. */
+/* y (rows, out) = x (rows, n) @ (codes (out, n) * scale[:, None]).T on `threads` threads, the
+ * codes grouped as above in w; 0 on success, 1 when the activations' scratch cannot be
+ * allocated. */
 int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w,
                         const float *scale, int64_t out, float *y, int threads) {
   const int64_t blocks = n / BLOCK;
