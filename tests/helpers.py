@@ -183,7 +183,6 @@ def int8_dot_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
     the weight ``codes * scale``: the integer sums are exact."""
     blocks = x.float().unflatten(-1, (-1, 32))
     top = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, 127 / top, torch.zeros_like(top))
-    q = (blocks * inv).round()  # (half to even, as the kernel's lrintf)
+    q = torch.where(top > 0, blocks / top * 127, torch.zeros_like(blocks)).round()  # (to even)
     rows = (q.double() * (top / 127).double()).flatten(-2)
     return rows @ (codes.double() * scale.double()[:, None]).T

@@ -74,6 +74,24 @@ def test_the_largest_codes_do_not_saturate_the_pair_sums() -> None:
 
 
 @needs_kernel
+def test_non_finite_activations_give_non_finite_rows_and_tiny_ones_keep_their_precision() -> None:
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8, generator=gen)
+    grouped, scale = native.group_codes(codes), torch.rand(8, generator=gen)
+    x = torch.randn(4, 64, generator=gen)
+    x[1, 40] = float("nan")
+    x[2, 3] = float("inf")
+    x[3] *= 1e-40  # subnormal: 127 / max would overflow
+    got = native.int8_dot_linear(x, grouped, scale)
+    assert got[1].isnan().all() and not got[2].isfinite().any()
+    clean = torch.stack([x[0], x[3]])
+    want = int8_dot_reference(clean, codes, scale)
+    slack = _slack(clean, codes, scale).clamp(min=1e-50)
+    assert ((got[[0, 3]].double() - want).abs() <= slack).all()
+    assert got[3].abs().max() > 0
+
+
+@needs_kernel
 def test_threads_and_strides_do_not_change_the_product() -> None:
     gen = torch.Generator().manual_seed(1)
     codes = torch.randint(-127, 128, (70, 128), dtype=torch.int8, generator=gen)

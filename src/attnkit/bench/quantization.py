@@ -535,8 +535,8 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
     if "avx2" in usable:
         blocks = x.unflatten(-1, (-1, 32))
         top = blocks.abs().amax(-1, keepdim=True)
-        inv = torch.where(top > 0, 127 / top, torch.zeros_like(top))
-        ref = ((blocks * inv).round().double() * (top / 127).double()).flatten(-2) @ deq.T
+        q8 = torch.where(top > 0, blocks / top * 127, torch.zeros_like(blocks)).round()
+        ref = (q8.double() * (top / 127).double()).flatten(-2) @ deq.T
         grouped = (group_codes(q.weight_int8), q.scale)
         out[_LABELS["avx2"]] = (int8_dot_linear, x, grouped, ref)
     if "fbgemm" in usable:

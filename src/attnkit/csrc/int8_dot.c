@@ -15,6 +15,7 @@
  * loop prefetches a few blocks ahead (measured: 1.4-1.7x the row-major order's bandwidth), and
  * OpenMP threads take whole groups.
  */
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +24,7 @@
 #define BLOCK 32
 #define GROUP 4
 #define PREFETCH 1024 /* bytes ahead: eight blocks of a group */
+#define PARALLEL_MIN (1 << 16) /* products (codes x rows) worth a second thread */
 
 /* The 32 products of one block summed into eight int32 lanes, as floats times s, plus acc. */
 static inline __m256 block_dot(__m256i w, __m256i x, __m256 s, __m256 acc) {
@@ -37,14 +39,23 @@ static inline float lanes_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
+/* Each block of 32 activations as int8 codes xq and a scale xs (its largest magnitude / 127).
+ * A block holding a NaN or an infinity gets a NaN scale, so its row's products are NaN, as a
+ * float product's would be non-finite. (x / top * 127, not x * (127 / top): a subnormal top
+ * would make 127 / top infinite.) */
 static void quantize_blocks(const float *x, int64_t n, int8_t *xq, float *xs) {
   for (int64_t b = 0; b < n / BLOCK; b++) {
     const float *p = x + b * BLOCK;
     float top = 0.f;
-    for (int i = 0; i < BLOCK; i++) top = fmaxf(top, fabsf(p[i]));
-    const float inv = top > 0.f ? 127.f / top : 0.f;
-    xs[b] = top / 127.f;
-    for (int i = 0; i < BLOCK; i++) xq[b * BLOCK + i] = (int8_t)lrintf(p[i] * inv);
+    int finite = 1;
+    for (int i = 0; i < BLOCK; i++) {
+      const float a = fabsf(p[i]);
+      finite &= a <= FLT_MAX; /* (false for NaN too) */
+      top = a > top ? a : top;
+    }
+    xs[b] = finite ? top / 127.f : NAN;
+    for (int i = 0; i < BLOCK; i++)
+      xq[b * BLOCK + i] = finite && top > 0.f ? (int8_t)lrintf(p[i] / top * 127.f) : 0;
   }
 }
 
@@ -92,7 +103,8 @@ int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w
   for (int64_t r = 0; r < rows; r++) quantize_blocks(x + r * n, n, xq + r * n, xs + r * blocks);
   const int64_t groups = out / GROUP;
   (void)threads; /* (unused where built without OpenMP) */
-#pragma omp parallel for schedule(static) num_threads(threads)
+  /* (small products stay on one thread: a parallel region costs more than they do) */
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
   for (int64_t g = 0; g < groups; g++) {
     const int64_t o = g * GROUP;
     float dots[GROUP];
