@@ -10,9 +10,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 from torch import Tensor
+from torch.testing import assert_close
 
 from attnkit import native
-from attnkit.quantize import Int8Linear
+from attnkit.quantize import AVX2_MAX_ROWS, Int8Linear
 from tests.helpers import int8_dot_reference
 
 needs_kernel = pytest.mark.skipif(
@@ -119,13 +120,34 @@ def test_a_compiled_graph_calls_the_same_kernel() -> None:
 
 
 @needs_kernel
+def test_a_rows_product_does_not_depend_on_how_many_rows_came_with_it() -> None:
+    """Past AVX2_MAX_ROWS rows a layer multiplies the dequantized weight by the activations
+    rounded as the kernel rounds them: the same products up to float32 summation order."""
+    torch.manual_seed(5)
+    layer = Int8Linear.from_weight(torch.randn(40, 96), torch.randn(40), kernel="avx2")
+    x = torch.randn(AVX2_MAX_ROWS + 1, 96)
+    x[7, 5] = float("nan")
+    many, few = layer(x), layer(x[:3])
+    assert few.isfinite().all() and many[7].isnan().all()
+    assert_close(many[:3], few, rtol=1e-5, atol=1e-5)
+    codes, deq = layer.codes(), layer.dequantize().double()
+    want = int8_dot_reference(x[8:], codes, layer.scale) + layer.bias.double()
+    slack = 1e-5 * (x[8:].double().abs() @ deq.abs().T) + 1e-6
+    assert ((many[8:].double() - want).abs() <= slack).all()
+
+
+@needs_kernel
 def test_gradients_flow_through_the_float_product() -> None:
     torch.manual_seed(3)
     layer = Int8Linear.from_weight(torch.randn(8, 64), kernel="avx2")
     x = torch.randn(2, 64, requires_grad=True)
-    layer(x).sum().backward()
+    y = layer(x)
+    y.sum().backward()
     assert x.grad is not None
     assert torch.allclose(x.grad, layer.dequantize().sum(0).expand(2, 64))
+    # The values are the kernel's (the activations rounded), the gradient the float product's.
+    with torch.no_grad():
+        assert_close(y, layer(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("out", [1, 4, 7, 12])

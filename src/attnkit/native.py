@@ -39,6 +39,7 @@ __all__ = [
     "int8_dot_available",
     "int8_dot_linear",
     "int8_dot_unavailable",
+    "round_activations",
     "ungroup_codes",
 ]
 
@@ -171,6 +172,18 @@ def ungroup_codes(grouped: Tensor) -> Tensor:
     whole = out // _GROUP * _GROUP
     head = grouped[:whole].reshape(-1, n // INT8_DOT_BLOCK, _GROUP, INT8_DOT_BLOCK)
     return torch.cat([head.transpose(1, 2).reshape(whole, n), grouped[whole:]])
+
+
+def round_activations(x: Tensor) -> Tensor:
+    """``x`` ``(..., n)`` rounded as :func:`int8_dot_linear` rounds its activations, in float32:
+    per block of 32 inputs to ``q * max|block| / 127`` with ``q`` an integer in -127..127 (a block
+    holding a NaN or an infinity becomes NaN). ``F.linear`` of it with the dequantized weight is
+    the kernel's product up to float32 summation order: how layers multiply many rows at once."""
+    blocks = x.float().unflatten(-1, (-1, INT8_DOT_BLOCK))
+    top = blocks.abs().amax(-1, keepdim=True)
+    nonzero = torch.where(top > 0, top, torch.ones_like(top))  # (0 / 0: an all-zero block)
+    codes = (blocks / nonzero * 127).round_()
+    return (codes * (top / 127)).flatten(-2)
 
 
 def _check(x: Tensor, codes: Tensor, scale: Tensor) -> None:

@@ -19,7 +19,9 @@ layers; ``int8_kernel="auto"`` instead times the candidates per shape
   products, for up to :data:`AVX2_MAX_ROWS` rows (decoding); activations rounded to int8 per
   block of 32 inputs (as llama.cpp's ``q8_0`` dot); inputs a multiple of 32. It streams the
   codes at about the read bandwidth, where torch's int8 kernels on such CPUs reach about a
-  third of it. More rows (a prompt) multiply the dequantized weight. Compiled graphs call it as
+  third of it. More rows (a prompt) multiply the dequantized weight by the activations rounded
+  the same way (:func:`attnkit.native.round_activations`), so the result does not depend on the
+  row count beyond float32 summation order. Compiled graphs call it as
   one op (``attnkit::int8_dot_linear``).
 * ``"fbgemm"`` (the default where ``"avx2"`` cannot run, on CPUs with torch's fbgemm engine
   and without bf16 dot-product instructions: 1.6-1.8x faster decoding than ``"int8pack"``
@@ -65,6 +67,7 @@ from attnkit.native import (
     group_codes,
     int8_dot_available,
     int8_dot_linear,
+    round_activations,
     ungroup_codes,
 )
 from attnkit.profiling import time_interleaved
@@ -92,7 +95,8 @@ GROUP_SIZES = (256, 128, 64, 32)
 INT8_KERNELS = ("avx2", "fbgemm", "int8pack", "dequantize")
 Int8Kernel = Literal["default", "auto", "avx2", "fbgemm", "int8pack", "dequantize"]
 #: Rows up to which the ``"avx2"`` kernel multiplies (decoding, small batches); more rows (a
-#: prompt) multiply the dequantized weight, faster from about 256 rows on (measured).
+#: prompt) multiply the dequantized weight (with the activations rounded as the kernel rounds
+#: them), faster from about 256 rows on (measured).
 AVX2_MAX_ROWS = 256
 
 
@@ -347,12 +351,19 @@ class Int8Linear(nn.Module):
         compiling = torch.compiler.is_compiling()
         kernel = self.kernel if x2.device.type == "cpu" else "dequantize"
         if kernel == "avx2" and x2.shape[0] <= AVX2_MAX_ROWS and not x2.requires_grad:
-            # (a product gradients flow through, e.g. to an adapter's input, is the float one)
             xf = x2.float()
             if compiling:  # (one opaque op of the graph)
                 y = torch.ops.attnkit.int8_dot_linear(xf, self.weight_int8, self.scale)
             else:
                 y = int8_dot_linear(xf, self.weight_int8, self.scale)
+        elif kernel == "avx2":
+            # A prompt, or a product gradients flow through (e.g. to an adapter's input): the
+            # float product of the activations rounded as the kernel rounds them, so a row's
+            # output does not depend on how many rows came with it.
+            rounded = round_activations(x2)
+            if x2.requires_grad:  # (straight through the rounding: the float product's gradient)
+                rounded = x2.float() + (rounded - x2.float()).detach()
+            y = F.linear(rounded, self.dequantize())
         elif kernel == "fbgemm" and compiling:
             # (an opaque call in the graph: dynamo cannot trace the prepacked weight)
             y = _fbgemm_linear(
