@@ -166,12 +166,16 @@ def group_codes(codes: Tensor) -> Tensor:
     return torch.cat([head.transpose(1, 2).reshape(whole, n), codes[whole:]])
 
 
-def ungroup_codes(grouped: Tensor) -> Tensor:
-    """The row-major codes ``(out, n)`` of :func:`group_codes`' order (a new tensor)."""
+def ungroup_codes(grouped: Tensor, dtype: torch.dtype = torch.int8) -> Tensor:
+    """The row-major codes ``(out, n)`` of :func:`group_codes`' order (a new tensor), converted
+    to ``dtype`` in the same pass."""
     out, n = grouped.shape
     whole = out // _GROUP * _GROUP
-    head = grouped[:whole].reshape(-1, n // INT8_DOT_BLOCK, _GROUP, INT8_DOT_BLOCK)
-    return torch.cat([head.transpose(1, 2).reshape(whole, n), grouped[whole:]])
+    rows = torch.empty(out, n, dtype=dtype, device=grouped.device)
+    head = grouped[:whole].view(-1, n // INT8_DOT_BLOCK, _GROUP, INT8_DOT_BLOCK)
+    rows[:whole].view(-1, _GROUP, n // INT8_DOT_BLOCK, INT8_DOT_BLOCK).copy_(head.transpose(1, 2))
+    rows[whole:] = grouped[whole:]
+    return rows
 
 
 def round_activations(x: Tensor) -> Tensor:

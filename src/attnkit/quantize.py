@@ -363,7 +363,7 @@ class Int8Linear(nn.Module):
             rounded = round_activations(x2)
             if x2.requires_grad:  # (straight through the rounding: the float product's gradient)
                 rounded = x2.float() + (rounded - x2.float()).detach()
-            y = F.linear(rounded, self.dequantize())
+            y = _dequantized_product(rounded, self.weight_int8, self.scale)
         elif kernel == "fbgemm" and compiling:
             # (an opaque call in the graph: dynamo cannot trace the prepacked weight)
             y = _fbgemm_linear(
@@ -506,6 +506,22 @@ def _fbgemm_linear(
 @_fbgemm_linear.register_fake
 def _(x: Tensor, handle: Tensor, tail: Tensor, scale: Tensor, scale_bf16: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], scale_bf16.shape[0])
+
+
+def _dequantized_product(x: Tensor, grouped: Tensor, scale: Tensor) -> Tensor:
+    """``x @ (codes * scale[:, None]).T`` for the codes in the ``"avx2"`` kernel's order, a
+    block of output rows at a time: each block's float weight (about 1 MiB) is made and
+    multiplied while it is in cache, and the scales go on the product's columns.
+
+    Shape: ``(rows, in) -> (rows, out)``, float32.
+    """
+    out, n = grouped.shape
+    step = max(4, (1 << 20) // (4 * n) // 4 * 4)  # (whole groups of four rows)
+    y = x.new_empty(x.shape[0], out)
+    for start in range(0, out, step):
+        weight = ungroup_codes(grouped[start : start + step], torch.float32)
+        y[:, start : start + step] = F.linear(x, weight) * scale[start : start + step]
+    return y
 
 
 def _has_fbgemm() -> bool:
