@@ -162,8 +162,12 @@ def group_codes(codes: Tensor) -> Tensor:
     if n % INT8_DOT_BLOCK:
         raise ValueError(f"group_codes needs a multiple of {INT8_DOT_BLOCK} inputs, got {n}")
     whole = out // _GROUP * _GROUP
-    head = codes[:whole].reshape(-1, _GROUP, n // INT8_DOT_BLOCK, INT8_DOT_BLOCK)
-    return torch.cat([head.transpose(1, 2).reshape(whole, n), codes[whole:]])
+    grouped = torch.empty_like(codes, memory_format=torch.contiguous_format)
+    blocks = n // INT8_DOT_BLOCK
+    head = codes[:whole].reshape(-1, _GROUP, blocks, INT8_DOT_BLOCK)
+    grouped[:whole].view(-1, blocks, _GROUP, INT8_DOT_BLOCK).copy_(head.transpose(1, 2))
+    grouped[whole:] = codes[whole:]
+    return grouped
 
 
 def ungroup_codes(grouped: Tensor, dtype: torch.dtype = torch.int8) -> Tensor:

@@ -196,6 +196,14 @@ class Int8Linear(nn.Module):
             new = cls._empty(in_features, out_features, scale, bias, kernel)
             new._set_packed(functools.partial(_round_rows, weight, scale))
             return new
+        if kernel == "avx2":  # (rounded and put in the kernel's order a block of rows at a time)
+            new = cls._empty(in_features, out_features, scale, bias, kernel)
+            new.weight_int8 = torch.empty(out_features, in_features, dtype=torch.int8)
+            step = max(4, _rows_per_block(in_features) // 4 * 4)  # (whole groups of four)
+            for start in range(0, out_features, step):
+                codes = _round_rows(weight, scale, start, start + step)
+                new.weight_int8[start : start + step] = group_codes(codes)
+            return new
         codes = _round_rows(weight, scale, 0, out_features)
         return cls.from_codes(codes, scale, bias, kernel=kernel)  # type: ignore[arg-type]
 
