@@ -21,8 +21,8 @@ layers; ``int8_kernel="auto"`` instead times the candidates per shape
   codes at about the read bandwidth, where torch's int8 kernels on such CPUs reach about a
   third of it. More rows (a prompt) multiply the dequantized weight by the activations rounded
   the same way (:func:`attnkit.native.round_activations`), so the result does not depend on the
-  row count beyond float32 summation order. Compiled graphs call it as
-  one op (``attnkit::int8_dot_linear``).
+  row count beyond float32 summation order. Compiled graphs call it as one op
+  (``attnkit::int8_dot_linear``).
 * ``"fbgemm"`` (the default where ``"avx2"`` cannot run, on CPUs with torch's fbgemm engine
   and without bf16 dot-product instructions: 1.6-1.8x faster decoding than ``"int8pack"``
   there, ``benchmarks/RESULTS.md``): torch's dynamic quantized linear
