@@ -374,7 +374,7 @@ class Int8Linear(nn.Module):
             y = _dequantized_product(rounded, self.weight_int8, self.scale)
         elif kernel == "fbgemm" and compiling:
             # (an opaque call in the graph: dynamo cannot trace the prepacked weight)
-            y = _fbgemm_linear(
+            y = torch.ops.attnkit.int8_fbgemm_linear(
                 x2.float(), self.fbgemm_handle, self.weight_int8, self.scale, self.scale_bf16
             )
         elif kernel == "fbgemm":
@@ -502,16 +502,24 @@ def _fbgemm_product(
     return torch.addmm(y, rest, (tail.float() * scale[:, None]).T)
 
 
-@torch.library.custom_op("attnkit::int8_fbgemm_linear", mutates_args=())
 def _fbgemm_linear(
     x: Tensor, handle: Tensor, tail: Tensor, scale: Tensor, scale_bf16: Tensor
 ) -> Tensor:
-    """:func:`_fbgemm_product` with the prepacked weight of ``handle``, as one op a compiled
-    graph calls. Shape: ``(rows, in) -> (rows, out)``, float32."""
+    """:func:`_fbgemm_product` with the prepacked weight of ``handle``: the op compiled graphs
+    call (``attnkit::int8_fbgemm_linear``). Shape: ``(rows, in) -> (rows, out)``, float32."""
     return _fbgemm_product(x.contiguous(), _PACKED[int(handle)], tail, scale, scale_bf16)
 
 
-@_fbgemm_linear.register_fake
+# (registered as attnkit.native registers its op: torch.library's plain registration)
+_OPS = torch.library.Library("attnkit", "FRAGMENT")
+_OPS.define(
+    "int8_fbgemm_linear(Tensor x, Tensor handle, Tensor tail, Tensor scale, Tensor scale_bf16)"
+    " -> Tensor"
+)
+_OPS.impl("int8_fbgemm_linear", _fbgemm_linear, "CPU")
+
+
+@torch.library.register_fake("attnkit::int8_fbgemm_linear", lib=_OPS)
 def _(x: Tensor, handle: Tensor, tail: Tensor, scale: Tensor, scale_bf16: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], scale_bf16.shape[0])
 
