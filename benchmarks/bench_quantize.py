@@ -17,13 +17,14 @@ Sections (``--skip NAME`` leaves one out):
   to fp32 (target: int8 >= 0.99); needs the ``models`` extra.
 * ``memory``: peak memory of ``from_pretrained(..., quantize="int8")`` (and int4) in a child
   process over the loaded model's bytes, on a random ``--shape`` folder and every ``--model``
-  (target: <= 1.2x), and the resident memory of int8 models loaded with the ``int8pack`` and
-  ``fbgemm`` kernels (target: fbgemm <= 1.1x int8pack).
+  (target: <= 1.2x), and the resident memory of int8 models loaded with the ``int8pack``,
+  ``fbgemm`` and ``avx2`` kernels (target: fbgemm <= 1.1x int8pack).
 * ``kernels``: every candidate way to multiply one row by each weight matrix of the ``--shape``
-  model (fp32/bf16 ``F.linear``, fbgemm's dynamic int8 linear, ``torch._weight_int8pack_mm``
-  with bf16 and fp32 activations, dequantizing into a buffer, ``torch._int_mm``, torch's int4
-  kernel per group size), each call after a cache flush, interleaved, medians; the error against
-  the float64 product of the dequantized weight, and the int8 kernel the run-time choice takes.
+  model (fp32/bf16 ``F.linear``, attnkit's AVX2 int8 kernel, fbgemm's dynamic int8 linear,
+  ``torch._weight_int8pack_mm`` with bf16 and fp32 activations, dequantizing into a buffer,
+  ``torch._int_mm``, torch's int4 kernel per group size), each call after a cache flush,
+  interleaved, medians; the error against the float64 product of the dequantized weight, and
+  the int8 kernel the run-time choice takes.
 * ``speed``: decode-step tokens/s on the ``--shape`` model: fp32, bf16, attnkit int8/int4 and
   torchao's ``Int8WeightOnlyConfig``, eager and compiled, against transformers fp32, in
   interleaved rounds (medians). Targets: int8 >= 3.0x transformers fp32 and >= 1.8x attnkit

@@ -561,16 +561,17 @@ def default_int8_kernel(in_features: int, device: torch.device | str = "cpu") ->
     """The kernel ``int8_kernel="default"`` takes: a rule by CPU features, the same on every run.
 
     On CPUs without bf16 dot-product instructions (AVX2 ones): ``"avx2"`` where it runs the
-    shape (inputs a multiple of 32, a C compiler), else ``"fbgemm"`` (measured 1.5x and
-    1.6-1.8x faster one-row products than ``"fbgemm"`` and ``"int8pack"`` there,
-    ``benchmarks/RESULTS.md``); elsewhere ``"int8pack"`` where it runs the shape (CPUs with
+    shape (inputs a multiple of 32, a C compiler), else ``"fbgemm"``; there ``"avx2"`` decodes
+    1.4x faster than ``"fbgemm"``, and ``"fbgemm"`` 1.6-1.8x faster than ``"int8pack"``
+    (``benchmarks/RESULTS.md``). Elsewhere ``"int8pack"`` where it runs the shape (CPUs with
     AVX512-BF16 or AMX multiply its bf16 activations natively), else ``"dequantize"``.
     ``int8_kernel="auto"`` measures instead (:func:`choose_int8_kernel`).
     """
     usable = int8_kernels(in_features, device)
-    for kernel in ("avx2", "fbgemm"):
-        if kernel in usable and not _bf16_dot_native():
-            return kernel
+    if not _bf16_dot_native():
+        for kernel in ("avx2", "fbgemm"):
+            if kernel in usable:
+                return kernel
     return "int8pack" if "int8pack" in usable else "dequantize"
 
 
@@ -827,8 +828,8 @@ def quantize(
             multiple of 16, gets int8).
         group_size: int4 group size: 32, 64, 128 or 256.
         int8_kernel: The CPU kernel of int8 linears: ``"default"`` (the rule of
-            :func:`default_int8_kernel`), ``"int8pack"``, ``"fbgemm"``, ``"dequantize"``, or
-            ``"auto"`` (the fastest measured per shape).
+            :func:`default_int8_kernel`), ``"avx2"``, ``"fbgemm"``, ``"int8pack"``,
+            ``"dequantize"``, or ``"auto"`` (the fastest measured per shape).
         head: Also quantize a tied output head: a model with an ``embedding`` and an
             ``lm_head`` of ``None`` (a tied :class:`attnkit.TransformerLM`) gets an ``lm_head``
             holding the quantized embedding; the embedding itself stays for the lookup.

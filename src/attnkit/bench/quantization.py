@@ -520,7 +520,7 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
     takes it, the weight's parts, float64 reference)``; ``call(row, *parts)`` is the product and
     the reference is the row, rounded as the kernel rounds it, times the weight the kernel
     multiplies by (in float64)."""
-    from attnkit.native import group_codes, int8_dot_linear
+    from attnkit.native import group_codes, int8_dot_linear, round_activations
     from attnkit.quantize import Int4Linear, Int8Linear, _fbgemm_pack, int8_kernels
 
     out_features, in_features = weight.shape
@@ -533,10 +533,7 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
     deq = q.dequantize().double()
     usable = int8_kernels(in_features)
     if "avx2" in usable:
-        blocks = x.unflatten(-1, (-1, 32))
-        top = blocks.abs().amax(-1, keepdim=True)
-        q8 = torch.where(top > 0, blocks / top * 127, torch.zeros_like(blocks)).round()
-        ref = (q8.double() * (top / 127).double()).flatten(-2) @ deq.T
+        ref = round_activations(x).double() @ deq.T
         grouped = (group_codes(q.weight_int8), q.scale)
         out[_LABELS["avx2"]] = (int8_dot_linear, x, grouped, ref)
     if "fbgemm" in usable:
