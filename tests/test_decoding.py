@@ -98,6 +98,7 @@ def test_prepare_swaps_plain_linears_and_keeps_outputs(name: str, compiled: bool
     lm = _lm(**CONFIGS[name])
     ids = torch.randint(0, 50, (2, 9))
     want, names = lm(ids), list(lm.state_dict())
+    want_step = lm(ids[:, :1])  # two rows: the kernels of decoding steps
     decoding.prepare(lm, compiled=compiled)
     linears = [m for m in lm.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is PreparedLinear for m in linears)
@@ -106,10 +107,13 @@ def test_prepare_swaps_plain_linears_and_keeps_outputs(name: str, compiled: bool
     assert bool(norms) == (CONFIGS[name].get("norm") == "rmsnorm")
     assert list(lm.state_dict()) == names  # same parameters under the same names
     assert_close(lm(ids), want, **TOL)
+    assert_close(lm(ids[:, :1]), want_step, **TOL)
     layout = lm.blocks[0].attention.qkv_proj.layout
-    assert layout == ("linear" if compiled else "transposed")
+    eager = "stream" if decoding._kernels_ready() else "transposed"
+    assert layout == ("linear" if compiled else eager)
     w = lm.blocks[0].attention.qkv_proj.weight
-    assert w.is_contiguous() == compiled  # eager fp32: column-major storage, same values
+    # Eager fp32 without attnkit's kernels: column-major storage, same values.
+    assert w.is_contiguous() == (layout != "transposed")
 
 
 @pytest.mark.parametrize("eps", [1e-5, None])
@@ -153,10 +157,14 @@ def test_prepared_rmsnorm_equals_torch_and_keeps_gradients(eps: float | None) ->
     assert_close(out, norm(row), atol=1e-7, rtol=2e-6)
 
 
-def test_layouts_follow_the_measured_rule() -> None:
-    assert decoding.layout_for(torch.zeros(4, 4)) == "transposed"
-    assert decoding.layout_for(torch.zeros(4, 4), compiled=True) == "linear"
-    assert decoding.layout_for(torch.zeros(4, 4, dtype=torch.bfloat16)) == "linear"
+@pytest.mark.parametrize("kernels", [False, True])
+def test_layouts_follow_the_measured_rule(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decoding, "_kernels", kernels)
+    full, half = torch.zeros(4, 4), torch.zeros(4, 4, dtype=torch.bfloat16)
+    assert decoding.layout_for(full) == ("stream" if kernels else "transposed")
+    assert decoding.layout_for(half) == ("stream" if kernels else "linear")
+    for weight in (full, half):  # compiled steps: inductor's reduction over row-major weights
+        assert decoding.layout_for(weight, compiled=True) == "linear"
     assert decoding.layout_for(torch.zeros(4, 4, dtype=torch.float64)) == "linear"
 
 
@@ -234,6 +242,7 @@ def test_bf16_products_run_in_float32_where_bf16_is_emulated(
     """A prefill's bf16 products run upcast on CPUs without bf16 dot products, and stay bf16
     for a single row or where the CPU has them; every way rounds the float64 product to bf16."""
     monkeypatch.setattr(decoding, "_BF16_NATIVE", native)
+    monkeypatch.setattr(decoding, "_kernels", False)  # (its own rule: the test below)
     seen: list[torch.dtype] = []
     real = torch.nn.functional.linear
 
@@ -250,6 +259,41 @@ def test_bf16_products_run_in_float32_where_bf16_is_emulated(
     assert_close(got.double(), want, atol=0.05, rtol=0.02)
     upcast = rows * 3 >= decoding.UPCAST_ROWS and not native
     assert seen == [torch.float32 if upcast else torch.bfloat16]
+
+
+@pytest.mark.skipif(not decoding._kernels_ready(), reason="attnkit's kernels do not run here")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bf16_steps_stream_through_attnkits_kernel(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eager-prepared bf16 linear runs native.float_dot_linear for a few rows without gradients
+    (as the op when it is compiled after all) and F.linear otherwise, with the same results."""
+    calls: list[int] = []
+    real = decoding.native.float_dot_linear
+
+    def spy(x: Tensor, *args: Any) -> Tensor:
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, *args)
+
+    monkeypatch.setattr(decoding.native, "float_dot_linear", spy)
+    torch.manual_seed(0)
+    plain = nn.Linear(40, 24).bfloat16()
+    layer = PreparedLinear.from_linear(copy.deepcopy(plain))  # (eager layout, maybe compiled)
+    assert layer.layout == "stream"
+    step, prompt = torch.randn(2, 1, 40).bfloat16(), torch.randn(2, 8, 40).bfloat16()
+    with torch.no_grad():
+        if compiled:
+            got = torch.compile(layer, fullgraph=True)(step)
+            assert not calls  # the op calls the kernel, not this module's name
+        else:
+            got = layer(step)
+            assert calls == [2]
+        assert_close(got, plain(step), atol=0.02, rtol=0.02)
+        assert_close(layer(prompt), plain(prompt), atol=0, rtol=0)  # F.linear: 16 rows
+    trained = step.clone().requires_grad_()
+    layer(trained).sum().backward()  # gradients: F.linear
+    assert trained.grad is not None and layer.weight.grad is not None
+    assert calls == ([] if compiled else [2])
 
 
 def test_cache_position_needs_caches() -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import attnkit
+from attnkit import functional
 from attnkit import masks as M
 from attnkit.functional import block_sparse_attention
 from attnkit.functional import scaled_dot_product_attention as sdpa
@@ -204,6 +205,34 @@ def test_one_query_non_finite_and_empty_rows_follow_the_general_rules(where):
         assert not nan_rows.any()
     else:
         assert not nan_rows.any() and (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("mask_shape", [None, (2, 1, 1, 6), (1, 6)])
+def test_one_query_general_path_reads_each_key_value_head_once(mask_shape, monkeypatch):
+    """Where the fast path does not run (compiled steps), a single query per head still reaches
+    the fused kernel as H/K rows per key/value head; empty rows stay zero, NaN queries NaN."""
+    monkeypatch.setattr(functional, "one_query", lambda *args, **kwargs: None)
+    q, k, v = _qkv(B=2, H=6, K=2, L=1, S=6)
+    q[1, 4, 0, 2] = float("nan")
+    mask = None if mask_shape is None else torch.rand(mask_shape) > 0.3
+    if mask_shape == (2, 1, 1, 6):
+        mask[0] = False  # a row with no key
+    shapes = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        shapes.append(tuple(args[0].shape))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    out = sdpa(q, k, v, mask)
+    ref, _ = reference_attention(q, k, v, mask)
+    assert shapes == [(2, 2, 3, 8)]
+    assert out[1, 4].isnan().all() and out.isnan().sum() == out[1, 4].numel()
+    ref[1, 4] = float("nan")
+    assert_close(out, ref.float(), atol=1e-5, rtol=1e-5, equal_nan=True)
+    if mask_shape == (2, 1, 1, 6):
+        assert (out[0] == 0).all()
 
 
 @pytest.mark.parametrize("return_weights", [False, True])

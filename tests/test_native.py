@@ -1,5 +1,6 @@
-"""attnkit's own int8 dot-product kernel (``attnkit.native``): exact against integer sums, its
-errors, its build and where it must be available."""
+"""attnkit's own kernels (``attnkit.native``): the int8 dot products exact against integer sums,
+the bf16/float32 streaming products against float64, their errors, their build and where they
+must be available."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from attnkit.quantize import AVX2_MAX_ROWS, Int8Linear
 from tests.helpers import int8_dot_reference
 
 needs_kernel = pytest.mark.skipif(
-    not native.int8_dot_available(), reason=f"no int8 dot kernel: {native.int8_dot_unavailable()}"
+    not native.kernels_available(), reason=f"no attnkit kernels: {native.kernels_unavailable()}"
 )
 
 
@@ -37,8 +38,8 @@ def test_the_kernel_builds_on_every_linux_x86_machine_with_avx2_and_a_compiler()
     )
     if not can:
         pytest.skip("not Linux on x86-64 with AVX2, FMA and a C compiler")
-    assert native.int8_dot_available(), native.int8_dot_unavailable()
-    assert native.int8_dot_unavailable() == ""
+    assert native.kernels_available(), native.kernels_unavailable()
+    assert native.kernels_unavailable() == ""
 
 
 @needs_kernel
@@ -196,16 +197,16 @@ def test_without_a_compiler_the_reason_is_given(
 ) -> None:
     monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma"})
     monkeypatch.setattr(native, "_compiler", lambda: None)
-    if native.int8_dot_unavailable().startswith("needs Linux"):
-        pytest.skip(native.int8_dot_unavailable())
+    if native.kernels_unavailable().startswith("needs Linux"):
+        pytest.skip(native.kernels_unavailable())
     scale = torch.ones(1)
-    assert not native.int8_dot_available()
-    assert "no C compiler" in native.int8_dot_unavailable()
+    assert not native.kernels_available()
+    assert "no C compiler" in native.kernels_unavailable()
     with pytest.raises(RuntimeError, match="no C compiler"):
         native.int8_dot_linear(torch.zeros(1, 32), torch.ones(1, 32, dtype=torch.int8), scale)
     native._load.cache_clear()
     monkeypatch.setattr(native, "_cpu_flags", lambda: {"sse2"})
-    assert native.int8_dot_unavailable() == "the CPU lacks AVX2 or FMA"
+    assert native.kernels_unavailable() == "the CPU lacks AVX2 or FMA"
 
 
 def test_a_failing_build_is_reported_and_leaves_no_library(
@@ -213,18 +214,91 @@ def test_a_failing_build_is_reported_and_leaves_no_library(
 ) -> None:
     monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma"})
     monkeypatch.setattr(native, "_compiler", lambda: "false")  # (exits 1, prints nothing)
-    if native.int8_dot_unavailable().startswith("needs Linux"):
-        pytest.skip(native.int8_dot_unavailable())
-    assert native.int8_dot_unavailable().startswith("the build failed: false ")
+    if native.kernels_unavailable().startswith("needs Linux"):
+        pytest.skip(native.kernels_unavailable())
+    assert native.kernels_unavailable().startswith("the build failed: false ")
     assert not list((native._cache_dir() / "kernels").glob("*.so"))
 
 
 @needs_kernel
 def test_the_library_is_built_once_and_reused(fresh_build: None) -> None:
-    assert native.int8_dot_available()
-    (built,) = (native._cache_dir() / "kernels").glob("int8_dot-*.so")
+    assert native.kernels_available()
+    (built,) = (native._cache_dir() / "kernels").glob("kernels-*.so")
     stamp = built.stat().st_mtime_ns
     native._load.cache_clear()
-    assert native.int8_dot_available()
+    assert native.kernels_available()
     assert built.stat().st_mtime_ns == stamp
     assert [p.name for p in (native._cache_dir() / "kernels").iterdir()] == [built.name]
+
+
+def _bf16_ulp(t: Tensor) -> Tensor:
+    """The spacing of bf16 values at ``t`` (float64): 2^(exponent - 7)."""
+    return torch.ldexp(torch.ones_like(t), torch.frexp(t)[1] - 8).abs()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "out", "n", "bias"),
+    [(1, 1536, 576, False), (3, 77, 100, True), (15, 9, 64, True), (2, 5, 7, False)],
+)
+def test_float_products_follow_float64(
+    dtype: torch.dtype, rows: int, out: int, n: int, bias: bool
+) -> None:
+    """Summed in float32 (n not a multiple of the vector width too), then rounded to the dtype."""
+    gen = torch.Generator().manual_seed(rows * out + n)
+    x = torch.randn(rows, n, generator=gen).to(dtype)
+    w = torch.randn(out, n, generator=gen).to(dtype)
+    b = torch.randn(out, generator=gen).to(dtype) if bias else None
+    got = native.float_dot_linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (rows, out)
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    slack = 1e-6 * (x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs()))
+    if dtype == torch.bfloat16:
+        slack = slack + _bf16_ulp(want)  # the float32 sum's rounding to bf16: within one step
+    assert ((got.double() - want).abs() <= slack).all(), (got.double() - want).abs().max()
+
+
+@needs_kernel
+def test_float_products_keep_non_finite_values_and_ignore_threads_and_strides() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 3, generator=gen).T  # (3, 64), not contiguous
+    w = torch.randn(64, 40, generator=gen).T  # (40, 64), not contiguous
+    x[1, 5] = float("nan")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.float_dot_linear(x, w)
+        torch.set_num_threads(2)
+        two = native.float_dot_linear(x.contiguous(), w.contiguous())
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(one, two, rtol=0, atol=0, equal_nan=True)  # each output row: one thread, one order
+    assert one[1].isnan().all() and one[[0, 2]].isfinite().all()
+    half = native.float_dot_linear(x.bfloat16(), w.bfloat16())
+    assert half[1].isnan().all() and half[[0, 2]].isfinite().all()
+    big = torch.full((1, 64), 3e38).bfloat16()
+    assert native.float_dot_linear(big, torch.ones(2, 64).bfloat16()).isposinf().all()
+
+
+@needs_kernel
+def test_a_compiled_graph_calls_the_float_kernel() -> None:
+    x, w = torch.randn(1, 1, 96).bfloat16(), torch.randn(48, 96).bfloat16()
+    compiled = torch.compile(
+        lambda x, w: torch.ops.attnkit.float_dot_linear(x, w, None) * 2, fullgraph=True
+    )
+    assert torch.equal(compiled(x, w), native.float_dot_linear(x, w) * 2)
+
+
+def test_float_products_get_clear_errors() -> None:
+    w = torch.zeros(4, 64)
+    with pytest.raises(TypeError, match=r"torch\.float64, torch\.float32"):
+        native.float_dot_linear(torch.zeros(1, 64, dtype=torch.float64), w)
+    with pytest.raises(TypeError, match=r"torch\.bfloat16, torch\.bfloat16, torch\.float32"):
+        native.float_dot_linear(torch.zeros(1, 64).bfloat16(), w.bfloat16(), torch.zeros(4))
+    with pytest.raises(ValueError, match=r"\(1, 32\), \(4, 64\) and None"):
+        native.float_dot_linear(torch.zeros(1, 32), w)
+    with pytest.raises(ValueError, match=r"\(3,\)"):
+        native.float_dot_linear(torch.zeros(1, 64), w, torch.zeros(3))
+    with pytest.raises(ValueError, match="meta"):
+        native.float_dot_linear(torch.zeros(1, 64, device="meta"), w)

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit import native
+
 __all__ = [
     "UPCAST_ROWS",
     "Layout",
@@ -41,21 +43,53 @@ __all__ = [
 
 # How a single row reads a weight fastest on CPU (``benchmarks/bench_decode.py --kernels`` prints
 # the measurement; the results are in ``benchmarks/RESULTS.md``):
-#   * eager fp32: a column-major weight (``x @ W^T`` over a contiguous ``(in, out)`` matrix, as
-#     MKL streams it) beats ``F.linear`` on a row-major one;
+#   * eager fp32 and bf16 on CPUs without bf16 dot-product instructions: attnkit's own
+#     streaming kernel over the row-major weight (:func:`attnkit.native.float_dot_linear`),
+#     where it is built (``"stream"``);
+#   * eager fp32 otherwise: a column-major weight (``x @ W^T`` over a contiguous ``(in, out)``
+#     matrix, as MKL streams it) beats ``F.linear`` on a row-major one;
 #   * compiled, fp32 and bf16: ``(W * x).sum(-1)``, which inductor turns into one streaming
 #     reduction over ``W`` (bf16: partial sums over 16 lanes first);
 #   * everything else: ``F.linear`` as is.
-Layout = Literal["linear", "transposed"]
+Layout = Literal["linear", "transposed", "stream"]
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+#: Weight dtypes whose eager products of fewer than :data:`UPCAST_ROWS` rows run attnkit's own
+#: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built, on CPUs without
+#: bf16 dot-product instructions. Measured on a 2-core AVX2 CPU (``benchmarks/RESULTS.md``): the
+#: 135M Llama shape decodes 1.2x faster eager in bf16 and in fp32 than through torch's products.
+#: Compiled steps keep inductor's streaming reduction, which the op call's cost made faster.
+KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float32})
+
+_kernels: bool | None = None  # native.kernels_available(), asked once (it builds them)
+
+
+def _kernels_ready() -> bool:
+    global _kernels
+    if _kernels is None:
+        _kernels = not _bf16_dot_native() and native.kernels_available()
+    return _kernels
+
+
+def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
 
 
 def layout_for(weight: Tensor, *, compiled: bool = False) -> Layout:
     """The storage layout :func:`prepare` gives ``weight`` (see the table above).
 
-    Compiled steps read row-major weights (the streaming reduction runs along rows); eager fp32
-    CPU steps read column-major ones.
+    Compiled steps read row-major weights (the streaming reduction runs along rows). Eager CPU
+    steps of :data:`KERNEL_DTYPES` weights stream through attnkit's kernel where it is built
+    (``"stream"``, row-major); eager fp32 CPU steps read column-major weights otherwise.
     """
+    if (
+        not compiled
+        and weight.device.type == "cpu"
+        and weight.dtype in KERNEL_DTYPES
+        and _kernels_ready()
+    ):
+        return "stream"
     if not compiled and weight.device.type == "cpu" and weight.dtype == torch.float32:
         return "transposed"
     return "linear"
@@ -86,10 +120,21 @@ class PreparedLinear(nn.Linear):
         if new.layout == "transposed" and linear.weight.stride() != (1, linear.out_features):
             # Column-major storage of the same (out, in) values.
             new.weight.data = linear.weight.data.t().contiguous().t()
+        if new.layout == "stream" and not linear.weight.is_contiguous():
+            new.weight.data = linear.weight.data.contiguous()
         return new
 
     def forward(self, x: Tensor) -> Tensor:
         """Shape: ``(*, in) -> (*, out)``."""
+        if (
+            self.layout == "stream"
+            and x.numel() < UPCAST_ROWS * self.in_features
+            and not (torch.is_grad_enabled() and _needs_grad(x, self.weight, self.bias))
+        ):
+            # (a few rows without gradients: a decoding step)
+            if torch.compiler.is_compiling():  # prepared for eager steps, then compiled
+                return torch.ops.attnkit.float_dot_linear(x, self.weight, self.bias)
+            return native.float_dot_linear(x, self.weight, self.bias)
         if self.layout == "transposed":
             # fp32 on CPU: F.linear multiplies by the column-major weight's contiguous transpose
             # in one BLAS call (its transpose is a C++ view, not a Python op per call).
@@ -163,6 +208,27 @@ def _bf16_dot_native() -> bool:
 _BF16_NATIVE = _bf16_dot_native()
 
 
+def _streams(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether ``F.linear(x, weight, bias)`` runs attnkit's streaming kernel."""
+    return (
+        weight.dtype in KERNEL_DTYPES
+        and x.dtype == weight.dtype
+        and (bias is None or bias.dtype == weight.dtype)
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and 0 < x.numel() < UPCAST_ROWS * x.shape[-1]
+        and not (
+            torch.is_grad_enabled()
+            and (
+                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+            )
+        )
+        and _kernels_ready()
+    )
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``; inside a compiled graph a single row is computed as
     ``(W * x).sum(-1)`` in float32, which inductor streams at the memory bandwidth.
@@ -170,10 +236,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     On a CPU without bf16 dot-product instructions, bf16 products of at least
     :data:`UPCAST_ROWS` rows (a prompt's prefill) run in float32 and are rounded back to bf16:
     torch's bf16 GEMM there is emulated and several times slower than converting the weight.
+    Outside compiled graphs, fewer rows of a :data:`KERNEL_DTYPES` weight, without gradients, run
+    :func:`attnkit.native.float_dot_linear` where it is built.
 
     Shape: x ``(*, in)``, weight ``(out, in)`` -> ``(*, out)``.
     """
     compiling = torch.compiler.is_compiling()
+    if not compiling and _streams(x, weight, bias):
+        return native.float_dot_linear(x, weight, bias)
     if (
         weight.dtype == torch.bfloat16
         and not _BF16_NATIVE
@@ -298,6 +368,7 @@ def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
         for m in model.modules():
             if type(m) is nn.Embedding and layout_for(m.weight) == "transposed":
                 m.weight.data = m.weight.data.t().contiguous().t()
+    _kernels_ready()  # (built now rather than inside a compiled step's trace)
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, PreparedLinear)}
     weights |= {id(m.weight): m.weight for m in model.modules() if type(m) is nn.Embedding}
     _gather_on_huge_pages(list(weights.values()))

@@ -1,18 +1,23 @@
 """Kernels attnkit compiles itself, on first use, with the system's C compiler.
 
-One today: products of int8 weights with a few float rows (decoding) through AVX2's integer dot
-products (``csrc/int8_dot.c``). On CPUs with AVX2 but neither AVX512-BF16 nor AMX, torch's int8
-kernels (fbgemm's dynamic linear, ``torch._weight_int8pack_mm``) stream one-row products at about
-a third of the read bandwidth; this one streams the codes at about the bandwidth, as llama.cpp's
-``q8_0`` dot does (``benchmarks/RESULTS.md``). Its activations are rounded to int8 per block of
-32 inputs, so it is more exact than fbgemm's (one 7-bit scale per row).
+Two kinds today, both for decoding (products of a weight with a few rows), both reading the weight
+as one sequential stream per thread, prefetched ahead:
 
-The source is built by ``cc -O3 -mavx2 -mfma`` into a shared library cached under
-``$ATTNKIT_CACHE_DIR`` (default ``~/.cache/attnkit``), named by a hash of the source, the flags
+* int8 weights through AVX2's integer dot products (``csrc/int8_dot.c``). On CPUs with AVX2 but
+  neither AVX512-BF16 nor AMX, torch's int8 kernels (fbgemm's dynamic linear,
+  ``torch._weight_int8pack_mm``) stream one-row products at about a third of the read bandwidth;
+  this one streams the codes at about the bandwidth, as llama.cpp's ``q8_0`` dot does
+  (``benchmarks/RESULTS.md``). Its activations are rounded to int8 per block of 32 inputs, so it
+  is more exact than fbgemm's (one 7-bit scale per row).
+* bf16 and float32 weights through AVX2 FMAs (``csrc/float_dot.c``): torch's bf16 ``F.linear``
+  reads a one-row product's weight at about 0.6x this kernel's bandwidth on such CPUs.
+
+The sources are built by ``cc -O3 -mavx2 -mfma`` into one shared library cached under
+``$ATTNKIT_CACHE_DIR`` (default ``~/.cache/attnkit``), named by a hash of the sources, the flags
 and the compiler, written atomically; it runs on the OpenMP runtime torch loaded (one thread
 pool; ``torch.set_num_threads`` applies) and is called through ``ctypes``. Where anything is
 missing (not Linux on x86-64 with AVX2 and FMA, no compiler, a build that fails),
-:func:`int8_dot_available` is false, :func:`int8_dot_unavailable` says why, and callers use
+:func:`kernels_available` is false, :func:`kernels_unavailable` says why, and callers use
 torch's kernels.
 """
 
@@ -35,10 +40,11 @@ from torch import Tensor
 
 __all__ = [
     "INT8_DOT_BLOCK",
+    "float_dot_linear",
     "group_codes",
-    "int8_dot_available",
     "int8_dot_linear",
-    "int8_dot_unavailable",
+    "kernels_available",
+    "kernels_unavailable",
     "round_activations",
     "ungroup_codes",
 ]
@@ -47,7 +53,7 @@ __all__ = [
 INT8_DOT_BLOCK = 32
 #: Output rows whose codes :func:`group_codes` lays side by side.
 _GROUP = 4
-_SOURCE = Path(__file__).with_name("csrc") / "int8_dot.c"
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int8_dot.c", "float_dot.c"))
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-Wall")
 
 
@@ -88,27 +94,29 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str, runtime: Path | None) -> Path:
-    """Compile the source (cached by a hash of everything that goes into the build)."""
-    source = _SOURCE.read_bytes()
+    """Compile the sources (cached by a hash of everything that goes into the build)."""
+    sources = [path.read_bytes() for path in _SOURCES]
     cc = shlex.split(compiler)  # (CC may carry a launcher or flags: "ccache gcc")
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), str(runtime).encode()])
+        b"\0".join([*sources, " ".join(_FLAGS).encode(), version.encode(), str(runtime).encode()])
     ).hexdigest()[:16]
     folder = _cache_dir() / "kernels"
-    target = folder / f"int8_dot-{key}.so"
+    target = folder / f"kernels-{key}.so"
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as work:
-        obj, lib = Path(work) / "int8_dot.o", Path(work) / target.name
+        objects = [str(Path(work) / f"{path.stem}.o") for path in _SOURCES]
+        lib = Path(work) / target.name
         compile_flags = [*_FLAGS, "-fopenmp"] if runtime else [*_FLAGS, "-Wno-unknown-pragmas"]
         # Linked to torch's own OpenMP runtime by path, not the compiler's: one thread pool.
         link = [str(runtime), f"-Wl,-rpath,{runtime.parent}"] if runtime else []
-        for command in (
-            [*cc, *compile_flags, "-c", str(_SOURCE), "-o", str(obj)],
-            [*cc, "-shared", str(obj), "-o", str(lib), *link],
-        ):
+        commands = [
+            [*cc, *compile_flags, "-c", str(path), "-o", obj]
+            for path, obj in zip(_SOURCES, objects, strict=True)
+        ]
+        for command in [*commands, [*cc, "-shared", *objects, "-o", str(lib), *link]]:
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if done.returncode:
                 raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
@@ -133,20 +141,21 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(_build(compiler, _openmp_runtime())))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return None, f"the build failed: {error}"
-    call = lib.attnkit_int8_linear
     int64, pointer = ctypes.c_int64, ctypes.c_void_p
-    call.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, ctypes.c_int]
-    call.restype = ctypes.c_int
+    for call in (lib.attnkit_int8_linear, lib.attnkit_bf16_linear, lib.attnkit_float_linear):
+        call.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, ctypes.c_int]
+        call.restype = ctypes.c_int
     return lib, ""
 
 
-def int8_dot_available() -> bool:
-    """Whether :func:`int8_dot_linear` runs here (the first call builds the kernel)."""
+def kernels_available() -> bool:
+    """Whether :func:`int8_dot_linear` and :func:`float_dot_linear` run here (the first call
+    builds them)."""
     return _load()[0] is not None
 
 
-def int8_dot_unavailable() -> str:
-    """Why :func:`int8_dot_linear` cannot run here (empty where it can)."""
+def kernels_unavailable() -> str:
+    """Why attnkit's kernels cannot run here (empty where they can)."""
     return _load()[1]
 
 
@@ -234,12 +243,12 @@ def int8_dot_linear(x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
     Raises:
         TypeError: For other dtypes.
         ValueError: For shapes that do not fit, or tensors not on the CPU.
-        RuntimeError: Where the kernel is not available (:func:`int8_dot_unavailable`).
+        RuntimeError: Where the kernel is not available (:func:`kernels_unavailable`).
     """
     _check(x, codes, scale)
     lib, why = _load()
     if lib is None:
-        raise RuntimeError(f"attnkit's int8 dot kernel is not available: {why}")
+        raise RuntimeError(f"attnkit's kernels are not available: {why}")
     x, codes, scale = x.contiguous(), codes.contiguous(), scale.contiguous()
     y = x.new_empty(x.shape[0], codes.shape[0])
     failed = lib.attnkit_int8_linear(
@@ -268,3 +277,95 @@ _OPS.impl("int8_dot_linear", int8_dot_linear, "CPU")
 @torch.library.register_fake("attnkit::int8_dot_linear", lib=_OPS)
 def _(x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], codes.shape[0])
+
+
+def _float_mismatch(x: Tensor, weight: Tensor, bias: Tensor | None) -> Exception:
+    """The error for inputs :func:`float_dot_linear` does not take."""
+    tensors = [t for t in (x, weight, bias) if t is not None]
+    if weight.dtype not in (torch.bfloat16, torch.float32) or any(
+        t.dtype != weight.dtype for t in tensors
+    ):
+        got = ", ".join(str(t.dtype) for t in tensors)
+        return TypeError(
+            f"float_dot_linear takes x, weight and bias all bfloat16 or all float32, got {got}"
+        )
+    if any(t.device.type != "cpu" for t in tensors):
+        return ValueError(
+            f"float_dot_linear runs on CPU tensors, got {', '.join(str(t.device) for t in tensors)}"
+        )
+    return ValueError(
+        f"float_dot_linear needs x (..., n), weight (out, n) and bias (out,) or None, got "
+        f"{tuple(x.shape)}, {tuple(weight.shape)} and "
+        f"{None if bias is None else tuple(bias.shape)}"
+    )
+
+
+def float_dot_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for a few rows, summed in float32 with the weight read as one
+    stream per thread (bf16 results are rounded to nearest even).
+
+    Meant for decoding's one-row products: every row is dotted with each weight row while it is in
+    cache, so many rows (a prompt) are better served by ``F.linear``'s blocked GEMM. Compiled
+    graphs call it as one op, ``torch.ops.attnkit.float_dot_linear``. A call costs a few
+    microseconds beside the product (decoding makes over a hundred a token), so the checks are
+    few and cheap.
+
+    Args:
+        x: Activations ``(..., n)``.
+        weight: ``(out, n)``, row-major or not (a copy is made if not).
+        bias: ``(out,)`` or ``None``. All three bfloat16, or all float32.
+
+    Returns:
+        ``(..., out)``, in the inputs' dtype.
+
+    Raises:
+        TypeError: For other dtypes or mixed ones.
+        ValueError: For shapes that do not fit, or tensors not on the CPU.
+        RuntimeError: Where the kernel is not available (:func:`kernels_unavailable`).
+    """
+    dtype = weight.dtype
+    out, n = weight.shape if weight.dim() == 2 else (-1, -1)
+    if (
+        x.dtype != dtype
+        or dtype not in _FLOAT_CALLS
+        or x.dim() < 1
+        or x.shape[-1] != n
+        or x.device.type != "cpu"
+        or weight.device.type != "cpu"
+        or (
+            bias is not None
+            and (bias.dtype != dtype or bias.shape != (out,) or bias.device.type != "cpu")
+        )
+    ):
+        raise _float_mismatch(x, weight, bias)
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"attnkit's kernels are not available: {_load()[1]}")
+    x = x.contiguous()
+    weight = weight.contiguous()
+    y = torch.empty((*x.shape[:-1], out), dtype=dtype)
+    failed = getattr(lib, _FLOAT_CALLS[dtype])(
+        x.data_ptr(),
+        x.numel() // n if n else 0,
+        n,
+        weight.data_ptr(),
+        None if bias is None else bias.contiguous().data_ptr(),
+        out,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError(f"float_dot_linear could not allocate {x.numel() // n} float32 rows")
+    return y
+
+
+_FLOAT_CALLS = {torch.bfloat16: "attnkit_bf16_linear", torch.float32: "attnkit_float_linear"}
+
+
+_OPS.define("float_dot_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_OPS.impl("float_dot_linear", float_dot_linear, "CPU")
+
+
+@torch.library.register_fake("attnkit::float_dot_linear", lib=_OPS)
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

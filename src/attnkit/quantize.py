@@ -65,8 +65,8 @@ from attnkit.decoding import PreparedLinear, _bf16_dot_native
 from attnkit.native import (
     INT8_DOT_BLOCK,
     group_codes,
-    int8_dot_available,
     int8_dot_linear,
+    kernels_available,
     round_activations,
     ungroup_codes,
 )
@@ -549,7 +549,7 @@ def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[
     (``"dequantize"`` always can)."""
     if torch.device(device).type != "cpu":
         return ("dequantize",)
-    usable = ["avx2"] if in_features % INT8_DOT_BLOCK == 0 and int8_dot_available() else []
+    usable = ["avx2"] if in_features % INT8_DOT_BLOCK == 0 and kernels_available() else []
     if _has_fbgemm():
         usable.append("fbgemm")
     if in_features % 8 == 0:
