@@ -109,8 +109,8 @@ def test_prepare_swaps_plain_linears_and_keeps_outputs(name: str, compiled: bool
     assert_close(lm(ids), want, **TOL)
     assert_close(lm(ids[:, :1]), want_step, **TOL)
     layout = lm.blocks[0].attention.qkv_proj.layout
-    eager = "stream" if decoding._kernels_ready() else "transposed"
-    assert layout == ("linear" if compiled else eager)
+    without = "linear" if compiled else "transposed"
+    assert layout == ("stream" if decoding._kernels_ready() else without)
     w = lm.blocks[0].attention.qkv_proj.weight
     # Eager fp32 without attnkit's kernels: column-major storage, same values.
     assert w.is_contiguous() == (layout != "transposed")
@@ -163,8 +163,8 @@ def test_layouts_follow_the_measured_rule(kernels: bool, monkeypatch: pytest.Mon
     full, half = torch.zeros(4, 4), torch.zeros(4, 4, dtype=torch.bfloat16)
     assert decoding.layout_for(full) == ("stream" if kernels else "transposed")
     assert decoding.layout_for(half) == ("stream" if kernels else "linear")
-    for weight in (full, half):  # compiled steps: inductor's reduction over row-major weights
-        assert decoding.layout_for(weight, compiled=True) == "linear"
+    for weight in (full, half):  # compiled: row-major (the kernel's or inductor's reduction's)
+        assert decoding.layout_for(weight, compiled=True) == ("stream" if kernels else "linear")
     assert decoding.layout_for(torch.zeros(4, 4, dtype=torch.float64)) == "linear"
 
 
@@ -261,13 +261,18 @@ def test_bf16_products_run_in_float32_where_bf16_is_emulated(
     assert seen == [torch.float32 if upcast else torch.bfloat16]
 
 
-@pytest.mark.skipif(not decoding._kernels_ready(), reason="attnkit's kernels do not run here")
+@pytest.mark.skipif(
+    not decoding.native.kernels_available(),
+    reason=f"attnkit's kernels do not build here: {decoding.native.kernels_unavailable()}",
+)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_bf16_steps_stream_through_attnkits_kernel(
     compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An eager-prepared bf16 linear runs native.float_dot_linear for a few rows without gradients
-    (as the op when it is compiled after all) and F.linear otherwise, with the same results."""
+    """A prepared bf16 linear runs native.float_dot_linear for a few rows without gradients (as
+    the op in compiled graphs, from two rows on) and F.linear otherwise, with the same results.
+    (The rule is forced on: CPUs with bf16 dot products do not take it.)"""
+    monkeypatch.setattr(decoding, "_kernels", True)
     calls: list[int] = []
     real = decoding.native.float_dot_linear
 
@@ -278,13 +283,15 @@ def test_bf16_steps_stream_through_attnkits_kernel(
     monkeypatch.setattr(decoding.native, "float_dot_linear", spy)
     torch.manual_seed(0)
     plain = nn.Linear(40, 24).bfloat16()
-    layer = PreparedLinear.from_linear(copy.deepcopy(plain))  # (eager layout, maybe compiled)
+    layer = PreparedLinear.from_linear(copy.deepcopy(plain), compiled=compiled)
     assert layer.layout == "stream"
     step, prompt = torch.randn(2, 1, 40).bfloat16(), torch.randn(2, 8, 40).bfloat16()
     with torch.no_grad():
-        if compiled:
+        if compiled:  # the op calls the kernel (not through this module's name)
             got = torch.compile(layer, fullgraph=True)(step)
-            assert not calls  # the op calls the kernel, not this module's name
+            assert not calls and torch.equal(got, real(step, layer.weight, layer.bias))
+            one = torch.compile(layer, fullgraph=True)(step[:1])  # one row: inductor's sum
+            assert_close(one, plain(step[:1]), atol=0.02, rtol=0.02)
         else:
             got = layer(step)
             assert calls == [2]
@@ -294,6 +301,19 @@ def test_bf16_steps_stream_through_attnkits_kernel(
     layer(trained).sum().backward()  # gradients: F.linear
     assert trained.grad is not None and layer.weight.grad is not None
     assert calls == ([] if compiled else [2])
+
+
+def test_a_compiled_graph_never_traces_the_kernels_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiling before anything asked whether the kernels run gives F.linear's graph (no build
+    inside the trace, no graph break); the next eager call asks."""
+    monkeypatch.setattr(decoding, "_kernels", None)
+    x, w = torch.randn(2, 1, 40).bfloat16(), torch.randn(24, 40).bfloat16()
+    with torch.no_grad():
+        got = torch.compile(decoding.linear, fullgraph=True)(x, w)
+    assert decoding._kernels is None
+    assert_close(got, torch.nn.functional.linear(x, w), atol=0, rtol=0)
+    decoding.linear(x, w)
+    assert decoding._kernels is not None
 
 
 def test_cache_position_needs_caches() -> None:

@@ -302,3 +302,14 @@ def test_float_products_get_clear_errors() -> None:
         native.float_dot_linear(torch.zeros(1, 64), w, torch.zeros(3))
     with pytest.raises(ValueError, match="meta"):
         native.float_dot_linear(torch.zeros(1, 64, device="meta"), w)
+
+
+@needs_kernel
+def test_float_products_of_empty_sizes_and_strided_bias() -> None:
+    """No inputs: the bias alone; no rows: an empty result; a strided bias is read correctly."""
+    bias = torch.arange(10.0)[::2]  # (5,), not contiguous
+    got = native.float_dot_linear(torch.zeros(3, 0), torch.zeros(5, 0), bias)
+    assert torch.equal(got, bias.expand(3, 5))
+    assert native.float_dot_linear(torch.zeros(0, 4), torch.ones(5, 4), bias).shape == (0, 5)
+    x, w = torch.randn(2, 4), torch.randn(5, 4)
+    assert_close(native.float_dot_linear(x, w, bias), x @ w.T + bias)

@@ -43,9 +43,9 @@ __all__ = [
 
 # How a single row reads a weight fastest on CPU (``benchmarks/bench_decode.py --kernels`` prints
 # the measurement; the results are in ``benchmarks/RESULTS.md``):
-#   * eager fp32 and bf16 on CPUs without bf16 dot-product instructions: attnkit's own
-#     streaming kernel over the row-major weight (:func:`attnkit.native.float_dot_linear`),
-#     where it is built (``"stream"``);
+#   * fp32 and bf16 on CPUs without bf16 dot-product instructions: attnkit's own streaming
+#     kernel over the row-major weight (:func:`attnkit.native.float_dot_linear`), where it is
+#     built (``"stream"``), except for one row in a compiled step (inductor's reduction, below);
 #   * eager fp32 otherwise: a column-major weight (``x @ W^T`` over a contiguous ``(in, out)``
 #     matrix, as MKL streams it) beats ``F.linear`` on a row-major one;
 #   * compiled, fp32 and bf16: ``(W * x).sum(-1)``, which inductor turns into one streaming
@@ -59,7 +59,8 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 #: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built, on CPUs without
 #: bf16 dot-product instructions. Measured on a 2-core AVX2 CPU (``benchmarks/RESULTS.md``): the
 #: 135M Llama shape decodes 1.2x faster eager in bf16 and in fp32 than through torch's products.
-#: Compiled steps keep inductor's streaming reduction, which the op call's cost made faster.
+#: A compiled step of one row keeps inductor's streaming reduction, which the op call's cost made
+#: faster.
 KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float32})
 
 _kernels: bool | None = None  # native.kernels_available(), asked once (it builds them)
@@ -68,6 +69,8 @@ _kernels: bool | None = None  # native.kernels_available(), asked once (it build
 def _kernels_ready() -> bool:
     global _kernels
     if _kernels is None:
+        if torch.compiler.is_compiling():  # (a build is not traced: asked before, or no kernel)
+            return False
         _kernels = not _bf16_dot_native() and native.kernels_available()
     return _kernels
 
@@ -79,16 +82,12 @@ def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def layout_for(weight: Tensor, *, compiled: bool = False) -> Layout:
     """The storage layout :func:`prepare` gives ``weight`` (see the table above).
 
-    Compiled steps read row-major weights (the streaming reduction runs along rows). Eager CPU
-    steps of :data:`KERNEL_DTYPES` weights stream through attnkit's kernel where it is built
-    (``"stream"``, row-major); eager fp32 CPU steps read column-major weights otherwise.
+    CPU steps of :data:`KERNEL_DTYPES` weights stream through attnkit's kernel where it is built
+    (``"stream"``, row-major; a compiled step of one row runs inductor's reduction instead).
+    Otherwise compiled steps read row-major weights (the streaming reduction runs along rows) and
+    eager fp32 CPU steps column-major ones.
     """
-    if (
-        not compiled
-        and weight.device.type == "cpu"
-        and weight.dtype in KERNEL_DTYPES
-        and _kernels_ready()
-    ):
+    if weight.device.type == "cpu" and weight.dtype in KERNEL_DTYPES and _kernels_ready():
         return "stream"
     if not compiled and weight.device.type == "cpu" and weight.dtype == torch.float32:
         return "transposed"
@@ -130,10 +129,10 @@ class PreparedLinear(nn.Linear):
             self.layout == "stream"
             and x.numel() < UPCAST_ROWS * self.in_features
             and not (torch.is_grad_enabled() and _needs_grad(x, self.weight, self.bias))
+            and not torch.compiler.is_compiling()
         ):
-            # (a few rows without gradients: a decoding step)
-            if torch.compiler.is_compiling():  # prepared for eager steps, then compiled
-                return torch.ops.attnkit.float_dot_linear(x, self.weight, self.bias)
+            # A few rows without gradients (a decoding step), eager: the kernel directly (the
+            # checks of `linear` cost more than a small product).
             return native.float_dot_linear(x, self.weight, self.bias)
         if self.layout == "transposed":
             # fp32 on CPU: F.linear multiplies by the column-major weight's contiguous transpose
@@ -219,12 +218,7 @@ def _streams(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and weight.dim() == 2
         and weight.is_contiguous()
         and 0 < x.numel() < UPCAST_ROWS * x.shape[-1]
-        and not (
-            torch.is_grad_enabled()
-            and (
-                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-            )
-        )
+        and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))
         and _kernels_ready()
     )
 
@@ -236,14 +230,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     On a CPU without bf16 dot-product instructions, bf16 products of at least
     :data:`UPCAST_ROWS` rows (a prompt's prefill) run in float32 and are rounded back to bf16:
     torch's bf16 GEMM there is emulated and several times slower than converting the weight.
-    Outside compiled graphs, fewer rows of a :data:`KERNEL_DTYPES` weight, without gradients, run
-    :func:`attnkit.native.float_dot_linear` where it is built.
+    Fewer rows of a :data:`KERNEL_DTYPES` weight, without gradients, run
+    :func:`attnkit.native.float_dot_linear` where it is built (in compiled graphs as the op
+    ``attnkit::float_dot_linear``, from two rows on: a single row's reduction is as fast there
+    and costs no op call).
 
     Shape: x ``(*, in)``, weight ``(out, in)`` -> ``(*, out)``.
     """
     compiling = torch.compiler.is_compiling()
-    if not compiling and _streams(x, weight, bias):
-        return native.float_dot_linear(x, weight, bias)
+    if _streams(x, weight, bias):
+        if not compiling:
+            return native.float_dot_linear(x, weight, bias)
+        if x.numel() != x.shape[-1]:
+            return torch.ops.attnkit.float_dot_linear(x, weight, bias)
     if (
         weight.dtype == torch.bfloat16
         and not _BF16_NATIVE
@@ -368,7 +367,6 @@ def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
         for m in model.modules():
             if type(m) is nn.Embedding and layout_for(m.weight) == "transposed":
                 m.weight.data = m.weight.data.t().contiguous().t()
-    _kernels_ready()  # (built now rather than inside a compiled step's trace)
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, PreparedLinear)}
     weights |= {id(m.weight): m.weight for m in model.modules() if type(m) is nn.Embedding}
     _gather_on_huge_pages(list(weights.values()))
@@ -385,6 +383,7 @@ def compiled_step(model: Any) -> Callable[..., Any]:
     """
     step = model.__dict__.get("_attnkit_step")
     if step is None:
+        _kernels_ready()  # asked (and built) before the trace, which reads the answer
         step = torch.compile(model.forward, fullgraph=True, dynamic=False)
         model.__dict__["_attnkit_step"] = step
     return step

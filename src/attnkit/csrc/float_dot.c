@@ -85,7 +85,7 @@ static inline float float_row_dot(const float *x, const float *w, int64_t n) {
  * 0 on success, 1 when the float32 copy of x cannot be allocated. */
 int attnkit_bf16_linear(const uint16_t *x, int64_t rows, int64_t n, const uint16_t *w,
                         const uint16_t *bias, int64_t out, uint16_t *y, int threads) {
-  float *xf = malloc((size_t)(rows * n) * sizeof(float));
+  float *xf = malloc((size_t)(rows * n) * sizeof(float) + 1); /* (+1: never malloc(0)) */
   if (!xf) return 1;
   for (int64_t i = 0; i < rows * n; i++) xf[i] = bf16_to_float(x[i]);
   (void)threads; /* (unused where built without OpenMP) */
