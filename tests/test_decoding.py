@@ -323,7 +323,17 @@ def test_cache_position_needs_caches() -> None:
 
 
 @pytest.mark.slow
-def test_compiled_step_equals_eager() -> None:
+def test_compiled_step_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also where generate's steps after the first check only the differentiating guards: the
+    module swap of prepare between two calls is caught by the next call's first step."""
+    skipped: list[int] = []
+    real = decoding.differentiating_guards_only
+
+    def spy() -> Any:
+        skipped.append(1)
+        return real()
+
+    monkeypatch.setattr(decoding, "differentiating_guards_only", spy)
     lm = _lm(**LLAMA, window=5)
     prompt = torch.randint(0, 50, (2, 4))
     mask = torch.ones(2, 4, dtype=torch.bool)
@@ -331,6 +341,9 @@ def test_compiled_step_equals_eager() -> None:
     options: dict[str, Any] = {"attention_mask": mask, "eos_token_id": []}
     want = lm.generate(prompt, 8, use_cache=False, **options)
     assert torch.equal(lm.generate(prompt, 8, compile=True, **options), want)
+    assert len(skipped) == 6  # steps 2-7: the prefill is eager, step 1 checks every guard
+    streamed = torch.stack(list(lm.stream(prompt, 8, compile=True, **options)), 1)
+    assert torch.equal(streamed, want[:, 4:]) and len(skipped) == 6  # stream: every guard
     # Another length fits the same (rounded-up) cache capacity: the same graph, no recompile.
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert torch.equal(lm.generate(prompt, 5, compile=True, **options), want[:, :9])
@@ -342,6 +355,20 @@ def test_compiled_step_equals_eager() -> None:
         lm.generate(one, 8, compile=True, eos_token_id=[]),
         lm.generate(one, 8, use_cache=False, eos_token_id=[]),
     )
+
+
+def test_guards_are_skipped_only_under_torchs_default_stance() -> None:
+    def stance() -> Any:
+        return torch._dynamo.eval_frame._stance
+
+    before = stance()
+    with decoding.differentiating_guards_only():
+        assert stance().stance == "default" and stance().skip_guard_eval_unsafe
+    assert stance() == before and not before.skip_guard_eval_unsafe
+    with torch.compiler.set_stance("force_eager"):  # the user's: left as it is
+        user = stance()
+        with decoding.differentiating_guards_only():
+            assert stance() == user
 
 
 def test_prepare_keeps_quantized_linears_and_their_outputs() -> None:

@@ -19,6 +19,7 @@ over cache positions, so a new token sees at most ``window`` keys.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Iterator, Sequence
@@ -305,6 +306,17 @@ def stream(
         ValueError: As :func:`generate`.
         TypeError: As :func:`generate`, and for an unknown option.
     """
+    return _stream(lm, input_ids, max_new_tokens, False, **options)
+
+
+def _stream(
+    lm: CausalLM,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    unattended: bool,
+    **options: Unpack[GenerateOptions],
+) -> Iterator[Tensor]:
+    """:func:`stream`; ``unattended``: the caller runs no code between the steps (generate)."""
     known = GenerateOptions.__optional_keys__
     unknown = sorted(set(options) - known)
     if unknown:
@@ -358,6 +370,7 @@ def stream(
         use_cache,
         generator,
         compile,
+        unattended,
     )
 
 
@@ -374,6 +387,7 @@ def _decode(
     use_cache: bool,
     generator: torch.Generator | None,
     compile: bool = False,
+    unattended: bool = False,
 ) -> Iterator[Tensor]:
     """The decoding loop of :func:`stream` (arguments validated there).
 
@@ -381,6 +395,8 @@ def _decode(
     :class:`attnkit.KVCache` per layer, then each step runs one token per sequence through the
     model's own forward (``compile``: as one compiled graph over the whole static cache, the
     slot given as a tensor); without it, the whole prefix goes through the model again.
+    ``unattended`` (no caller code between the steps): compiled steps after the first check only
+    the guards that tell their graphs apart (:func:`attnkit.decoding.differentiating_guards_only`).
     """
     B, P = ids.shape
     capacity = P + max_new_tokens
@@ -410,14 +426,20 @@ def _decode(
                     raw = lm(ids, mask, positions=positions, kv_caches=caches, logits_to_keep=1)
                 raw = raw[:, -1]
             elif compile:  # every slot, the one to write given as a tensor
-                raw = step_fn(
-                    step_ids,
-                    full_mask,
-                    positions=step_pos,
-                    kv_caches=caches,
-                    cache_position=torch.tensor([S - 1], device=ids.device),
-                    logits_to_keep=1,
-                )[:, -1]
+                guards = (
+                    decoding.differentiating_guards_only()
+                    if unattended and step > 1
+                    else contextlib.nullcontext()
+                )
+                with guards:
+                    raw = step_fn(
+                        step_ids,
+                        full_mask,
+                        positions=step_pos,
+                        kv_caches=caches,
+                        cache_position=torch.tensor([S - 1], device=ids.device),
+                        logits_to_keep=1,
+                    )[:, -1]
             else:
                 mask = None if full_mask is None else full_mask[:, :S]
                 with torch.inference_mode():
@@ -464,7 +486,7 @@ def generate(
             ``P + max_new_tokens > max_seq_len``.
         TypeError: For non-integer ids, a bad ``eos_token_id`` or an unknown option.
     """
-    columns = list(stream(lm, input_ids, max_new_tokens, **options))
+    columns = list(_stream(lm, input_ids, max_new_tokens, True, **options))
     ids = input_ids.to(_device(lm))
     if not columns:
         return ids
