@@ -39,45 +39,36 @@ static inline uint16_t float_to_bf16(float f) {
   return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* Eight bf16 values widened to float32. */
-static inline __m256 widen8(const uint16_t *p) {
-  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+/* Eight weights from w[i] as float32: bf16 widened, or float32 loaded. */
+static inline __m256 load8(const void *w, int64_t i, int bf16) {
+  if (!bf16) return _mm256_loadu_ps((const float *)w + i);
+  const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* One weight row's dot with one float32 activation row. */
-static inline float bf16_row_dot(const float *x, const uint16_t *w, int64_t n) {
+static inline float load1(const void *w, int64_t i, int bf16) {
+  return bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+/* One weight row's dot with one float32 activation row (inlined with a constant bf16, so each
+ * caller gets its own loop). */
+static inline float row_dot(const float *x, const void *w, int64_t n, int bf16) {
+  const char *bytes = (const char *)w;
+  const int64_t size = bf16 ? 2 : 4;
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     /* (a prefetch past the end of the weight is harmless: it never faults) */
-    _mm_prefetch((const char *)(w + i) + PREFETCH, _MM_HINT_NTA);
-    _mm_prefetch((const char *)(w + i) + PREFETCH + 32, _MM_HINT_NTA);
-    a0 = _mm256_fmadd_ps(widen8(w + i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(widen8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-    a2 = _mm256_fmadd_ps(widen8(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-    a3 = _mm256_fmadd_ps(widen8(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    for (int64_t line = 0; line < 32 * size; line += 64)
+      _mm_prefetch(bytes + i * size + PREFETCH + line, _MM_HINT_T0);
+    a0 = _mm256_fmadd_ps(load8(w, i, bf16), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(load8(w, i + 8, bf16), _mm256_loadu_ps(x + i + 8), a1);
+    a2 = _mm256_fmadd_ps(load8(w, i + 16, bf16), _mm256_loadu_ps(x + i + 16), a2);
+    a3 = _mm256_fmadd_ps(load8(w, i + 24, bf16), _mm256_loadu_ps(x + i + 24), a3);
   }
-  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(widen8(w + i), _mm256_loadu_ps(x + i), a0);
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load8(w, i, bf16), _mm256_loadu_ps(x + i), a0);
   float sum = lanes_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; i < n; i++) sum += bf16_to_float(w[i]) * x[i];
-  return sum;
-}
-
-static inline float float_row_dot(const float *x, const float *w, int64_t n) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    _mm_prefetch((const char *)(w + i) + PREFETCH, _MM_HINT_NTA);
-    _mm_prefetch((const char *)(w + i) + PREFETCH + 64, _MM_HINT_NTA);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
-  }
-  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
-  float sum = lanes_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; i < n; i++) sum += w[i] * x[i];
+  for (; i < n; i++) sum += load1(w, i, bf16) * x[i];
   return sum;
 }
 
@@ -93,7 +84,7 @@ int attnkit_bf16_linear(const uint16_t *x, int64_t rows, int64_t n, const uint16
   for (int64_t o = 0; o < out; o++) {
     const float b = bias ? bf16_to_float(bias[o]) : 0.f;
     for (int64_t r = 0; r < rows; r++)
-      y[r * out + o] = float_to_bf16(bf16_row_dot(xf + r * n, w + o * n, n) + b);
+      y[r * out + o] = float_to_bf16(row_dot(xf + r * n, w + o * n, n, 1) + b);
   }
   free(xf);
   return 0;
@@ -106,7 +97,7 @@ int attnkit_float_linear(const float *x, int64_t rows, int64_t n, const float *w
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
   for (int64_t o = 0; o < out; o++) {
     const float b = bias ? bias[o] : 0.f;
-    for (int64_t r = 0; r < rows; r++) y[r * out + o] = float_row_dot(x + r * n, w + o * n, n) + b;
+    for (int64_t r = 0; r < rows; r++) y[r * out + o] = row_dot(x + r * n, w + o * n, n, 0) + b;
   }
   return 0;
 }
