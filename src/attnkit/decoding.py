@@ -73,7 +73,7 @@ def _kernels_ready() -> bool:
     if _kernels is None:
         if torch.compiler.is_compiling():  # (a build is not traced: asked before, or no kernel)
             return False
-        _kernels = not _bf16_dot_native() and native.kernels_available()
+        _kernels = not _BF16_NATIVE and native.kernels_available()
     return _kernels
 
 

@@ -678,19 +678,17 @@ def _fused_attention(
         out = F.scaled_dot_product_attention(
             grouped, k, v, attn_mask=mask, dropout_p=0.0, scale=scale
         ).reshape(*q.shape[:-1], v.shape[-1])
-        if _no_data_branches(q) or not _is_finite(q):
-            out = out + _nan_rows(q)
-        return out if row_ok is None else torch.where(row_ok, out, 0.0)
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=gqa,
-    )
+    else:
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=gqa,
+        )
     if _no_data_branches(q) or not _is_finite(q):  # the add costs ~10% of a forward on CPU
         out = out + _nan_rows(q)
     if row_ok is not None:
