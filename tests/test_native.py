@@ -313,3 +313,97 @@ def test_float_products_of_empty_sizes_and_strided_bias() -> None:
     assert native.float_dot_linear(torch.zeros(0, 4), torch.ones(5, 4), bias).shape == (0, 5)
     x, w = torch.randn(2, 4), torch.randn(5, 4)
     assert_close(native.float_dot_linear(x, w, bias), x @ w.T + bias)
+
+
+def _capped_reference(
+    t: Tensor, cap: float, first: int, period: int, causal: bool, window: int | None
+) -> Tensor:
+    """float64 softmax of ``cap * tanh(x / cap)`` with ``t = 2 x / cap``, masked by position."""
+    rows, width = t.shape
+    x = t.double() * cap / 2
+    at = first + torch.arange(rows) % period  # each row's query position
+    j = torch.arange(width)
+    ok = torch.ones(rows, width, dtype=torch.bool)
+    if causal:
+        ok &= j[None, :] <= at[:, None]
+    if window is not None:
+        ok &= (at[:, None] - j[None, :]).abs() < window
+    p = torch.softmax((cap * torch.tanh(x / cap)).masked_fill(~ok, -torch.inf), dim=-1)
+    return p.nan_to_num(nan=0.0)  # (a row without keys: all zero)
+
+
+@needs_kernel
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 1, 5, 300])
+@pytest.mark.parametrize("first", [-12, 0, 7, 40])
+def test_capped_softmax_follows_float64(causal: bool, window: int | None, first: int) -> None:
+    gen = torch.Generator().manual_seed(first + 3 * (window or 0) + causal)
+    rows, width, period, cap = 3 * 13, 37, 13, 3.0  # widths off the vector length, tails
+    t = 2 / cap * 8 * torch.randn(rows, width, generator=gen)  # raw scores of size ~8
+    got = native.capped_softmax_(
+        t.clone().view(3, period, width),
+        cap,
+        first=first,
+        period=period,
+        causal=causal,
+        window=window,
+        finite=True,
+    )
+    want = _capped_reference(t, cap, first, period, causal, window)
+    assert_close(got.view(rows, width).double(), want, atol=2e-6, rtol=2e-5)
+    # Not vacuous: the cap changes the weights far beyond the tolerance.
+    plain = torch.softmax(t.double() * cap / 2, -1)
+    assert (plain - want).abs().max() > 1e-2
+    if causal and first < 0:  # rows before the first key attend nothing: exact zeros
+        assert torch.equal(got.view(rows, width)[:-first], torch.zeros(-first, width))
+
+
+@needs_kernel
+def test_capped_softmax_keeps_non_finite_values_in_their_row_only() -> None:
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(6, 40, generator=gen)
+    t[0, 3], t[1, 39], t[2, 17] = torch.nan, torch.inf, -torch.inf
+    got = native.capped_softmax_(t.clone(), 5.0)
+    assert torch.isnan(got[:3]).all()  # NaN, and inf unless `finite`
+    assert torch.isfinite(got[3:]).all()
+    assert_close(
+        got[3:].double(), _capped_reference(t[3:], 5.0, 0, 3, False, None), atol=2e-6, rtol=2e-5
+    )
+    # With `finite` the caller vouches for the inputs: an overflowed score is capped like tanh.
+    capped = native.capped_softmax_(t[1:3].clone(), 5.0, finite=True)
+    assert_close(
+        capped.double(),
+        _capped_reference(t[1:3].clamp(-1e30, 1e30), 5.0, 0, 2, False, None),
+        atol=2e-6,
+        rtol=2e-5,
+    )
+    # A NaN the masks leave out is never read.
+    masked = torch.zeros(2, 8)
+    masked[:, 5] = torch.nan
+    out = native.capped_softmax_(masked, 5.0, causal=True, period=2)  # rows at positions 0, 1
+    assert torch.isfinite(out).all()
+    assert_close(out[1, :2], torch.full((2,), 0.5))
+
+
+@needs_kernel
+def test_capped_softmax_ignores_threads_and_gets_clear_errors() -> None:
+    gen = torch.Generator().manual_seed(1)
+    t = torch.randn(64, 1500, generator=gen)  # over the threading threshold
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.capped_softmax_(t.clone(), 50.0, causal=True, first=700)
+        torch.set_num_threads(2)
+        two = native.capped_softmax_(t.clone(), 50.0, causal=True, first=700)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    assert native.capped_softmax_(torch.empty(0, 5), 1.0).shape == (0, 5)
+    with pytest.raises(TypeError, match="float32"):
+        native.capped_softmax_(t.double(), 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.capped_softmax_(t.t(), 1.0)
+    with pytest.raises(ValueError, match="softcap=0"):
+        native.capped_softmax_(t.clone(), 0.0)
+    with pytest.raises(ValueError, match="window=0"):
+        native.capped_softmax_(t.clone(), 1.0, window=0)

@@ -41,6 +41,7 @@ from torch import Tensor
 
 __all__ = [
     "INT8_DOT_BLOCK",
+    "capped_softmax_",
     "float_dot_linear",
     "group_codes",
     "int8_dot_linear",
@@ -54,7 +55,10 @@ __all__ = [
 INT8_DOT_BLOCK = 32
 #: Output rows whose codes :func:`group_codes` lays side by side.
 _GROUP = 4
-_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int8_dot.c", "float_dot.c"))
+_SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name
+    for name in ("int8_dot.c", "float_dot.c", "capped_softmax.c")
+)
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-Wall")
 
 
@@ -146,6 +150,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     for call in (lib.attnkit_int8_linear, lib.attnkit_bf16_linear, lib.attnkit_float_linear):
         call.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, ctypes.c_int]
         call.restype = ctypes.c_int
+    lib.attnkit_capped_softmax.argtypes = [pointer, *[int64] * 5, ctypes.c_int, int64]
+    lib.attnkit_capped_softmax.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.attnkit_capped_softmax.restype = ctypes.c_int
     return lib, ""
 
 
@@ -371,3 +378,75 @@ _OPS.impl("float_dot_linear", float_dot_linear, "CPU")
 @torch.library.register_fake("attnkit::float_dot_linear", lib=_OPS)
 def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def capped_softmax_(
+    scores: Tensor,
+    softcap: float,
+    *,
+    first: int = 0,
+    period: int | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    finite: bool = False,
+) -> Tensor:
+    """The softmax of soft-capped scores along the last dim, in place, in one pass from memory.
+
+    ``scores`` holds ``t = 2 x / c`` for raw scores ``x`` and cap ``c = softcap`` (fold the
+    factor into the product that makes them); each row becomes
+    ``softmax(c * tanh(x / c))`` over the keys it may attend, and 0 elsewhere (a row that may
+    attend no key is all 0). Row ``k`` (over all leading dims) is the query at position
+    ``first + k % period`` counted from the row's first key: ``causal`` keeps the keys at or
+    before it, ``window`` the keys less than ``window`` away (:class:`attnkit.masks.Structure`'s
+    rules). A NaN makes its row NaN; unless ``finite``, so does an infinite ``t``.
+
+    Args:
+        scores: Float32, contiguous, on the CPU, at least one dim.
+        softcap: The cap ``c > 0``.
+        first: Position of the first row's query, relative to the first key.
+        period: Rows per run of query positions (default: all rows, one position each).
+        causal: Keys after the query are masked.
+        window: Keys ``window`` or more positions away are masked (None: no window).
+        finite: The raw scores are known to be finite (skips a pass that turns inf into NaN).
+
+    Returns:
+        ``scores``.
+
+    Raises:
+        TypeError: For a dtype other than float32.
+        ValueError: For a tensor that is not contiguous or not on the CPU, or a bad argument.
+        RuntimeError: Where the kernels are not available (:func:`kernels_unavailable`).
+    """
+    if scores.dtype != torch.float32:
+        raise TypeError(f"capped_softmax_ takes float32 scores, got {scores.dtype}")
+    if scores.device.type != "cpu" or not scores.is_contiguous() or scores.dim() < 1:
+        raise ValueError(
+            f"capped_softmax_ needs contiguous CPU scores with at least one dim, got shape "
+            f"{tuple(scores.shape)} strides {scores.stride()} on {scores.device}"
+        )
+    rows = math.prod(scores.shape[:-1])
+    period = max(rows, 1) if period is None else period
+    if not softcap > 0 or period < 1 or (window is not None and window < 1):
+        raise ValueError(
+            f"capped_softmax_ needs softcap > 0, period >= 1 and window >= 1 or None, got "
+            f"softcap={softcap}, period={period}, window={window}"
+        )
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"attnkit's kernels are not available: {_load()[1]}")
+    width = scores.shape[-1]
+    if rows and width:
+        lib.attnkit_capped_softmax(
+            scores.data_ptr(),
+            rows,
+            width,
+            width,
+            period,
+            first,
+            int(causal),
+            window or 0,
+            softcap,
+            int(finite),
+            torch.get_num_threads(),
+        )
+    return scores

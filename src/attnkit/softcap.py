@@ -31,35 +31,42 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit import native
 from attnkit.masks import Structure
 
 __all__ = ["capped_attention", "chunk_rows", "decode_step"]
 
-#: Scores per chunk at most (all heads of the batch together): 2**20 float32 are 4 MiB, which
+#: Scores per chunk at most (all heads of the batch together): 2**21 float32 are 8 MiB, which
 #: bounds the buffer's memory for long keys.
-CHUNK_SCORES = 2**20
+CHUNK_SCORES = 2**21
 #: Most queries per chunk: a causal chunk computes ``rows**2 / 2`` masked scores on its diagonal,
-#: and the buffer should stay in cache; 64 beat 16, 32, 128 and 256 at causal L=S=256..2048
-#: (``benchmarks/bench_softcap.py --rows``).
-MAX_ROWS = 64
+#: but taller products run faster; with the one-pass softmax 128 beat 64 and 256 at causal
+#: L=S=1024..2048 (``benchmarks/bench_softcap.py --rows``, ``benchmarks/RESULTS.md``).
+MAX_ROWS = 128
 #: Fewest queries per chunk (below this the per-call overhead dominates).
 MIN_ROWS = 16
 
 
-def chunk_rows(heads: int, width: int, L: int) -> int:
-    """Queries per chunk: :data:`MAX_ROWS`, fewer when ``heads * rows * width`` would pass
-    :data:`CHUNK_SCORES` (but at least :data:`MIN_ROWS`).
+def chunk_rows(heads: int, width: int, L: int, window: int | None = None) -> int:
+    """Queries per chunk: :data:`MAX_ROWS` (a quarter of a ``window``, if that is less), fewer
+    when ``heads * rows * width`` would pass :data:`CHUNK_SCORES` (but at least
+    :data:`MIN_ROWS`).
+
+    A window's chunk computes ``rows * (window + rows)`` scores for ``rows * window`` allowed
+    pairs, so its rows stay small beside the window (64 beat 32 and 128 at window 256).
 
     Args:
         heads: Batch times query heads.
         width: Keys a chunk attends at most (``S``, or ``window + rows`` for a window).
         L: Query length.
+        window: The sliding window, if any.
 
     Returns:
         The chunk height, between 1 and ``L``.
     """
+    most = MAX_ROWS if window is None else min(MAX_ROWS, window // 4 // MIN_ROWS * MIN_ROWS)
     rows = CHUNK_SCORES // max(1, heads * width)
-    rows = max(MIN_ROWS, min(MAX_ROWS, rows // MIN_ROWS * MIN_ROWS))
+    rows = max(MIN_ROWS, min(most, rows // MIN_ROWS * MIN_ROWS))
     return max(1, min(rows, L))
 
 
@@ -128,13 +135,24 @@ def capped_attention(
     longest = S if rules.key_lengths is None else int(rules.key_lengths.max())
     if rows is None:
         widest = S if rules.window is None else min(S, 2 * rules.window + 1)
-        rows = chunk_rows(B * H, widest, L)
+        rows = chunk_rows(B * H, widest, L, rules.window)
         if rules.window is not None:
-            rows = chunk_rows(B * H, min(S, widest + rows), L)
+            rows = chunk_rows(B * H, min(S, widest + rows), L, rules.window)
 
     out = q5.new_empty(B, K, G, L, Ev)
     weights = q5.new_zeros(B, K, G, L, S) if return_weights and not grads else None
     buffer = None if grads else q5.new_empty(B * K * G * rows * min(S, longest))
+    # Causal/window masking only, no gradients, float32: the cap, the masks and the softmax as
+    # one in-place pass of attnkit's kernel over each row (torch needs five).
+    one_pass = (
+        buffer is not None
+        and compute == torch.float32
+        and q.device.type == "cpu"
+        and not rules.batched
+        and bmask is None
+        and fmask is None
+        and native.kernels_available()
+    )
     pieces: list[tuple[int, int, int, Tensor, Tensor | None]] = []
     for i0 in range(0, L, rows):
         i1 = min(L, i0 + rows)
@@ -161,6 +179,18 @@ def capped_attention(
         else:
             s = buffer[: B * K * G * r * w].view(B * K, G * r, w)
             torch.baddbmm(s, qc, kc, beta=0.0, alpha=alpha, out=s)
+            if one_pass:
+                native.capped_softmax_(
+                    s,
+                    softcap,
+                    first=p0 - lo,
+                    period=r,
+                    causal=rules.causal,
+                    window=rules.window,
+                    finite=finite,
+                )
+                _attend_chunk(s, v3[:, lo:hi], out, weights, i0, i1, lo, dropout_p)
+                continue
             # inf -> NaN (s + 0 * s * s), as the textbook math's uncapped +inf score would make the
             # row NaN: the output then shows that a non-finite input was met, and
             # attnkit.functional reruns with its rules (a capped inf would look finite).
@@ -202,18 +232,13 @@ def capped_attention(
             p5 = p.view(B, K, G, r, w)
             p5 = p5.masked_fill(empty, 0.0) if grads else p5.masked_fill_(empty, 0.0)
             p = p5.view(B * K, G * r, w)
-        if dropout_p > 0.0:
-            p = F.dropout(p, p=dropout_p)
         if grads:
+            if dropout_p > 0.0:
+                p = F.dropout(p, p=dropout_p)
             o = torch.bmm(p, v3[:, lo:hi]).view(B, K, G, r, Ev)
             pieces.append((i0, lo, hi, o, p.view(B, K, G, r, w) if return_weights else None))
             continue
-        if G == 1 or r == L:  # the chunk's rows of out as one (B*K, G*r, Ev) view
-            torch.bmm(p, v3[:, lo:hi], out=out.view(B * K, G * L, Ev)[:, G * i0 : G * i1])
-        else:
-            out[:, :, :, i0:i1].copy_(torch.bmm(p, v3[:, lo:hi]).view(B, K, G, r, Ev))
-        if weights is not None:
-            weights[:, :, :, i0:i1, lo:hi].copy_(p.view(B, K, G, r, w))
+        _attend_chunk(p, v3[:, lo:hi], out, weights, i0, i1, lo, dropout_p)
     if grads:
         out, weights = _assemble(pieces, q5, k3, v3, L, S, Ev, return_weights)
     out = out.reshape(*batch_shape, H, L, Ev).to(dtype)
@@ -223,6 +248,31 @@ def capped_attention(
         out = out.squeeze(0)
         weights = None if weights is None else weights.squeeze(0)
     return out, weights
+
+
+def _attend_chunk(
+    p: Tensor,
+    v: Tensor,
+    out: Tensor,
+    weights: Tensor | None,
+    i0: int,
+    i1: int,
+    lo: int,
+    dropout_p: float,
+) -> None:
+    """Multiply a chunk's weights ``p`` ``(B*K, G*r, w)`` (queries ``i0:i1``) by its values
+    ``v`` ``(B*K, w, Ev)`` (keys from ``lo``) into ``out`` ``(B, K, G, L, Ev)``; copy them into
+    ``weights`` ``(B, K, G, L, S)`` when given (after dropout, the weights that were applied)."""
+    B, K, G, L, Ev = out.shape
+    r, w = i1 - i0, p.shape[2]
+    if dropout_p > 0.0:
+        p = F.dropout(p, p=dropout_p)
+    if G == 1 or r == L:  # the chunk's rows of out as one (B*K, G*r, Ev) view
+        torch.bmm(p, v, out=out.view(B * K, G * L, Ev)[:, G * i0 : G * i1])
+    else:
+        out[:, :, :, i0:i1].copy_(torch.bmm(p, v).view(B, K, G, r, Ev))
+    if weights is not None:
+        weights[:, :, :, i0:i1, lo : lo + w].copy_(p.view(B, K, G, r, w))
 
 
 def decode_step(
@@ -319,8 +369,11 @@ def _per_chunk(mask: Tensor, batch_shape: torch.Size, K: int, G: int) -> Tensor:
 
 
 def _chunk(mask: Tensor, i0: int, i1: int, lo: int, hi: int) -> Tensor:
-    """Rows ``i0:i1`` and keys ``lo:hi`` of a :func:`_per_chunk` mask."""
-    return mask[..., i0:i1, lo:hi]
+    """Rows ``i0:i1`` and keys ``lo:hi`` of a :func:`_per_chunk` mask; a dim of size 1 (a mask
+    broadcast over the queries, like a key-padding mask, or over the keys) is kept whole."""
+    rows = slice(None) if mask.shape[-2] == 1 else slice(i0, i1)
+    keys = slice(None) if mask.shape[-1] == 1 else slice(lo, hi)
+    return mask[..., rows, keys]
 
 
 @dataclass(frozen=True)
