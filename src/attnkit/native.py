@@ -1,7 +1,7 @@
 """Kernels attnkit compiles itself, on first use, with the system's C compiler.
 
-Two kinds today, both for decoding (products of a weight with a few rows), both reading the weight
-as one sequential stream per thread, prefetched ahead:
+Products for decoding (a weight times a few rows), each reading the weight as one sequential
+stream per thread, prefetched ahead:
 
 * int8 weights through AVX2's integer dot products (``csrc/int8_dot.c``). On CPUs with AVX2 but
   neither AVX512-BF16 nor AMX, torch's int8 kernels (fbgemm's dynamic linear,
@@ -11,6 +11,10 @@ as one sequential stream per thread, prefetched ahead:
   is more exact than fbgemm's (one 7-bit scale per row).
 * bf16 and float32 weights through AVX2 FMAs (``csrc/float_dot.c``): torch's bf16 ``F.linear``
   reads a one-row product's weight at about 0.6x this kernel's bandwidth on such CPUs.
+
+and the soft-capped softmax of Gemma 2's attention (``csrc/capped_softmax.c``,
+:func:`capped_softmax_`): the cap, the causal/window masks and the softmax of a row of scores in
+one pass from memory, where torch makes five (``attnkit.softcap`` runs it on each chunk).
 
 The sources are built by ``cc -O3 -mavx2 -mfma`` into one shared library cached under
 ``$ATTNKIT_CACHE_DIR`` (default ``~/.cache/attnkit``), named by a hash of the sources, the flags
