@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import attnkit
-from attnkit import functional
+from attnkit import functional, native
 from attnkit import masks as M
 from attnkit.functional import block_sparse_attention
 from attnkit.functional import scaled_dot_product_attention as sdpa
@@ -136,6 +136,7 @@ def test_plain_causal_dispatches_to_is_causal(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(functional, "_one_query_kernel", lambda *args: False)  # (torch's path)
     q, k, v = _qkv(L=6, S=6)
     sdpa(q, k, v, causal=True)
     assert calls[-1] == (None, True)
@@ -149,9 +150,15 @@ def test_plain_causal_dispatches_to_is_causal(monkeypatch):
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("window", [None, 1, 3, 20])
 @pytest.mark.parametrize("padded", [False, True])
-def test_one_query_matches_float64_reference(heads, window, padded, monkeypatch):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_one_query_matches_float64_reference(heads, window, padded, kernel, monkeypatch):
     """The decoding step (one query) takes its own fast path: grouped heads, the window as a
-    slice; equal to the float64 math with every option it takes."""
+    slice, attnkit's kernel where it builds (else torch's fused kernel); equal to the float64
+    math with every option it takes."""
+    if kernel and not native.kernels_available():
+        pytest.skip(f"no attnkit kernels: {native.kernels_unavailable()}")
+    if not kernel:
+        monkeypatch.setattr(functional, "_one_query_kernel", lambda *args: False)
     H, K = heads
     q, k, v = _qkv(B=3, H=H, K=K, L=1, S=9, Ev=6)
     mask = None
@@ -169,13 +176,22 @@ def test_one_query_matches_float64_reference(heads, window, padded, monkeypatch)
         shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
         return real(*args, **kwargs)
 
+    real_kernel = native.one_query_attention
+
+    def spy_kernel(*args, **kwargs):
+        shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+        return real_kernel(*args, **kwargs)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(native, "one_query_attention", spy_kernel)
     out = sdpa(q, k, v, mask, causal=True, window=window)
     ref, _ = reference_attention(q, k, v, allowed)
     assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
     kept = 9 if window is None else min(window, 9)
-    # The fused kernel saw H/K query rows per key/value head and only the window's keys.
-    assert shapes == [((3, K, H // K, 8), (3, K, kept, 8))]
+    # One call saw only the window's keys: the kernel all H query heads, torch's fused kernel
+    # H/K query rows per key/value head.
+    query = (3, H, 1, 8) if kernel else (3, K, H // K, 8)
+    assert shapes == [(query, (3, K, kept, 8))]
 
 
 @pytest.mark.parametrize("where", ["query", "attended value", "masked key", "no key"])
@@ -711,3 +727,21 @@ def test_softcap_caps_scores_on_every_path(return_weights, structure):
         assert_close(g, r)
     with pytest.raises(ValueError, match=r"softcap must be a positive finite number.*-1"):
         sdpa(q, k, v, softcap=-1.0)
+
+
+@pytest.mark.skipif(not native.kernels_available(), reason="attnkit's kernels do not build here")
+def test_a_compiled_decoding_step_calls_the_one_query_kernel() -> None:
+    """Inside a compiled graph one query per head over a padded (static) cache is the op
+    ``attnkit::one_query_attention``, equal to the float64 math (and to torch's fused kernel)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 1, 8, generator=g)
+    k, v = (torch.randn(2, 3, 10, 8, generator=g) for _ in range(2))
+    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    mask[1, ..., :4] = False  # left padding
+    mask[..., 7:] = False  # empty slots of the cache
+    step = torch.compile(sdpa, fullgraph=True)
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        got = step(q, k, v, mask)
+    assert any(event.name == "attnkit::one_query_attention" for event in prof.events())
+    want, _ = reference_attention(q, k, v, mask)
+    assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

@@ -407,3 +407,79 @@ def test_capped_softmax_ignores_threads_and_gets_clear_errors() -> None:
         native.capped_softmax_(t.clone(), 0.0)
     with pytest.raises(ValueError, match="window=0"):
         native.capped_softmax_(t.clone(), 1.0, window=0)
+
+
+def _one_query_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """float64 attention of each query head over its key/value head; rows without keys zero."""
+    groups = q.shape[1] // k.shape[1]
+    kk, vv = (t.double().repeat_interleave(groups, 1) for t in (k, v))
+    scores = q.double() @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -torch.inf)
+    return torch.softmax(scores, -1).nan_to_num(nan=0.0) @ vv
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("B", "H", "K", "S", "E", "Ev"),
+    [(1, 9, 3, 136, 64, 64), (2, 8, 2, 37, 33, 17), (3, 4, 4, 1, 8, 8), (2, 2, 1, 300, 128, 96)],
+)
+def test_one_query_attention_follows_float64(dtype, B, H, K, S, E, Ev) -> None:
+    gen = torch.Generator().manual_seed(S + E)
+    q = torch.randn(B, H, 1, E, generator=gen).to(dtype)
+    cache = torch.randn(B, K, S + 5, E, generator=gen).to(dtype)  # a cache's slice: strided
+    k, v = cache[:, :, :S], torch.randn(B, K, S, Ev, generator=gen).to(dtype)
+    padded = torch.rand(B, 1, 1, S, generator=gen) > 0.3
+    padded[..., 0] = True
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for mask in (None, padded, padded[:1]):
+        out, flags = native.one_query_attention(q, k, v, mask, E**-0.5)
+        assert flags == 0 and out.dtype == dtype and out.shape == (B, H, 1, Ev)
+        assert_close(out.double(), _one_query_reference(q, k, v, mask), **tol)
+
+
+@needs_kernel
+def test_one_query_attention_flags_empty_and_non_finite_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 8, generator=gen)
+    k, v = (torch.randn(2, 2, 10, 8, generator=gen) for _ in range(2))  # two key/value heads
+    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    mask[1] = False  # the second sequence may attend nothing: zero rows
+    out, flags = native.one_query_attention(q, k, v, mask, 8**-0.5)
+    assert flags == native.NO_KEY and torch.equal(out[1], torch.zeros(4, 1, 8))
+    assert_close(out[0].double(), _one_query_reference(q, k, v, mask)[0], atol=1e-5, rtol=1e-5)
+    # A NaN key the mask leaves out is never read; one it allows makes its head's rows NaN.
+    mask[1] = True
+    mask[:, ..., 3] = False
+    k[0, 1, 3, 0] = torch.nan
+    out, flags = native.one_query_attention(q, k, v, mask, 8**-0.5)
+    assert flags == 0 and torch.isfinite(out).all()
+    k[0, 1, 4, 0] = torch.nan
+    out, flags = native.one_query_attention(q, k, v, mask, 8**-0.5)
+    assert flags == native.NON_FINITE
+    assert torch.isnan(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
+    assert torch.isfinite(out[1]).all()
+
+
+@needs_kernel
+def test_one_query_attention_ignores_threads_and_gets_clear_errors() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(4, 8, 1, 64, generator=gen), *torch.randn(2, 4, 2, 700, 64, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.one_query_attention(q, k, v, None, 0.125)[0]
+        torch.set_num_threads(2)
+        two = native.one_query_attention(q, k, v, None, 0.125)[0]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    with pytest.raises(TypeError, match="bfloat16 or all float32"):
+        native.one_query_attention(q.double(), k, v, None, 1.0)
+    with pytest.raises(TypeError, match="bool mask"):
+        native.one_query_attention(q, k, v, torch.zeros(4, 1, 1, 700), 1.0)
+    with pytest.raises(ValueError, match="H % K == 0"):
+        native.one_query_attention(q[:, :3], k, v, None, 1.0)
+    with pytest.raises(ValueError, match="mask"):
+        native.one_query_attention(q, k, v, torch.ones(4, 1, 1, 5, dtype=torch.bool), 1.0)

@@ -28,6 +28,7 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit import native
 
@@ -132,6 +133,7 @@ class PreparedLinear(nn.Linear):
             and x.numel() < UPCAST_ROWS * self.in_features
             and not (torch.is_grad_enabled() and _needs_grad(x, self.weight, self.bias))
             and not torch.compiler.is_compiling()
+            and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
         ):
             # A few rows without gradients (a decoding step), eager: the kernel directly (the
             # checks of `linear` cost more than a small product).
@@ -221,6 +223,7 @@ def _streams(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and weight.is_contiguous()
         and 0 < x.numel() < UPCAST_ROWS * x.shape[-1]
         and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))
+        and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
         and _kernels_ready()
     )
 
@@ -385,7 +388,10 @@ def compiled_step(model: Any) -> Callable[..., Any]:
     """
     step = model.__dict__.get("_attnkit_step")
     if step is None:
-        _kernels_ready()  # asked (and built) before the trace, which reads the answer
+        # Asked (and built) before the trace, which reads the answers: the products' rule and
+        # the one-query attention kernel (functional), on every CPU where they build.
+        _kernels_ready()
+        native.kernels_available()
         step = torch.compile(model.forward, fullgraph=True, dynamic=False)
         model.__dict__["_attnkit_step"] = step
     return step

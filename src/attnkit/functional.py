@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit import masks as M
+from attnkit import native, sparse
 from attnkit import softcap as capped
-from attnkit import sparse
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -280,8 +281,13 @@ def one_query(
             return None
         if window is not None and window < S:
             mask = mask[..., S - window :]
-        if not bool(mask.any(dim=-1).all()):  # a row with no key: the general path zeroes it
-            return None
+    if _one_query_kernel(q, k, v) and native.kernels_available():
+        # attnkit's kernel: a query with no key, or a non-finite output, is flagged, and the
+        # general path recomputes the step with its rules.
+        out, flags = native.one_query_attention(q, k, v, mask, scale)
+        return None if flags else out
+    if mask is not None and not bool(mask.any(dim=-1).all()):  # a row with no key: general path
+        return None
     grouped = q.reshape(B, K, H // K, E)  # (B, K, H/K, E)
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
     # The check also covers the query: a NaN or inf in it makes every score of its row NaN or
@@ -289,6 +295,25 @@ def one_query(
     if _may_hide_non_finite(out, None):
         return None
     return out.view(B, H, 1, v.shape[-1])
+
+
+def _one_query_kernel(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether :func:`attnkit.native.one_query_attention` may compute this decoding step (where
+    the kernels run): CPU, float32 or bfloat16, 4-dim, no gradients, outside torch dispatch
+    modes (which see torch's ops, not a kernel's: ``FlopCounterMode``, fake tensors). On a
+    2-core AVX2 CPU it takes 0.4-0.8x torch's fused kernel's time for one query over a cache,
+    and 0.3-0.6x over a static cache's masked slots, which it does not read
+    (``benchmarks/RESULTS.md``)."""
+    return (
+        q.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == v.dtype == q.dtype
+        and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
+        and q.dim() == k.dim() == v.dim() == 4
+        and q.device.type == k.device.type == v.device.type == "cpu"
+        and not (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        )
+    )
 
 
 def block_sparse_attention(
@@ -674,10 +699,22 @@ def _fused_attention(
         # become that head's rows, so each key/value head is read once, not H / K times
         # (fewer, larger problems for the fused kernel: about 2x faster in a compiled step).
         H, K = q.shape[-3], k.shape[-3]
-        grouped = q.reshape(*q.shape[:-3], K, H // K, q.shape[-1])
-        out = F.scaled_dot_product_attention(
-            grouped, k, v, attn_mask=mask, dropout_p=0.0, scale=scale
-        ).reshape(*q.shape[:-1], v.shape[-1])
+        if (
+            torch.compiler.is_compiling()
+            and native.kernels_loaded()  # (built before the trace: a build is not traced)
+            and _one_query_kernel(q, k, v)
+            and (mask is None or mask.dtype == torch.bool)
+        ):
+            # attnkit's kernel as one op of the graph: it reads only the keys the mask allows
+            # (a static cache's filled slots), where the fused kernel reads every slot. The
+            # mask is (S,), (1, S), (1, 1, S) or (B or 1, 1, 1, S) here: (B or 1, 1, 1, S).
+            keys = None if mask is None else mask.reshape(-1, 1, 1, mask.shape[-1])
+            out = torch.ops.attnkit.one_query_attention(q, k, v, keys, scale)
+        else:
+            grouped = q.reshape(*q.shape[:-3], K, H // K, q.shape[-1])
+            out = F.scaled_dot_product_attention(
+                grouped, k, v, attn_mask=mask, dropout_p=0.0, scale=scale
+            ).reshape(*q.shape[:-1], v.shape[-1])
     else:
         out = F.scaled_dot_product_attention(
             q,

@@ -12,9 +12,18 @@ stream per thread, prefetched ahead:
 * bf16 and float32 weights through AVX2 FMAs (``csrc/float_dot.c``): torch's bf16 ``F.linear``
   reads a one-row product's weight at about 0.6x this kernel's bandwidth on such CPUs.
 
-and the soft-capped softmax of Gemma 2's attention (``csrc/capped_softmax.c``,
-:func:`capped_softmax_`): the cap, the causal/window masks and the softmax of a row of scores in
-one pass from memory, where torch makes five (``attnkit.softcap`` runs it on each chunk).
+and two for attention:
+
+* a decoding step's attention, one query per head over a key/value cache
+  (``csrc/one_query.c``, :func:`one_query_attention`, in compiled graphs the op
+  ``attnkit::one_query_attention``): the query heads sharing a key/value head computed together,
+  masked slots of a static cache never read; torch's fused kernel spends most of such a call on
+  set-up, and reads every slot.
+* the soft-capped softmax of Gemma 2's attention (``csrc/capped_softmax.c``,
+  :func:`capped_softmax_`): the cap, the causal/window masks and the softmax of a row of scores
+  in one pass from memory, where torch makes five (``attnkit.softcap`` runs it on each chunk).
+
+The AVX2 helpers they share (``exp``, bf16 conversions, lane sums) are in ``csrc/simd.h``.
 
 The sources are built by ``cc -O3 -mavx2 -mfma`` into one shared library cached under
 ``$ATTNKIT_CACHE_DIR`` (default ``~/.cache/attnkit``), named by a hash of the sources, the flags
@@ -50,7 +59,9 @@ __all__ = [
     "group_codes",
     "int8_dot_linear",
     "kernels_available",
+    "kernels_loaded",
     "kernels_unavailable",
+    "one_query_attention",
     "round_activations",
     "ungroup_codes",
 ]
@@ -61,8 +72,10 @@ INT8_DOT_BLOCK = 32
 _GROUP = 4
 _SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("int8_dot.c", "float_dot.c", "capped_softmax.c")
+    for name in ("int8_dot.c", "float_dot.c", "capped_softmax.c", "one_query.c")
 )
+#: Headers the sources include (hashed into the build's name with them).
+_HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h",))
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-Wall")
 
 
@@ -104,7 +117,7 @@ def _compiler() -> str | None:
 
 def _build(compiler: str, runtime: Path | None) -> Path:
     """Compile the sources (cached by a hash of everything that goes into the build)."""
-    sources = [path.read_bytes() for path in _SOURCES]
+    sources = [path.read_bytes() for path in (*_SOURCES, *_HEADERS)]
     cc = shlex.split(compiler)  # (CC may carry a launcher or flags: "ccache gcc")
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(
@@ -133,6 +146,9 @@ def _build(compiler: str, runtime: Path | None) -> Path:
     return target
 
 
+_loaded = False  # _load() has returned a library
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """The loaded library, or ``None`` and why not."""
@@ -157,6 +173,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.attnkit_capped_softmax.argtypes = [pointer, *[int64] * 5, ctypes.c_int, int64]
     lib.attnkit_capped_softmax.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.attnkit_capped_softmax.restype = ctypes.c_int
+    call = lib.attnkit_one_query_attention
+    call.argtypes = [pointer, *[int64] * 4, pointer, *[int64] * 3, pointer, *[int64] * 5]
+    call.argtypes += [pointer, int64, int64, ctypes.c_float, pointer, ctypes.c_int, ctypes.c_int]
+    call.restype = ctypes.c_int
+    global _loaded
+    _loaded = True
     return lib, ""
 
 
@@ -164,6 +186,12 @@ def kernels_available() -> bool:
     """Whether :func:`int8_dot_linear` and :func:`float_dot_linear` run here (the first call
     builds them)."""
     return _load()[0] is not None
+
+
+def kernels_loaded() -> bool:
+    """Whether the kernels are built and loaded already (never builds them: safe to ask while
+    ``torch.compile`` traces, where a build cannot run)."""
+    return _loaded
 
 
 def kernels_unavailable() -> str:
@@ -342,12 +370,9 @@ def float_dot_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
         or dtype not in _FLOAT_CALLS
         or x.dim() < 1
         or x.shape[-1] != n
-        or x.device.type != "cpu"
-        or weight.device.type != "cpu"
-        or (
-            bias is not None
-            and (bias.dtype != dtype or bias.shape != (out,) or bias.device.type != "cpu")
-        )
+        or not x.is_cpu
+        or not weight.is_cpu
+        or (bias is not None and (bias.dtype != dtype or bias.shape != (out,) or not bias.is_cpu))
     ):
         raise _float_mismatch(x, weight, bias)
     lib = _load()[0]
@@ -356,7 +381,7 @@ def float_dot_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     x, weight = x.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()  # (held: the kernel reads its memory)
     rows = math.prod(x.shape[:-1])
-    y = torch.empty((*x.shape[:-1], out), dtype=dtype)
+    y = x.new_empty((*x.shape[:-1], out))  # (x.dtype is dtype; new_empty costs half of empty)
     failed = getattr(lib, _FLOAT_CALLS[dtype])(
         x.data_ptr(),
         rows,
@@ -454,3 +479,132 @@ def capped_softmax_(
             torch.get_num_threads(),
         )
     return scores
+
+
+#: Flags of :func:`one_query_attention` (or-ed).
+NO_KEY = 1  #: some query may attend no key: its row is zero
+NON_FINITE = 2  #: some output value is NaN or infinite
+
+
+def one_query_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+) -> tuple[Tensor, int]:
+    """Attention of one query per sequence and head over a key/value cache: a decoding step.
+
+    The ``H / K`` query heads sharing a key/value head are computed together, each key and value
+    row read once; keys the mask leaves out are never read. Over the keys a query may attend the
+    result is the textbook softmax (a NaN or ``+inf`` score makes the row NaN, a ``-inf`` score
+    weighs 0); a query with no allowed key gets a zero row. The flags say where either happened,
+    so that a caller with stricter rules can recompute those steps.
+
+    Args:
+        q: Queries ``(B, H, 1, E)``.
+        k: Keys ``(B, K, S, E)`` with ``H % K == 0`` (rows may be strided: a cache's slice).
+        v: Values ``(B, K, S, Ev)``.
+        mask: Bool ``(B or 1, 1, 1, S)``, ``True`` where a key may be attended, or None.
+        scale: Multiplier of the scores.
+
+    Returns:
+        ``(out, flags)``: ``out`` ``(B, H, 1, Ev)`` in the inputs' dtype (all bfloat16 or all
+        float32), ``flags`` an or of :data:`NO_KEY` and :data:`NON_FINITE` (0: neither).
+
+    Raises:
+        TypeError: For other or mixed dtypes, or a mask that is not bool.
+        ValueError: For shapes that do not fit, or tensors not on the CPU.
+        RuntimeError: Where the kernels are not available (:func:`kernels_unavailable`).
+    """
+    # (Checks written for speed: a decoding step calls this once a layer, and each microsecond
+    # here is a few percent of a small model's step.)
+    dtype = q.dtype
+    if dtype not in _FLOAT_CALLS or k.dtype != dtype or v.dtype != dtype:
+        raise TypeError(
+            f"one_query_attention takes q, k and v all bfloat16 or all float32, got {q.dtype}, "
+            f"{k.dtype} and {v.dtype}"
+        )
+    if mask is not None and mask.dtype != torch.bool:
+        raise TypeError(f"one_query_attention takes a bool mask, got {mask.dtype}")
+    qs, ks, vs = q.shape, k.shape, v.shape
+    fits = len(qs) == len(ks) == len(vs) == 4 and q.is_cpu and k.is_cpu and v.is_cpu
+    if fits:
+        B, H, L, E = qs
+        K, S, Ev = ks[1], ks[2], vs[3]
+        fits = (
+            L == 1
+            and K > 0
+            and H % K == 0
+            and ks[0] == vs[0] == B
+            and ks[3] == E
+            and vs[1] == K
+            and vs[2] == S
+            and (
+                mask is None
+                or (
+                    mask.dim() == 4
+                    and mask.is_cpu
+                    and mask.shape[1] == mask.shape[2] == 1
+                    and mask.shape[3] == S
+                    and mask.shape[0] in (1, B)
+                )
+            )
+        )
+    if not fits:
+        raise ValueError(
+            f"one_query_attention needs CPU q (B, H, 1, E), k (B, K, S, E), v (B, K, S, Ev) "
+            f"with H % K == 0 and a mask (B or 1, 1, 1, S) or None, got {tuple(qs)}, "
+            f"{tuple(ks)}, {tuple(vs)} and {None if mask is None else tuple(mask.shape)} on "
+            f"{q.device}, {k.device}, {v.device}"
+        )
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"attnkit's kernels are not available: {_load()[1]}")
+    q = q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    out = q.new_empty(B, H, 1, Ev)
+    if out.numel() == 0:
+        return out, 0
+    k0, k1, k2, _ = k.stride()
+    v0, v1, v2, _ = v.stride()
+    m0, _, _, m3 = (0, 0, 0, 0) if mask is None else mask.stride()
+    flags = lib.attnkit_one_query_attention(
+        q.data_ptr(),
+        B,
+        K,
+        H // K,
+        E,
+        k.data_ptr(),
+        k0,
+        k1,
+        k2,
+        v.data_ptr(),
+        v0,
+        v1,
+        v2,
+        Ev,
+        S,
+        None if mask is None else mask.data_ptr(),
+        m0 if B > 1 and mask is not None and mask.shape[0] > 1 else 0,
+        m3,
+        scale,
+        out.data_ptr(),
+        dtype == torch.bfloat16,
+        torch.get_num_threads(),
+    )
+    if flags & 4:
+        raise MemoryError(f"one_query_attention could not allocate its buffers ({S} keys)")
+    return out, flags
+
+
+def _one_query_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    return one_query_attention(q, k, v, mask, scale)[0]
+
+
+_OPS.define(
+    "one_query_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor"
+)
+_OPS.impl("one_query_attention", _one_query_op, "CPU")
+
+
+@torch.library.register_fake("attnkit::one_query_attention", lib=_OPS)
+def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    return q.new_empty(*q.shape[:-1], v.shape[-1])

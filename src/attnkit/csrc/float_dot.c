@@ -16,39 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define PREFETCH 2048 /* bytes ahead */
 #define PARALLEL_MIN (1 << 16) /* products (weights x rows) worth a second thread */
-
-static inline float lanes_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
-static inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-/* Eight weights from w[i] as float32: bf16 widened, or float32 loaded. */
-static inline __m256 load8(const void *w, int64_t i, int bf16) {
-  if (!bf16) return _mm256_loadu_ps((const float *)w + i);
-  const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float load1(const void *w, int64_t i, int bf16) {
-  return bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
-}
 
 /* One weight row's dot with one float32 activation row (inlined with a constant bf16, so each
  * caller gets its own loop). */

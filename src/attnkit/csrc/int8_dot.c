@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "simd.h"
+
 #define BLOCK 32
 #define GROUP 4
 #define PREFETCH 1024 /* bytes ahead: eight blocks of a group */
@@ -31,12 +33,6 @@ static inline __m256 block_dot(__m256i w, __m256i x, __m256 s, __m256 acc) {
   const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
   const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, acc);
-}
-
-static inline float lanes_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
 /* Each block of 32 activations as int8 codes xq and a scale xs (its largest magnitude / 127).
