@@ -60,18 +60,7 @@ static void row_softmax(float *s, int64_t width, int64_t a, int64_t b, float cap
     m = c > m ? c : m;
   }
   /* 2: exponentials and their sum. */
-  const __m256 shift = _mm256_set1_ps(m);
-  __m256 total = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= n; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
-    _mm256_storeu_ps(row + j, e);
-    total = _mm256_add_ps(total, e);
-  }
-  float sum = lanes_sum(total);
-  for (; j < n; j++) {
-    row[j] = exp1(row[j] - m);
-    sum += row[j];
-  }
+  const float sum = exp_shifted(row, n, m);
   /* 3: normalised (the maximum's term is 1, so the sum is at least 1, or NaN). */
   const __m256 inverse = _mm256_set1_ps(1.f / sum);
   for (j = 0; j + 8 <= n; j += 8)

@@ -103,20 +103,8 @@ static inline __attribute__((always_inline)) int one_head(const void *q, int64_t
     for (j = 0; j + 8 <= n; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(row + j));
     float top = lanes_max(top8);
     for (; j < n; j++) top = row[j] > top ? row[j] : top;
-    const __m256 shift = _mm256_set1_ps(top);
-    __m256 total = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= n; j += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
-      _mm256_storeu_ps(row + j, e);
-      total = _mm256_add_ps(total, e);
-    }
-    float sum = lanes_sum(total);
-    for (; j < n; j++) {
-      row[j] = exp1(row[j] - top);
-      sum += row[j];
-    }
     /* out = p V / sum, 32 outputs at a time held in registers over the keys */
-    const float inverse = 1.f / sum;
+    const float inverse = 1.f / exp_shifted(row, n, top);
     float *o = acc + g * Ev;
     int64_t i = 0;
     for (; i + 32 <= Ev; i += 32) {

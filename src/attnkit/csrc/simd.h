@@ -70,4 +70,22 @@ static inline float load1(const void *w, int64_t i, int bf16) {
   return bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
 }
 
+/* row[j] = exp(row[j] - shift) in place for n values; returns their sum. */
+static inline float exp_shifted(float *row, int64_t n, float shift) {
+  const __m256 by = _mm256_set1_ps(shift);
+  __m256 total = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), by));
+    _mm256_storeu_ps(row + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = lanes_sum(total);
+  for (; j < n; j++) {
+    row[j] = exp1(row[j] - shift);
+    sum += row[j];
+  }
+  return sum;
+}
+
 #endif
