@@ -183,8 +183,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 
 def kernels_available() -> bool:
-    """Whether :func:`int8_dot_linear` and :func:`float_dot_linear` run here (the first call
-    builds them)."""
+    """Whether attnkit's kernels (:func:`int8_dot_linear`, :func:`float_dot_linear`,
+    :func:`capped_softmax_`, :func:`one_query_attention`) run here (the first call builds them)."""
     return _load()[0] is not None
 
 
@@ -484,6 +484,7 @@ def capped_softmax_(
 #: Flags of :func:`one_query_attention` (or-ed).
 NO_KEY = 1  #: some query may attend no key: its row is zero
 NON_FINITE = 2  #: some output value is NaN or infinite
+_NO_MEMORY = 4  # a buffer could not be allocated: nothing was written (csrc/one_query.c)
 
 
 def one_query_attention(
@@ -583,14 +584,14 @@ def one_query_attention(
         Ev,
         S,
         None if mask is None else mask.data_ptr(),
-        m0 if B > 1 and mask is not None and mask.shape[0] > 1 else 0,
+        m0 if mask is not None and mask.shape[0] > 1 else 0,  # (0: one mask row for all)
         m3,
         scale,
         out.data_ptr(),
         dtype == torch.bfloat16,
         torch.get_num_threads(),
     )
-    if flags & 4:
+    if flags & _NO_MEMORY:
         raise MemoryError(f"one_query_attention could not allocate its buffers ({S} keys)")
     return out, flags
 
