@@ -409,11 +409,131 @@ def test_capped_softmax_ignores_threads_and_gets_clear_errors() -> None:
         native.capped_softmax_(t.clone(), 1.0, window=0)
 
 
-def _one_query_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """float64 attention of each query head over its key/value head; rows without keys zero."""
+def _capped_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, cap: float, scale: float, causal: bool, window: int | None
+) -> Tensor:
+    """float64 soft-capped attention, bottom-right aligned queries; rows without keys zero."""
+    L, S = q.shape[-2], k.shape[-2]
+    groups = q.shape[1] // k.shape[1]
+    kk, vv = (t.double().repeat_interleave(groups, 1) for t in (k, v))
+    scores = cap * torch.tanh(q.double() @ kk.transpose(-1, -2) * scale / cap)
+    at, j = torch.arange(L)[:, None] + S - L, torch.arange(S)[None, :]
+    ok = torch.ones(L, S, dtype=torch.bool)
+    if causal:
+        ok &= j <= at
+    if window is not None:
+        ok &= (at - j).abs() < window
+    return torch.softmax(scores.masked_fill(~ok, -torch.inf), -1).nan_to_num(nan=0.0) @ vv
+
+
+needs_capped = pytest.mark.skipif(
+    not native.capped_attention_available(),
+    reason=f"capped_attention cannot run here: {native.kernels_unavailable() or 'no sgemm'}",
+)
+
+
+def test_capped_attention_runs_wherever_the_kernels_build() -> None:
+    """torch's x86 builds link a BLAS whose ``sgemm_`` the kernel finds (CI holds it to that)."""
+    if not native.kernels_available():
+        pytest.skip(f"no attnkit kernels: {native.kernels_unavailable()}")
+    assert native.capped_attention_available()
+
+
+@needs_capped
+@pytest.mark.parametrize(
+    ("L", "S", "causal", "window"),
+    [
+        (37, 37, True, None),  # blocks and tiles with tails
+        (37, 37, False, None),
+        (20, 45, True, None),  # queries bottom-right aligned
+        (45, 20, True, None),  # the first queries attend no key: zero rows
+        (50, 50, True, 6),  # key tiles skipped on both sides
+        (33, 41, False, 9),  # a two-sided window
+        (1, 40, True, None),  # one query
+    ],
+)
+def test_capped_attention_follows_float64(L: int, S: int, causal: bool, window: int | None) -> None:
+    gen = torch.Generator().manual_seed(L * S + (window or 0))
+    q = 3 * torch.randn(2, 4, L, 16, generator=gen)  # scores of size ~10: the cap matters
+    k = 3 * torch.randn(2, 2, S, 16, generator=gen)  # grouped-query heads
+    v = torch.randn(2, 2, S, 12, generator=gen)
+    want = _capped_attention_reference(q, k, v, 4.0, 0.25, causal, window)
+    for blocks in ((8, 16), (5, 7), (64, 512)):  # key tiles of one query's reach and more
+        got = native.capped_attention(
+            q, k, v, softcap=4.0, scale=0.25, causal=causal, window=window,
+            query_block=blocks[0], key_block=blocks[1], finite=True,
+        )  # fmt: skip
+        assert got.shape == (2, 4, L, 12)
+        assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
+    # Not vacuous: the cap changes the output far beyond the tolerance.
+    plain = _capped_attention_reference(q, k, v, 1e9, 0.25, causal, window)
+    assert (plain - want).abs().max() > 1e-2
+    if L > S and causal:  # rows before the first key: exact zeros
+        assert torch.equal(got[:, :, : L - S], torch.zeros(2, 4, L - S, 12))
+
+
+@needs_capped
+def test_capped_attention_takes_strided_inputs_and_any_thread_count() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 70, 4, 8, generator=gen).transpose(1, 2)  # (B, L, H, E) storage
+    k = torch.randn(3, 70, 2, 8, generator=gen).transpose(1, 2)
+    v = torch.randn(3, 2, 70, 16, generator=gen)[..., ::2]  # a strided last dim: copied
+    want = _capped_attention_reference(q, k, v, 2.0, 0.4, True, None)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(
+                native.capped_attention(q, k, v, softcap=2.0, scale=0.4, causal=True, key_block=9)
+            )
+    finally:
+        torch.set_num_threads(before)
+    for got in outs:
+        assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
+        assert torch.equal(got, outs[0])  # (each block is computed by one thread, in order)
+
+
+@needs_capped
+def test_capped_attention_keeps_non_finite_scores_in_their_row_and_gets_clear_errors() -> None:
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 30, 8, generator=gen) for _ in range(3))
+    q[0, 0, 4, 1], q[0, 1, 9, 2], k[0, 1, 25, 0] = torch.nan, torch.inf, torch.inf
+    got = native.capped_attention(q, k, v, softcap=3.0, scale=0.3, causal=True, key_block=8)
+    bad = torch.zeros(1, 2, 30, dtype=torch.bool)
+    bad[0, 0, 4] = bad[0, 1, 9] = True  # a NaN query, an infinite one
+    bad[0, 1, 25:] = True  # the queries that may attend the infinite key (causal)
+    assert torch.equal(torch.isnan(got).any(-1), bad)
+    assert torch.isnan(got[bad]).all()
+    clean = q.clone()
+    clean[bad] = 0.0
+    ks = k.clone()
+    ks[0, 1, 25] = 0.0
+    want = _capped_attention_reference(clean, ks, v, 3.0, 0.3, True, None)
+    assert_close(got[~bad].double(), want[~bad], atol=2e-6, rtol=2e-5)
+    assert native.capped_attention(q[:, :, :0], k, v, softcap=1.0, scale=1.0).shape == (
+        1, 2, 0, 8,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="float32"):
+        native.capped_attention(q.double(), k, v, softcap=1.0, scale=1.0)
+    with pytest.raises(ValueError, match=r"H % K"):
+        native.capped_attention(q, k[:, :, :, :4], v, softcap=1.0, scale=1.0)
+    with pytest.raises(ValueError, match="softcap=0"):
+        native.capped_attention(q, k, v, softcap=0.0, scale=1.0)
+    with pytest.raises(ValueError, match="window=0"):
+        native.capped_attention(q, k, v, softcap=1.0, scale=1.0, window=0)
+
+
+def _one_query_reference(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cap: float | None = None
+) -> Tensor:
+    """float64 attention of each query head over its key/value head (scores soft-capped to
+    ``cap``, if given); rows without keys zero."""
     groups = q.shape[1] // k.shape[1]
     kk, vv = (t.double().repeat_interleave(groups, 1) for t in (k, v))
     scores = q.double() @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
     if mask is not None:
         scores = scores.masked_fill(~mask, -torch.inf)
     return torch.softmax(scores, -1).nan_to_num(nan=0.0) @ vv
@@ -434,9 +554,16 @@ def test_one_query_attention_follows_float64(dtype, B, H, K, S, E, Ev) -> None:
     padded[..., 0] = True
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     for mask in (None, padded, padded[:1]):
-        out, flags = native.one_query_attention(q, k, v, mask, E**-0.5)
-        assert flags == 0 and out.dtype == dtype and out.shape == (B, H, 1, Ev)
-        assert_close(out.double(), _one_query_reference(q, k, v, mask), **tol)
+        for cap in (None, 2.0):  # (and soft-capped scores, Gemma 2's)
+            out, flags = native.one_query_attention(q, k, v, mask, E**-0.5, softcap=cap)
+            assert flags == 0 and out.dtype == dtype and out.shape == (B, H, 1, Ev)
+            assert_close(out.double(), _one_query_reference(q, k, v, mask, cap), **tol)
+    if S > 1:  # not vacuous: the cap changes the output beyond the tolerance
+        plain, capped = (
+            _one_query_reference(q, k, v, None),
+            _one_query_reference(q, k, v, None, 2.0),
+        )
+        assert (plain - capped).abs().max() > 0.05
 
 
 @needs_kernel
@@ -460,6 +587,12 @@ def test_one_query_attention_flags_empty_and_non_finite_rows() -> None:
     assert flags == native.NON_FINITE
     assert torch.isnan(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
     assert torch.isfinite(out[1]).all()
+    # With a cap an infinite score is flagged too (capped it would look finite).
+    k[0, 1, 4, 0] = 0.0
+    k[1, 0, 2, 0] = -torch.inf
+    out, flags = native.one_query_attention(q, k, v, mask, 8**-0.5, softcap=3.0)
+    assert flags == native.NON_FINITE
+    assert torch.isnan(out[1, :2]).all() and torch.isfinite(out[0]).all()
 
 
 @needs_kernel

@@ -8,6 +8,7 @@ without keys all occur; outputs, weights and gradients must equal the textbook m
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -17,11 +18,29 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from attnkit import masks as M
+from attnkit import native
 from attnkit.functional import attend
 from attnkit.functional import scaled_dot_product_attention as sdpa
 from attnkit.softcap import CHUNK_SCORES, MAX_ROWS, capped_attention, chunk_rows
 from tests.reference import loop_mask, reference_attention
 from tests.test_properties import PROFILE, TOL, Case, cases
+
+
+@pytest.fixture(params=["kernel", "chunks"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int] | None:
+    """Without gradients: attnkit's whole-attention kernel (returns the list its calls append
+    to), or the chunked torch path that runs where it cannot (returns None)."""
+    if request.param == "chunks":
+        monkeypatch.setattr(native, "capped_attention_available", lambda: False)
+        return None
+    if not native.capped_attention_available():
+        pytest.skip("capped_attention cannot run here")
+    calls: list[int] = []
+    kernel = native.capped_attention
+    monkeypatch.setattr(
+        native, "capped_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
+    )
+    return calls
 
 
 @settings(PROFILE, max_examples=150)
@@ -72,7 +91,7 @@ def test_chunks_equal_the_float64_reference(case: Case, rows: int, cap: float, g
         (1, 300, (2, 2), {"causal": True}),  # a decoding step, one query per key head
     ],
 )
-def test_attend_with_softcap_equals_the_reference_at_several_chunks(L, S, heads, structure):
+def test_attend_with_softcap_equals_the_reference_at_several_chunks(L, S, heads, structure, path):
     H, K = heads
     g = torch.Generator().manual_seed(L + S)
     q = (4 * torch.randn(2, H, L, 16, generator=g)).requires_grad_()
@@ -83,8 +102,9 @@ def test_attend_with_softcap_equals_the_reference_at_several_chunks(L, S, heads,
     out, weights = sdpa(q, k, v, softcap=5.0, return_weights=True, **structure)
     assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
     assert_close(weights.double(), ref_w, atol=2e-5, rtol=1e-4)
-    with torch.no_grad():  # the in-place path (attnkit's one-pass kernel where it builds)
+    with torch.no_grad():  # attnkit's kernel, or the in-place chunks
         assert_close(sdpa(q, k, v, softcap=5.0, **structure).double(), ref, atol=2e-5, rtol=1e-4)
+    assert path is None or bool(path) == (L > 1)  # (a decoding step has its own path)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     want = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for got, exp in zip(grads, want, strict=True):
@@ -117,13 +137,17 @@ def test_half_precision_is_computed_in_float32(dtype):
     assert_close(out.double(), ref, atol=TOL[dtype][0], rtol=TOL[dtype][1])
 
 
-def test_a_window_never_reads_the_keys_outside_its_span():
-    # Cost follows the allowed pairs: a chunk reads only the keys its queries may attend. NaN
-    # keys and values far outside every window would poison any chunk that read them (the
-    # kernel itself does not guard against non-finite inputs; functional does).
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_window_never_reads_the_keys_outside_its_span(kernel, monkeypatch):
+    # Cost follows the allowed pairs: a chunk (the kernel's block of queries) reads only the keys
+    # its queries may attend. NaN keys and values far outside every window would poison any
+    # chunk that read them (the kernel itself does not guard against non-finite inputs;
+    # functional does).
+    if not kernel:
+        monkeypatch.setattr(native, "capped_attention_available", lambda: False)
     g = torch.Generator().manual_seed(0)
     L, window = 384, 16
-    rows = chunk_rows(2, 2 * window + 16, L, window)  # the kernel's default here
+    rows = chunk_rows(2, 2 * window + 16, L, window)  # the chunked path's default here
     assert L % rows == 0
     q, k, v = (torch.randn(1, 2, L, 8, generator=g) for _ in range(3))
     late = torch.arange(L) >= L - rows  # the last chunk's queries...
@@ -132,15 +156,16 @@ def test_a_window_never_reads_the_keys_outside_its_span():
     k_bad[..., far, :] = float("nan")
     v_bad[..., far, :] = float("nan")
     rules = M.Structure(causal=True, window=window)
+    call = functools.partial(capped_attention, softcap=3.0, scale=0.3, rows=rows)
     with torch.no_grad():
-        out, _ = capped_attention(q, k_bad, v_bad, None, rules, softcap=3.0, scale=0.3)
-        clean, _ = capped_attention(q, k, v, None, rules, softcap=3.0, scale=0.3)
+        out, _ = call(q, k_bad, v_bad, None, rules)
+        clean, _ = call(q, k, v, None, rules)
     assert torch.isfinite(out[..., late, :]).all()
     assert torch.equal(out[..., late, :], clean[..., late, :])
     # ... and with a NaN inside the last chunk's span, that chunk is poisoned: the test can fail.
     k_bad[..., L - 2, :] = float("nan")
     with torch.no_grad():
-        out, _ = capped_attention(q, k_bad, v_bad, None, rules, softcap=3.0, scale=0.3)
+        out, _ = call(q, k_bad, v_bad, None, rules)
     assert torch.isnan(out[..., L - 1, :]).all()
 
 
@@ -192,7 +217,7 @@ def test_a_decoding_step_keeps_the_rules(window, at, value):
 
 
 @pytest.mark.parametrize("structure", [{"causal": True}, {"causal": True, "window": 24}, {}])
-def test_known_finite_inputs_skip_only_the_nan_pass(structure):
+def test_known_finite_inputs_skip_only_the_nan_pass(structure, path):
     # finite=True drops the pass that turns an infinite raw score into NaN: finite inputs give
     # the same numbers as the float64 math, and a raw score that overflows is capped to c (as
     # tanh does) instead of poisoning its row.
@@ -205,6 +230,7 @@ def test_known_finite_inputs_skip_only_the_nan_pass(structure):
         for finite in (False, True):
             out, _ = capped_attention(q, k, v, None, rules, softcap=3.0, scale=0.25, finite=finite)
             assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        assert path is None or path
         big = q.clone()
         big[1, 2, 100] = 3e38  # finite, but most of its scores overflow float32
         out, _ = capped_attention(big, k, v, None, rules, softcap=3.0, scale=1.0, finite=True)
@@ -223,7 +249,7 @@ def test_known_finite_inputs_skip_only_the_nan_pass(structure):
 @pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan")])
 @pytest.mark.parametrize("L", [200, 3])
 @pytest.mark.parametrize("grad", [False, True])
-def test_a_non_finite_query_poisons_its_own_row(value, L, grad):
+def test_a_non_finite_query_poisons_its_own_row(value, L, grad, path):
     # With many queries (or gradients) attend searches k and v first and, for a finite q, skips
     # the kernel's inf -> NaN pass; a non-finite query keeps it (an infinite score capped to c
     # would hide the query); with few queries the output check finds it.
@@ -237,3 +263,4 @@ def test_a_non_finite_query_poisons_its_own_row(value, L, grad):
     bad[0, 1, L - 2] = True
     assert torch.equal(torch.isnan(out).any(-1), bad)
     assert torch.equal(out[~bad], clean[~bad])
+    assert path is None or bool(path) == (L > 1 and not grad)

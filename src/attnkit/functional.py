@@ -245,11 +245,12 @@ def one_query(
     ``(B, H, 1, E)``, a bool key-padding mask ``(B, 1, 1, S)`` at most, no documents or
     lengths, nothing empty, not under ``torch.compile``.
 
-    With a ``softcap`` (checked by the caller) the step is :func:`attnkit.softcap.decode_step`
-    (no mask, float32/float64, no gradients): it turns an infinite score into NaN and its
-    softmax never hides a NaN, so any non-finite input it reads shows in the output's sum (one
-    read, a third of the row check's cost; a sum that overflows from finite rows only costs the
-    general path).
+    With a ``softcap`` (checked by the caller) the kernel caps the scores (an infinite one makes
+    its row NaN, which is flagged); where it cannot run, the step is
+    :func:`attnkit.softcap.decode_step` (no mask, float32/float64, no gradients): it turns an
+    infinite score into NaN and its softmax never hides a NaN, so any non-finite input it reads
+    shows in the output's sum (one read, a third of the row check's cost; a sum that overflows
+    from finite rows only costs the general path).
 
     Shape:
         q ``(B, H, 1, E)``, k/v ``(B, K, S, E)`` -> ``(B, H, 1, Ev)``.
@@ -266,12 +267,6 @@ def one_query(
         or _no_data_branches(q)
     ):
         return None
-    if softcap is not None:
-        grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        if mask is not None or grads or q.dtype not in (torch.float32, torch.float64):
-            return None
-        out = capped.decode_step(q, k, v, softcap=softcap, scale=scale, window=window)
-        return out if math.isfinite(float(out.sum())) else None
     B, H, _, E = q.shape
     K, S = k.shape[1], k.shape[2]
     if window is not None and window < S:
@@ -284,8 +279,14 @@ def one_query(
     if _one_query_kernel(q, k, v) and native.kernels_available():
         # attnkit's kernel: a query with no key, or a non-finite output, is flagged, and the
         # general path recomputes the step with its rules.
-        out, flags = native.one_query_attention(q, k, v, mask, scale)
+        out, flags = native.one_query_attention(q, k, v, mask, scale, softcap=softcap)
         return None if flags else out
+    if softcap is not None:
+        grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if mask is not None or grads or q.dtype not in (torch.float32, torch.float64):
+            return None
+        out = capped.decode_step(q, k, v, softcap=softcap, scale=scale)  # (the window's slice)
+        return out if math.isfinite(float(out.sum())) else None
     if mask is not None and not bool(mask.any(dim=-1).all()):  # a row with no key: general path
         return None
     grouped = q.reshape(B, K, H // K, E)  # (B, K, H/K, E)

@@ -19,9 +19,12 @@ and two for attention:
   ``attnkit::one_query_attention``): the query heads sharing a key/value head computed together,
   masked slots of a static cache never read; torch's fused kernel spends most of such a call on
   set-up, and reads every slot.
-* the soft-capped softmax of Gemma 2's attention (``csrc/capped_softmax.c``,
-  :func:`capped_softmax_`): the cap, the causal/window masks and the softmax of a row of scores
-  in one pass from memory, where torch makes five (``attnkit.softcap`` runs it on each chunk).
+* Gemma 2's soft-capped attention (``csrc/capped_softmax.c``): :func:`capped_attention`, a
+  prefill's whole attention in FlashAttention's loop (tiles of scores from the BLAS ``sgemm``
+  torch links, capped and folded into an online softmax while they sit in L2), where torch's
+  fused kernels cannot cap scores; and :func:`capped_softmax_`, the cap, the causal/window masks
+  and the softmax of rows of scores in one pass from memory, where torch makes five (for torch
+  builds whose BLAS cannot be found).
 
 The AVX2 helpers they share (``exp``, bf16 conversions, lane sums) are in ``csrc/simd.h``.
 
@@ -54,6 +57,8 @@ from torch import Tensor
 
 __all__ = [
     "INT8_DOT_BLOCK",
+    "capped_attention",
+    "capped_attention_available",
     "capped_softmax_",
     "float_dot_linear",
     "group_codes",
@@ -173,9 +178,16 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.attnkit_capped_softmax.argtypes = [pointer, *[int64] * 5, ctypes.c_int, int64]
     lib.attnkit_capped_softmax.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.attnkit_capped_softmax.restype = ctypes.c_int
+    call = lib.attnkit_capped_attention
+    strided = (pointer, int64, int64)  # (data, head stride, row stride)
+    call.argtypes = [*strided, *strided, *strided, pointer, *[int64] * 7, ctypes.c_int, int64]
+    call.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int, int64, int64, pointer]
+    call.argtypes += [ctypes.c_int]
+    call.restype = ctypes.c_int
     call = lib.attnkit_one_query_attention
     call.argtypes = [pointer, *[int64] * 4, pointer, *[int64] * 3, pointer, *[int64] * 5]
-    call.argtypes += [pointer, int64, int64, ctypes.c_float, pointer, ctypes.c_int, ctypes.c_int]
+    call.argtypes += [pointer, int64, int64, ctypes.c_float, ctypes.c_float, pointer]
+    call.argtypes += [ctypes.c_int, ctypes.c_int]
     call.restype = ctypes.c_int
     global _loaded
     _loaded = True
@@ -192,6 +204,181 @@ def kernels_loaded() -> bool:
     """Whether the kernels are built and loaded already (never builds them: safe to ask while
     ``torch.compile`` traces, where a build cannot run)."""
     return _loaded
+
+
+def _sgemm_address() -> int | None:
+    """The address of the Fortran BLAS ``sgemm_`` torch links (MKL in torch's x86 wheels)."""
+    torch_cpu = Path(torch.__file__).with_name("lib") / "libtorch_cpu.so"
+    for path in (str(torch_cpu), None):  # (then anything loaded globally)
+        if path is not None and not torch_cpu.is_file():
+            continue
+        try:
+            address = ctypes.cast(ctypes.CDLL(path).sgemm_, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+        if address:
+            return address
+    return None
+
+
+@functools.cache
+def _capped_sgemm() -> int | None:
+    """``sgemm_``'s address for :func:`capped_attention`, once a small call through it equals
+    torch's math (which also proves its calling convention), or None."""
+    if _load()[0] is None:
+        return None
+    address = _sgemm_address()
+    if address is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 5, 3, generator=g) for n in (2, 1, 1))
+    got = _capped_call(q, k, v, 2.0, 0.5, True, None, False, 4, 3, address, threads=1)
+    allowed = torch.ones(5, 5, dtype=torch.bool).tril()
+    capped = 2.0 * torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 2.0)
+    want = torch.softmax(capped.masked_fill(~allowed, -math.inf), dim=-1) @ v
+    return address if torch.allclose(got, want, atol=1e-5) else None
+
+
+def capped_attention_available() -> bool:
+    """Whether :func:`capped_attention` runs here: the kernels build and torch's BLAS ``sgemm``
+    is found (and checked)."""
+    return _capped_sgemm() is not None
+
+
+def _heads(t: Tensor) -> tuple[Tensor, int, int]:
+    """``t`` ``(B, n, R, C)`` as heads ``B * n`` of rows: ``(t, head stride, row stride)``,
+    copied where its strides do not allow that or BLAS would reject them."""
+    B, n, R, C = t.shape
+    head = t.stride(1) if n > 1 else t.stride(0)
+    if B > 1 and n > 1 and t.stride(0) != n * t.stride(1):
+        head = -1
+    row = t.stride(2) if R > 1 else max(C, 1)
+    if (t.stride(3) != 1 and C > 1) or head < 0 or row < max(C, 1):
+        t = t.contiguous()
+        head, row = R * C, max(C, 1)
+    return t, head, row
+
+
+def _capped_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softcap: float,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    finite: bool,
+    query_block: int,
+    key_block: int,
+    sgemm: int,
+    threads: int,
+) -> Tensor:
+    lib = _load()[0]
+    assert lib is not None
+    B, H, L, E = q.shape
+    K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    out = q.new_empty(B, H, L, Ev)
+    if out.numel() == 0:
+        return out
+    q, q_head, q_row = _heads(q)
+    k, k_head, k_row = _heads(k)
+    v, v_head, v_row = _heads(v)
+    failed = lib.attnkit_capped_attention(
+        q.data_ptr(), q_head, q_row,
+        k.data_ptr(), k_head, k_row,
+        v.data_ptr(), v_head, v_row,
+        out.data_ptr(), B * H, H // K, L, S, E, Ev, S - L, int(causal), window or 0,
+        2 * scale / softcap, softcap, int(finite), query_block, key_block, sgemm, threads,
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"capped_attention could not allocate its buffers ({threads} threads)")
+    return out
+
+
+def capped_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    softcap: float,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    finite: bool = False,
+    query_block: int = 64,
+    key_block: int = 512,
+) -> Tensor:
+    """Soft-capped attention without gradients, ``softmax(c * tanh(q k^T * scale / c)) v`` over
+    the keys each query may attend, in FlashAttention's loop.
+
+    Each thread takes ``query_block`` queries of one head at a time and walks the blocks of
+    ``key_block`` keys they may attend (blocks that ``causal`` or ``window`` rule out are never
+    computed): a tile of scores from torch's BLAS ``sgemm``, capped, folded into a running
+    maximum and sum per query, and multiplied with the block's values, all while it stays in the
+    CPU's caches. Query ``i`` sits at key position ``S - L + i`` (bottom-right aligned, as
+    :class:`attnkit.masks.Structure`); a query that may attend no key gets a zero row. A NaN score
+    makes its row NaN; unless ``finite``, so does an infinite one.
+
+    Args:
+        q: Queries ``(B, H, L, E)``, float32 on the CPU.
+        k: Keys ``(B, K, S, E)`` with ``H % K == 0`` (grouped-query attention).
+        v: Values ``(B, K, S, Ev)``.
+        softcap: The cap ``c > 0``.
+        scale: Multiplier of the scores.
+        causal: Keys after a query are masked.
+        window: Keys ``window`` or more positions away are masked (None: no window).
+        finite: ``q`` and ``k`` are known to be finite (skips turning infinite scores into NaN).
+        query_block: Queries a thread works on at a time.
+        key_block: Keys of a tile of scores.
+
+    Returns:
+        ``out`` ``(B, H, L, Ev)``, float32.
+
+    Raises:
+        TypeError: For a dtype other than float32.
+        ValueError: For shapes that do not fit, tensors not on the CPU, or a bad argument.
+        RuntimeError: Where it cannot run here (:func:`capped_attention_available`).
+    """
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+        raise TypeError(
+            f"capped_attention takes float32 q, k and v, got {q.dtype}, {k.dtype} and {v.dtype}"
+        )
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not (
+        q.dim() == k.dim() == v.dim() == 4
+        and q.is_cpu
+        and k.is_cpu
+        and v.is_cpu
+        and ks[1] > 0
+        and qs[1] % ks[1] == 0
+        and qs[0] == ks[0] == vs[0]
+        and qs[3] == ks[3]
+        and ks[1:3] == vs[1:3]
+    ):
+        raise ValueError(
+            f"capped_attention needs CPU q (B, H, L, E), k (B, K, S, E) and v (B, K, S, Ev) "
+            f"with H % K == 0, got {tuple(qs)}, {tuple(ks)} and {tuple(vs)} on {q.device}, "
+            f"{k.device} and {v.device}"
+        )
+    if (
+        not (softcap > 0 and math.isfinite(softcap))
+        or query_block < 1
+        or key_block < 1
+        or (window is not None and window < 1)
+    ):
+        raise ValueError(
+            f"capped_attention needs a finite softcap > 0, blocks >= 1 and window >= 1 or "
+            f"None, got softcap={softcap}, query_block={query_block}, key_block={key_block}, "
+            f"window={window}"
+        )
+    sgemm = _capped_sgemm()
+    if sgemm is None:
+        why = _load()[1] or "torch's BLAS sgemm was not found"
+        raise RuntimeError(f"capped_attention cannot run here: {why}")
+    return _capped_call(
+        q, k, v, softcap, scale, causal, window, finite, query_block, key_block, sgemm,
+        torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def kernels_unavailable() -> str:
@@ -488,7 +675,13 @@ _NO_MEMORY = 4  # a buffer could not be allocated: nothing was written (csrc/one
 
 
 def one_query_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    *,
+    softcap: float | None = None,
 ) -> tuple[Tensor, int]:
     """Attention of one query per sequence and head over a key/value cache: a decoding step.
 
@@ -496,7 +689,9 @@ def one_query_attention(
     row read once; keys the mask leaves out are never read. Over the keys a query may attend the
     result is the textbook softmax (a NaN or ``+inf`` score makes the row NaN, a ``-inf`` score
     weighs 0); a query with no allowed key gets a zero row. The flags say where either happened,
-    so that a caller with stricter rules can recompute those steps.
+    so that a caller with stricter rules can recompute those steps. With a ``softcap`` ``c`` the
+    scores are capped to ``c * tanh(s / c)`` first (Gemma 2), and an infinite score makes its row
+    NaN.
 
     Args:
         q: Queries ``(B, H, 1, E)``.
@@ -504,6 +699,7 @@ def one_query_attention(
         v: Values ``(B, K, S, Ev)``.
         mask: Bool ``(B or 1, 1, 1, S)``, ``True`` where a key may be attended, or None.
         scale: Multiplier of the scores.
+        softcap: The scores' soft cap ``c > 0``, or None.
 
     Returns:
         ``(out, flags)``: ``out`` ``(B, H, 1, Ev)`` in the inputs' dtype (all bfloat16 or all
@@ -587,6 +783,7 @@ def one_query_attention(
         m0 if mask is not None and mask.shape[0] > 1 else 0,  # (0: one mask row for all)
         m3,
         scale,
+        softcap or 0.0,
         out.data_ptr(),
         dtype == torch.bfloat16,
         torch.get_num_threads(),

@@ -11,6 +11,11 @@ with the scale folded in, the cap in place, only the masks that cut the span, an
 and one ``bmm`` with the span's values. With gradients the same steps run out of place, so that
 autograd can save what it needs (memory then follows the allowed pairs, like the textbook math).
 
+Without gradients, masks, weights or dropout, on the CPU (a prefill of a causal or sliding-window
+layer), the whole attention is :func:`attnkit.native.capped_attention` instead: FlashAttention's
+loop with the cap, tiles of scores that never leave the caches, one block of queries per thread;
+it measured faster than torch's fused kernel without a cap (``benchmarks/RESULTS.md``).
+
 Inputs come validated from :mod:`attnkit.functional`, which also keeps non-finite keys and values
 away from the queries that may not attend them. A query that may attend no key gets an output row
 (and weights) of exactly zero. Semantics of the structure are those of
@@ -30,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit import native
 from attnkit.masks import Structure
@@ -120,10 +126,36 @@ def capped_attention(
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     batch_shape, (H, L, E), (K, S, Ev) = q.shape[:-3], q.shape[-3:], v.shape[-3:]
     B, G = math.prod(batch_shape), H // K if K else 0  # H = K = 0: an empty output
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if (
+        not grads
+        and compute == torch.float32
+        and mask is None
+        and not structure.batched
+        and not return_weights
+        and not dropout_p > 0.0
+        and K > 0
+        and q.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
+        and native.capped_attention_available()
+    ):  # the whole attention in attnkit's kernel, FlashAttention's loop with the cap
+        out = native.capped_attention(
+            q.to(compute).reshape(B, H, L, E),
+            k.to(compute).reshape(B, K, S, E),
+            v.to(compute).reshape(B, K, S, Ev),
+            softcap=softcap,
+            scale=scale,
+            causal=structure.causal,
+            window=structure.window,
+            finite=finite,
+            **({} if rows is None else {"query_block": rows}),
+        )
+        out = out.view(*batch_shape, H, L, Ev).to(dtype)
+        return (out.squeeze(0) if squeeze else out), None
     q5 = q.to(compute).reshape(B, K, G, L, E)
     k3 = k.to(compute).reshape(B * K, S, E)
     v3 = v.to(compute).reshape(B * K, S, Ev)
-    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     fmask = bmask = None
     if mask is not None:
         if mask.dtype == torch.bool:

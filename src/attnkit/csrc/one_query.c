@@ -11,6 +11,9 @@
  * Non-finite inputs follow the textbook math over the keys a query may attend: a NaN score, or
  * a +inf one, makes the row NaN; a -inf score gives that key weight 0. A query with no allowed key
  * gets a zero row.
+ *
+ * With a cap c > 0 the scores are soft-capped first (Gemma 2), c tanh(x / c), computed as
+ * 2c sigmoid(2 x / c) (softmax ignores the shift by c); an infinite score then makes its row NaN.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -71,7 +74,8 @@ static inline __attribute__((always_inline)) int one_head(const void *q, int64_t
                                                           const void *k, int64_t ks, const void *v,
                                                           int64_t vs, int64_t Ev, int64_t S,
                                                           const uint8_t *allowed, int64_t ms,
-                                                          float scale, void *out, int bf16) {
+                                                          float scale, float cap, void *out,
+                                                          int bf16) {
   float small[STACK_FLOATS];
   const int64_t need = G * (E + S + Ev) + S;
   float *work = need <= STACK_FLOATS ? small : malloc((size_t)need * sizeof(float));
@@ -83,7 +87,8 @@ static inline __attribute__((always_inline)) int one_head(const void *q, int64_t
   int64_t n = 0;
   for (int64_t s = 0; s < S; s++)
     if (!allowed || allowed[s * ms]) kept[n++] = (int32_t)s;
-  for (int64_t i = 0; i < G * E; i++) qf[i] = load1(q, i, bf16) * scale;
+  const float factor = cap > 0.f ? scale * 2.f / cap : scale; /* (2 / c: the capped form) */
+  for (int64_t i = 0; i < G * E; i++) qf[i] = load1(q, i, bf16) * factor;
   for (int64_t i = 0; i < G * Ev; i++) acc[i] = 0.f;
   int flags = n ? 0 : NO_KEY;
   /* Scores: each key row read once (four at a time), dotted with the G queries. */
@@ -99,6 +104,12 @@ static inline __attribute__((always_inline)) int one_head(const void *q, int64_t
   for (int64_t g = 0; g < G && n; g++) {
     /* softmax over the kept keys (a NaN never wins the maximum; it reaches the sum) */
     float *row = p + g * S;
+    if (cap > 0.f) {
+      const __m256 two_c = _mm256_set1_ps(2.f * cap);
+      for (j = 0; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(row + j, capped8(_mm256_loadu_ps(row + j), two_c, 0));
+      for (; j < n; j++) row[j] = _mm256_cvtss_f32(capped8(_mm256_set1_ps(row[j]), two_c, 0));
+    }
     __m256 top8 = _mm256_set1_ps(-INFINITY);
     for (j = 0; j + 8 <= n; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(row + j));
     float top = lanes_max(top8);
@@ -149,24 +160,25 @@ static inline __attribute__((always_inline)) int one_head(const void *q, int64_t
 /* The same with a constant dtype, so each gets its own loops. */
 static int one_head_float(const void *q, int64_t G, int64_t E, const void *k, int64_t ks,
                           const void *v, int64_t vs, int64_t Ev, int64_t S, const uint8_t *allowed,
-                          int64_t ms, float scale, void *out) {
-  return one_head(q, G, E, k, ks, v, vs, Ev, S, allowed, ms, scale, out, 0);
+                          int64_t ms, float scale, float cap, void *out) {
+  return one_head(q, G, E, k, ks, v, vs, Ev, S, allowed, ms, scale, cap, out, 0);
 }
 
 static int one_head_bf16(const void *q, int64_t G, int64_t E, const void *k, int64_t ks,
                          const void *v, int64_t vs, int64_t Ev, int64_t S, const uint8_t *allowed,
-                         int64_t ms, float scale, void *out) {
-  return one_head(q, G, E, k, ks, v, vs, Ev, S, allowed, ms, scale, out, 1);
+                         int64_t ms, float scale, float cap, void *out) {
+  return one_head(q, G, E, k, ks, v, vs, Ev, S, allowed, ms, scale, cap, out, 1);
 }
 
 /* q (B, K, G, E) contiguous; k/v (B, K, S, E/Ev) with rows contiguous and the given element
  * strides for b, h and s; mask (B or 1, S) bytes with strides mb (0: broadcast) and msk, or NULL;
- * out (B, K, G, Ev) contiguous; all bf16 or all float32. Returns the or of the flags above. */
+ * out (B, K, G, Ev) contiguous; all bf16 or all float32; cap > 0 soft-caps the scores (0: no
+ * cap). Returns the or of the flags above. */
 int attnkit_one_query_attention(const void *q, int64_t B, int64_t K, int64_t G, int64_t E,
                                 const void *k, int64_t kb, int64_t kh, int64_t ks, const void *v,
                                 int64_t vb, int64_t vh, int64_t vs, int64_t Ev, int64_t S,
                                 const uint8_t *mask, int64_t mb, int64_t msk, float scale,
-                                void *out, int bf16, int threads) {
+                                float cap, void *out, int bf16, int threads) {
   const int64_t size = bf16 ? 2 : 4, tasks = B * K;
   int flags = 0;
   (void)threads; /* (unused where built without OpenMP) */
@@ -179,7 +191,7 @@ int attnkit_one_query_attention(const void *q, int64_t B, int64_t K, int64_t G, 
     flags |= (bf16 ? one_head_bf16 : one_head_float)(                                           \
         (const char *)q + (task) * G * E * size, G, E, (const char *)k + (b * kb + h * kh) * size, \
         ks, (const char *)v + (b * vb + h * vh) * size, vs, Ev, S, mask ? mask + b * mb : NULL,  \
-        msk, scale, (char *)out + (task) * G * Ev * size);                                       \
+        msk, scale, cap, (char *)out + (task) * G * Ev * size);                                       \
   } while (0)
   if (parallel) {
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flags)

@@ -88,4 +88,15 @@ static inline float exp_shifted(float *row, int64_t n, float shift) {
   return sum;
 }
 
+/* 2c sigmoid(t) for eight t (t + 0 t t first unless finite). */
+static inline __m256 capped8(__m256 t, __m256 two_c, int finite) {
+  if (!finite) t = _mm256_fmadd_ps(_mm256_mul_ps(t, t), _mm256_setzero_ps(), t);
+  /* 2c / d with d = 1 + exp(-t) in [1, inf]: the reciprocal estimate (12 bits) and one Newton
+   * step (about 2 ulp) cost a third of a division. */
+  const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), t)));
+  const __m256 y = _mm256_rcp_ps(d);
+  const __m256 y1 = _mm256_mul_ps(y, _mm256_fnmadd_ps(d, y, _mm256_set1_ps(2.0f)));
+  return _mm256_mul_ps(two_c, y1);
+}
+
 #endif
