@@ -14,7 +14,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit.blockwise import TileRun, attend_runs, native_low_precision, plan_runs, tile_rows
+from attnkit import native
+from attnkit.blockwise import (
+    TileRun,
+    attend_positional,
+    attend_runs,
+    native_low_precision,
+    plan_runs,
+    tile_rows,
+)
 from attnkit.functional import block_sparse_attention
 from attnkit.masks import Structure
 from tests.reference import loop_mask, reference_attention
@@ -89,6 +97,74 @@ def test_matches_float64_reference(B, heads, S, dL, causal, window, docs, pad, r
     kw = dict(causal=causal, window=window, segment_ids=seg, key_lengths=lengths)
     H, K = heads
     check(*qkv(B, H, K, L, S, Ev=Ev), loop_mask(L, S, **kw), rows=rows, **kw)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    heads=st.sampled_from([(1, 1), (4, 2), (4, 1)]),
+    S=st.integers(1, 150),
+    dL=st.integers(-8, 40),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 60)),
+    docs=st.sampled_from(["none", "contiguous", "scrambled"]),
+    pad=st.booleans(),
+    rows=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_float32_on_attnkits_flash_kernels_matches_float64(
+    B, heads, S, dL, causal, window, docs, pad, rows, seed
+):
+    # float32 runs attnkit's flash kernels where they apply: a whole causal/window sequence
+    # (attend_positional), and the unmasked runs (documents' causal squares) of the tile plan.
+    gen = torch.Generator().manual_seed(seed)
+    seg = None if docs == "none" else documents(B, S, gen, scramble=docs == "scrambled")
+    L = max(1, S - dL) if seg is None else max(1, min(S, S - dL))
+    lengths = torch.randint(0, S + 1, (B,), generator=gen) if pad else None
+    kw = dict(causal=causal, window=window, segment_ids=seg, key_lengths=lengths)
+    q, k, v = (t.detach().float().requires_grad_() for t in qkv(B, *heads, L, S))
+    out = block_sparse_attention(q, k, v, block_size=rows, **kw)
+    ref, _ = reference_attention(q, k, v, loop_mask(L, S, **kw))
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), grad.float())
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w.double(), atol=2e-5, rtol=2e-5)
+
+
+def test_positional_structures_in_float32_are_one_call_of_attnkits_kernel(monkeypatch):
+    if not native.flash_available():
+        pytest.skip("attnkit's flash kernels cannot run here")
+    calls = []
+    kernel = native.flash_attention
+    monkeypatch.setattr(
+        native, "flash_attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw)
+    )
+    q, k, v = (t.detach().float() for t in qkv(2, 4, 2, 300, 300, E=16))
+    out = block_sparse_attention(q, k, v, causal=True, window=20)
+    ref, _ = reference_attention(q, k, v, loop_mask(300, 300, causal=True, window=20))
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+    assert [(c["causal"], c["window"]) for c in calls] == [(True, 20)]
+    # float64, and documents, keep the tile runs on torch's kernel (documents' causal squares:
+    # attnkit's kernel per run, no window)
+    assert (
+        attend_positional(
+            q.double(), k.double(), v.double(), Structure(window=4), scale=1.0, dropout_p=0.0
+        )
+        is None
+    )
+    assert attend_positional(q, k, v, Structure(causal=True), scale=1.0, dropout_p=0.1) is None
+    seg = (torch.arange(300) // 100).expand(2, 300)
+    assert (
+        attend_positional(
+            q, k, v, Structure(causal=True, segment_ids=seg), scale=1.0, dropout_p=0.0
+        )
+        is None
+    )
+    calls.clear()
+    block_sparse_attention(q, k, v, causal=True, segment_ids=seg)
+    assert calls and all(c["first"] == 0 and c.get("window") is None for c in calls)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])

@@ -427,7 +427,7 @@ def _capped_attention_reference(
 
 
 needs_capped = pytest.mark.skipif(
-    not native.capped_attention_available(),
+    not native.flash_available(),
     reason=f"capped_attention cannot run here: {native.kernels_unavailable() or 'no sgemm'}",
 )
 
@@ -436,7 +436,7 @@ def test_capped_attention_runs_wherever_the_kernels_build() -> None:
     """torch's x86 builds link a BLAS whose ``sgemm_`` the kernel finds (CI holds it to that)."""
     if not native.kernels_available():
         pytest.skip(f"no attnkit kernels: {native.kernels_unavailable()}")
-    assert native.capped_attention_available()
+    assert native.flash_available()
 
 
 @needs_capped
@@ -522,6 +522,75 @@ def test_capped_attention_keeps_non_finite_scores_in_their_row_and_gets_clear_er
         native.capped_attention(q, k, v, softcap=0.0, scale=1.0)
     with pytest.raises(ValueError, match="window=0"):
         native.capped_attention(q, k, v, softcap=1.0, scale=1.0, window=0)
+
+
+@needs_capped
+@pytest.mark.parametrize(
+    ("L", "S", "causal", "window", "first"),
+    [
+        (37, 37, True, None, 0),  # a document's causal square, blocks with tails
+        (37, 37, False, None, 0),
+        (20, 45, True, None, None),  # bottom-right aligned queries
+        (45, 20, True, None, None),  # the first queries attend no key: zero rows and gradients
+        (50, 60, True, 6, 10),  # a window: key blocks skipped on both sides
+        (33, 41, False, 9, None),  # a two-sided window
+    ],
+)
+def test_flash_attention_and_its_backward_follow_float64(
+    L: int, S: int, causal: bool, window: int | None, first: int | None
+) -> None:
+    gen = torch.Generator().manual_seed(L * S + (window or 0))
+    q = (2 * torch.randn(2, 4, L, 16, generator=gen)).requires_grad_()
+    k = (2 * torch.randn(2, 2, S, 16, generator=gen)).requires_grad_()  # grouped-query heads
+    v = torch.randn(2, 2, S, 12, generator=gen).requires_grad_()
+    grad_out = torch.randn(2, 4, L, 12, generator=gen)
+    at = torch.arange(L)[:, None] + (S - L if first is None else first)
+    j = torch.arange(S)[None, :]
+    ok = torch.ones(L, S, dtype=torch.bool)
+    if causal:
+        ok &= j <= at
+    if window is not None:
+        ok &= (at - j).abs() < window
+    kk, vv = (t.double().repeat_interleave(2, 1) for t in (k, v))
+    scores = (q.double() @ kk.transpose(-1, -2) * 0.3).masked_fill(~ok, -torch.inf)
+    want = torch.softmax(scores, -1).nan_to_num(nan=0.0) @ vv
+    grads = torch.autograd.grad((want * grad_out.double()).sum(), (q, k, v))
+    rows = ok.any(-1)
+    want_lse = torch.logsumexp(scores, -1)
+    for blocks in ((8, 16), (5, 7), (64, 512)):
+        options = {"scale": 0.3, "causal": causal, "window": window, "first": first}
+        with torch.no_grad():
+            out, lse = native.flash_attention(q, k, v, blocks=blocks, **options)
+            got = native.flash_attention_backward(grad_out, q, k, v, out, lse, **options)
+        assert_close(out.double(), want, atol=2e-6, rtol=2e-5)
+        assert_close(lse[..., rows].double(), want_lse[..., rows], atol=2e-6, rtol=2e-5)
+        assert (lse[..., ~rows] == -torch.inf).all()
+        for name, g, w in zip("qkv", got, grads, strict=True):
+            assert_close(g.double(), w.double(), atol=2e-5, rtol=2e-5, msg=name)
+    if not rows.all():  # rows without keys: exact zeros
+        assert torch.equal(out[:, :, ~rows], torch.zeros_like(out[:, :, ~rows]))
+        assert torch.equal(got[0][:, :, ~rows], torch.zeros_like(got[0][:, :, ~rows]))
+
+
+@needs_capped
+def test_flash_attention_takes_strided_views_and_gets_clear_errors() -> None:
+    gen = torch.Generator().manual_seed(4)
+    # (documents, L, H, E) storage seen as (documents, H, L, E), as attnkit.blockwise's tiles
+    q, k, v, grad_out = (torch.randn(3, 40, 2, 8, generator=gen).transpose(1, 2) for _ in range(4))
+    out, lse = native.flash_attention(q, k, v, scale=0.5, causal=True, blocks=(16, 16))
+    got = native.flash_attention_backward(grad_out, q, k, v, out, lse, scale=0.5, causal=True)
+    qc, kc, vc = (t.contiguous().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=0.5)
+    assert_close(out, ref, atol=2e-6, rtol=2e-5)
+    want = torch.autograd.grad((ref * grad_out).sum(), (qc, kc, vc))
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, atol=2e-5, rtol=2e-5)
+    with pytest.raises(TypeError, match="float32"):
+        native.flash_attention(q.double(), k, v, scale=1.0)
+    with pytest.raises(ValueError, match=r"H % K"):
+        native.flash_attention(q, k[:, :, :, :4], v, scale=1.0)
+    with pytest.raises(ValueError, match="lse"):
+        native.flash_attention_backward(grad_out, q, k, v, out, lse[:, :1], scale=0.5)
 
 
 def _one_query_reference(

@@ -31,9 +31,9 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> lis
     """Without gradients: attnkit's whole-attention kernel (returns the list its calls append
     to), or the chunked torch path that runs where it cannot (returns None)."""
     if request.param == "chunks":
-        monkeypatch.setattr(native, "capped_attention_available", lambda: False)
+        monkeypatch.setattr(native, "flash_available", lambda: False)
         return None
-    if not native.capped_attention_available():
+    if not native.flash_available():
         pytest.skip("capped_attention cannot run here")
     calls: list[int] = []
     kernel = native.capped_attention
@@ -144,7 +144,7 @@ def test_a_window_never_reads_the_keys_outside_its_span(kernel, monkeypatch):
     # chunk that read them (the kernel itself does not guard against non-finite inputs;
     # functional does).
     if not kernel:
-        monkeypatch.setattr(native, "capped_attention_available", lambda: False)
+        monkeypatch.setattr(native, "flash_available", lambda: False)
     g = torch.Generator().manual_seed(0)
     L, window = 384, 16
     rows = chunk_rows(2, 2 * window + 16, L, window)  # the chunked path's default here

@@ -43,10 +43,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from attnkit import native
 from attnkit.masks import Structure
 
-__all__ = ["TileRun", "attend_runs", "native_low_precision", "plan_runs", "tile_rows"]
+__all__ = [
+    "TileRun",
+    "attend_positional",
+    "attend_runs",
+    "native_low_precision",
+    "plan_runs",
+    "tile_rows",
+]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -314,6 +323,95 @@ def native_low_precision(dtype: torch.dtype, *, backward: bool = True) -> bool:
 # executors
 
 
+def _native(q: Tensor, mask: Tensor | None) -> bool:
+    """Whether attnkit's flash kernels (:func:`attnkit.native.flash_attention` and its
+    backward) run a tile run instead of torch's: float32 on the CPU, no additive mask (square
+    causal tiles or whole spans), outside ``torch.compile`` and torch dispatch modes. They skip
+    finer blocks than torch's kernel (a block of 64 causal queries computes the keys up to its
+    last query; torch's 256 x 512 blocks compute 75% of a 1024-document's scores against 53%)
+    and measured faster per score (``benchmarks/RESULTS.md``)."""
+    return (
+        q.dtype == torch.float32
+        and q.device.type == "cpu"
+        and mask is None
+        and not torch.compiler.is_compiling()
+        and not is_in_torch_dispatch_mode()
+        and native.flash_available()
+    )
+
+
+def _run_forward(
+    r: TileRun, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """One run's ``(out, lse)``: attnkit's flash kernel where :func:`_native`, else torch's."""
+    if _native(q, mask):
+        return native.flash_attention(*_views(r, q, k, v), scale=scale, causal=r.causal, first=0)
+    o, lse = _flash(*_views(r, q, k, v), 0.0, r.causal, attn_mask=mask, scale=scale)
+    return o, lse
+
+
+def _run_backward(
+    r: TileRun,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    attnkit_kernel: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One run's ``(dq, dk, dv)`` from the kernel that ran its forward (``attnkit_kernel``:
+    :func:`_native` then); ``grad_out`` and ``o`` are the run's query tiles."""
+    if attnkit_kernel:
+        return native.flash_attention_backward(
+            grad_out, *_views(r, q, k, v), o, lse, scale=scale, causal=r.causal, first=0
+        )
+    gq, gk, gv = _flash_backward(
+        grad_out, *_views(r, q, k, v), o, lse, 0.0, r.causal, attn_mask=mask, scale=scale
+    )
+    return gq, gk, gv
+
+
+def attend_positional(
+    q: Tensor, k: Tensor, v: Tensor, structure: Structure, *, scale: float, dropout_p: float
+) -> Tensor | None:
+    """Causal and sliding-window attention as one call of attnkit's flash kernels, or None
+    where they do not apply (see :func:`_native`; no documents, lengths or dropout).
+
+    The kernels take the rules themselves (a block of queries computes only the keys it may
+    reach), so the sequence needs no tiles: a window's forward+backward took half the time of
+    the tile runs on torch's kernel (``benchmarks/RESULTS.md``).
+
+    Shape:
+        q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
+    """
+    if structure.batched or dropout_p > 0.0 or not _native(q, None):
+        return None
+    out: Tensor = _PositionalFlash.apply(q, k, v, structure.causal, structure.window, scale)
+    return out
+
+
+class _PositionalFlash(torch.autograd.Function):
+    """:func:`attnkit.native.flash_attention` and its backward over the whole sequence."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None, scale: float
+    ) -> Tensor:
+        out, lse = native.flash_attention(q, k, v, scale=scale, causal=causal, window=window)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = {"scale": scale, "causal": causal, "window": window}
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = native.flash_attention_backward(grad_out, q, k, v, out, lse, **ctx.options)
+        return dq, dk, dv, None, None, None
+
+
 class _FlashRuns(torch.autograd.Function):
     """One flash-kernel call per run on strided views; the backward calls the kernel's own.
 
@@ -334,7 +432,8 @@ class _FlashRuns(torch.autograd.Function):
         if len(runs) == 1 and runs[0].empty is None and _in_order(runs[0], B, L, rows=True):
             r = runs[0]
             mask = _kernel_mask(r, q.dtype)
-            o, lse = _flash(*_views(r, q, k, v), 0.0, r.causal, attn_mask=mask, scale=scale)
+            o, lse = _run_forward(r, q, k, v, mask, scale)
+            ctx.natives = [_native(q, mask)]
             out = _whole(o, B, L)
             ctx.save_for_backward(q, k, v, out)
             ctx.masks, ctx.lses, ctx.outs, ctx.direct = [mask], [lse], None, True
@@ -343,19 +442,21 @@ class _FlashRuns(torch.autograd.Function):
         covered = sum(r.count * r.rows for r in runs) == B * L
         alloc = torch.empty if covered else torch.zeros
         out = alloc(B, L, H, Ev, dtype=q.dtype, device=q.device).transpose(1, 2)  # (B,H,L,Ev)
-        masks, outs, lses = [], [], []
+        masks, outs, lses, natives = [], [], [], []
         for r in runs:
             mask = _kernel_mask(r, q.dtype)
-            o, lse = _flash(*_views(r, q, k, v), 0.0, r.causal, attn_mask=mask, scale=scale)
+            o, lse = _run_forward(r, q, k, v, mask, scale)
             # o (count, H, rows, Ev), lse (count, H, rows)
             if r.empty is not None:
                 o = o.masked_fill(r.empty, 0.0)
             _q_view(out, r).copy_(o)
+            natives.append(_native(q, mask))
             masks.append(mask)
             outs.append(o)
             lses.append(lse)
         ctx.save_for_backward(q, k, v)
         ctx.masks, ctx.outs, ctx.lses, ctx.direct = masks, outs, lses, False
+        ctx.natives = natives
         ctx.covered = covered
         return out
 
@@ -365,15 +466,17 @@ class _FlashRuns(torch.autograd.Function):
             q, k, v, out = ctx.saved_tensors
             (r,) = ctx.runs
             B, L, S = q.shape[0], q.shape[2], k.shape[2]
-            gq, gk, gv = _flash_backward(
+            gq, gk, gv = _run_backward(
+                r,
                 _q_view(grad_out, r),
-                *_views(r, q, k, v),
+                q,
+                k,
+                v,
                 _q_view(out, r),
                 ctx.lses[0],
-                0.0,
-                r.causal,
-                attn_mask=ctx.masks[0],
-                scale=ctx.scale,
+                ctx.masks[0],
+                ctx.scale,
+                ctx.natives[0],
             )
             dq = _whole(gq, B, L)
             if ctx.keys_in_order:
@@ -390,16 +493,10 @@ class _FlashRuns(torch.autograd.Function):
         dq = torch.empty_like(q) if ctx.covered else torch.zeros_like(q)  # every row written
         dk = torch.zeros_like(k, dtype=acc)
         dv = torch.zeros_like(v, dtype=acc)
-        for r, mask, o, lse in zip(ctx.runs, ctx.masks, ctx.outs, ctx.lses, strict=True):
-            gq, gk, gv = _flash_backward(
-                _q_view(grad_out, r),
-                *_views(r, q, k, v),
-                o,
-                lse,
-                0.0,
-                r.causal,
-                attn_mask=mask,
-                scale=ctx.scale,
+        runs = zip(ctx.runs, ctx.masks, ctx.outs, ctx.lses, ctx.natives, strict=True)
+        for r, mask, o, lse, own in runs:
+            gq, gk, gv = _run_backward(
+                r, _q_view(grad_out, r), q, k, v, o, lse, mask, ctx.scale, own
             )
             _q_view(dq, r).copy_(gq)
             _add_spans(dk, gk, r)

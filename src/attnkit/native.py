@@ -58,8 +58,10 @@ from torch import Tensor
 __all__ = [
     "INT8_DOT_BLOCK",
     "capped_attention",
-    "capped_attention_available",
     "capped_softmax_",
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_available",
     "float_dot_linear",
     "group_codes",
     "int8_dot_linear",
@@ -77,7 +79,7 @@ INT8_DOT_BLOCK = 32
 _GROUP = 4
 _SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("int8_dot.c", "float_dot.c", "capped_softmax.c", "one_query.c")
+    for name in ("int8_dot.c", "float_dot.c", "capped_softmax.c", "one_query.c", "flash.c")
 )
 #: Headers the sources include (hashed into the build's name with them).
 _HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h",))
@@ -178,10 +180,14 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.attnkit_capped_softmax.argtypes = [pointer, *[int64] * 5, ctypes.c_int, int64]
     lib.attnkit_capped_softmax.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.attnkit_capped_softmax.restype = ctypes.c_int
-    call = lib.attnkit_capped_attention
-    strided = (pointer, int64, int64)  # (data, head stride, row stride)
-    call.argtypes = [*strided, *strided, *strided, pointer, *[int64] * 7, ctypes.c_int, int64]
-    call.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int, int64, int64, pointer]
+    view, floats = _View, ctypes.c_float
+    call = lib.attnkit_flash_forward
+    call.argtypes = [view] * 4 + [pointer, int64, int64, pointer, int64, ctypes.c_int, int64]
+    call.argtypes += [floats, floats, ctypes.c_int, int64, int64, pointer, ctypes.c_int]
+    call.restype = ctypes.c_int
+    call = lib.attnkit_flash_backward
+    call.argtypes = [view, view, view, view, view, pointer, int64, int64, view, view, view]
+    call.argtypes += [pointer, int64, ctypes.c_int, int64, floats, int64, int64, pointer]
     call.argtypes += [ctypes.c_int]
     call.restype = ctypes.c_int
     call = lib.attnkit_one_query_attention
@@ -221,10 +227,36 @@ def _sgemm_address() -> int | None:
     return None
 
 
+class _View(ctypes.Structure):
+    """csrc/flash.c's ``view``: a ``(count, heads, rows, dim)`` tensor's data and strides."""
+
+    _fields_ = (
+        ("data", ctypes.c_void_p),
+        ("item", ctypes.c_int64),
+        ("head", ctypes.c_int64),
+        ("row", ctypes.c_int64),
+    )
+
+
+def _view(t: Tensor) -> _View:
+    """``t`` ``(count, heads, rows, dim)`` with a contiguous last dim (see :func:`_rows`)."""
+    rows, dim = t.shape[2], t.shape[3]
+    row = t.stride(2) if rows > 1 else max(dim, 1)
+    return _View(t.data_ptr(), t.stride(0), t.stride(1), row)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t``, or a contiguous copy where its rows are not contiguous vectors BLAS can take."""
+    rows, dim = t.shape[2], t.shape[3]
+    if (t.stride(3) == 1 or dim <= 1) and (rows <= 1 or t.stride(2) >= max(dim, 1)):
+        return t
+    return t.contiguous()
+
+
 @functools.cache
-def _capped_sgemm() -> int | None:
-    """``sgemm_``'s address for :func:`capped_attention`, once a small call through it equals
-    torch's math (which also proves its calling convention), or None."""
+def _flash_sgemm() -> int | None:
+    """``sgemm_``'s address for the flash kernels, once a small call through it equals torch's
+    math (which also proves its calling convention), or None."""
     if _load()[0] is None:
         return None
     address = _sgemm_address()
@@ -232,67 +264,211 @@ def _capped_sgemm() -> int | None:
         return None
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, n, 5, 3, generator=g) for n in (2, 1, 1))
-    got = _capped_call(q, k, v, 2.0, 0.5, True, None, False, 4, 3, address, threads=1)
+    got, _ = _forward(q, k, v, 0.5, 2.0, True, None, 0, False, (4, 3), address, 1, False)
     allowed = torch.ones(5, 5, dtype=torch.bool).tril()
     capped = 2.0 * torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 2.0)
     want = torch.softmax(capped.masked_fill(~allowed, -math.inf), dim=-1) @ v
     return address if torch.allclose(got, want, atol=1e-5) else None
 
 
-def capped_attention_available() -> bool:
-    """Whether :func:`capped_attention` runs here: the kernels build and torch's BLAS ``sgemm``
-    is found (and checked)."""
-    return _capped_sgemm() is not None
+def flash_available() -> bool:
+    """Whether :func:`flash_attention`, :func:`flash_attention_backward` and
+    :func:`capped_attention` run here: the kernels build and torch's BLAS ``sgemm`` is found
+    (and checked)."""
+    return _flash_sgemm() is not None
 
 
-def _heads(t: Tensor) -> tuple[Tensor, int, int]:
-    """``t`` ``(B, n, R, C)`` as heads ``B * n`` of rows: ``(t, head stride, row stride)``,
-    copied where its strides do not allow that or BLAS would reject them."""
-    B, n, R, C = t.shape
-    head = t.stride(1) if n > 1 else t.stride(0)
-    if B > 1 and n > 1 and t.stride(0) != n * t.stride(1):
-        head = -1
-    row = t.stride(2) if R > 1 else max(C, 1)
-    if (t.stride(3) != 1 and C > 1) or head < 0 or row < max(C, 1):
-        t = t.contiguous()
-        head, row = R * C, max(C, 1)
-    return t, head, row
+def _check_flash(name: str, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> None:
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+        raise TypeError(f"{name} takes float32 q, k and v, got {q.dtype}, {k.dtype} and {v.dtype}")
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not (
+        q.dim() == k.dim() == v.dim() == 4
+        and q.is_cpu
+        and k.is_cpu
+        and v.is_cpu
+        and ks[1] > 0
+        and qs[1] % ks[1] == 0
+        and qs[0] == ks[0] == vs[0]
+        and qs[3] == ks[3]
+        and ks[1:3] == vs[1:3]
+    ):
+        raise ValueError(
+            f"{name} needs CPU q (B, H, L, E), k (B, K, S, E) and v (B, K, S, Ev) with "
+            f"H % K == 0, got {tuple(qs)}, {tuple(ks)} and {tuple(vs)} on {q.device}, "
+            f"{k.device} and {v.device}"
+        )
+    if window is not None and window < 1:
+        raise ValueError(f"{name} needs window >= 1 or None, got window={window}")
+    if _flash_sgemm() is None:
+        why = _load()[1] or "torch's BLAS sgemm was not found"
+        raise RuntimeError(f"{name} cannot run here: {why}")
 
 
-def _capped_call(
+def _forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    softcap: float,
     scale: float,
+    cap: float,
     causal: bool,
     window: int | None,
+    first: int,
     finite: bool,
-    query_block: int,
-    key_block: int,
+    blocks: tuple[int, int],
     sgemm: int,
     threads: int,
-) -> Tensor:
+    with_lse: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """csrc/flash.c's forward on checked inputs: ``(out, lse or None)``, ``out`` laid out
+    ``(B, L, H, Ev)`` in memory (as torch's flash kernel lays out its output)."""
     lib = _load()[0]
     assert lib is not None
-    B, H, L, E = q.shape
+    B, H, L, _ = q.shape
     K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
-    out = q.new_empty(B, H, L, Ev)
+    out = q.new_empty(B, L, H, Ev).transpose(1, 2)
+    lse = q.new_empty(B, H, L) if with_lse else None
     if out.numel() == 0:
-        return out
-    q, q_head, q_row = _heads(q)
-    k, k_head, k_row = _heads(k)
-    v, v_head, v_row = _heads(v)
-    failed = lib.attnkit_capped_attention(
-        q.data_ptr(), q_head, q_row,
-        k.data_ptr(), k_head, k_row,
-        v.data_ptr(), v_head, v_row,
-        out.data_ptr(), B * H, H // K, L, S, E, Ev, S - L, int(causal), window or 0,
-        2 * scale / softcap, softcap, int(finite), query_block, key_block, sgemm, threads,
+        return out, lse
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    dims = (ctypes.c_int64 * 7)(B, H, K, L, S, q.shape[3], Ev)
+    failed = lib.attnkit_flash_forward(
+        _view(q), _view(k), _view(v), _view(out),
+        None if lse is None else lse.data_ptr(), H * L, L,
+        dims, first, int(causal), window or 0, scale, cap, int(finite), *blocks, sgemm, threads,
     )  # fmt: skip
     if failed:
-        raise MemoryError(f"capped_attention could not allocate its buffers ({threads} threads)")
-    return out
+        raise MemoryError(f"the flash forward could not allocate its buffers ({threads} threads)")
+    return out, lse
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    first: int | None = None,
+    blocks: tuple[int, int] = (128, 512),
+) -> tuple[Tensor, Tensor]:
+    """Attention in FlashAttention's loop on the CPU, with the log-sum-exp the backward needs.
+
+    Each thread takes ``blocks[0]`` queries of one head at a time and walks the blocks of at most
+    ``blocks[1]`` keys they may attend, each tile only as wide as the block's reach (a causal
+    block of queries computes the keys up to its last query): a tile of scores from torch's BLAS
+    ``sgemm``, folded into a running maximum and sum per query, multiplied with the block's
+    values, all while it stays in the CPU's caches. Query ``i`` sits at key position
+    ``first + i`` (default ``S - L``: bottom-right aligned, as :class:`attnkit.masks.Structure`);
+    a query that may attend no key gets a zero row and log-sum-exp ``-inf``. Inputs must be
+    finite (a NaN score makes its row NaN).
+
+    Args:
+        q: Queries ``(B, H, L, E)``, float32 on the CPU (any strides; rows are copied where
+            their last dim is not contiguous).
+        k: Keys ``(B, K, S, E)`` with ``H % K == 0`` (grouped-query attention).
+        v: Values ``(B, K, S, Ev)``.
+        scale: Multiplier of the scores.
+        causal: Keys after a query are masked.
+        window: Keys ``window`` or more positions away are masked (None: no window).
+        first: Key position of the first query.
+        blocks: Queries per block and most keys per tile.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``(B, H, L, Ev)`` (laid out ``(B, L, H, Ev)`` in memory), ``lse``
+        ``(B, H, L)``, the log-sum-exp of each query's scaled scores.
+
+    Raises:
+        TypeError: For a dtype other than float32.
+        ValueError: For shapes that do not fit, tensors not on the CPU, or a bad argument.
+        RuntimeError: Where it cannot run here (:func:`flash_available`).
+    """
+    _check_flash("flash_attention", q, k, v, window)
+    first = k.shape[2] - q.shape[2] if first is None else first
+    sgemm = _flash_sgemm()
+    assert sgemm is not None
+    out, lse = _forward(
+        q, k, v, scale, 0.0, causal, window, first, True, blocks, sgemm, torch.get_num_threads(),
+        True,
+    )  # fmt: skip
+    assert lse is not None
+    return out, lse
+
+
+def flash_attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    first: int | None = None,
+    blocks: tuple[int, int] = (64, 512),
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of :func:`flash_attention` in FlashAttention-2's loop order.
+
+    Each thread takes one key/value head and the query heads that share it; for each block of
+    ``blocks[1]`` keys, every block of ``blocks[0]`` queries that reaches it recomputes its
+    scores (only as wide as its reach), takes the probabilities from ``lse`` and makes the five
+    products of the backward; the key and value gradients of the block accumulate in cache and
+    are written once, the query gradients accumulate over the key blocks.
+
+    Args:
+        grad_out: The gradient of ``out``, ``(B, H, L, Ev)``.
+        q: Queries, as given to :func:`flash_attention` (with ``k``, ``v`` and the options).
+        k: Keys.
+        v: Values.
+        out: :func:`flash_attention`'s output.
+        lse: :func:`flash_attention`'s log-sum-exp.
+        scale: Multiplier of the scores.
+        causal: Keys after a query are masked.
+        window: Keys ``window`` or more positions away are masked (None: no window).
+        first: Key position of the first query (default ``S - L``).
+        blocks: Queries per block and keys per block.
+
+    Returns:
+        ``(dq, dk, dv)``, laid out ``(B, L or S, heads, dim)`` in memory.
+
+    Raises:
+        TypeError: For a dtype other than float32.
+        ValueError: For shapes that do not fit, or tensors not on the CPU.
+        RuntimeError: Where it cannot run here (:func:`flash_available`).
+    """
+    _check_flash("flash_attention_backward", q, k, v, window)
+    B, H, L, E = q.shape
+    K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    if grad_out.shape != (B, H, L, Ev) or out.shape != (B, H, L, Ev) or lse.shape != (B, H, L):
+        raise ValueError(
+            f"flash_attention_backward needs grad_out and out {(B, H, L, Ev)} and lse "
+            f"{(B, H, L)}, got {tuple(grad_out.shape)}, {tuple(out.shape)} and "
+            f"{tuple(lse.shape)}"
+        )
+    lib, sgemm = _load()[0], _flash_sgemm()
+    assert lib is not None and sgemm is not None
+    first = S - L if first is None else first
+    dq = q.new_empty(B, L, H, E).transpose(1, 2)
+    dk = k.new_empty(B, S, K, E).transpose(1, 2)
+    dv = v.new_empty(B, S, K, Ev).transpose(1, 2)
+    if dq.numel() + dk.numel() + dv.numel() == 0 or L == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    grad_out, out = _rows(grad_out.float()), _rows(out.float())
+    lse = lse.float().contiguous()
+    dims = (ctypes.c_int64 * 7)(B, H, K, L, S, E, Ev)
+    threads = torch.get_num_threads()
+    failed = lib.attnkit_flash_backward(
+        _view(q), _view(k), _view(v), _view(out), _view(grad_out), lse.data_ptr(), H * L, L,
+        _view(dq), _view(dk), _view(dv), dims, first, int(causal), window or 0, scale, *blocks,
+        sgemm, threads,
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"the flash backward could not allocate its buffers ({threads} threads)")
+    return dq, dk, dv
 
 
 def capped_attention(
@@ -309,15 +485,13 @@ def capped_attention(
     key_block: int = 512,
 ) -> Tensor:
     """Soft-capped attention without gradients, ``softmax(c * tanh(q k^T * scale / c)) v`` over
-    the keys each query may attend, in FlashAttention's loop.
+    the keys each query may attend: :func:`flash_attention`'s loop with the cap applied to each
+    tile of scores (Gemma 2's attention-logit soft-capping, which torch's fused kernels cannot
+    do).
 
-    Each thread takes ``query_block`` queries of one head at a time and walks the blocks of
-    ``key_block`` keys they may attend (blocks that ``causal`` or ``window`` rule out are never
-    computed): a tile of scores from torch's BLAS ``sgemm``, capped, folded into a running
-    maximum and sum per query, and multiplied with the block's values, all while it stays in the
-    CPU's caches. Query ``i`` sits at key position ``S - L + i`` (bottom-right aligned, as
-    :class:`attnkit.masks.Structure`); a query that may attend no key gets a zero row. A NaN score
-    makes its row NaN; unless ``finite``, so does an infinite one.
+    Query ``i`` sits at key position ``S - L + i``; a query that may attend no key gets a zero
+    row. A NaN score makes its row NaN; unless ``finite``, so does an infinite one (capped it
+    would look finite).
 
     Args:
         q: Queries ``(B, H, L, E)``, float32 on the CPU.
@@ -329,7 +503,7 @@ def capped_attention(
         window: Keys ``window`` or more positions away are masked (None: no window).
         finite: ``q`` and ``k`` are known to be finite (skips turning infinite scores into NaN).
         query_block: Queries a thread works on at a time.
-        key_block: Keys of a tile of scores.
+        key_block: Most keys of a tile of scores.
 
     Returns:
         ``out`` ``(B, H, L, Ev)``, float32.
@@ -337,48 +511,22 @@ def capped_attention(
     Raises:
         TypeError: For a dtype other than float32.
         ValueError: For shapes that do not fit, tensors not on the CPU, or a bad argument.
-        RuntimeError: Where it cannot run here (:func:`capped_attention_available`).
+        RuntimeError: Where it cannot run here (:func:`flash_available`).
     """
-    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
-        raise TypeError(
-            f"capped_attention takes float32 q, k and v, got {q.dtype}, {k.dtype} and {v.dtype}"
-        )
-    qs, ks, vs = q.shape, k.shape, v.shape
-    if not (
-        q.dim() == k.dim() == v.dim() == 4
-        and q.is_cpu
-        and k.is_cpu
-        and v.is_cpu
-        and ks[1] > 0
-        and qs[1] % ks[1] == 0
-        and qs[0] == ks[0] == vs[0]
-        and qs[3] == ks[3]
-        and ks[1:3] == vs[1:3]
-    ):
+    if not (softcap > 0 and math.isfinite(softcap)) or query_block < 1 or key_block < 1:
         raise ValueError(
-            f"capped_attention needs CPU q (B, H, L, E), k (B, K, S, E) and v (B, K, S, Ev) "
-            f"with H % K == 0, got {tuple(qs)}, {tuple(ks)} and {tuple(vs)} on {q.device}, "
-            f"{k.device} and {v.device}"
+            f"capped_attention needs a finite softcap > 0 and blocks >= 1, got "
+            f"softcap={softcap}, query_block={query_block}, key_block={key_block}"
         )
-    if (
-        not (softcap > 0 and math.isfinite(softcap))
-        or query_block < 1
-        or key_block < 1
-        or (window is not None and window < 1)
-    ):
-        raise ValueError(
-            f"capped_attention needs a finite softcap > 0, blocks >= 1 and window >= 1 or "
-            f"None, got softcap={softcap}, query_block={query_block}, key_block={key_block}, "
-            f"window={window}"
-        )
-    sgemm = _capped_sgemm()
-    if sgemm is None:
-        why = _load()[1] or "torch's BLAS sgemm was not found"
-        raise RuntimeError(f"capped_attention cannot run here: {why}")
-    return _capped_call(
-        q, k, v, softcap, scale, causal, window, finite, query_block, key_block, sgemm,
-        torch.get_num_threads(),
+    _check_flash("capped_attention", q, k, v, window)
+    sgemm = _flash_sgemm()
+    assert sgemm is not None
+    first = k.shape[2] - q.shape[2]
+    out, _ = _forward(
+        q, k, v, scale, softcap, causal, window, first, finite, (query_block, key_block), sgemm,
+        torch.get_num_threads(), False,
     )  # fmt: skip
+    return out
 
 
 def kernels_unavailable() -> str:

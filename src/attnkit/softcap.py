@@ -138,7 +138,7 @@ def capped_attention(
         and q.device.type == "cpu"
         and not torch.compiler.is_compiling()
         and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
-        and native.capped_attention_available()
+        and native.flash_available()
     ):  # the whole attention in attnkit's kernel, FlashAttention's loop with the cap
         out = native.capped_attention(
             q.to(compute).reshape(B, H, L, E),

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from attnkit.blockwise import TileRun, attend_runs, plan_runs
+from attnkit.blockwise import TileRun, attend_positional, attend_runs, plan_runs
 from attnkit.masks import Structure, StructureArgs, structured_mask
 
 if TYPE_CHECKING:
@@ -203,6 +203,8 @@ def tiled_attention(
     batch_shape, (H, L, E), (K, S, Ev) = q.shape[:-3], q.shape[-3:], v.shape[-3:]
     B = plan.B
     q, k, v = q.reshape(B, H, L, E), k.reshape(B, K, S, E), v.reshape(B, K, S, Ev)
-    out = attend_runs(q, k, v, plan.runs, scale=scale, dropout_p=dropout_p)  # (B, H, L, Ev)
+    out = attend_positional(q, k, v, plan.structure, scale=scale, dropout_p=dropout_p)
+    if out is None:
+        out = attend_runs(q, k, v, plan.runs, scale=scale, dropout_p=dropout_p)  # (B, H, L, Ev)
     out = out.reshape(*batch_shape, H, L, Ev)
     return out.squeeze(0) if squeeze else out

@@ -4,6 +4,7 @@
 #define ATTNKIT_SIMD_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -97,6 +98,38 @@ static inline __m256 capped8(__m256 t, __m256 two_c, int finite) {
   const __m256 y = _mm256_rcp_ps(d);
   const __m256 y1 = _mm256_mul_ps(y, _mm256_fnmadd_ps(d, y, _mm256_set1_ps(2.0f)));
   return _mm256_mul_ps(two_c, y1);
+}
+
+/* The keys [a, b) that the query at position `at` may attend within [lo, hi). */
+static inline void reach(int64_t at, int causal, int64_t window, int64_t lo, int64_t hi,
+                         int64_t *a, int64_t *b) {
+  *a = lo;
+  *b = hi;
+  if (causal && at + 1 < *b) *b = at + 1;
+  if (window > 0) {
+    if (at - window + 1 > *a) *a = at - window + 1;
+    if (at + window < *b) *b = at + window;
+  }
+}
+
+/* row[j] = 2c sigmoid(row[j]) for n values, in place; returns their maximum (a NaN may or may
+ * not win it; it reaches the sum of the exponentials either way, and with it the whole row). */
+static inline float capped_row(float *row, int64_t n, float cap, int finite) {
+  const __m256 two_c = _mm256_set1_ps(2.f * cap);
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 c = capped8(_mm256_loadu_ps(row + j), two_c, finite);
+    _mm256_storeu_ps(row + j, c);
+    top = _mm256_max_ps(top, c);
+  }
+  float m = lanes_max(top);
+  for (; j < n; j++) {
+    const float c = _mm256_cvtss_f32(capped8(_mm256_set1_ps(row[j]), two_c, finite));
+    row[j] = c;
+    m = c > m ? c : m;
+  }
+  return m;
 }
 
 #endif

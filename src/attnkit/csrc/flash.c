@@ -1,0 +1,265 @@
+/* Attention in FlashAttention's loop on the CPU, forward (plain or soft-capped scores) and
+ * backward, with tiles of scores from the BLAS sgemm torch links.
+ *
+ * Forward: each thread takes a block of queries of one head and walks the blocks of keys they
+ * may attend; the tile of scores comes from sgemm, stays in L2, and is folded into a running
+ * maximum and sum per query (the online softmax) before sgemm multiplies it with the block's
+ * values into the output, which is divided by the sums at the end. A tile is only as wide as
+ * the block's reach: under causal masking a block of 64 queries computes the keys up to its
+ * last query, not a whole block of keys, so a causal sequence costs about L^2 / 2 scores.
+ *
+ * Backward (FlashAttention-2's order): each thread takes one key/value head and the query
+ * heads that share it; for each block of keys (outer) and each block of queries that reaches
+ * it (inner), the scores are recomputed, turned into probabilities with the forward's
+ * log-sum-exp, and five products give the block's key and value gradients (accumulated over the
+ * query blocks while they sit in cache, written once) and the query gradients (accumulated over
+ * the key blocks).
+ *
+ * Positions: query i sits at key position first + i; `causal` keeps the keys at or before it,
+ * `window` (when > 0) the keys less than `window` away (attnkit.masks.Structure's rules). A query
+ * with no key gets a zero row (and log-sum-exp -inf, and zero gradients).
+ *
+ * Soft cap (cap > 0, forward only): the scores are c tanh(s / c), computed as 2c sigmoid(2 s / c)
+ * (softmax ignores the shift by c); see capped_softmax.c.
+ *
+ * Layouts: tensors are (count, heads, rows, dim) with any element strides for the first three
+ * dims and a contiguous last dim; query head h of item c reads key/value head h / group of item
+ * c. Non-finite inputs: a NaN score makes its row NaN; without `finite` so does an infinite one
+ * when capped. Plain scores are assumed finite (attnkit.functional keeps non-finite inputs away).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "simd.h"
+
+/* Fortran BLAS sgemm, column-major. Its integer arguments are passed as pointers to int64: an
+ * LP64 library reads their low halves (little-endian), an ILP64 one all of them. */
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int64_t *m,
+                         const int64_t *n, const int64_t *k, const float *alpha, const float *a,
+                         const int64_t *lda, const float *b, const int64_t *ldb, const float *beta,
+                         float *c, const int64_t *ldc);
+
+/* A (count, heads, rows, dim) tensor: its data and the strides of the first three dims. */
+typedef struct {
+  float *data;
+  int64_t item, head, row;
+} view;
+
+static inline float *at(view t, int64_t c, int64_t h) { return t.data + c * t.item + h * t.head; }
+
+static inline int threads_for(int64_t tasks, int threads) {
+  return tasks < threads ? (tasks > 0 ? (int)tasks : 1) : threads;
+}
+
+static inline int this_thread(void) {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+/* The largest of n values (a NaN may or may not win it; it reaches the sum either way). */
+static inline float row_max(const float *row, int64_t n) {
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(row + j));
+  float m = lanes_max(top);
+  for (; j < n; j++) m = row[j] > m ? row[j] : m;
+  return m;
+}
+
+/* One block of r queries (positions p0 ..) of one head: out (r x Ev, rows out_row apart) and,
+ * if lse is not NULL, each query's log-sum-exp of its scaled scores. */
+static void forward_block(sgemm_fn sgemm, const float *q, int64_t q_row, const float *k,
+                          int64_t k_row, const float *v, int64_t v_row, float *out,
+                          int64_t out_row, float *lse, int64_t r, int64_t S, int64_t E,
+                          int64_t Ev, int64_t p0, int causal, int64_t window, float scale,
+                          float cap, int finite, int64_t kb, float *tile, float *acc, float *top,
+                          float *sum) {
+  int64_t lo, hi, a, b;
+  reach(p0, causal, window, 0, S, &lo, &b);         /* the first query's reach starts the span */
+  reach(p0 + r - 1, causal, window, 0, S, &a, &hi); /* the last one's ends it */
+  memset(acc, 0, (size_t)(r * Ev) * sizeof(float));
+  for (int64_t i = 0; i < r; i++) {
+    top[i] = -INFINITY;
+    sum[i] = 0.f;
+  }
+  const float zero = 0.f, one = 1.f, alpha = cap > 0.f ? 2.f * scale / cap : scale;
+  for (int64_t j0 = lo; j0 < hi; j0 += kb) {
+    const int64_t j1 = j0 + kb < hi ? j0 + kb : hi, w = j1 - j0;
+    /* tile (r x w, row-major) = alpha q k^T: column-major w x r = k (w x E) q^T */
+    sgemm("T", "N", &w, &r, &E, &alpha, k + j0 * k_row, &k_row, q, &q_row, &zero, tile, &w);
+    for (int64_t i = 0; i < r; i++) {
+      float *row = tile + i * w;
+      reach(p0 + i, causal, window, j0, j1, &a, &b);
+      if (b <= a) {
+        memset(row, 0, (size_t)w * sizeof(float));
+        continue;
+      }
+      memset(row, 0, (size_t)(a - j0) * sizeof(float));
+      memset(row + (b - j0), 0, (size_t)(j1 - b) * sizeof(float));
+      const float m = cap > 0.f ? capped_row(row + (a - j0), b - a, cap, finite)
+                                : row_max(row + (a - j0), b - a);
+      if (m > top[i]) { /* a new maximum: rescale what was summed under the old one */
+        if (top[i] > -INFINITY) {
+          const float f = exp1(top[i] - m);
+          float *o = acc + i * Ev;
+          sum[i] *= f;
+          for (int64_t c = 0; c < Ev; c++) o[c] *= f;
+        }
+        top[i] = m;
+      }
+      sum[i] += exp_shifted(row + (a - j0), b - a, top[i]);
+    }
+    /* acc (r x Ev, row-major) += tile v: column-major Ev x r = v^T (Ev x w) tile^T (w x r) */
+    sgemm("N", "N", &Ev, &r, &w, &one, v + j0 * v_row, &v_row, tile, &w, &one, acc, &Ev);
+  }
+  for (int64_t i = 0; i < r; i++) {
+    /* (the maximum's term is 1, so a row with keys sums to at least 1, or NaN) */
+    const float inverse = sum[i] > 0.f ? 1.f / sum[i] : (sum[i] == 0.f ? 0.f : sum[i]);
+    for (int64_t c = 0; c < Ev; c++) out[i * out_row + c] = acc[i * Ev + c] * inverse;
+    if (lse) lse[i] = sum[i] > 0.f ? top[i] + logf(sum[i]) : (sum[i] == 0.f ? -INFINITY : sum[i]);
+  }
+}
+
+/* dims: count, H, K, L, S, E, Ev. q, k, v, out as views; lse (count, H, L) with strides
+ * lse_item, lse_head (rows contiguous), or NULL. Returns 0, or 1 where a buffer could not be
+ * allocated (nothing written). */
+int attnkit_flash_forward(view q, view k, view v, view out, float *lse, int64_t lse_item,
+                          int64_t lse_head, const int64_t *dims, int64_t first, int causal,
+                          int64_t window, float scale, float cap, int finite, int64_t qb,
+                          int64_t kb, void *sgemm, int threads) {
+  const int64_t count = dims[0], H = dims[1], K = dims[2], L = dims[3], S = dims[4];
+  const int64_t E = dims[5], Ev = dims[6], G = H / K;
+  const int64_t blocks = (L + qb - 1) / qb, tasks = count * H * blocks;
+  threads = threads_for(tasks, threads);
+  const int64_t each = qb * kb + qb * Ev + 2 * qb; /* floats a thread works in */
+  float *work = malloc((size_t)(threads * each) * sizeof(float));
+  if (!work) return 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+  for (int64_t t = 0; t < tasks; t++) {
+    float *mine = work + this_thread() * each;
+    /* the last blocks (the most keys under causal masking) first, so that the threads end
+     * together */
+    const int64_t n = t / blocks, c = n / H, h = n % H, i0 = (blocks - 1 - t % blocks) * qb;
+    const int64_t r = i0 + qb < L ? qb : L - i0;
+    forward_block((sgemm_fn)sgemm, at(q, c, h) + i0 * q.row, q.row, at(k, c, h / G), k.row,
+                  at(v, c, h / G), v.row, at(out, c, h) + i0 * out.row, out.row,
+                  lse ? lse + c * lse_item + h * lse_head + i0 : NULL, r, S, E, Ev, first + i0,
+                  causal, window, scale, cap, finite, kb, mine, mine + qb * kb,
+                  mine + qb * kb + qb * Ev, mine + qb * kb + qb * Ev + qb);
+  }
+  free(work);
+  return 0;
+}
+
+static void zero_rows(float *t, int64_t rows, int64_t dim, int64_t stride) {
+  for (int64_t i = 0; i < rows; i++) memset(t + i * stride, 0, (size_t)dim * sizeof(float));
+}
+
+/* The gradients of one key/value head (kv) of item c and its G query heads. */
+static void backward_head(sgemm_fn sgemm, view q, view k, view v, view out, view dout,
+                          const float *lse, int64_t lse_item, int64_t lse_head, view dq, view dk,
+                          view dv, int64_t c, int64_t kv, int64_t G, int64_t L, int64_t S,
+                          int64_t E, int64_t Ev, int64_t first, int causal, int64_t window,
+                          float scale, int64_t qb, int64_t kb, float *p, float *dp, float *D) {
+  const float one = 1.f;
+  const float *kh = at(k, c, kv), *vh = at(v, c, kv);
+  float *dkh = at(dk, c, kv), *dvh = at(dv, c, kv);
+  zero_rows(dkh, S, E, dk.row);
+  zero_rows(dvh, S, Ev, dv.row);
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t h = kv * G + g;
+    const float *o = at(out, c, h), *d = at(dout, c, h);
+    zero_rows(at(dq, c, h), L, E, dq.row);
+    for (int64_t i = 0; i < L; i++) { /* D_i = sum(dO_i * O_i) */
+      float s = 0.f;
+      for (int64_t e = 0; e < Ev; e++) s += d[i * dout.row + e] * o[i * out.row + e];
+      D[g * L + i] = s;
+    }
+  }
+  for (int64_t j0 = 0; j0 < S; j0 += kb) {
+    const int64_t j1 = j0 + kb < S ? j0 + kb : S;
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t h = kv * G + g;
+      const float *qh = at(q, c, h), *doh = at(dout, c, h);
+      const float *lh = lse + c * lse_item + h * lse_head;
+      float *dqh = at(dq, c, h);
+      for (int64_t i0 = 0; i0 < L; i0 += qb) {
+        const int64_t r = i0 + qb < L ? qb : L - i0, p0 = first + i0;
+        int64_t lo, hi, a, b;
+        reach(p0, causal, window, j0, j1, &lo, &b);
+        reach(p0 + r - 1, causal, window, j0, j1, &a, &hi);
+        if (hi <= lo) continue; /* the block reaches none of these keys */
+        const int64_t w = hi - lo;
+        /* p (r x w) = scale q k^T, then exp(. - lse) over each query's reach */
+        const float zero = 0.f;
+        sgemm("T", "N", &w, &r, &E, &scale, kh + lo * k.row, &k.row, qh + i0 * q.row, &q.row,
+              &zero, p, &w);
+        /* dp (r x w) = dO v^T */
+        sgemm("T", "N", &w, &r, &Ev, &one, vh + lo * v.row, &v.row, doh + i0 * dout.row,
+              &dout.row, &zero, dp, &w);
+        for (int64_t i = 0; i < r; i++) {
+          float *pi = p + i * w, *dpi = dp + i * w;
+          reach(p0 + i, causal, window, lo, hi, &a, &b);
+          if (b <= a || lh[i0 + i] == -INFINITY) {
+            memset(pi, 0, (size_t)w * sizeof(float));
+            memset(dpi, 0, (size_t)w * sizeof(float));
+            continue;
+          }
+          memset(pi, 0, (size_t)(a - lo) * sizeof(float));
+          memset(pi + (b - lo), 0, (size_t)(hi - b) * sizeof(float));
+          exp_shifted(pi + (a - lo), b - a, lh[i0 + i]);
+          /* ds = p (dp - D_i), in dp's place (zero where p is) */
+          const __m256 di = _mm256_set1_ps(D[g * L + i0 + i]);
+          int64_t j = 0;
+          for (; j + 8 <= w; j += 8) {
+            const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(dpi + j), di);
+            _mm256_storeu_ps(dpi + j, _mm256_mul_ps(_mm256_loadu_ps(pi + j), x));
+          }
+          for (; j < w; j++) dpi[j] = pi[j] * (dpi[j] - D[g * L + i0 + i]);
+        }
+        /* dv (w x Ev) += p^T dO: column-major Ev x w = dO^T (Ev x r) p (r x w) */
+        sgemm("N", "T", &Ev, &w, &r, &one, doh + i0 * dout.row, &dout.row, p, &w, &one,
+              dvh + lo * dv.row, &dv.row);
+        /* dk (w x E) += scale ds^T q */
+        sgemm("N", "T", &E, &w, &r, &scale, qh + i0 * q.row, &q.row, dp, &w, &one,
+              dkh + lo * dk.row, &dk.row);
+        /* dq (r x E) += scale ds k: column-major E x r = k^T (E x w) ds^T (w x r) */
+        sgemm("N", "N", &E, &r, &w, &scale, kh + lo * k.row, &k.row, dp, &w, &one,
+              dqh + i0 * dq.row, &dq.row);
+      }
+    }
+  }
+}
+
+/* dims as attnkit_flash_forward's; lse as the forward wrote it (the log-sum-exp of the scaled
+ * scores). Writes dq, dk, dv (every row of every head). Returns 0, or 1 where a buffer could
+ * not be allocated (nothing written). */
+int attnkit_flash_backward(view q, view k, view v, view out, view dout, const float *lse,
+                           int64_t lse_item, int64_t lse_head, view dq, view dk, view dv,
+                           const int64_t *dims, int64_t first, int causal, int64_t window,
+                           float scale, int64_t qb, int64_t kb, void *sgemm, int threads) {
+  const int64_t count = dims[0], H = dims[1], K = dims[2], L = dims[3], S = dims[4];
+  const int64_t E = dims[5], Ev = dims[6], G = H / K, tasks = count * K;
+  threads = threads_for(tasks, threads);
+  const int64_t each = 2 * qb * kb + G * L; /* floats a thread works in */
+  float *work = malloc((size_t)(threads * each) * sizeof(float));
+  if (!work) return 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+  for (int64_t t = 0; t < tasks; t++) {
+    float *mine = work + this_thread() * each;
+    backward_head((sgemm_fn)sgemm, q, k, v, out, dout, lse, lse_item, lse_head, dq, dk, dv,
+                  t / K, t % K, G, L, S, E, Ev, first, causal, window, scale, qb, kb, mine,
+                  mine + qb * kb, mine + 2 * qb * kb);
+  }
+  free(work);
+  return 0;
+}
