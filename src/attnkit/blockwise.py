@@ -1,4 +1,11 @@
-"""Structured attention as a few batched calls of torch's CPU flash kernel on strided tiles.
+"""Structured attention as a few batched calls of a flash kernel on strided tiles.
+
+In float32 on the CPU, causal and sliding-window structures need no tiles: attnkit's own flash
+kernels (:func:`attnkit.native.flash_attention` and its backward) take the rules themselves and
+compute, per block of 64-128 queries, only the keys that block may reach
+(:func:`attend_positional`). Everything below is for documents, padding and the other dtypes;
+its unmasked runs (documents' causal squares, whole spans) also run attnkit's kernels in
+float32, its masked runs torch's.
 
 For causal, sliding-window, packed-document (``segment_ids``) and padding (``key_lengths``)
 constraints, every query tile of ``rows`` consecutive queries may attend keys in one contiguous

@@ -12,19 +12,23 @@ stream per thread, prefetched ahead:
 * bf16 and float32 weights through AVX2 FMAs (``csrc/float_dot.c``): torch's bf16 ``F.linear``
   reads a one-row product's weight at about 0.6x this kernel's bandwidth on such CPUs.
 
-and two for attention:
+and for attention:
 
 * a decoding step's attention, one query per head over a key/value cache
   (``csrc/one_query.c``, :func:`one_query_attention`, in compiled graphs the op
   ``attnkit::one_query_attention``): the query heads sharing a key/value head computed together,
   masked slots of a static cache never read; torch's fused kernel spends most of such a call on
   set-up, and reads every slot.
-* Gemma 2's soft-capped attention (``csrc/capped_softmax.c``): :func:`capped_attention`, a
-  prefill's whole attention in FlashAttention's loop (tiles of scores from the BLAS ``sgemm``
-  torch links, capped and folded into an online softmax while they sit in L2), where torch's
-  fused kernels cannot cap scores; and :func:`capped_softmax_`, the cap, the causal/window masks
-  and the softmax of rows of scores in one pass from memory, where torch makes five (for torch
-  builds whose BLAS cannot be found).
+* FlashAttention's loop for float32 attention (``csrc/flash.c``): :func:`flash_attention` and
+  :func:`flash_attention_backward` (FlashAttention-2's order), tiles of scores from the BLAS
+  ``sgemm`` torch links, folded into an online softmax while they sit in L2, each block of
+  queries computing only the keys its causal/window rules let it reach (torch's CPU kernel
+  computes whole 256 x 512 blocks): :mod:`attnkit.blockwise` runs them for structured
+  attention. :func:`capped_attention` is the forward with Gemma 2's soft cap, which torch's
+  fused kernels cannot apply.
+* the soft-capped softmax of rows of scores (``csrc/capped_softmax.c``,
+  :func:`capped_softmax_`): the cap, the causal/window masks and the softmax in one pass from
+  memory, where torch makes five (for torch builds whose BLAS cannot be found).
 
 The AVX2 helpers they share (``exp``, bf16 conversions, lane sums) are in ``csrc/simd.h``.
 
