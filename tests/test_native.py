@@ -573,6 +573,30 @@ def test_flash_attention_and_its_backward_follow_float64(
 
 
 @needs_capped
+def test_flash_attention_widens_bf16_blocks() -> None:
+    # bf16 inputs (for CPUs without bf16 units): the float32 math on the widened values, the
+    # output rounded once; gradients in bf16 from float32 sums.
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, grad_out = (torch.randn(2, 4, 70, 16, generator=gen).bfloat16() for _ in range(4))
+    k, v = k[:, :2], v[:, :2]
+    out, lse = native.flash_attention(q, k, v, scale=0.25, causal=True, window=30)
+    wide = [t.float() for t in (q, k, v)]
+    out32, lse32 = native.flash_attention(*wide, scale=0.25, causal=True, window=30)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert_close(out, out32.bfloat16(), atol=8e-3, rtol=8e-3)
+    assert_close(lse, lse32, atol=1e-6, rtol=1e-6)
+    got = native.flash_attention_backward(
+        grad_out, q, k, v, out, lse, scale=0.25, causal=True, window=30
+    )
+    want = native.flash_attention_backward(
+        grad_out.float(), *wide, out.float(), lse, scale=0.25, causal=True, window=30
+    )
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16
+        assert_close(g, w.bfloat16(), atol=8e-3, rtol=8e-3)
+
+
+@needs_capped
 def test_flash_attention_takes_strided_views_and_gets_clear_errors() -> None:
     gen = torch.Generator().manual_seed(4)
     # (documents, L, H, E) storage seen as (documents, H, L, E), as attnkit.blockwise's tiles

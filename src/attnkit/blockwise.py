@@ -280,6 +280,7 @@ def attend_runs(
         q.device.type == "cpu"
         and q.dtype in _LOW
         and not native_low_precision(q.dtype, backward=grads)
+        and not all(_native(q, None) and (r.causal or r.allowed is None) for r in runs)
     ):
         # Without bf16/fp16 matrix units the kernel converts every block it multiplies; in
         # float32 it runs several times faster, and rounds once at the end.
@@ -332,13 +333,19 @@ def native_low_precision(dtype: torch.dtype, *, backward: bool = True) -> bool:
 
 def _native(q: Tensor, mask: Tensor | None) -> bool:
     """Whether attnkit's flash kernels (:func:`attnkit.native.flash_attention` and its
-    backward) run a tile run instead of torch's: float32 on the CPU, no additive mask (square
-    causal tiles or whole spans), outside ``torch.compile`` and torch dispatch modes. They skip
+    backward) run a tile run instead of torch's: float32 on the CPU, or bfloat16 on a CPU
+    without bf16 units (widened block by block, so a bf16 call costs about a float32 one, where
+    torch's bf16 kernel converts every block and its backward ran 6-9x its float32 time), no
+    additive mask (square causal tiles or whole spans), outside ``torch.compile`` and torch
+    dispatch modes. They skip
     finer blocks than torch's kernel (a block of 64 causal queries computes the keys up to its
     last query; torch's 256 x 512 blocks compute 75% of a 1024-document's scores against 53%)
     and measured faster per score (``benchmarks/RESULTS.md``)."""
     return (
-        q.dtype == torch.float32
+        (
+            q.dtype == torch.float32
+            or (q.dtype == torch.bfloat16 and not native_low_precision(torch.bfloat16))
+        )
         and q.device.type == "cpu"
         and mask is None
         and not torch.compiler.is_compiling()

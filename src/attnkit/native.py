@@ -187,12 +187,13 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     view, floats = _View, ctypes.c_float
     call = lib.attnkit_flash_forward
     call.argtypes = [view] * 4 + [pointer, int64, int64, pointer, int64, ctypes.c_int, int64]
-    call.argtypes += [floats, floats, ctypes.c_int, int64, int64, pointer, ctypes.c_int]
+    call.argtypes += [floats, floats, ctypes.c_int, int64, int64, ctypes.c_int, pointer]
+    call.argtypes += [ctypes.c_int]
     call.restype = ctypes.c_int
     call = lib.attnkit_flash_backward
     call.argtypes = [view, view, view, view, view, pointer, int64, int64, view, view, view]
-    call.argtypes += [pointer, int64, ctypes.c_int, int64, floats, int64, int64, pointer]
-    call.argtypes += [ctypes.c_int]
+    call.argtypes += [pointer, int64, ctypes.c_int, int64, floats, int64, int64, ctypes.c_int]
+    call.argtypes += [pointer, ctypes.c_int]
     call.restype = ctypes.c_int
     call = lib.attnkit_one_query_attention
     call.argtypes = [pointer, *[int64] * 4, pointer, *[int64] * 3, pointer, *[int64] * 5]
@@ -229,6 +230,10 @@ def _sgemm_address() -> int | None:
         if address:
             return address
     return None
+
+
+#: Input dtypes of the flash kernels (bfloat16 widened to float32 block by block).
+_FLASH_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _View(ctypes.Structure):
@@ -282,9 +287,14 @@ def flash_available() -> bool:
     return _flash_sgemm() is not None
 
 
-def _check_flash(name: str, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> None:
-    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
-        raise TypeError(f"{name} takes float32 q, k and v, got {q.dtype}, {k.dtype} and {v.dtype}")
+def _check_flash(
+    name: str, q: Tensor, k: Tensor, v: Tensor, window: int | None, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"{name} takes q, k and v all of one dtype of {[str(d) for d in dtypes]}, got "
+            f"{q.dtype}, {k.dtype} and {v.dtype}"
+        )
     qs, ks, vs = q.shape, k.shape, v.shape
     if not (
         q.dim() == k.dim() == v.dim() == 4
@@ -331,7 +341,7 @@ def _forward(
     B, H, L, _ = q.shape
     K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     out = q.new_empty(B, L, H, Ev).transpose(1, 2)
-    lse = q.new_empty(B, H, L) if with_lse else None
+    lse = q.new_empty(B, H, L, dtype=torch.float32) if with_lse else None
     if out.numel() == 0:
         return out, lse
     q, k, v = _rows(q), _rows(k), _rows(v)
@@ -339,7 +349,8 @@ def _forward(
     failed = lib.attnkit_flash_forward(
         _view(q), _view(k), _view(v), _view(out),
         None if lse is None else lse.data_ptr(), H * L, L,
-        dims, first, int(causal), window or 0, scale, cap, int(finite), *blocks, sgemm, threads,
+        dims, first, int(causal), window or 0, scale, cap, int(finite), *blocks,
+        q.dtype == torch.bfloat16, sgemm, threads,
     )  # fmt: skip
     if failed:
         raise MemoryError(f"the flash forward could not allocate its buffers ({threads} threads)")
@@ -369,7 +380,8 @@ def flash_attention(
     finite (a NaN score makes its row NaN).
 
     Args:
-        q: Queries ``(B, H, L, E)``, float32 on the CPU (any strides; rows are copied where
+        q: Queries ``(B, H, L, E)``, float32 or bfloat16 (widened to float32 a block at a
+            time: for CPUs without bf16 units) on the CPU, any strides (rows are copied where
             their last dim is not contiguous).
         k: Keys ``(B, K, S, E)`` with ``H % K == 0`` (grouped-query attention).
         v: Values ``(B, K, S, Ev)``.
@@ -380,15 +392,16 @@ def flash_attention(
         blocks: Queries per block and most keys per tile.
 
     Returns:
-        ``(out, lse)``: ``out`` ``(B, H, L, Ev)`` (laid out ``(B, L, H, Ev)`` in memory), ``lse``
-        ``(B, H, L)``, the log-sum-exp of each query's scaled scores.
+        ``(out, lse)``: ``out`` ``(B, H, L, Ev)`` in ``q``'s dtype (laid out ``(B, L, H, Ev)``
+        in memory), ``lse`` ``(B, H, L)`` float32, the log-sum-exp of each query's scaled
+        scores.
 
     Raises:
-        TypeError: For a dtype other than float32.
+        TypeError: For other or mixed dtypes.
         ValueError: For shapes that do not fit, tensors not on the CPU, or a bad argument.
         RuntimeError: Where it cannot run here (:func:`flash_available`).
     """
-    _check_flash("flash_attention", q, k, v, window)
+    _check_flash("flash_attention", q, k, v, window, _FLASH_DTYPES)
     first = k.shape[2] - q.shape[2] if first is None else first
     sgemm = _flash_sgemm()
     assert sgemm is not None
@@ -436,14 +449,15 @@ def flash_attention_backward(
         blocks: Queries per block and keys per block.
 
     Returns:
-        ``(dq, dk, dv)``, laid out ``(B, L or S, heads, dim)`` in memory.
+        ``(dq, dk, dv)`` in ``q``'s dtype (accumulated in float32), laid out
+        ``(B, L or S, heads, dim)`` in memory.
 
     Raises:
-        TypeError: For a dtype other than float32.
+        TypeError: For other or mixed dtypes.
         ValueError: For shapes that do not fit, or tensors not on the CPU.
         RuntimeError: Where it cannot run here (:func:`flash_available`).
     """
-    _check_flash("flash_attention_backward", q, k, v, window)
+    _check_flash("flash_attention_backward", q, k, v, window, _FLASH_DTYPES)
     B, H, L, E = q.shape
     K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     if grad_out.shape != (B, H, L, Ev) or out.shape != (B, H, L, Ev) or lse.shape != (B, H, L):
@@ -455,24 +469,25 @@ def flash_attention_backward(
     lib, sgemm = _load()[0], _flash_sgemm()
     assert lib is not None and sgemm is not None
     first = S - L if first is None else first
-    dq = q.new_empty(B, L, H, E).transpose(1, 2)
-    dk = k.new_empty(B, S, K, E).transpose(1, 2)
-    dv = v.new_empty(B, S, K, Ev).transpose(1, 2)
+    dtype = q.dtype
+    dq = q.new_empty(B, L, H, E, dtype=torch.float32).transpose(1, 2)
+    dk = k.new_empty(B, S, K, E, dtype=torch.float32).transpose(1, 2)
+    dv = v.new_empty(B, S, K, Ev, dtype=torch.float32).transpose(1, 2)
     if dq.numel() + dk.numel() + dv.numel() == 0 or L == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_().to(dtype), dk.zero_().to(dtype), dv.zero_().to(dtype)
     q, k, v = _rows(q), _rows(k), _rows(v)
-    grad_out, out = _rows(grad_out.float()), _rows(out.float())
+    grad_out, out = _rows(grad_out.to(dtype)), _rows(out.to(dtype))
     lse = lse.float().contiguous()
     dims = (ctypes.c_int64 * 7)(B, H, K, L, S, E, Ev)
     threads = torch.get_num_threads()
     failed = lib.attnkit_flash_backward(
         _view(q), _view(k), _view(v), _view(out), _view(grad_out), lse.data_ptr(), H * L, L,
         _view(dq), _view(dk), _view(dv), dims, first, int(causal), window or 0, scale, *blocks,
-        sgemm, threads,
+        dtype == torch.bfloat16, sgemm, threads,
     )  # fmt: skip
     if failed:
         raise MemoryError(f"the flash backward could not allocate its buffers ({threads} threads)")
-    return dq, dk, dv
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 def capped_attention(
@@ -522,7 +537,7 @@ def capped_attention(
             f"capped_attention needs a finite softcap > 0 and blocks >= 1, got "
             f"softcap={softcap}, query_block={query_block}, key_block={key_block}"
         )
-    _check_flash("capped_attention", q, k, v, window)
+    _check_flash("capped_attention", q, k, v, window, (torch.float32,))
     sgemm = _flash_sgemm()
     assert sgemm is not None
     first = k.shape[2] - q.shape[2]

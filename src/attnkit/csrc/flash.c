@@ -22,6 +22,9 @@
  * Soft cap (cap > 0, forward only): the scores are c tanh(s / c), computed as 2c sigmoid(2 s / c)
  * (softmax ignores the shift by c); see capped_softmax.c.
  *
+ * dtypes: float32, or bf16 inputs widened block by block into float32 (for CPUs without bf16
+ * units: the products run at float32's speed on half the bytes); float32 sums and gradients.
+ *
  * Layouts: tensors are (count, heads, rows, dim) with any element strides for the first three
  * dims and a contiguous last dim; query head h of item c reads key/value head h / group of item
  * c. Non-finite inputs: a NaN score makes its row NaN; without `finite` so does an infinite one
@@ -45,13 +48,35 @@ typedef void (*sgemm_fn)(const char *transa, const char *transb, const int64_t *
                          const int64_t *lda, const float *b, const int64_t *ldb, const float *beta,
                          float *c, const int64_t *ldc);
 
-/* A (count, heads, rows, dim) tensor: its data and the strides of the first three dims. */
+/* A (count, heads, rows, dim) tensor: its data and the element strides of the first three
+ * dims. */
 typedef struct {
-  float *data;
+  char *data;
   int64_t item, head, row;
 } view;
 
-static inline float *at(view t, int64_t c, int64_t h) { return t.data + c * t.item + h * t.head; }
+/* Head h of item c of `t`, whose elements are `size` bytes. */
+static inline char *at(view t, int64_t c, int64_t h, int64_t size) {
+  return t.data + (c * t.item + h * t.head) * size;
+}
+
+/* rows x dim values, rows `stride` elements apart, as float32 for sgemm: the values themselves
+ * when they are float32 (*ld = stride), else bf16 widened into `buf` (*ld = dim). */
+static inline const float *as_float(const char *src, int64_t rows, int64_t dim, int64_t stride,
+                                    int bf16, float *buf, int64_t *ld) {
+  if (!bf16) {
+    *ld = stride;
+    return (const float *)src;
+  }
+  const uint16_t *h = (const uint16_t *)src;
+  for (int64_t i = 0; i < rows; i++) {
+    int64_t j = 0;
+    for (; j + 8 <= dim; j += 8) _mm256_storeu_ps(buf + i * dim + j, load8(h + i * stride, j, 1));
+    for (; j < dim; j++) buf[i * dim + j] = bf16_to_float(h[i * stride + j]);
+  }
+  *ld = dim > 0 ? dim : 1;
+  return buf;
+}
 
 static inline int threads_for(int64_t tasks, int threads) {
   return tasks < threads ? (tasks > 0 ? (int)tasks : 1) : threads;
@@ -76,14 +101,16 @@ static inline float row_max(const float *row, int64_t n) {
 }
 
 /* One block of r queries (positions p0 ..) of one head: out (r x Ev, rows out_row apart) and,
- * if lse is not NULL, each query's log-sum-exp of its scaled scores. */
-static void forward_block(sgemm_fn sgemm, const float *q, int64_t q_row, const float *k,
-                          int64_t k_row, const float *v, int64_t v_row, float *out,
+ * if lse is not NULL, each query's log-sum-exp of its scaled scores. Inputs and output are
+ * float32, or bf16 (`bf16`: widened into qf, kf, vf; the output rounded to nearest even). */
+static void forward_block(sgemm_fn sgemm, const char *q, int64_t q_row, const char *k,
+                          int64_t k_row, const char *v, int64_t v_row, char *out,
                           int64_t out_row, float *lse, int64_t r, int64_t S, int64_t E,
                           int64_t Ev, int64_t p0, int causal, int64_t window, float scale,
-                          float cap, int finite, int64_t kb, float *tile, float *acc, float *top,
-                          float *sum) {
-  int64_t lo, hi, a, b;
+                          float cap, int finite, int64_t kb, int bf16, float *tile, float *acc,
+                          float *top, float *sum, float *qf, float *kf, float *vf) {
+  int64_t lo, hi, a, b, ldq, ldk, ldv;
+  const int64_t size = bf16 ? 2 : 4;
   reach(p0, causal, window, 0, S, &lo, &b);         /* the first query's reach starts the span */
   reach(p0 + r - 1, causal, window, 0, S, &a, &hi); /* the last one's ends it */
   memset(acc, 0, (size_t)(r * Ev) * sizeof(float));
@@ -92,10 +119,13 @@ static void forward_block(sgemm_fn sgemm, const float *q, int64_t q_row, const f
     sum[i] = 0.f;
   }
   const float zero = 0.f, one = 1.f, alpha = cap > 0.f ? 2.f * scale / cap : scale;
+  const float *qs = as_float(q, r, E, q_row, bf16, qf, &ldq);
   for (int64_t j0 = lo; j0 < hi; j0 += kb) {
     const int64_t j1 = j0 + kb < hi ? j0 + kb : hi, w = j1 - j0;
+    const float *ks = as_float(k + j0 * k_row * size, w, E, k_row, bf16, kf, &ldk);
+    const float *vs = as_float(v + j0 * v_row * size, w, Ev, v_row, bf16, vf, &ldv);
     /* tile (r x w, row-major) = alpha q k^T: column-major w x r = k (w x E) q^T */
-    sgemm("T", "N", &w, &r, &E, &alpha, k + j0 * k_row, &k_row, q, &q_row, &zero, tile, &w);
+    sgemm("T", "N", &w, &r, &E, &alpha, ks, &ldk, qs, &ldq, &zero, tile, &w);
     for (int64_t i = 0; i < r; i++) {
       float *row = tile + i * w;
       reach(p0 + i, causal, window, j0, j1, &a, &b);
@@ -119,42 +149,51 @@ static void forward_block(sgemm_fn sgemm, const float *q, int64_t q_row, const f
       sum[i] += exp_shifted(row + (a - j0), b - a, top[i]);
     }
     /* acc (r x Ev, row-major) += tile v: column-major Ev x r = v^T (Ev x w) tile^T (w x r) */
-    sgemm("N", "N", &Ev, &r, &w, &one, v + j0 * v_row, &v_row, tile, &w, &one, acc, &Ev);
+    sgemm("N", "N", &Ev, &r, &w, &one, vs, &ldv, tile, &w, &one, acc, &Ev);
   }
   for (int64_t i = 0; i < r; i++) {
     /* (the maximum's term is 1, so a row with keys sums to at least 1, or NaN) */
     const float inverse = sum[i] > 0.f ? 1.f / sum[i] : (sum[i] == 0.f ? 0.f : sum[i]);
-    for (int64_t c = 0; c < Ev; c++) out[i * out_row + c] = acc[i * Ev + c] * inverse;
+    for (int64_t c = 0; c < Ev; c++) {
+      const float x = acc[i * Ev + c] * inverse;
+      if (bf16)
+        ((uint16_t *)out)[i * out_row + c] = float_to_bf16(x);
+      else
+        ((float *)out)[i * out_row + c] = x;
+    }
     if (lse) lse[i] = sum[i] > 0.f ? top[i] + logf(sum[i]) : (sum[i] == 0.f ? -INFINITY : sum[i]);
   }
 }
 
-/* dims: count, H, K, L, S, E, Ev. q, k, v, out as views; lse (count, H, L) with strides
- * lse_item, lse_head (rows contiguous), or NULL. Returns 0, or 1 where a buffer could not be
- * allocated (nothing written). */
+/* dims: count, H, K, L, S, E, Ev. q, k, v, out as views, all float32 or all bf16 (`bf16`);
+ * lse (count, H, L) float32 with strides lse_item, lse_head (rows contiguous), or NULL. Returns
+ * 0, or 1 where a buffer could not be allocated (nothing written). */
 int attnkit_flash_forward(view q, view k, view v, view out, float *lse, int64_t lse_item,
                           int64_t lse_head, const int64_t *dims, int64_t first, int causal,
                           int64_t window, float scale, float cap, int finite, int64_t qb,
-                          int64_t kb, void *sgemm, int threads) {
+                          int64_t kb, int bf16, void *sgemm, int threads) {
   const int64_t count = dims[0], H = dims[1], K = dims[2], L = dims[3], S = dims[4];
-  const int64_t E = dims[5], Ev = dims[6], G = H / K;
+  const int64_t E = dims[5], Ev = dims[6], G = H / K, size = bf16 ? 2 : 4;
   const int64_t blocks = (L + qb - 1) / qb, tasks = count * H * blocks;
   threads = threads_for(tasks, threads);
-  const int64_t each = qb * kb + qb * Ev + 2 * qb; /* floats a thread works in */
+  /* floats a thread works in: tile, sums, maxima; bf16's float32 copies of q, k, v blocks */
+  const int64_t each = qb * kb + qb * Ev + 2 * qb + (bf16 ? qb * E + kb * (E + Ev) : 0);
   float *work = malloc((size_t)(threads * each) * sizeof(float));
   if (!work) return 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t t = 0; t < tasks; t++) {
     float *mine = work + this_thread() * each;
+    float *acc = mine + qb * kb, *top = acc + qb * Ev, *sum = top + qb, *qf = sum + qb;
+    float *kf = qf + qb * E, *vf = kf + kb * E;
     /* the last blocks (the most keys under causal masking) first, so that the threads end
      * together */
     const int64_t n = t / blocks, c = n / H, h = n % H, i0 = (blocks - 1 - t % blocks) * qb;
     const int64_t r = i0 + qb < L ? qb : L - i0;
-    forward_block((sgemm_fn)sgemm, at(q, c, h) + i0 * q.row, q.row, at(k, c, h / G), k.row,
-                  at(v, c, h / G), v.row, at(out, c, h) + i0 * out.row, out.row,
+    forward_block((sgemm_fn)sgemm, at(q, c, h, size) + i0 * q.row * size, q.row,
+                  at(k, c, h / G, size), k.row, at(v, c, h / G, size), v.row,
+                  at(out, c, h, size) + i0 * out.row * size, out.row,
                   lse ? lse + c * lse_item + h * lse_head + i0 : NULL, r, S, E, Ev, first + i0,
-                  causal, window, scale, cap, finite, kb, mine, mine + qb * kb,
-                  mine + qb * kb + qb * Ev, mine + qb * kb + qb * Ev + qb);
+                  causal, window, scale, cap, finite, kb, bf16, mine, acc, top, sum, qf, kf, vf);
   }
   free(work);
   return 0;
@@ -164,34 +203,41 @@ static void zero_rows(float *t, int64_t rows, int64_t dim, int64_t stride) {
   for (int64_t i = 0; i < rows; i++) memset(t + i * stride, 0, (size_t)dim * sizeof(float));
 }
 
-/* The gradients of one key/value head (kv) of item c and its G query heads. */
+/* The gradients of one key/value head (kv) of item c and its G query heads: inputs float32 or
+ * bf16 (`bf16`, widened block by block into qf, kf, vf, df), gradients float32. */
 static void backward_head(sgemm_fn sgemm, view q, view k, view v, view out, view dout,
                           const float *lse, int64_t lse_item, int64_t lse_head, view dq, view dk,
                           view dv, int64_t c, int64_t kv, int64_t G, int64_t L, int64_t S,
                           int64_t E, int64_t Ev, int64_t first, int causal, int64_t window,
-                          float scale, int64_t qb, int64_t kb, float *p, float *dp, float *D) {
-  const float one = 1.f;
-  const float *kh = at(k, c, kv), *vh = at(v, c, kv);
-  float *dkh = at(dk, c, kv), *dvh = at(dv, c, kv);
+                          float scale, int64_t qb, int64_t kb, int bf16, float *p, float *dp,
+                          float *D, float *qf, float *kf, float *vf, float *df) {
+  const float one = 1.f, zero = 0.f;
+  const int64_t size = bf16 ? 2 : 4;
+  float *dkh = (float *)at(dk, c, kv, 4), *dvh = (float *)at(dv, c, kv, 4);
   zero_rows(dkh, S, E, dk.row);
   zero_rows(dvh, S, Ev, dv.row);
   for (int64_t g = 0; g < G; g++) {
     const int64_t h = kv * G + g;
-    const float *o = at(out, c, h), *d = at(dout, c, h);
-    zero_rows(at(dq, c, h), L, E, dq.row);
+    const char *o = at(out, c, h, size), *d = at(dout, c, h, size);
+    zero_rows((float *)at(dq, c, h, 4), L, E, dq.row);
     for (int64_t i = 0; i < L; i++) { /* D_i = sum(dO_i * O_i) */
       float s = 0.f;
-      for (int64_t e = 0; e < Ev; e++) s += d[i * dout.row + e] * o[i * out.row + e];
+      for (int64_t e = 0; e < Ev; e++)
+        s += load1(d, i * dout.row + e, bf16) * load1(o, i * out.row + e, bf16);
       D[g * L + i] = s;
     }
   }
   for (int64_t j0 = 0; j0 < S; j0 += kb) {
     const int64_t j1 = j0 + kb < S ? j0 + kb : S;
+    int64_t ldk, ldv, ldq, ldd;
+    const float *ks = as_float(at(k, c, kv, size) + j0 * k.row * size, j1 - j0, E, k.row, bf16,
+                               kf, &ldk);
+    const float *vs = as_float(at(v, c, kv, size) + j0 * v.row * size, j1 - j0, Ev, v.row, bf16,
+                               vf, &ldv);
     for (int64_t g = 0; g < G; g++) {
       const int64_t h = kv * G + g;
-      const float *qh = at(q, c, h), *doh = at(dout, c, h);
       const float *lh = lse + c * lse_item + h * lse_head;
-      float *dqh = at(dq, c, h);
+      float *dqh = (float *)at(dq, c, h, 4);
       for (int64_t i0 = 0; i0 < L; i0 += qb) {
         const int64_t r = i0 + qb < L ? qb : L - i0, p0 = first + i0;
         int64_t lo, hi, a, b;
@@ -199,13 +245,15 @@ static void backward_head(sgemm_fn sgemm, view q, view k, view v, view out, view
         reach(p0 + r - 1, causal, window, j0, j1, &a, &hi);
         if (hi <= lo) continue; /* the block reaches none of these keys */
         const int64_t w = hi - lo;
+        const float *kl = ks + (lo - j0) * ldk, *vl = vs + (lo - j0) * ldv;
+        const float *qs = as_float(at(q, c, h, size) + i0 * q.row * size, r, E, q.row, bf16, qf,
+                                   &ldq);
+        const float *ds = as_float(at(dout, c, h, size) + i0 * dout.row * size, r, Ev, dout.row,
+                                   bf16, df, &ldd);
         /* p (r x w) = scale q k^T, then exp(. - lse) over each query's reach */
-        const float zero = 0.f;
-        sgemm("T", "N", &w, &r, &E, &scale, kh + lo * k.row, &k.row, qh + i0 * q.row, &q.row,
-              &zero, p, &w);
+        sgemm("T", "N", &w, &r, &E, &scale, kl, &ldk, qs, &ldq, &zero, p, &w);
         /* dp (r x w) = dO v^T */
-        sgemm("T", "N", &w, &r, &Ev, &one, vh + lo * v.row, &v.row, doh + i0 * dout.row,
-              &dout.row, &zero, dp, &w);
+        sgemm("T", "N", &w, &r, &Ev, &one, vl, &ldv, ds, &ldd, &zero, dp, &w);
         for (int64_t i = 0; i < r; i++) {
           float *pi = p + i * w, *dpi = dp + i * w;
           reach(p0 + i, causal, window, lo, hi, &a, &b);
@@ -218,47 +266,50 @@ static void backward_head(sgemm_fn sgemm, view q, view k, view v, view out, view
           memset(pi + (b - lo), 0, (size_t)(hi - b) * sizeof(float));
           exp_shifted(pi + (a - lo), b - a, lh[i0 + i]);
           /* ds = p (dp - D_i), in dp's place (zero where p is) */
-          const __m256 di = _mm256_set1_ps(D[g * L + i0 + i]);
+          const float di = D[g * L + i0 + i];
+          const __m256 d8 = _mm256_set1_ps(di);
           int64_t j = 0;
           for (; j + 8 <= w; j += 8) {
-            const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(dpi + j), di);
+            const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(dpi + j), d8);
             _mm256_storeu_ps(dpi + j, _mm256_mul_ps(_mm256_loadu_ps(pi + j), x));
           }
-          for (; j < w; j++) dpi[j] = pi[j] * (dpi[j] - D[g * L + i0 + i]);
+          for (; j < w; j++) dpi[j] = pi[j] * (dpi[j] - di);
         }
         /* dv (w x Ev) += p^T dO: column-major Ev x w = dO^T (Ev x r) p (r x w) */
-        sgemm("N", "T", &Ev, &w, &r, &one, doh + i0 * dout.row, &dout.row, p, &w, &one,
-              dvh + lo * dv.row, &dv.row);
+        sgemm("N", "T", &Ev, &w, &r, &one, ds, &ldd, p, &w, &one, dvh + lo * dv.row, &dv.row);
         /* dk (w x E) += scale ds^T q */
-        sgemm("N", "T", &E, &w, &r, &scale, qh + i0 * q.row, &q.row, dp, &w, &one,
-              dkh + lo * dk.row, &dk.row);
+        sgemm("N", "T", &E, &w, &r, &scale, qs, &ldq, dp, &w, &one, dkh + lo * dk.row, &dk.row);
         /* dq (r x E) += scale ds k: column-major E x r = k^T (E x w) ds^T (w x r) */
-        sgemm("N", "N", &E, &r, &w, &scale, kh + lo * k.row, &k.row, dp, &w, &one,
-              dqh + i0 * dq.row, &dq.row);
+        sgemm("N", "N", &E, &r, &w, &scale, kl, &ldk, dp, &w, &one, dqh + i0 * dq.row, &dq.row);
       }
     }
   }
 }
 
-/* dims as attnkit_flash_forward's; lse as the forward wrote it (the log-sum-exp of the scaled
- * scores). Writes dq, dk, dv (every row of every head). Returns 0, or 1 where a buffer could
- * not be allocated (nothing written). */
+/* dims as attnkit_flash_forward's; inputs (q, k, v, out, dout) all float32 or all bf16;
+ * lse as the forward wrote it (the log-sum-exp of the scaled scores). Writes dq, dk, dv (float32,
+ * every row of every head). Returns 0, or 1 where a buffer could not be allocated (nothing
+ * written). */
 int attnkit_flash_backward(view q, view k, view v, view out, view dout, const float *lse,
                            int64_t lse_item, int64_t lse_head, view dq, view dk, view dv,
                            const int64_t *dims, int64_t first, int causal, int64_t window,
-                           float scale, int64_t qb, int64_t kb, void *sgemm, int threads) {
+                           float scale, int64_t qb, int64_t kb, int bf16, void *sgemm,
+                           int threads) {
   const int64_t count = dims[0], H = dims[1], K = dims[2], L = dims[3], S = dims[4];
   const int64_t E = dims[5], Ev = dims[6], G = H / K, tasks = count * K;
   threads = threads_for(tasks, threads);
-  const int64_t each = 2 * qb * kb + G * L; /* floats a thread works in */
+  /* floats a thread works in: p, dp, D; bf16's float32 copies of q, dO, k, v blocks */
+  const int64_t each = 2 * qb * kb + G * L + (bf16 ? qb * (E + Ev) + kb * (E + Ev) : 0);
   float *work = malloc((size_t)(threads * each) * sizeof(float));
   if (!work) return 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t t = 0; t < tasks; t++) {
     float *mine = work + this_thread() * each;
+    float *dp = mine + qb * kb, *D = dp + qb * kb, *qf = D + G * L, *df = qf + qb * E;
+    float *kf = df + qb * Ev, *vf = kf + kb * E;
     backward_head((sgemm_fn)sgemm, q, k, v, out, dout, lse, lse_item, lse_head, dq, dk, dv,
-                  t / K, t % K, G, L, S, E, Ev, first, causal, window, scale, qb, kb, mine,
-                  mine + qb * kb, mine + 2 * qb * kb);
+                  t / K, t % K, G, L, S, E, Ev, first, causal, window, scale, qb, kb, bf16, mine,
+                  dp, D, qf, kf, vf, df);
   }
   free(work);
   return 0;
