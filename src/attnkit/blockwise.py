@@ -254,11 +254,13 @@ def attend_runs(
     marks the rows that may attend them): the kernels here would let a NaN reach every query of
     a span (``0 * NaN``).
 
-    Torch's CPU flash kernel on strided views with a custom backward where it applies (CPU,
-    no dropout, ``Ev == E``, a dtype it takes), else ``torch.nn.functional.
-    scaled_dot_product_attention`` on gathered tiles with autograd. bfloat16/float16 inputs
-    the kernel would run slowly (see :func:`native_low_precision`: with gradients, on a CPU
-    without native units for them) are computed in float32 and the result rounded.
+    A flash kernel on strided views with a custom backward where it applies (CPU, no dropout,
+    ``Ev == E``, a dtype it takes): attnkit's for unmasked runs in float32, and in bfloat16 on
+    CPUs without bf16 units (see :func:`_native`), torch's otherwise; else
+    ``torch.nn.functional.scaled_dot_product_attention`` on gathered tiles with autograd.
+    bfloat16/float16 inputs torch's kernel would run slowly (see :func:`native_low_precision`:
+    with gradients, on a CPU without native units for them) are computed in float32 and the
+    result rounded, unless every run takes attnkit's kernel.
 
     Args:
         q: Queries.
@@ -297,19 +299,19 @@ _LOW = (torch.bfloat16, torch.float16)
 
 @functools.cache
 def native_low_precision(dtype: torch.dtype, *, backward: bool = True) -> bool:
-    """Whether torch's CPU flash kernel should run ``dtype`` (bfloat16 or float16) itself
-    rather than on float32 copies (``True`` where torch cannot tell).
+    """Whether torch's CPU flash kernel should run ``dtype`` (bfloat16 or float16) itself rather
+    than on float32 copies (``True`` where torch cannot tell).
 
-    With a backward, only where this CPU multiplies ``dtype`` natively: AVX512-BF16 or AMX
-    tiles for bfloat16, AMX-FP16 for float16. Without them (AVX2 only) torch's bf16 kernel ran
-    its forward+backward 7-9x slower than its float32 one, so :func:`attend_runs` computes in
-    float32 and rounds. A bfloat16 forward alone runs in bfloat16 on every CPU: it is the
-    kernel torch's own bf16 ``scaled_dot_product_attention`` runs, so attnkit's bf16/fp32
-    speed-up follows torch's. On the AVX2 CPU its forward took 1.03-1.25x the float32
-    kernel's time, while float32 copies of the inputs (three fresh allocations, paged in on
-    every call) added ~0.3x; converting two documents at a time lost at 2 threads (0.69 vs
-    0.91 of the float32 speed, one conversion per chunk and input). float16's forward kernel
-    took 3x the float32 one there, so it keeps the float32 copies
+    With a backward, only where this CPU multiplies ``dtype`` natively: AVX512-BF16 or AMX tiles for
+    bfloat16, AMX-FP16 for float16. Without them (AVX2 only) torch's bf16 kernel ran its
+    forward+backward 7-9x slower than its float32 one, so :func:`attend_runs` computes in float32
+    and rounds (where attnkit's own kernels cannot take the call: they widen bf16 blocks themselves,
+    see :func:`_native`). A bfloat16 forward alone runs torch's bf16 kernel on every CPU: it is the
+    kernel torch's own bf16 ``scaled_dot_product_attention`` runs. On the AVX2 CPU its forward took
+    1.03-1.25x the float32 kernel's time, while float32 copies of the inputs (three fresh
+    allocations, paged in on every call) added ~0.3x; converting two documents at a time lost at 2
+    threads (0.69 vs 0.91 of the float32 speed, one conversion per chunk and input). float16's
+    forward kernel took 3x the float32 one there, so it keeps the float32 copies
     (``benchmarks/bench_blockwise.py --bf16``).
 
     Args:

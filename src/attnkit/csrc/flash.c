@@ -101,16 +101,16 @@ static inline float row_max(const float *row, int64_t n) {
 }
 
 /* One block of r queries (positions p0 ..) of one head: out (r x Ev, rows out_row apart) and,
- * if lse is not NULL, each query's log-sum-exp of its scaled scores. Inputs and output are
- * float32, or bf16 (`bf16`: widened into qf, kf, vf; the output rounded to nearest even). */
-static void forward_block(sgemm_fn sgemm, const char *q, int64_t q_row, const char *k,
-                          int64_t k_row, const char *v, int64_t v_row, char *out,
-                          int64_t out_row, float *lse, int64_t r, int64_t S, int64_t E,
-                          int64_t Ev, int64_t p0, int causal, int64_t window, float scale,
-                          float cap, int finite, int64_t kb, int bf16, float *tile, float *acc,
-                          float *top, float *sum, float *qf, float *kf, float *vf) {
-  int64_t lo, hi, a, b, ldq, ldk, ldv;
-  const int64_t size = bf16 ? 2 : 4;
+ * if lse is not NULL, each query's log-sum-exp of its scaled scores. Keys and values are float32
+ * rows ldk/ldv apart; queries and output float32, or bf16 (`bf16`: the queries widened into qf,
+ * the output rounded to nearest even). */
+static void forward_block(sgemm_fn sgemm, const char *q, int64_t q_row, const float *k,
+                          int64_t ldk, const float *v, int64_t ldv, char *out, int64_t out_row,
+                          float *lse, int64_t r, int64_t S, int64_t E, int64_t Ev, int64_t p0,
+                          int causal, int64_t window, float scale, float cap, int finite,
+                          int64_t kb, int bf16, float *tile, float *acc, float *top, float *sum,
+                          float *qf) {
+  int64_t lo, hi, a, b, ldq;
   reach(p0, causal, window, 0, S, &lo, &b);         /* the first query's reach starts the span */
   reach(p0 + r - 1, causal, window, 0, S, &a, &hi); /* the last one's ends it */
   memset(acc, 0, (size_t)(r * Ev) * sizeof(float));
@@ -122,10 +122,8 @@ static void forward_block(sgemm_fn sgemm, const char *q, int64_t q_row, const ch
   const float *qs = as_float(q, r, E, q_row, bf16, qf, &ldq);
   for (int64_t j0 = lo; j0 < hi; j0 += kb) {
     const int64_t j1 = j0 + kb < hi ? j0 + kb : hi, w = j1 - j0;
-    const float *ks = as_float(k + j0 * k_row * size, w, E, k_row, bf16, kf, &ldk);
-    const float *vs = as_float(v + j0 * v_row * size, w, Ev, v_row, bf16, vf, &ldv);
     /* tile (r x w, row-major) = alpha q k^T: column-major w x r = k (w x E) q^T */
-    sgemm("T", "N", &w, &r, &E, &alpha, ks, &ldk, qs, &ldq, &zero, tile, &w);
+    sgemm("T", "N", &w, &r, &E, &alpha, k + j0 * ldk, &ldk, qs, &ldq, &zero, tile, &w);
     for (int64_t i = 0; i < r; i++) {
       float *row = tile + i * w;
       reach(p0 + i, causal, window, j0, j1, &a, &b);
@@ -149,7 +147,7 @@ static void forward_block(sgemm_fn sgemm, const char *q, int64_t q_row, const ch
       sum[i] += exp_shifted(row + (a - j0), b - a, top[i]);
     }
     /* acc (r x Ev, row-major) += tile v: column-major Ev x r = v^T (Ev x w) tile^T (w x r) */
-    sgemm("N", "N", &Ev, &r, &w, &one, vs, &ldv, tile, &w, &one, acc, &Ev);
+    sgemm("N", "N", &Ev, &r, &w, &one, v + j0 * ldv, &ldv, tile, &w, &one, acc, &Ev);
   }
   for (int64_t i = 0; i < r; i++) {
     /* (the maximum's term is 1, so a row with keys sums to at least 1, or NaN) */
@@ -165,6 +163,29 @@ static void forward_block(sgemm_fn sgemm, const char *q, int64_t q_row, const ch
   }
 }
 
+/* bf16 keys/values [lo, hi) of a head widened into kc/vc (its rows at their positions), where
+ * the thread's copy of [*clo, *chi) of the same head does not hold them yet: consecutive tasks
+ * of a thread mostly share a head and their reach, so a key is widened about once per thread. */
+static void widen_span(const char *k, int64_t k_row, const char *v, int64_t v_row, int64_t E,
+                       int64_t Ev, int64_t lo, int64_t hi, float *kc, float *vc, int64_t *clo,
+                       int64_t *chi) {
+  int64_t ld;
+  if (hi <= lo) return;
+  if (hi < *clo || lo > *chi || *chi <= *clo) { /* disjoint (or nothing yet): start again */
+    *clo = *chi = lo;
+  }
+  if (lo < *clo) {
+    as_float(k + lo * k_row * 2, *clo - lo, E, k_row, 1, kc + lo * E, &ld);
+    as_float(v + lo * v_row * 2, *clo - lo, Ev, v_row, 1, vc + lo * Ev, &ld);
+    *clo = lo;
+  }
+  if (hi > *chi) {
+    as_float(k + *chi * k_row * 2, hi - *chi, E, k_row, 1, kc + *chi * E, &ld);
+    as_float(v + *chi * v_row * 2, hi - *chi, Ev, v_row, 1, vc + *chi * Ev, &ld);
+    *chi = hi;
+  }
+}
+
 /* dims: count, H, K, L, S, E, Ev. q, k, v, out as views, all float32 or all bf16 (`bf16`);
  * lse (count, H, L) float32 with strides lse_item, lse_head (rows contiguous), or NULL. Returns
  * 0, or 1 where a buffer could not be allocated (nothing written). */
@@ -176,24 +197,42 @@ int attnkit_flash_forward(view q, view k, view v, view out, float *lse, int64_t 
   const int64_t E = dims[5], Ev = dims[6], G = H / K, size = bf16 ? 2 : 4;
   const int64_t blocks = (L + qb - 1) / qb, tasks = count * H * blocks;
   threads = threads_for(tasks, threads);
-  /* floats a thread works in: tile, sums, maxima; bf16's float32 copies of q, k, v blocks */
-  const int64_t each = qb * kb + qb * Ev + 2 * qb + (bf16 ? qb * E + kb * (E + Ev) : 0);
+  /* floats a thread works in: tile, sums, maxima; bf16's float32 copies of a query block and
+   * of a head's keys and values */
+  const int64_t each = qb * kb + qb * Ev + 2 * qb + (bf16 ? qb * E + S * (E + Ev) : 0);
   float *work = malloc((size_t)(threads * each) * sizeof(float));
   if (!work) return 1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-  for (int64_t t = 0; t < tasks; t++) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
     float *mine = work + this_thread() * each;
     float *acc = mine + qb * kb, *top = acc + qb * Ev, *sum = top + qb, *qf = sum + qb;
-    float *kf = qf + qb * E, *vf = kf + kb * E;
-    /* the last blocks (the most keys under causal masking) first, so that the threads end
-     * together */
-    const int64_t n = t / blocks, c = n / H, h = n % H, i0 = (blocks - 1 - t % blocks) * qb;
-    const int64_t r = i0 + qb < L ? qb : L - i0;
-    forward_block((sgemm_fn)sgemm, at(q, c, h, size) + i0 * q.row * size, q.row,
-                  at(k, c, h / G, size), k.row, at(v, c, h / G, size), v.row,
-                  at(out, c, h, size) + i0 * out.row * size, out.row,
-                  lse ? lse + c * lse_item + h * lse_head + i0 : NULL, r, S, E, Ev, first + i0,
-                  causal, window, scale, cap, finite, kb, bf16, mine, acc, top, sum, qf, kf, vf);
+    float *kc = qf + qb * E, *vc = kc + S * E;
+    int64_t widened = -1, clo = 0, chi = 0; /* the head (item * K + kv) kc/vc hold, and where */
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; t++) {
+      /* the last blocks (the most keys under causal masking) first, so that the threads end
+       * together */
+      const int64_t n = t / blocks, c = n / H, h = n % H, i0 = (blocks - 1 - t % blocks) * qb;
+      const int64_t r = i0 + qb < L ? qb : L - i0;
+      const char *kh = at(k, c, h / G, size), *vh = at(v, c, h / G, size);
+      const float *ks = (const float *)kh, *vs = (const float *)vh;
+      int64_t ldk = k.row, ldv = v.row;
+      if (bf16) {
+        int64_t lo, hi, a, b;
+        reach(first + i0, causal, window, 0, S, &lo, &b);
+        reach(first + i0 + r - 1, causal, window, 0, S, &a, &hi);
+        if (widened != c * K + h / G) {
+          widened = c * K + h / G;
+          clo = chi = 0;
+        }
+        widen_span(kh, k.row, vh, v.row, E, Ev, lo, hi, kc, vc, &clo, &chi);
+        ks = kc, vs = vc, ldk = E > 0 ? E : 1, ldv = Ev > 0 ? Ev : 1;
+      }
+      forward_block((sgemm_fn)sgemm, at(q, c, h, size) + i0 * q.row * size, q.row, ks, ldk, vs,
+                    ldv, at(out, c, h, size) + i0 * out.row * size, out.row,
+                    lse ? lse + c * lse_item + h * lse_head + i0 : NULL, r, S, E, Ev, first + i0,
+                    causal, window, scale, cap, finite, kb, bf16, mine, acc, top, sum, qf);
+    }
   }
   free(work);
   return 0;
