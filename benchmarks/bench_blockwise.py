@@ -22,7 +22,8 @@ against float64 of attnkit's bf16 output and gradients next to torch's fused ker
 
 Recorded (AMD EPYC, AVX2 only, 2 threads, quiet machine, N=8192, fp32, medians of 5 rounds,
 attnkit's flash kernels): x dense-mask SDPA window fwd 21.2, fwd+bwd 22.1, documents fwd 15.5,
-fwd+bwd 14.8 (goal 12); ``--memory 8192,32768``: window 65 / 258 MiB, documents 65 / 259 MiB. ``--bf16 --modes fwd`` (a bf16 forward runs
+fwd+bwd 14.8 (goal 12); ``--memory 8192,32768``: window 65 / 258 MiB, documents 65 / 259 MiB.
+``--bf16 --modes fwd`` (a bf16 forward runs
 torch's bf16 kernel, see ``attnkit.blockwise.native_low_precision``): ratio of ratios window
 0.81-1.17, documents 0.97-1.13 over six runs, medians about 1 (``--copies``: float32 copies
 0.77 / 0.83); fwd+bwd (float32 copies) window 5.6, documents 5.3 at N=4096. See

@@ -405,6 +405,40 @@ def test_top_level_export():
     assert attnkit.scaled_dot_product_attention is sdpa
 
 
+@pytest.mark.parametrize(("L", "S", "window"), [(100, 100, None), (90, 130, None), (120, 120, 17)])
+def test_float32_causal_attention_runs_attnkits_flash_kernel(L, S, window, monkeypatch):
+    # Plain causal (bottom-right aligned) and window calls in float32 on the CPU take attnkit's
+    # flash kernels (blockwise.attend_positional): equal to the float64 math, gradients too,
+    # with grouped-query heads and Ev != E; a non-finite key still poisons exactly the rows that
+    # may attend it.
+    if not native.flash_available():
+        pytest.skip("attnkit's flash kernels cannot run here")
+    calls = []
+    kernel = native.flash_attention
+    monkeypatch.setattr(
+        native, "flash_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
+    )
+    q, k, v = _qkv(B=2, H=4, K=2, L=L, S=S, E=16, Ev=12, grad=True)
+    out = sdpa(q, k, v, causal=True, window=window)
+    allowed = bottom_right_causal(L, S)
+    if window is not None:
+        allowed = allowed & M.sliding_window_mask(L, S, window=window)
+    ref, _ = reference_attention(q, k, v, allowed)
+    assert calls
+    assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), grad.float())
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for a, b in zip(got, want, strict=True):
+        assert_close(a.double(), b.double(), atol=2e-5, rtol=2e-5)
+    k_bad = k.detach().clone()
+    k_bad[1, 0, S // 2, 3] = float("nan")
+    out = sdpa(q.detach(), k_bad, v.detach(), causal=True, window=window)
+    poisoned = torch.zeros(2, 4, L, dtype=torch.bool)
+    poisoned[1, :2] = allowed[:, S // 2]  # query heads 0-1 read key/value head 0
+    assert torch.equal(torch.isnan(out).any(-1), poisoned)
+
+
 def test_long_window_takes_block_sparse_path_and_matches_dense(monkeypatch):
     from attnkit import sparse
 
@@ -422,8 +456,11 @@ def test_long_window_takes_block_sparse_path_and_matches_dense(monkeypatch):
     g_dense = torch.autograd.grad(dense.square().sum(), (q, k, v))
     for a, b in zip(g_sparse, g_dense, strict=True):
         assert_close(a, b, atol=1e-4, rtol=1e-4)
-    sdpa(q[:, :, :100], k[:, :, :100], v[:, :, :100], causal=True, window=48)
-    assert len(calls) == 1  # short sequences stay on the dense kernel
+    short = [t[:, :, :100].detach() for t in (q, k, v)]
+    sdpa(*(t.double() for t in short), causal=True, window=48)
+    assert len(calls) == 1  # short sequences stay on the dense kernel...
+    sdpa(*short, causal=True, window=48)  # ... unless attnkit's flash kernels take float32
+    assert len(calls) == (2 if native.flash_available() else 1)
 
 
 # ---------------------------------------------------------------- correct on every path

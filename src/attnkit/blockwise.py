@@ -56,9 +56,11 @@ from attnkit import native
 from attnkit.masks import Structure
 
 __all__ = [
+    "FLASH_MIN_SCORES",
     "TileRun",
     "attend_positional",
     "attend_runs",
+    "attnkit_flash",
     "native_low_precision",
     "plan_runs",
     "tile_rows",
@@ -333,27 +335,37 @@ def native_low_precision(dtype: torch.dtype, *, backward: bool = True) -> bool:
 # executors
 
 
-def _native(q: Tensor, mask: Tensor | None) -> bool:
+#: Scores per head below which a plain causal call stays on torch's fused kernel: there the
+#: BLAS calls' set-up outweighs the skipped keys (L = S = 16: a forward+backward took 1.17x
+#: torch's time; 64: 0.92x; 256: 0.64x).
+FLASH_MIN_SCORES = 64 * 64
+
+
+def attnkit_flash(q: Tensor) -> bool:
     """Whether attnkit's flash kernels (:func:`attnkit.native.flash_attention` and its
-    backward) run a tile run instead of torch's: float32 on the CPU, or bfloat16 on a CPU
-    without bf16 units (widened block by block, so a bf16 call costs about a float32 one, where
-    torch's bf16 kernel converts every block and its backward ran 6-9x its float32 time), no
-    additive mask (square causal tiles or whole spans), outside ``torch.compile`` and torch
-    dispatch modes. They skip
-    finer blocks than torch's kernel (a block of 64 causal queries computes the keys up to its
-    last query; torch's 256 x 512 blocks compute 75% of a 1024-document's scores against 53%)
-    and measured faster per score (``benchmarks/RESULTS.md``)."""
+    backward) should run attention on ``q`` instead of torch's: float32 on the CPU, or bfloat16
+    on a CPU without bf16 units (widened block by block, so a bf16 call costs about a float32
+    one, where torch's bf16 kernel converts every block and its backward ran 6-9x its float32
+    time), outside ``torch.compile`` and torch dispatch modes. They skip finer blocks than
+    torch's kernel (a block of 64-128 causal queries computes the keys up to its last query;
+    torch's 256 x 512 blocks compute 75% of a 1024-document's scores against 53%) and measured
+    faster per score (``benchmarks/RESULTS.md``)."""
     return (
         (
             q.dtype == torch.float32
             or (q.dtype == torch.bfloat16 and not native_low_precision(torch.bfloat16))
         )
         and q.device.type == "cpu"
-        and mask is None
         and not torch.compiler.is_compiling()
         and not is_in_torch_dispatch_mode()
         and native.flash_available()
     )
+
+
+def _native(q: Tensor, mask: Tensor | None) -> bool:
+    """:func:`attnkit_flash`, for a run without an additive mask (square causal tiles or whole
+    spans)."""
+    return mask is None and attnkit_flash(q)
 
 
 def _run_forward(

@@ -31,6 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from attnkit import native
+from attnkit.blockwise import attnkit_flash
+
 __all__ = [
     "LAYOUTS",
     "RingKernel",
@@ -132,6 +135,8 @@ def _block_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
     """Attention of one block and its log-sum-exp ``(B, H, L)`` (top-left causal if asked)."""
+    if attnkit_flash(q):
+        return native.flash_attention(q, k, v, scale=scale, causal=causal, first=0)
     if q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
         out, lse = _flash(q, k, v, 0.0, causal, scale=scale)
         return out, lse
@@ -152,6 +157,10 @@ def _block_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the *merged* output and log-sum-exp of its queries: the
     full ``dq`` contribution of these keys and the full ``dk``/``dv`` from these queries."""
+    if attnkit_flash(q):  # (as the forward: the same rule, the same dtypes)
+        return native.flash_attention_backward(
+            g, q, k, v, out, lse, scale=scale, causal=causal, first=0
+        )
     if q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
         dq, dk, dv = _flash_backward(g, q, k, v, out, lse, 0.0, causal, scale=scale)
         return dq, dk, dv

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from attnkit import blockwise, native, sparse
 from attnkit import masks as M
-from attnkit import native, sparse
 from attnkit import softcap as capped
 
 if TYPE_CHECKING:
@@ -179,6 +179,18 @@ def attend(
         return _attend_capped(q, k, v, mask, rules, scale, dropout_p, softcap, return_weights)
 
     explicit = return_weights
+    if (
+        (rules.sparse or rules.causal)
+        and not rules.batched
+        and mask is None
+        and not explicit
+        and min(L, S) > 0
+        and (rules.sparse or L * S >= blockwise.FLASH_MIN_SCORES)
+        and not dropout_p
+        and blockwise.attnkit_flash(q)
+    ):  # causal/window in attnkit's flash kernels: only the reachable keys, faster than torch's
+        whole = sparse.tile_plan(L, S, rules, math.prod(q.shape[:-3]), q.device, None)
+        return attend_tiles(q, k, v, whole, scale=scale, dropout_p=dropout_p), None
     if rules.sparse and mask is None and not explicit and S > 0:
         grads = q.requires_grad or k.requires_grad or v.requires_grad
         backward = torch.is_grad_enabled() and grads

@@ -32,6 +32,7 @@ E head dim.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,14 +75,23 @@ class TilePlan:
         L: Query length.
         S: Key length.
         B: Batch size (the product of the inputs' leading dims).
-        runs: The tiles, as :class:`attnkit.blockwise.TileRun` batched calls.
+        device: Where the inputs live.
+        rows: Query rows per tile, or None for :func:`attnkit.blockwise.tile_rows`.
     """
 
     structure: Structure
     L: int
     S: int
     B: int
-    runs: list[TileRun]
+    device: torch.device | str | None = None
+    rows: int | None = None
+
+    @functools.cached_property
+    def runs(self) -> list[TileRun]:
+        """The tiles, as :class:`attnkit.blockwise.TileRun` batched calls (planned on first
+        use: a causal/window call on attnkit's flash kernels needs none, and planning a long
+        causal sequence costs tens of milliseconds)."""
+        return plan_runs(self.B, self.L, self.S, self.structure, rows=self.rows, device=self.device)
 
     @property
     def covered(self) -> int:
@@ -171,9 +181,7 @@ def tile_plan(
     block_size: int | None,
 ) -> TilePlan:
     """The :class:`TilePlan` of a checked structure (tiles of ``block_size`` or the default)."""
-    rules = structure.to(B, S, device)
-    runs = plan_runs(B, L, S, rules, rows=block_size, device=device)
-    return TilePlan(rules, L, S, B, runs)
+    return TilePlan(structure.to(B, S, device), L, S, B, device, block_size)
 
 
 def tiled_attention(
