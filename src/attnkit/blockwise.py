@@ -335,7 +335,7 @@ def native_low_precision(dtype: torch.dtype, *, backward: bool = True) -> bool:
 # executors
 
 
-#: Scores per head below which a plain causal call stays on torch's fused kernel: there the
+#: Scores per head below which a causal/window call stays on torch's kernels: there the
 #: BLAS calls' set-up outweighs the skipped keys (L = S = 16: a forward+backward took 1.17x
 #: torch's time; 64: 0.92x; 256: 0.64x).
 FLASH_MIN_SCORES = 64 * 64

@@ -185,7 +185,7 @@ def attend(
         and mask is None
         and not explicit
         and min(L, S) > 0
-        and (rules.sparse or L * S >= blockwise.FLASH_MIN_SCORES)
+        and L * S >= blockwise.FLASH_MIN_SCORES
         and not dropout_p
         and blockwise.attnkit_flash(q)
     ):  # causal/window in attnkit's flash kernels: only the reachable keys, faster than torch's
