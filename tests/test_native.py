@@ -609,6 +609,20 @@ def test_flash_attention_takes_strided_views_and_gets_clear_errors() -> None:
     want = torch.autograd.grad((ref * grad_out).sum(), (qc, kc, vc))
     for g, w in zip(got, want, strict=True):
         assert_close(g, w, atol=2e-5, rtol=2e-5)
+    # into=: the gradients added to running sums (views with contiguous rows), as ring
+    # attention's blocks add theirs.
+    sums = [torch.randn(3, 40, 2, 8, generator=gen).transpose(1, 2) for _ in range(3)]
+    before = [t.clone() for t in sums]
+    back = native.flash_attention_backward(
+        grad_out, q, k, v, out, lse, scale=0.5, causal=True, into=tuple(sums)
+    )
+    assert all(a is b for a, b in zip(back, sums, strict=True))
+    for total, start, g in zip(sums, before, got, strict=True):
+        assert_close(total, start + g, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="into"):
+        native.flash_attention_backward(
+            grad_out, q, k, v, out, lse, scale=0.5, into=(sums[0].double(), *sums[1:])
+        )
     with pytest.raises(TypeError, match="float32"):
         native.flash_attention(q.double(), k, v, scale=1.0)
     with pytest.raises(ValueError, match=r"H % K"):

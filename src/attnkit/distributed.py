@@ -177,6 +177,28 @@ def _block_backward(
     return dq, dk, dv
 
 
+def _block_backward_into(
+    g: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    into: tuple[Tensor, Tensor, Tensor],
+) -> None:
+    """:func:`_block_backward`, its gradients added to ``into`` (``dq``, ``dk``, ``dv`` slices
+    of the running sums); attnkit's kernel adds them itself, without a buffer per block."""
+    if attnkit_flash(q) and all(t.dtype == torch.float32 for t in into):
+        native.flash_attention_backward(
+            g, q, k, v, out, lse, scale=scale, causal=causal, first=0, into=into
+        )
+        return
+    for acc, grad in zip(into, _block_backward(g, q, k, v, out, lse, causal, scale), strict=True):
+        acc += grad
+
+
 def _heads(x: Tensor, H: int) -> Tensor:
     """Key/value heads repeated to the ``H`` query heads."""
     return x if x.shape[1] == H else x.repeat_interleave(H // x.shape[1], dim=1)
@@ -410,13 +432,11 @@ class _RingAttention(torch.autograd.Function):
                 for rows, keys, is_causal in _calls(
                     ring.rank, src, ctx.causal, ctx.layout, L, S, a, b, 2 * ctx.chunk
                 ):
-                    gq, gk, gv = _block_backward(
+                    _block_backward_into(
                         grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
                         out[:, :, rows], lse[:, :, rows], is_causal, ctx.scale,
+                        (dq[:, :, rows], dkv[0][:, :, keys], dkv[1][:, :, keys]),
                     )  # fmt: skip
-                    dq[:, :, rows] += gq
-                    dkv[0][:, :, keys] += gk
-                    dkv[1][:, :, keys] += gv
                 # On to the next holder of this piece; after the last step, to its owner.
                 grad_requests += ring.send(dkv)
                 _wait(requests)

@@ -193,7 +193,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     call = lib.attnkit_flash_backward
     call.argtypes = [view, view, view, view, view, pointer, int64, int64, view, view, view]
     call.argtypes += [pointer, int64, ctypes.c_int, int64, floats, int64, int64, ctypes.c_int]
-    call.argtypes += [pointer, ctypes.c_int]
+    call.argtypes += [ctypes.c_int, pointer, ctypes.c_int]
     call.restype = ctypes.c_int
     call = lib.attnkit_one_query_attention
     call.argtypes = [pointer, *[int64] * 4, pointer, *[int64] * 3, pointer, *[int64] * 5]
@@ -427,6 +427,7 @@ def flash_attention_backward(
     window: int | None = None,
     first: int | None = None,
     blocks: tuple[int, int] = (64, 512),
+    into: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`flash_attention` in FlashAttention-2's loop order.
 
@@ -448,10 +449,13 @@ def flash_attention_backward(
         window: Keys ``window`` or more positions away are masked (None: no window).
         first: Key position of the first query (default ``S - L``).
         blocks: Queries per block and keys per block.
+        into: float32 ``(dq, dk, dv)`` to add the gradients to (views are fine, with contiguous
+            rows), instead of new tensors: ring attention sums its blocks' gradients without a
+            buffer per block.
 
     Returns:
         ``(dq, dk, dv)`` in ``q``'s dtype (accumulated in float32), laid out
-        ``(B, L or S, heads, dim)`` in memory.
+        ``(B, L or S, heads, dim)`` in memory; or ``into``.
 
     Raises:
         TypeError: For other or mixed dtypes.
@@ -471,11 +475,25 @@ def flash_attention_backward(
     assert lib is not None and sgemm is not None
     first = S - L if first is None else first
     dtype = q.dtype
-    dq = q.new_empty(B, L, H, E, dtype=torch.float32).transpose(1, 2)
-    dk = k.new_empty(B, S, K, E, dtype=torch.float32).transpose(1, 2)
-    dv = v.new_empty(B, S, K, Ev, dtype=torch.float32).transpose(1, 2)
-    if dq.numel() + dk.numel() + dv.numel() == 0 or L == 0:
-        return dq.zero_().to(dtype), dk.zero_().to(dtype), dv.zero_().to(dtype)
+    if into is not None:
+        dq, dk, dv = into
+        shapes = ((B, H, L, E), (B, K, S, E), (B, K, S, Ev))
+        if any(
+            t.dtype != torch.float32 or t.shape != shape or not t.is_cpu or _rows(t) is not t
+            for t, shape in zip(into, shapes, strict=True)
+        ):
+            raise ValueError(
+                f"flash_attention_backward's into needs float32 CPU tensors {shapes} with "
+                f"contiguous rows, got {[(t.dtype, tuple(t.shape), t.stride()) for t in into]}"
+            )
+        if min(L, S, B * H) == 0:
+            return into
+    else:
+        dq = q.new_empty(B, L, H, E, dtype=torch.float32).transpose(1, 2)
+        dk = k.new_empty(B, S, K, E, dtype=torch.float32).transpose(1, 2)
+        dv = v.new_empty(B, S, K, Ev, dtype=torch.float32).transpose(1, 2)
+        if dq.numel() + dk.numel() + dv.numel() == 0 or L == 0:
+            return dq.zero_().to(dtype), dk.zero_().to(dtype), dv.zero_().to(dtype)
     q, k, v = _rows(q), _rows(k), _rows(v)
     grad_out, out = _rows(grad_out.to(dtype)), _rows(out.to(dtype))
     lse = lse.float().contiguous()
@@ -484,10 +502,12 @@ def flash_attention_backward(
     failed = lib.attnkit_flash_backward(
         _view(q), _view(k), _view(v), _view(out), _view(grad_out), lse.data_ptr(), H * L, L,
         _view(dq), _view(dk), _view(dv), dims, first, int(causal), window or 0, scale, *blocks,
-        dtype == torch.bfloat16, sgemm, threads,
+        dtype == torch.bfloat16, into is not None, sgemm, threads,
     )  # fmt: skip
     if failed:
         raise MemoryError(f"the flash backward could not allocate its buffers ({threads} threads)")
+    if into is not None:
+        return into
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 

@@ -248,17 +248,16 @@ static void backward_head(sgemm_fn sgemm, view q, view k, view v, view out, view
                           const float *lse, int64_t lse_item, int64_t lse_head, view dq, view dk,
                           view dv, int64_t c, int64_t kv, int64_t G, int64_t L, int64_t S,
                           int64_t E, int64_t Ev, int64_t first, int causal, int64_t window,
-                          float scale, int64_t qb, int64_t kb, int bf16, float *p, float *dp,
-                          float *D, float *qf, float *kf, float *vf, float *df) {
+                          float scale, int64_t qb, int64_t kb, int bf16, int accumulate,
+                          float *p, float *dp, float *D, float *qf, float *kf, float *vf,
+                          float *df, float *dkb, float *dvb) {
   const float one = 1.f, zero = 0.f;
-  const int64_t size = bf16 ? 2 : 4;
+  const int64_t size = bf16 ? 2 : 4, ldkb = E > 0 ? E : 1, ldvb = Ev > 0 ? Ev : 1;
   float *dkh = (float *)at(dk, c, kv, 4), *dvh = (float *)at(dv, c, kv, 4);
-  zero_rows(dkh, S, E, dk.row);
-  zero_rows(dvh, S, Ev, dv.row);
   for (int64_t g = 0; g < G; g++) {
     const int64_t h = kv * G + g;
     const char *o = at(out, c, h, size), *d = at(dout, c, h, size);
-    zero_rows((float *)at(dq, c, h, 4), L, E, dq.row);
+    if (!accumulate) zero_rows((float *)at(dq, c, h, 4), L, E, dq.row);
     for (int64_t i = 0; i < L; i++) { /* D_i = sum(dO_i * O_i) */
       float s = 0.f;
       for (int64_t e = 0; e < Ev; e++)
@@ -273,6 +272,10 @@ static void backward_head(sgemm_fn sgemm, view q, view k, view v, view out, view
                                kf, &ldk);
     const float *vs = as_float(at(v, c, kv, size) + j0 * v.row * size, j1 - j0, Ev, v.row, bf16,
                                vf, &ldv);
+    /* the block's key/value gradients start from zero here and reach dk/dv once, after every
+     * query block: small partial sums, one rounding against the running total */
+    memset(dkb, 0, (size_t)((j1 - j0) * E) * sizeof(float));
+    memset(dvb, 0, (size_t)((j1 - j0) * Ev) * sizeof(float));
     for (int64_t g = 0; g < G; g++) {
       const int64_t h = kv * G + g;
       const float *lh = lse + c * lse_item + h * lse_head;
@@ -315,40 +318,48 @@ static void backward_head(sgemm_fn sgemm, view q, view k, view v, view out, view
           for (; j < w; j++) dpi[j] = pi[j] * (dpi[j] - di);
         }
         /* dv (w x Ev) += p^T dO: column-major Ev x w = dO^T (Ev x r) p (r x w) */
-        sgemm("N", "T", &Ev, &w, &r, &one, ds, &ldd, p, &w, &one, dvh + lo * dv.row, &dv.row);
+        sgemm("N", "T", &Ev, &w, &r, &one, ds, &ldd, p, &w, &one, dvb + (lo - j0) * Ev, &ldvb);
         /* dk (w x E) += scale ds^T q */
-        sgemm("N", "T", &E, &w, &r, &scale, qs, &ldq, dp, &w, &one, dkh + lo * dk.row, &dk.row);
+        sgemm("N", "T", &E, &w, &r, &scale, qs, &ldq, dp, &w, &one, dkb + (lo - j0) * E, &ldkb);
         /* dq (r x E) += scale ds k: column-major E x r = k^T (E x w) ds^T (w x r) */
         sgemm("N", "N", &E, &r, &w, &scale, kl, &ldk, dp, &w, &one, dqh + i0 * dq.row, &dq.row);
       }
+    }
+    for (int64_t j = j0; j < j1; j++) {
+      float *kr = dkh + j * dk.row, *vr = dvh + j * dv.row;
+      const float *kg = dkb + (j - j0) * E, *vg = dvb + (j - j0) * Ev;
+      for (int64_t e = 0; e < E; e++) kr[e] = accumulate ? kr[e] + kg[e] : kg[e];
+      for (int64_t e = 0; e < Ev; e++) vr[e] = accumulate ? vr[e] + vg[e] : vg[e];
     }
   }
 }
 
 /* dims as attnkit_flash_forward's; inputs (q, k, v, out, dout) all float32 or all bf16;
- * lse as the forward wrote it (the log-sum-exp of the scaled scores). Writes dq, dk, dv (float32,
- * every row of every head). Returns 0, or 1 where a buffer could not be allocated (nothing
+ * lse as the forward wrote it (the log-sum-exp of the scaled scores), or any merged one (ring
+ * attention's blocks). Writes dq, dk, dv (float32, every row of every head), or with
+ * `accumulate` adds to them. Returns 0, or 1 where a buffer could not be allocated (nothing
  * written). */
 int attnkit_flash_backward(view q, view k, view v, view out, view dout, const float *lse,
                            int64_t lse_item, int64_t lse_head, view dq, view dk, view dv,
                            const int64_t *dims, int64_t first, int causal, int64_t window,
-                           float scale, int64_t qb, int64_t kb, int bf16, void *sgemm,
-                           int threads) {
+                           float scale, int64_t qb, int64_t kb, int bf16, int accumulate,
+                           void *sgemm, int threads) {
   const int64_t count = dims[0], H = dims[1], K = dims[2], L = dims[3], S = dims[4];
   const int64_t E = dims[5], Ev = dims[6], G = H / K, tasks = count * K;
   threads = threads_for(tasks, threads);
-  /* floats a thread works in: p, dp, D; bf16's float32 copies of q, dO, k, v blocks */
-  const int64_t each = 2 * qb * kb + G * L + (bf16 ? qb * (E + Ev) + kb * (E + Ev) : 0);
+  /* floats a thread works in: p, dp, D, a key block's gradients; bf16's float32 copies of q,
+   * dO, k, v blocks */
+  const int64_t each = 2 * qb * kb + G * L + kb * (E + Ev) + (bf16 ? (qb + kb) * (E + Ev) : 0);
   float *work = malloc((size_t)(threads * each) * sizeof(float));
   if (!work) return 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t t = 0; t < tasks; t++) {
     float *mine = work + this_thread() * each;
-    float *dp = mine + qb * kb, *D = dp + qb * kb, *qf = D + G * L, *df = qf + qb * E;
-    float *kf = df + qb * Ev, *vf = kf + kb * E;
+    float *dp = mine + qb * kb, *D = dp + qb * kb, *dkb = D + G * L, *dvb = dkb + kb * E;
+    float *qf = dvb + kb * Ev, *df = qf + qb * E, *kf = df + qb * Ev, *vf = kf + kb * E;
     backward_head((sgemm_fn)sgemm, q, k, v, out, dout, lse, lse_item, lse_head, dq, dk, dv,
-                  t / K, t % K, G, L, S, E, Ev, first, causal, window, scale, qb, kb, bf16, mine,
-                  dp, D, qf, kf, vf, df);
+                  t / K, t % K, G, L, S, E, Ev, first, causal, window, scale, qb, kb, bf16,
+                  accumulate, mine, dp, D, qf, kf, vf, df, dkb, dvb);
   }
   free(work);
   return 0;
