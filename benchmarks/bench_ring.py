@@ -14,12 +14,11 @@ during one forward+backward with the ``VmHWM`` method of ``attnkit.profiling.pea
 contiguous layout shows. With one process the same function runs without a process group
 (plain attention on the whole sequence).
 
-Recorded (AMD EPYC, 2 cores shared with other jobs, so times are mostly noise; N=16384,
-causal, 8 heads, E=64, one round): 1 process 148.5 s, 161.8 MiB; 2 processes contiguous 105.2 s
-(1.41x), 97.0 MiB per rank (0.60x); zigzag 74.3 s (2.00x), 96.9 MiB (0.60x). The blocks
-travel in pieces of ``attnkit.distributed.CHUNK`` keys in two reused buffer sets; what remains
-above half of one process is the allocator keeping the kernel's per-call gradient buffers
-resident (see ``benchmarks/RESULTS.md``).
+Recorded (AMD EPYC, 2 cores, quiet; N=16384, causal, 8 heads, E=64, one round; the blocks on
+attnkit's flash kernels, which add their gradients to the running sums): 1 process 19.2 s,
+129.0 MiB; 2 processes contiguous 15.3 s (1.25x), 74.8 MiB per rank (0.58x); zigzag 14.1 s
+(1.36x), 77.5 MiB (0.60x). The blocks travel in pieces of ``attnkit.distributed.CHUNK`` keys in
+two reused buffer sets (see ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
