@@ -154,48 +154,32 @@ def _block_backward(
     lse: Tensor,
     causal: bool,
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one block given the *merged* output and log-sum-exp of its queries: the
-    full ``dq`` contribution of these keys and the full ``dk``/``dv`` from these queries."""
-    if attnkit_flash(q):  # (as the forward: the same rule, the same dtypes)
-        return native.flash_attention_backward(
-            g, q, k, v, out, lse, scale=scale, causal=causal, first=0
-        )
-    if q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
-        dq, dk, dv = _flash_backward(g, q, k, v, out, lse, 0.0, causal, scale=scale)
-        return dq, dk, dv
-    H, K = q.shape[1], k.shape[1]
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # (B, H, L, S)
-    dv = torch.matmul(p.transpose(-1, -2), g)
-    dp = torch.matmul(g, _heads(v, H).transpose(-1, -2))
-    ds = p * (dp - (g * out).sum(-1, keepdim=True)) * scale
-    dq = torch.matmul(ds, _heads(k, H))
-    dk = torch.matmul(ds.transpose(-1, -2), q)
-    if H != K:  # sum the query heads of each key/value head
-        dk = dk.unflatten(1, (K, H // K)).sum(2)
-        dv = dv.unflatten(1, (K, H // K)).sum(2)
-    return dq, dk, dv
-
-
-def _block_backward_into(
-    g: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    causal: bool,
-    scale: float,
     into: tuple[Tensor, Tensor, Tensor],
 ) -> None:
-    """:func:`_block_backward`, its gradients added to ``into`` (``dq``, ``dk``, ``dv`` slices
-    of the running sums); attnkit's kernel adds them itself, without a buffer per block."""
+    """Gradients of one block given the *merged* output and log-sum-exp of its queries (the
+    full ``dq`` contribution of these keys and the full ``dk``/``dv`` from these queries), added
+    to ``into`` (``dq``, ``dk``, ``dv`` slices of the running sums, float32 or wider); attnkit's
+    kernel adds them itself, without a buffer per block."""
     if attnkit_flash(q) and all(t.dtype == torch.float32 for t in into):
         native.flash_attention_backward(
             g, q, k, v, out, lse, scale=scale, causal=causal, first=0, into=into
         )
         return
-    for acc, grad in zip(into, _block_backward(g, q, k, v, out, lse, causal, scale), strict=True):
+    if q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
+        grads = _flash_backward(g, q, k, v, out, lse, 0.0, causal, scale=scale)
+    else:
+        H, K = q.shape[1], k.shape[1]
+        p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # (B, H, L, S)
+        dv = torch.matmul(p.transpose(-1, -2), g)
+        dp = torch.matmul(g, _heads(v, H).transpose(-1, -2))
+        ds = p * (dp - (g * out).sum(-1, keepdim=True)) * scale
+        dq = torch.matmul(ds, _heads(k, H))
+        dk = torch.matmul(ds.transpose(-1, -2), q)
+        if H != K:  # sum the query heads of each key/value head
+            dk = dk.unflatten(1, (K, H // K)).sum(2)
+            dv = dv.unflatten(1, (K, H // K)).sum(2)
+        grads = (dq, dk, dv)
+    for acc, grad in zip(into, grads, strict=True):
         acc += grad
 
 
@@ -400,11 +384,12 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.group)
         none = (None,) * 5
-        if ring.world == 1:
-            dq, dk, dv = _block_backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale)
-            return (dq, dk, dv, *none)
-        L, S = q.shape[2], k.shape[2]
         acc = torch.promote_types(q.dtype, torch.float32)
+        if ring.world == 1:
+            dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+            _block_backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, (dq, dk, dv))
+            return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *none)
+        L, S = q.shape[2], k.shape[2]
         grad_out = grad_out.contiguous()
         lse = lse.to(torch.float32) if q.dtype != torch.float64 else lse
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -432,7 +417,7 @@ class _RingAttention(torch.autograd.Function):
                 for rows, keys, is_causal in _calls(
                     ring.rank, src, ctx.causal, ctx.layout, L, S, a, b, 2 * ctx.chunk
                 ):
-                    _block_backward_into(
+                    _block_backward(
                         grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
                         out[:, :, rows], lse[:, :, rows], is_causal, ctx.scale,
                         (dq[:, :, rows], dkv[0][:, :, keys], dkv[1][:, :, keys]),
