@@ -149,7 +149,7 @@ def capped_attention(
             causal=structure.causal,
             window=structure.window,
             finite=finite,
-            **({} if rows is None else {"query_block": rows}),
+            query_block=rows or (64 if structure.window is not None else 128),
         )
         out = out.view(*batch_shape, H, L, Ev).to(dtype)
         return (out.squeeze(0) if squeeze else out), None
