@@ -9,10 +9,15 @@ Every module in attnkit computes ``softmax(Q K^T * scale + mask) V`` by calling
 
 * no weights requested   -> torch's fused ``scaled_dot_product_attention`` (``is_causal`` instead
   of a materialized mask whenever that is equivalent);
+* causal/window attention in float32 (or bf16 on CPUs without bf16 units) on the CPU, from
+  64 x 64 scores per head -> :mod:`attnkit.sparse` on attnkit's own flash kernels
+  (:func:`attnkit.blockwise.attend_positional`), which compute only the keys each block of
+  queries may reach;
 * structured sparsity (``window``, ``segment_ids``, ``key_lengths``) on long sequences
   -> :mod:`attnkit.sparse`, which skips key blocks that are entirely masked;
-* soft-capped scores (``softcap``) -> :mod:`attnkit.softcap`, the same math one chunk of
-  queries at a time, reading only the keys the chunk may attend;
+* soft-capped scores (``softcap``) -> :mod:`attnkit.softcap`: without gradients attnkit's flash
+  kernel with the cap, else the same math one chunk of queries at a time, reading only the keys
+  the chunk may attend;
 * weights requested (or no keys at all) -> the explicit math below, which is also the reference
   that the tests check the fused path against.
 
