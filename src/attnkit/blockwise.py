@@ -342,14 +342,14 @@ FLASH_MIN_SCORES = 64 * 64
 
 
 def attnkit_flash(q: Tensor) -> bool:
-    """Whether attnkit's flash kernels (:func:`attnkit.native.flash_attention` and its
-    backward) should run attention on ``q`` instead of torch's: float32 on the CPU, or bfloat16
-    on a CPU without bf16 units (widened block by block, so a bf16 call costs about a float32
-    one, where torch's bf16 kernel converts every block and its backward ran 6-9x its float32
-    time), outside ``torch.compile`` and torch dispatch modes. They skip finer blocks than
-    torch's kernel (a block of 64-128 causal queries computes the keys up to its last query;
-    torch's 256 x 512 blocks compute 75% of a 1024-document's scores against 53%) and measured
-    faster per score (``benchmarks/RESULTS.md``)."""
+    """Whether attnkit's flash kernels (:func:`attnkit.native.flash_attention` and its backward)
+    should run attention on ``q`` instead of torch's: float32 on the CPU, or bfloat16 on a CPU
+    without bf16 units (widened block by block, so a bf16 call costs about a float32 one, where
+    torch's bf16 kernel converts every block and its backward ran 6-9x its float32 time), outside
+    ``torch.compile``, ``torch.jit.trace`` and torch dispatch modes. They skip finer blocks than
+    torch's kernel (a block of 64-128 causal queries computes the keys up to its last query; torch's
+    256 x 512 blocks compute 75% of a 1024-document's scores against 53%) and measured faster per
+    score (``benchmarks/RESULTS.md``)."""
     return (
         (
             q.dtype == torch.float32
@@ -357,6 +357,7 @@ def attnkit_flash(q: Tensor) -> bool:
         )
         and q.device.type == "cpu"
         and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()  # (a trace records torch's ops, not a kernel's writes)
         and not is_in_torch_dispatch_mode()
         and native.flash_available()
     )

@@ -137,6 +137,7 @@ def capped_attention(
         and K > 0
         and q.device.type == "cpu"
         and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
         and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
         and native.flash_available()
     ):  # the whole attention in attnkit's kernel, FlashAttention's loop with the cap
