@@ -594,6 +594,11 @@ def test_flash_attention_widens_bf16_blocks() -> None:
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.bfloat16
         assert_close(g, w.bfloat16(), atol=8e-3, rtol=8e-3)
+    # ... and with Gemma 2's cap
+    capped = native.capped_attention(q, k, v, softcap=2.0, scale=0.25, causal=True)
+    capped32 = native.capped_attention(*wide, softcap=2.0, scale=0.25, causal=True)
+    assert capped.dtype == torch.bfloat16
+    assert_close(capped, capped32.bfloat16(), atol=8e-3, rtol=8e-3)
 
 
 @needs_capped

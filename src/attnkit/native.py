@@ -534,7 +534,8 @@ def capped_attention(
     would look finite).
 
     Args:
-        q: Queries ``(B, H, L, E)``, float32 on the CPU.
+        q: Queries ``(B, H, L, E)``, float32 or bfloat16 (widened as in
+            :func:`flash_attention`) on the CPU.
         k: Keys ``(B, K, S, E)`` with ``H % K == 0`` (grouped-query attention).
         v: Values ``(B, K, S, Ev)``.
         softcap: The cap ``c > 0``.
@@ -547,10 +548,10 @@ def capped_attention(
         key_block: Most keys of a tile of scores.
 
     Returns:
-        ``out`` ``(B, H, L, Ev)``, float32.
+        ``out`` ``(B, H, L, Ev)`` in ``q``'s dtype.
 
     Raises:
-        TypeError: For a dtype other than float32.
+        TypeError: For other or mixed dtypes.
         ValueError: For shapes that do not fit, tensors not on the CPU, or a bad argument.
         RuntimeError: Where it cannot run here (:func:`flash_available`).
     """
@@ -559,7 +560,7 @@ def capped_attention(
             f"capped_attention needs a finite softcap > 0 and blocks >= 1, got "
             f"softcap={softcap}, query_block={query_block}, key_block={key_block}"
         )
-    _check_flash("capped_attention", q, k, v, window, (torch.float32,))
+    _check_flash("capped_attention", q, k, v, window, _FLASH_DTYPES)
     sgemm = _flash_sgemm()
     assert sgemm is not None
     first = k.shape[2] - q.shape[2]

@@ -141,10 +141,11 @@ def capped_attention(
         and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
         and native.flash_available()
     ):  # the whole attention in attnkit's kernel, FlashAttention's loop with the cap
+        wide = dtype if dtype == torch.bfloat16 else compute  # (the kernel widens bf16 itself)
         out = native.capped_attention(
-            q.to(compute).reshape(B, H, L, E),
-            k.to(compute).reshape(B, K, S, E),
-            v.to(compute).reshape(B, K, S, Ev),
+            q.to(wide).reshape(B, H, L, E),
+            k.to(wide).reshape(B, K, S, E),
+            v.to(wide).reshape(B, K, S, Ev),
             softcap=softcap,
             scale=scale,
             causal=structure.causal,
