@@ -50,7 +50,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit import native
 from attnkit.masks import Structure
@@ -258,7 +257,7 @@ def attend_runs(
 
     A flash kernel on strided views with a custom backward where it applies (CPU, no dropout,
     ``Ev == E``, a dtype it takes): attnkit's for unmasked runs in float32, and in bfloat16 on
-    CPUs without bf16 units (see :func:`_native`), torch's otherwise; else
+    CPUs without bf16 units (see :func:`attnkit_flash`), torch's otherwise; else
     ``torch.nn.functional.scaled_dot_product_attention`` on gathered tiles with autograd.
     bfloat16/float16 inputs torch's kernel would run slowly (see :func:`native_low_precision`:
     with gradients, on a CPU without native units for them) are computed in float32 and the
@@ -284,7 +283,7 @@ def attend_runs(
         q.device.type == "cpu"
         and q.dtype in _LOW
         and not native_low_precision(q.dtype, backward=grads)
-        and not all(_native(q, None) and (r.causal or r.allowed is None) for r in runs)
+        and not (attnkit_flash(q) and all(r.causal or r.allowed is None for r in runs))
     ):
         # Without bf16/fp16 matrix units the kernel converts every block it multiplies; in
         # float32 it runs several times faster, and rounds once at the end.
@@ -308,11 +307,11 @@ def native_low_precision(dtype: torch.dtype, *, backward: bool = True) -> bool:
     bfloat16, AMX-FP16 for float16. Without them (AVX2 only) torch's bf16 kernel ran its
     forward+backward 7-9x slower than its float32 one, so :func:`attend_runs` computes in float32
     and rounds (where attnkit's own kernels cannot take the call: they widen bf16 blocks themselves,
-    see :func:`_native`). A bfloat16 forward alone runs torch's bf16 kernel on every CPU: it is the
-    kernel torch's own bf16 ``scaled_dot_product_attention`` runs. On the AVX2 CPU its forward took
-    1.03-1.25x the float32 kernel's time, while float32 copies of the inputs (three fresh
-    allocations, paged in on every call) added ~0.3x; converting two documents at a time lost at 2
-    threads (0.69 vs 0.91 of the float32 speed, one conversion per chunk and input). float16's
+    see :func:`attnkit_flash`). A bfloat16 forward alone runs torch's bf16 kernel on every CPU: it
+    is the kernel torch's own bf16 ``scaled_dot_product_attention`` runs. On the AVX2 CPU its
+    forward took 1.03-1.25x the float32 kernel's time, while float32 copies of the inputs (three
+    fresh allocations, paged in on every call) added ~0.3x; converting two documents at a time lost
+    at 2 threads (0.69 vs 0.91 of the float32 speed, one conversion per chunk and input). float16's
     forward kernel took 3x the float32 one there, so it keeps the float32 copies
     (``benchmarks/bench_blockwise.py --bf16``).
 
@@ -355,28 +354,22 @@ def attnkit_flash(q: Tensor) -> bool:
             q.dtype == torch.float32
             or (q.dtype == torch.bfloat16 and not native_low_precision(torch.bfloat16))
         )
-        and q.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()  # (a trace records torch's ops, not a kernel's writes)
-        and not is_in_torch_dispatch_mode()
+        and native.eager_cpu(q)
         and native.flash_available()
     )
 
 
-def _native(q: Tensor, mask: Tensor | None) -> bool:
-    """:func:`attnkit_flash`, for a run without an additive mask (square causal tiles or whole
-    spans)."""
-    return mask is None and attnkit_flash(q)
-
-
 def _run_forward(
     r: TileRun, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
-) -> tuple[Tensor, Tensor]:
-    """One run's ``(out, lse)``: attnkit's flash kernel where :func:`_native`, else torch's."""
-    if _native(q, mask):
-        return native.flash_attention(*_views(r, q, k, v), scale=scale, causal=r.causal, first=0)
+) -> tuple[Tensor, Tensor, bool]:
+    """One run's ``(out, lse, attnkit's kernel ran)``: attnkit's flash kernel for a run without
+    an additive mask (square causal tiles or whole spans) where :func:`attnkit_flash`, else
+    torch's."""
+    if mask is None and attnkit_flash(q):
+        o, lse = native.flash_attention(*_views(r, q, k, v), scale=scale, causal=r.causal, first=0)
+        return o, lse, True
     o, lse = _flash(*_views(r, q, k, v), 0.0, r.causal, attn_mask=mask, scale=scale)
-    return o, lse
+    return o, lse, False
 
 
 def _run_backward(
@@ -391,8 +384,8 @@ def _run_backward(
     scale: float,
     attnkit_kernel: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One run's ``(dq, dk, dv)`` from the kernel that ran its forward (``attnkit_kernel``:
-    :func:`_native` then); ``grad_out`` and ``o`` are the run's query tiles."""
+    """One run's ``(dq, dk, dv)`` from the kernel that ran its forward (``attnkit_kernel``, as
+    :func:`_run_forward` said); ``grad_out`` and ``o`` are the run's query tiles."""
     if attnkit_kernel:
         return native.flash_attention_backward(
             grad_out, *_views(r, q, k, v), o, lse, scale=scale, causal=r.causal, first=0
@@ -407,7 +400,7 @@ def attend_positional(
     q: Tensor, k: Tensor, v: Tensor, structure: Structure, *, scale: float, dropout_p: float
 ) -> Tensor | None:
     """Causal and sliding-window attention as one call of attnkit's flash kernels, or None
-    where they do not apply (see :func:`_native`; no documents, lengths or dropout).
+    where they do not apply (see :func:`attnkit_flash`; no documents, lengths or dropout).
 
     The kernels take the rules themselves (a block of queries computes only the keys it may
     reach), so the sequence needs no tiles: a window's forward+backward took half the time of
@@ -416,7 +409,7 @@ def attend_positional(
     Shape:
         q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
     """
-    if structure.batched or dropout_p > 0.0 or not _native(q, None):
+    if structure.batched or dropout_p > 0.0 or not attnkit_flash(q):
         return None
     out: Tensor = _PositionalFlash.apply(q, k, v, structure.causal, structure.window, scale)
     return out
@@ -461,8 +454,8 @@ class _FlashRuns(torch.autograd.Function):
         if len(runs) == 1 and runs[0].empty is None and _in_order(runs[0], B, L, rows=True):
             r = runs[0]
             mask = _kernel_mask(r, q.dtype)
-            o, lse = _run_forward(r, q, k, v, mask, scale)
-            ctx.natives = [_native(q, mask)]
+            o, lse, own = _run_forward(r, q, k, v, mask, scale)
+            ctx.natives = [own]
             out = _whole(o, B, L)
             ctx.save_for_backward(q, k, v, out)
             ctx.masks, ctx.lses, ctx.outs, ctx.direct = [mask], [lse], None, True
@@ -474,12 +467,12 @@ class _FlashRuns(torch.autograd.Function):
         masks, outs, lses, natives = [], [], [], []
         for r in runs:
             mask = _kernel_mask(r, q.dtype)
-            o, lse = _run_forward(r, q, k, v, mask, scale)
+            o, lse, own = _run_forward(r, q, k, v, mask, scale)
             # o (count, H, rows, Ev), lse (count, H, rows)
             if r.empty is not None:
                 o = o.masked_fill(r.empty, 0.0)
             _q_view(out, r).copy_(o)
-            natives.append(_native(q, mask))
+            natives.append(own)
             masks.append(mask)
             outs.append(o)
             lses.append(lse)

@@ -160,7 +160,7 @@ def _block_backward(
     full ``dq`` contribution of these keys and the full ``dk``/``dv`` from these queries), added
     to ``into`` (``dq``, ``dk``, ``dv`` slices of the running sums, float32 or wider); attnkit's
     kernel adds them itself, without a buffer per block."""
-    if attnkit_flash(q) and all(t.dtype == torch.float32 for t in into):
+    if attnkit_flash(q):  # (float32 or bf16 inputs: the sums are float32)
         native.flash_attention_backward(
             g, q, k, v, out, lse, scale=scale, causal=causal, first=0, into=into
         )

@@ -58,11 +58,13 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 __all__ = [
     "INT8_DOT_BLOCK",
     "capped_attention",
     "capped_softmax_",
+    "eager_cpu",
     "flash_attention",
     "flash_attention_backward",
     "flash_available",
@@ -215,6 +217,18 @@ def kernels_loaded() -> bool:
     """Whether the kernels are built and loaded already (never builds them: safe to ask while
     ``torch.compile`` traces, where a build cannot run)."""
     return _loaded
+
+
+def eager_cpu(t: Tensor) -> bool:
+    """Whether attnkit's kernels may compute on ``t`` now: it lives on the CPU and torch runs
+    eagerly (not compiling or tracing, and outside torch dispatch modes: a graph, a trace, a FLOP
+    counter or fake tensors see torch's ops, not a kernel's writes)."""
+    return (
+        t.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not is_in_torch_dispatch_mode()
+    )
 
 
 def _sgemm_address() -> int | None:
@@ -486,14 +500,14 @@ def flash_attention_backward(
                 f"flash_attention_backward's into needs float32 CPU tensors {shapes} with "
                 f"contiguous rows, got {[(t.dtype, tuple(t.shape), t.stride()) for t in into]}"
             )
-        if min(L, S, B * H) == 0:
-            return into
     else:
         dq = q.new_empty(B, L, H, E, dtype=torch.float32).transpose(1, 2)
         dk = k.new_empty(B, S, K, E, dtype=torch.float32).transpose(1, 2)
         dv = v.new_empty(B, S, K, Ev, dtype=torch.float32).transpose(1, 2)
-        if dq.numel() + dk.numel() + dv.numel() == 0 or L == 0:
-            return dq.zero_().to(dtype), dk.zero_().to(dtype), dv.zero_().to(dtype)
+    if min(B * H, L, S) == 0:  # no (query, key) pair: nothing to add, or zero gradients
+        if into is not None:
+            return into
+        return dq.zero_().to(dtype), dk.zero_().to(dtype), dv.zero_().to(dtype)
     q, k, v = _rows(q), _rows(k), _rows(v)
     grad_out, out = _rows(grad_out.to(dtype)), _rows(out.to(dtype))
     lse = lse.float().contiguous()

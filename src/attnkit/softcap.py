@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit import native
 from attnkit.masks import Structure
@@ -135,10 +134,7 @@ def capped_attention(
         and not return_weights
         and not dropout_p > 0.0
         and K > 0
-        and q.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
+        and native.eager_cpu(q)
         and native.flash_available()
     ):  # the whole attention in attnkit's kernel, FlashAttention's loop with the cap
         wide = dtype if dtype == torch.bfloat16 else compute  # (the kernel widens bf16 itself)
