@@ -316,6 +316,25 @@ def test_a_compiled_graph_never_traces_the_kernels_build(monkeypatch: pytest.Mon
     assert decoding._kernels is not None
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_rows_reduction_is_the_product(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, native_bf16: bool
+) -> None:
+    """One row inside a compiled graph (both bf16 forms, chosen by CPU feature) is the product
+    summed in float32: within one rounding to the dtype of float64's."""
+    monkeypatch.setattr(decoding, "_BF16_NATIVE", native_bf16)
+    torch._dynamo.reset()
+    x, w, b = torch.randn(1, 1, 96), torch.randn(40, 96), torch.randn(40)
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    with torch.no_grad():
+        got = torch.compile(decoding._row, fullgraph=True)(x, w, b)
+    want = x.double() @ w.double().T + b.double()
+    assert got.dtype == dtype and got.shape == (1, 1, 40)
+    step = torch.finfo(dtype).eps * want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= step + 1e-5
+
+
 def test_cache_position_needs_caches() -> None:
     lm = _lm(**LLAMA)
     with pytest.raises(ValueError, match="cache_position needs kv_caches"):

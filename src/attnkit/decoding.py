@@ -270,21 +270,30 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _row(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """One row's product as a streaming reduction over the weight (compiled graphs only)."""
+    """One row's product as a streaming reduction over the weight (compiled graphs only).
+
+    The row is stored before the reduction (an identity view makes inductor store it: otherwise
+    it inlines the producer, a norm or SwiGLU's silu, into the reduction and recomputes it for
+    every output row). bf16 weights, by CPU feature (``benchmarks/RESULTS.md``):
+
+    * without bf16 dot-product instructions (AVX2), the row is widened to float32 first, so the
+      loop widens only the weight: a compiled bf16 step of the 135M Llama shape decoded 1.19x
+      faster on a 2-core AMD EPYC than with the bf16 row widened in the loop;
+    * with them (AVX512-BF16, AMX), partial sums over 16 lanes first, then across them: 1.2x
+      faster than one sum per output there.
+    """
     shape, out_features = x.shape, weight.shape[0]
-    x = x.reshape(1, -1)
-    # An identity view that makes inductor store x first: otherwise it inlines the producer (a
-    # norm, SwiGLU's silu) into the reduction and recomputes it for every output row.
-    x = torch.as_strided(x, x.shape, x.stride())
-    n_in = x.shape[1]
-    if x.dtype == torch.bfloat16 and n_in % 16 == 0:
-        # Partial sums over 16 lanes first, then across them.
+    n_in = x.shape[-1]
+    lanes = x.dtype == torch.bfloat16 and _BF16_NATIVE and n_in % 16 == 0
+    row = x.reshape(1, -1) if lanes else x.reshape(1, -1).float()
+    row = torch.as_strided(row, row.shape, row.stride())
+    if lanes:
         w = weight.view(1, out_features, n_in // 16, 16)
-        part = (x.view(1, 1, n_in // 16, 16) * w).sum(-2, dtype=torch.float32)  # (1, out, 16)
+        part = (row.view(1, 1, n_in // 16, 16) * w).sum(-2, dtype=torch.float32)  # (1, out, 16)
         part = torch.as_strided(part, part.shape, part.stride())
         y = part.sum(-1)  # (1, out)
     else:
-        y = (x.unsqueeze(1) * weight).sum(-1, dtype=torch.float32)  # (1, out)
+        y = (row.unsqueeze(1) * weight).sum(-1, dtype=torch.float32)  # (1, out)
     if bias is not None:
         y = y + bias
     return y.to(x.dtype).reshape(*shape[:-1], out_features)
