@@ -185,8 +185,10 @@ def test_bad_inputs_get_clear_errors() -> None:
 
 @pytest.fixture
 def fresh_build(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Builds and loads happen anew (into a temporary cache) and are forgotten afterwards."""
+    """Builds and loads of the kernels happen anew (into a temporary cache) and are forgotten
+    afterwards (the ops' C++ library, loaded once a process, is left out)."""
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_load_ops", lambda kernels: None)
     native._load.cache_clear()
     yield
     native._load.cache_clear()
@@ -728,3 +730,100 @@ def test_one_query_attention_ignores_threads_and_gets_clear_errors() -> None:
         native.one_query_attention(q[:, :3], k, v, None, 1.0)
     with pytest.raises(ValueError, match="mask"):
         native.one_query_attention(q, k, v, torch.ones(4, 1, 1, 5, dtype=torch.bool), 1.0)
+
+
+# The ops compiled graphs call: C++ implementations where a C++ compiler builds them.
+
+
+def _op_cases() -> list[tuple[str, tuple[object, ...], object]]:
+    """(op, arguments, the Python function's result) for each op, with strided inputs."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 96, generator=gen)
+    codes = native.group_codes(torch.randint(-127, 128, (40, 96), dtype=torch.int8, generator=gen))
+    scale = torch.rand(40, generator=gen)
+    w, b = torch.randn(40, 96, generator=gen), torch.randn(40, generator=gen)
+    q = torch.randn(2, 6, 1, 32, generator=gen)
+    k, v = torch.randn(2, 2, 2, 50, 32, generator=gen)[:, :, :, ::2]  # (rows strided in S)
+    mask = torch.rand(2, 1, 1, 25, generator=gen) > 0.3
+    cases: list[tuple[str, tuple[object, ...], object]] = [
+        ("int8_dot_linear", (x, codes, scale), native.int8_dot_linear(x, codes, scale)),
+        (
+            "one_query_attention",
+            (q, k, v, mask, 0.2),
+            native.one_query_attention(q, k, v, mask, 0.2)[0],
+        ),
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        xs, ws, bs = x[:, None].to(dtype), w.to(dtype), b.to(dtype)
+        cases.append(("float_dot_linear", (xs, ws, bs), native.float_dot_linear(xs, ws, bs)))
+        cases.append(("float_dot_linear", (xs, ws, None), native.float_dot_linear(xs, ws)))
+    return cases
+
+
+@needs_kernel
+def test_the_ops_run_their_cpp_implementations_wherever_a_cpp_compiler_builds_them() -> None:
+    """The rule CI holds them to, and what the dispatcher then calls for CPU tensors."""
+    if native._cxx_compiler() is None:
+        pytest.skip("no C++ compiler")
+    assert native.ops_unavailable() == ""
+    for name in ("int8_dot_linear", "float_dot_linear", "one_query_attention"):
+        table = torch._C._dispatch_dump(f"attnkit::{name}")
+        cpu = [line for line in table.splitlines() if line.startswith("CPU:")]
+        assert len(cpu) == 1 and "ops.cpp" in cpu[0], table
+
+
+@needs_kernel
+def test_the_ops_equal_the_python_functions_and_check_their_inputs() -> None:
+    """Whichever implementation runs (C++ where it builds): the same kernels, the same bytes."""
+    for name, args, want in _op_cases():
+        got = getattr(torch.ops.attnkit, name).default(*args)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    ops = torch.ops.attnkit
+    x, codes, scale = torch.zeros(1, 64), torch.ones(3, 64, dtype=torch.int8), torch.ones(3)
+    with pytest.raises(TypeError, match="float32 x, int8 codes"):
+        ops.int8_dot_linear(x.double(), codes, scale)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.int8_dot_linear(x[:, :40], codes[:, :40], scale)
+    w = torch.zeros(3, 64)
+    with pytest.raises(TypeError, match="all bfloat16 or all float32"):
+        ops.float_dot_linear(x, w.bfloat16(), None)
+    with pytest.raises(ValueError, match="bias"):
+        ops.float_dot_linear(x, w, torch.zeros(4))
+    q, k = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 5, 8)
+    with pytest.raises(TypeError, match="bool mask"):
+        ops.one_query_attention(q, k, k, torch.zeros(1, 1, 1, 5), 1.0)
+    with pytest.raises(ValueError, match="H % K == 0"):
+        ops.one_query_attention(q[:, :3], k, k, None, 1.0)
+
+
+def test_without_a_cpp_compiler_the_ops_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reason is kept (the ops then run the Python functions); a failing build likewise."""
+    if not native.kernels_available():
+        assert native.ops_unavailable().startswith("attnkit's kernels are not available")
+        return
+    kernels = next((native._cache_dir() / "kernels").glob("kernels-*.so"))
+    monkeypatch.setattr(native, "_ops_why", None)
+    monkeypatch.setattr(native, "_cxx_compiler", lambda: None)
+    native._load_ops(kernels)
+    assert native.ops_unavailable() == "no C++ compiler (set CXX, or install g++)"
+    monkeypatch.setattr(native, "_ops_why", None)
+    monkeypatch.setattr(native, "_cxx_compiler", lambda: "false")
+    native._load_ops(kernels)
+    assert native.ops_unavailable().startswith("the build failed: false ")
+
+
+def test_every_kernel_source_ships_with_the_package() -> None:
+    """A non-editable install builds from the package data: each file of csrc/ must be in it."""
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    patterns = data["tool"]["setuptools"]["package-data"]["attnkit"]
+    sources = sorted((root / "src" / "attnkit" / "csrc").iterdir())
+    assert {p.suffix for p in sources} >= {".c", ".cpp", ".h"}
+    for path in sources:
+        name = f"csrc/{path.name}"
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name
