@@ -335,6 +335,15 @@ def test_a_compiled_rows_reduction_is_the_product(
     assert (got.double() - want).abs().max().item() <= step + 1e-5
 
 
+def test_compiled_step_loads_the_ops_before_it_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """So that the graph's op calls run their C++ implementations where those build."""
+    calls: list[int] = []
+    monkeypatch.setattr(decoding.native, "load_ops", lambda: calls.append(1) or False)
+    lm = _lm(**LLAMA)
+    step = decoding.compiled_step(lm)
+    assert calls == [1] and decoding.compiled_step(lm) is step and calls == [1]
+
+
 def test_cache_position_needs_caches() -> None:
     lm = _lm(**LLAMA)
     with pytest.raises(ValueError, match="cache_position needs kv_caches"):

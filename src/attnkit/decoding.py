@@ -398,9 +398,10 @@ def compiled_step(model: Any) -> Callable[..., Any]:
     step = model.__dict__.get("_attnkit_step")
     if step is None:
         # Asked (and built) before the trace, which reads the answers: the products' rule and
-        # the one-query attention kernel (functional), on every CPU where they build.
+        # the one-query attention kernel (functional), on every CPU where they build; and the
+        # ops' C++ implementations, which the graph's op calls then run.
         _kernels_ready()
-        native.kernels_available()
+        native.load_ops()
         step = torch.compile(model.forward, fullgraph=True, dynamic=False)
         model.__dict__["_attnkit_step"] = step
     return step

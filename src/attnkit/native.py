@@ -45,8 +45,10 @@ Compiled graphs call the decoding kernels as ops (``attnkit::int8_dot_linear``,
 C++ (``csrc/ops.cpp``, built with the system's C++ compiler against torch's headers and linked to
 the kernels' library), so the dispatcher calls the kernels without entering Python: 15-25 us a
 call less, over a hundred calls a decoding step with int8 weights (``benchmarks/RESULTS.md``).
-Where that library cannot be built, :func:`ops_unavailable` says why, and the ops run this
-module's Python functions (registered for every backend, so a C++ CPU kernel takes precedence).
+:func:`load_ops` builds and loads them (:func:`attnkit.decoding.compiled_step` does, before it
+traces); until then, and where they cannot be built (:func:`ops_unavailable` says why), the ops
+run this module's Python functions (registered for every backend, so a C++ CPU kernel takes
+precedence).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ __all__ = [
     "kernels_available",
     "kernels_loaded",
     "kernels_unavailable",
+    "load_ops",
     "one_query_attention",
     "ops_unavailable",
     "round_activations",
@@ -220,15 +223,26 @@ def _load_ops(kernels: Path) -> None:
     _ops_why = ""
 
 
+def load_ops() -> bool:
+    """Build (the first time: 8-13 s, then cached) and load the ops' C++ implementations, after
+    the kernels they call; whether they are loaded. :func:`attnkit.decoding.compiled_step` calls
+    this before it traces (a graph compiled before keeps calling the Python functions)."""
+    if _load()[0] is None or _kernels_path is None:
+        return False
+    _load_ops(_kernels_path)
+    return _ops_why == ""
+
+
 def ops_unavailable() -> str:
     """Why the ops compiled graphs call run the Python functions of this module rather than their
-    C++ implementations ("" where the C++ ones are loaded; builds the kernels first)."""
-    if not kernels_available():
+    C++ implementations ("" where the C++ ones are loaded; :func:`load_ops` first)."""
+    if not load_ops() and not kernels_available():
         return f"attnkit's kernels are not available: {kernels_unavailable()}"
     return _ops_why or ""
 
 
 _loaded = False  # _load() has returned a library
+_kernels_path: Path | None = None  # the library _load() loaded
 
 
 @functools.cache
@@ -249,7 +263,6 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return None, f"the build failed: {error}"
-    _load_ops(path)
     int64, pointer = ctypes.c_int64, ctypes.c_void_p
     for call in (lib.attnkit_int8_linear, lib.attnkit_bf16_linear, lib.attnkit_float_linear):
         call.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, ctypes.c_int]
@@ -273,8 +286,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     call.argtypes += [pointer, int64, int64, ctypes.c_float, ctypes.c_float, pointer]
     call.argtypes += [ctypes.c_int, ctypes.c_int]
     call.restype = ctypes.c_int
-    global _loaded
-    _loaded = True
+    global _loaded, _kernels_path
+    _loaded, _kernels_path = True, path
     return lib, ""
 
 
