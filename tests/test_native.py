@@ -756,6 +756,8 @@ def _op_cases() -> list[tuple[str, tuple[object, ...], object]]:
         xs, ws, bs = x[:, None].to(dtype), w.to(dtype), b.to(dtype)
         cases.append(("float_dot_linear", (xs, ws, bs), native.float_dot_linear(xs, ws, bs)))
         cases.append(("float_dot_linear", (xs, ws, None), native.float_dot_linear(xs, ws)))
+        empty = xs[..., :0], ws[:, :0], bs  # (no inputs: the outputs are the bias)
+        cases.append(("float_dot_linear", empty, native.float_dot_linear(*empty)))
     return cases
 
 
@@ -778,6 +780,8 @@ def test_the_ops_equal_the_python_functions_and_check_their_inputs() -> None:
     for name, args, want in _op_cases():
         got = getattr(torch.ops.attnkit, name).default(*args)
         assert got.dtype == want.dtype and torch.equal(got, want), name
+        if name == "float_dot_linear" and args[0].shape[-1] == 0:
+            assert torch.equal(got, args[2].expand_as(got)), "no inputs: the bias"
     ops = torch.ops.attnkit
     x, codes, scale = torch.zeros(1, 64), torch.ones(3, 64, dtype=torch.int8), torch.ones(3)
     with pytest.raises(TypeError, match="float32 x, int8 codes"):

@@ -236,8 +236,9 @@ def load_ops() -> bool:
 def ops_unavailable() -> str:
     """Why the ops compiled graphs call run the Python functions of this module rather than their
     C++ implementations ("" where the C++ ones are loaded; :func:`load_ops` first)."""
-    if not load_ops() and not kernels_available():
+    if not kernels_available():
         return f"attnkit's kernels are not available: {kernels_unavailable()}"
+    load_ops()
     return _ops_why or ""
 
 

@@ -87,7 +87,8 @@ at::Tensor float_dot_linear(const at::Tensor &x, const at::Tensor &weight,
   auto shape = x.sizes().vec();
   shape.back() = out;
   at::Tensor y = at::empty(shape, x.options());
-  const int64_t rows = n > 0 ? xc.numel() / n : 0;
+  int64_t rows = 1; /* (x's leading sizes: with n == 0 the outputs are the bias) */
+  for (int64_t d = 0; d + 1 < x.dim(); d++) rows *= x.size(d);
   int failed;
   if (dtype == at::kFloat) {
     failed = attnkit_float_linear(xc.data_ptr<float>(), rows, n, wc.data_ptr<float>(),
