@@ -189,7 +189,6 @@ def attend(
         and not rules.batched
         and mask is None
         and not explicit
-        and min(L, S) > 0
         and L * S >= blockwise.FLASH_MIN_SCORES
         and not dropout_p
         and blockwise.attnkit_flash(q)

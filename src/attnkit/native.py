@@ -242,8 +242,7 @@ def ops_unavailable() -> str:
     return _ops_why or ""
 
 
-_loaded = False  # _load() has returned a library
-_kernels_path: Path | None = None  # the library _load() loaded
+_kernels_path: Path | None = None  # the library _load() loaded (None: none yet)
 
 
 @functools.cache
@@ -287,8 +286,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     call.argtypes += [pointer, int64, int64, ctypes.c_float, ctypes.c_float, pointer]
     call.argtypes += [ctypes.c_int, ctypes.c_int]
     call.restype = ctypes.c_int
-    global _loaded, _kernels_path
-    _loaded, _kernels_path = True, path
+    global _kernels_path
+    _kernels_path = path
     return lib, ""
 
 
@@ -301,7 +300,7 @@ def kernels_available() -> bool:
 def kernels_loaded() -> bool:
     """Whether the kernels are built and loaded already (never builds them: safe to ask while
     ``torch.compile`` traces, where a build cannot run)."""
-    return _loaded
+    return _kernels_path is not None
 
 
 def eager_cpu(t: Tensor) -> bool:
