@@ -271,7 +271,7 @@ def test_bf16_steps_stream_through_attnkits_kernel(
 ) -> None:
     """A prepared bf16 linear runs native.float_dot_linear for a few rows without gradients (as
     the op in compiled graphs, from two rows on) and F.linear otherwise, with the same results.
-    (The rule is forced on: CPUs with bf16 dot products do not take it.)"""
+    (The rule is forced on: CPUs with AMX do not take it.)"""
     monkeypatch.setattr(decoding, "_kernels", True)
     calls: list[int] = []
     real = decoding.native.float_dot_linear
@@ -303,6 +303,21 @@ def test_bf16_steps_stream_through_attnkits_kernel(
     assert calls == ([] if compiled else [2])
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_kernels_rule_is_by_cpu_feature(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """attnkit's kernels take a step's products wherever they build, except on CPUs with AMX
+    (whose measured choice is torch's kernels); the answer is kept."""
+    monkeypatch.setattr(decoding, "_kernels", None)
+    monkeypatch.setattr(decoding, "_AMX", amx)
+    want = not amx and decoding.native.kernels_available()
+    assert decoding._kernels_ready() is want and decoding._kernels is want
+    monkeypatch.setattr(decoding, "_AMX", not amx)
+    assert decoding._kernels_ready() is want
+    w = torch.randn(24, 40)
+    assert decoding.layout_for(w) == ("stream" if want else "transposed")
+    assert decoding.layout_for(w.bfloat16(), compiled=True) == ("stream" if want else "linear")
+
+
 def test_a_compiled_graph_never_traces_the_kernels_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiling before anything asked whether the kernels run gives F.linear's graph (no build
     inside the trace, no graph break); the next eager call asks."""
@@ -316,14 +331,14 @@ def test_a_compiled_graph_never_traces_the_kernels_build(monkeypatch: pytest.Mon
     assert decoding._kernels is not None
 
 
-@pytest.mark.parametrize("native_bf16", [False, True])
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_compiled_rows_reduction_is_the_product(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, native_bf16: bool
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, amx: bool
 ) -> None:
     """One row inside a compiled graph (both bf16 forms, chosen by CPU feature) is the product
     summed in float32: within one rounding to the dtype of float64's."""
-    monkeypatch.setattr(decoding, "_BF16_NATIVE", native_bf16)
+    monkeypatch.setattr(decoding, "_AMX", amx)
     torch._dynamo.reset()
     x, w, b = torch.randn(1, 1, 96), torch.randn(40, 96), torch.randn(40)
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)

@@ -192,15 +192,15 @@ def test_a_named_kernel_that_cannot_run_a_shape_falls_back_to_the_default_rule(
 
 def test_default_kernel_is_a_rule_by_cpu_features(monkeypatch: pytest.MonkeyPatch) -> None:
     usable = int8_kernels(64)
-    if not quantize_module._bf16_dot_native():
+    if not quantize_module._amx():
         assert default_int8_kernel(64) == next(
             k for k in ("avx2", "fbgemm", "int8pack", "dequantize") if k in usable
         )
-    monkeypatch.setattr(quantize_module, "_bf16_dot_native", lambda: True)
+    monkeypatch.setattr(quantize_module, "_amx", lambda: True)
     assert default_int8_kernel(64) == "int8pack"
     assert default_int8_kernel(100) == "dequantize"
     assert default_int8_kernel(64, "meta") == "dequantize"
-    monkeypatch.setattr(quantize_module, "_bf16_dot_native", lambda: False)
+    monkeypatch.setattr(quantize_module, "_amx", lambda: False)
     # 100 inputs: neither avx2 (a multiple of 32) nor int8pack (of 8) runs them.
     assert default_int8_kernel(100) == ("fbgemm" if "fbgemm" in usable else "dequantize")
     assert default_int8_kernel(96) == next(k for k in INT8_KERNELS if k in int8_kernels(96))

@@ -46,9 +46,9 @@ __all__ = [
 
 # How a single row reads a weight fastest on CPU (``benchmarks/bench_decode.py --kernels`` prints
 # the measurement; the results are in ``benchmarks/RESULTS.md``):
-#   * fp32 and bf16 on CPUs without bf16 dot-product instructions: attnkit's own streaming
-#     kernel over the row-major weight (:func:`attnkit.native.float_dot_linear`), where it is
-#     built (``"stream"``), except for one row in a compiled step (inductor's reduction, below);
+#   * fp32 and bf16 on CPUs without AMX: attnkit's own streaming kernel over the row-major
+#     weight (:func:`attnkit.native.float_dot_linear`), where it is built (``"stream"``), except
+#     for one row in a compiled step (inductor's reduction, below);
 #   * eager fp32 otherwise: a column-major weight (``x @ W^T`` over a contiguous ``(in, out)``
 #     matrix, as MKL streams it) beats ``F.linear`` on a row-major one;
 #   * compiled, fp32 and bf16: ``(W * x).sum(-1)``, which inductor turns into one streaming
@@ -60,8 +60,10 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 #: Weight dtypes whose eager products of fewer than :data:`UPCAST_ROWS` rows run attnkit's own
 #: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built, on CPUs without
-#: bf16 dot-product instructions. Measured on a 2-core AVX2 CPU (``benchmarks/RESULTS.md``): the
-#: 135M Llama shape decodes 1.2x faster eager in bf16 and in fp32 than through torch's products.
+#: AMX. Measured on 2-core AMD EPYCs (``benchmarks/RESULTS.md``): the 135M Llama shape decodes
+#: eager 1.2x faster in bf16 and fp32 than through torch's products with AVX2 only, and 1.7x
+#: (bf16) and 2.5x (fp32) faster with AVX512-BF16, where torch's one-row products read the
+#: weights at half the bandwidth.
 #: A compiled step of one row keeps inductor's streaming reduction, which the op call's cost made
 #: faster.
 KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float32})
@@ -74,7 +76,7 @@ def _kernels_ready() -> bool:
     if _kernels is None:
         if torch.compiler.is_compiling():  # (a build is not traced: asked before, or no kernel)
             return False
-        _kernels = not _BF16_NATIVE and native.kernels_available()
+        _kernels = not _AMX and native.kernels_available()
     return _kernels
 
 
@@ -208,7 +210,17 @@ def _bf16_dot_native() -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
+def _amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Xeon from Sapphire Rapids on)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+#: bf16 GEMMs of a prompt run natively (the upcast rule of :func:`linear`).
 _BF16_NATIVE = _bf16_dot_native()
+#: Decoding steps keep torch's one-row products and the 16-lane compiled row, the choices
+#: measured on an AMX Xeon; every other CPU (AVX2 and AVX512-BF16 EPYCs measured) streams
+#: through attnkit's kernels and widens a compiled bf16 row first (``benchmarks/RESULTS.md``).
+_AMX = _amx()
 
 
 def _streams(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
@@ -276,15 +288,16 @@ def _row(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     it inlines the producer, a norm or SwiGLU's silu, into the reduction and recomputes it for
     every output row). bf16 weights, by CPU feature (``benchmarks/RESULTS.md``):
 
-    * without bf16 dot-product instructions (AVX2), the row is widened to float32 first, so the
-      loop widens only the weight: a compiled bf16 step of the 135M Llama shape decoded 1.19x
-      faster on a 2-core AMD EPYC than with the bf16 row widened in the loop;
-    * with them (AVX512-BF16, AMX), partial sums over 16 lanes first, then across them: 1.2x
-      faster than one sum per output there.
+    * on CPUs without AMX, the row is widened to float32 first, so the loop widens only the
+      weight: a compiled bf16 step of the 135M Llama shape decoded 1.19x faster on a 2-core AVX2
+      AMD EPYC than with the bf16 row widened in the loop, and 2.6x faster on an AVX512-BF16 one
+      than the 16-lane form below;
+    * with AMX (an Intel Xeon), partial sums over 16 lanes first, then across them: 1.2x faster
+      than one sum per output there.
     """
     shape, out_features = x.shape, weight.shape[0]
     n_in = x.shape[-1]
-    lanes = x.dtype == torch.bfloat16 and _BF16_NATIVE and n_in % 16 == 0
+    lanes = x.dtype == torch.bfloat16 and _AMX and n_in % 16 == 0
     row = x.reshape(1, -1) if lanes else x.reshape(1, -1).float()
     row = torch.as_strided(row, row.shape, row.stride())
     if lanes:

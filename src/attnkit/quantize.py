@@ -9,35 +9,34 @@ scale and offset per group of input channels); the model's own forward runs them
 quantized). A tied output head gets a quantized copy of the embedding (``lm_head``) while the lookup
 keeps the full-precision table.
 
-Kernels. An :class:`Int8Linear` multiplies with one of four (``int8_kernel=``); the default
-is a rule by CPU features (:func:`default_int8_kernel`), so every load of a model gives the same
-layers; ``int8_kernel="auto"`` instead times the candidates per shape
-(:func:`choose_int8_kernel`):
+Kernels. An :class:`Int8Linear` multiplies with one of four (``int8_kernel=``); the default is a
+rule by CPU features (:func:`default_int8_kernel`), so every load of a model gives the same layers;
+``int8_kernel="auto"`` instead times the candidates per shape (:func:`choose_int8_kernel`):
 
-* ``"avx2"`` (the default on CPUs without bf16 dot-product instructions, where attnkit could
-  build it): :func:`attnkit.native.int8_dot_linear`, attnkit's own kernel of AVX2 integer dot
-  products, for up to :data:`AVX2_MAX_ROWS` rows (decoding); activations rounded to int8 per
-  block of 32 inputs (as llama.cpp's ``q8_0`` dot); inputs a multiple of 32. It streams the
-  codes at about the read bandwidth, where torch's int8 kernels on such CPUs reach about a
-  third of it. More rows (a prompt) multiply the dequantized weight by the activations rounded
-  the same way (:func:`attnkit.native.round_activations`), so the result does not depend on the
-  row count beyond float32 summation order. Compiled graphs call it as one op
-  (``attnkit::int8_dot_linear``).
-* ``"fbgemm"`` (the default where ``"avx2"`` cannot run, on CPUs with torch's fbgemm engine
-  and without bf16 dot-product instructions: 1.6-1.8x faster decoding than ``"int8pack"``
-  there, ``benchmarks/RESULTS.md``): torch's dynamic quantized linear
-  (``torch.ops.quantized.linear_dynamic`` on fbgemm's prepacked weight): each call quantizes
-  the activations to 7-bit integers (one asymmetric scale per row; 7 bits because AVX2's 8-bit
-  multiply-add saturates 8-bit ones) and multiplies integers. The prepacked weight is the only
-  copy of the codes (the state dict unpacks them); fbgemm pads its inputs to whole blocks of
-  512, so a weight with more inputs than that and not a multiple packs the leading multiple and
-  keeps the rest's codes beside it (multiplied by ``"int8pack"``'s kernel): the layer holds one
-  byte a weight, like the others. Inside a compiled graph the call is one opaque op
+* ``"avx2"`` (the default on CPUs without AMX, where attnkit could build it):
+  :func:`attnkit.native.int8_dot_linear`, attnkit's own kernel of AVX2 integer dot products, for up
+  to :data:`AVX2_MAX_ROWS` rows (decoding); activations rounded to int8 per block of 32 inputs (as
+  llama.cpp's ``q8_0`` dot); inputs a multiple of 32. It streams the codes at about the read
+  bandwidth, where torch's int8 kernels on AVX2-only CPUs reach about a third of it (and on an
+  AVX512-BF16 EPYC decoded 1.2x/1.3x slower, eager/compiled). More rows (a prompt) multiply the
+  dequantized weight by the activations rounded the same way
+  (:func:`attnkit.native.round_activations`), so the result does not depend on the row count beyond
+  float32 summation order. Compiled graphs call it as one op (``attnkit::int8_dot_linear``).
+* ``"fbgemm"`` (the default where ``"avx2"`` cannot run, on CPUs with torch's fbgemm engine and
+  without AMX: 1.6-1.8x faster decoding than ``"int8pack"`` on an AVX2-only CPU,
+  ``benchmarks/RESULTS.md``): torch's dynamic quantized linear
+  (``torch.ops.quantized.linear_dynamic`` on fbgemm's prepacked weight): each call quantizes the
+  activations to 7-bit integers (one asymmetric scale per row; 7 bits because AVX2's 8-bit
+  multiply-add saturates 8-bit ones) and multiplies integers. The prepacked weight is the only copy
+  of the codes (the state dict unpacks them); fbgemm pads its inputs to whole blocks of 512, so a
+  weight with more inputs than that and not a multiple packs the leading multiple and keeps the
+  rest's codes beside it (multiplied by ``"int8pack"``'s kernel): the layer holds one byte a weight,
+  like the others. Inside a compiled graph the call is one opaque op
   (``attnkit::int8_fbgemm_linear``), the same products as in eager mode.
 * ``"int8pack"``: ``torch._weight_int8pack_mm`` with bf16 activations (input sizes that are
-  multiples of 8; the default where neither of the above is, e.g. on CPUs with AVX512-BF16 or
-  AMX). Where the CPU has no bf16 units it converts as it goes. One row inside a compiled graph is a
-  streaming float32 reduction over the int8 bytes instead.
+  multiples of 8; the default on CPUs with AMX, where it was measured at the read bandwidth, and
+  where neither of the above runs). Where the CPU has no bf16 units it converts as it goes. One row
+  inside a compiled graph is a streaming float32 reduction over the int8 bytes instead.
 * ``"dequantize"``: the float product with the dequantized weight (other devices, other sizes).
 
 Int4 runs torch's CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``) with bf16 activations
@@ -61,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.decoding import PreparedLinear, _bf16_dot_native
+from attnkit.decoding import PreparedLinear, _amx
 from attnkit.native import (
     INT8_DOT_BLOCK,
     group_codes,
@@ -560,15 +559,15 @@ def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[
 def default_int8_kernel(in_features: int, device: torch.device | str = "cpu") -> str:
     """The kernel ``int8_kernel="default"`` takes: a rule by CPU features, the same on every run.
 
-    On CPUs without bf16 dot-product instructions (AVX2 ones): ``"avx2"`` where it runs the
-    shape (inputs a multiple of 32, a C compiler), else ``"fbgemm"``; there ``"avx2"`` decodes
-    1.4x faster than ``"fbgemm"``, and ``"fbgemm"`` 1.6-1.8x faster than ``"int8pack"``
-    (``benchmarks/RESULTS.md``). Elsewhere ``"int8pack"`` where it runs the shape (CPUs with
-    AVX512-BF16 or AMX multiply its bf16 activations natively), else ``"dequantize"``.
+    On CPUs without AMX: ``"avx2"`` where it runs the shape (inputs a multiple of 32, a C
+    compiler), else ``"fbgemm"``; on an AVX2-only EPYC ``"avx2"`` decodes 1.4x faster than
+    ``"fbgemm"``, and ``"fbgemm"`` 1.6-1.8x faster than ``"int8pack"``; on an AVX512-BF16 one
+    ``"avx2"`` decodes 1.2-1.3x faster than ``"int8pack"`` (``benchmarks/RESULTS.md``). With AMX
+    ``"int8pack"`` where it runs the shape, else ``"dequantize"``.
     ``int8_kernel="auto"`` measures instead (:func:`choose_int8_kernel`).
     """
     usable = int8_kernels(in_features, device)
-    if not _bf16_dot_native():
+    if not _amx():
         for kernel in ("avx2", "fbgemm"):
             if kernel in usable:
                 return kernel
