@@ -297,6 +297,25 @@ def test_model_state_dicts_load_strictly_across_kernels() -> None:
         models[kernels[0]].load_state_dict(_lm(vocab=80).state_dict(), strict=True)
 
 
+def test_codes_and_scales_are_parameters_without_gradients() -> None:
+    """So that a compiled step checks their guards only where they tell graphs apart; nothing
+    trains them, and the state dict holds them as before."""
+    for kernel in _kernels_here():
+        lm = quantize(_lm(), "int8", int8_kernel=kernel)  # type: ignore[arg-type]
+        layers = [m for m in lm.modules() if isinstance(m, Int8Linear)]
+        assert layers
+        for m in layers:
+            own = dict(m.named_parameters(recurse=False))
+            assert {"weight_int8", "scale"} <= set(own), kernel
+            assert own["weight_int8"].dtype == torch.int8 and own["scale"].dtype == torch.float32
+            assert not own["weight_int8"].requires_grad and not own["scale"].requires_grad
+            assert not {"weight_int8", "scale"} & set(dict(m.named_buffers(recurse=False)))
+            assert {"weight_int8", "scale"} <= set(m.state_dict()), kernel
+        lm.requires_grad_(False)  # (freezing a model for an adapter still works)
+        trainable = [p for p in lm.parameters() if p.requires_grad]
+        assert not trainable
+
+
 def test_bad_codes_in_a_state_dict_are_named() -> None:
     if "fbgemm" not in int8_kernels(96):
         pytest.skip("fbgemm does not run here")

@@ -107,6 +107,14 @@ def _finish(layer: Any, y: Tensor, x: Tensor, shape: torch.Size) -> Tensor:
     return y.reshape(*shape[:-1], layer.out_features)
 
 
+def _frozen(t: Tensor) -> nn.Parameter:
+    """``t`` (not copied) as a parameter without gradients: how quantized layers hold their codes
+    and scales. A compiled step checks a parameter's guards only where they tell graphs apart, a
+    buffer's on every call (dynamo's rule): 1.08-1.12x an int8 compiled step of the 135M Llama
+    shape (``benchmarks/RESULTS.md``). torchao's quantized weights are parameters too."""
+    return nn.Parameter(t, requires_grad=False)
+
+
 def _describe(layer: Any, kind: str) -> str:
     return (
         f"in_features={layer.in_features}, out_features={layer.out_features}, "
@@ -121,7 +129,7 @@ class Int8Linear(nn.Module):
     The bias, if any, keeps its dtype. Build it with :meth:`from_linear`; ``kernel`` names how it
     multiplies (:data:`INT8_KERNELS`; see the module's docstring).
 
-    The codes are stored once: in the ``weight_int8`` buffer (in the ``"avx2"`` kernel's order
+    The codes are stored once: in ``weight_int8`` (in the ``"avx2"`` kernel's order
     with that kernel, :func:`attnkit.native.group_codes`), or, with the ``"fbgemm"`` kernel, in
     fbgemm's prepacked copy (:meth:`codes` gives them row-major either way). fbgemm pads the
     inputs of its packed weight to a multiple of 512 (its cache block), so where
@@ -142,10 +150,9 @@ class Int8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer(
-            "weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8)
-        )
-        self.register_buffer("scale", torch.ones(out_features))
+        # Codes and scales are parameters without gradients (see _frozen), in the state dict.
+        self.weight_int8 = _frozen(torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.scale = _frozen(torch.ones(out_features))
         # The scales the int8 kernel reads (it takes them in the activations' dtype).
         self.register_buffer(
             "scale_bf16", torch.ones(out_features, dtype=torch.bfloat16), persistent=False
@@ -197,7 +204,7 @@ class Int8Linear(nn.Module):
             return new
         if kernel == "avx2":  # (rounded and put in the kernel's order a block of rows at a time)
             new = cls._empty(in_features, out_features, scale, bias, kernel)
-            new.weight_int8 = torch.empty(out_features, in_features, dtype=torch.int8)
+            new.weight_int8 = _frozen(torch.empty(out_features, in_features, dtype=torch.int8))
             step = max(4, _rows_per_block(in_features) // 4 * 4)  # (whole groups of four)
             for start in range(0, out_features, step):
                 codes = _round_rows(weight, scale, start, start + step)
@@ -226,9 +233,9 @@ class Int8Linear(nn.Module):
         if kernel == "fbgemm":
             new._set_packed(lambda start, stop: codes[start:stop])
         elif kernel == "avx2":
-            new.weight_int8 = group_codes(codes)
+            new.weight_int8 = _frozen(group_codes(codes))
         else:
-            new.weight_int8 = codes
+            new.weight_int8 = _frozen(codes)
         return new
 
     @classmethod
@@ -238,7 +245,7 @@ class Int8Linear(nn.Module):
         """The layer with its scales, bias and kernel, before its codes are set."""
         with torch.device("meta"):  # (the buffers are replaced: no zeros to fill)
             new = cls(in_features, out_features, bias=False)
-        new.scale = scale
+        new.scale = _frozen(scale)
         new.scale_bf16 = new.scale.to(torch.bfloat16)
         new.fbgemm_handle = torch.tensor(-1)
         new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
@@ -259,7 +266,8 @@ class Int8Linear(nn.Module):
         """
         main = _fbgemm_inputs(self.in_features)
         step = _pack_rows(main)
-        self.weight_int8 = torch.empty(self.out_features, self.in_features - main, dtype=torch.int8)
+        rest = self.in_features - main
+        self.weight_int8 = _frozen(torch.empty(self.out_features, rest, dtype=torch.int8))
         packed = []
         for start in range(0, self.out_features, step):
             codes = rows(start, start + step)
