@@ -502,9 +502,10 @@ def _may_hide_non_finite(out: Tensor, weights: Tensor | None) -> bool:
         return True
     if out.numel() == 0:  # Ev = 0 or no rows: no values to hide anything in
         return False
-    # One read of ``out``: each row's largest magnitude must be positive and finite (NaN
-    # propagates through the maxima and fails both comparisons).
-    low, high = torch.aminmax(torch.linalg.vector_norm(out, math.inf, dim=-1))
+    # Each row's largest magnitude must be positive and finite (NaN propagates through the
+    # maxima and fails both comparisons). ``abs().amax`` rather than ``vector_norm(inf)``: 6-20x
+    # faster on CPU (2.6 against 0.13-0.43 ms for a (9, 2048, 64) output, float32 and bf16).
+    low, high = torch.aminmax(out.abs().amax(-1))
     return not (float(low) > 0 and float(high) < math.inf)
 
 
