@@ -283,6 +283,24 @@ def test_float_products_keep_non_finite_values_and_ignore_threads_and_strides() 
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float_rows_product_does_not_depend_on_the_rows_beside_it(dtype: torch.dtype) -> None:
+    """Rows go through the kernel two at a time and an odd one alone: each row's result is the
+    same bits as the row's product by itself (a sequence decodes the same alone or batched)."""
+    gen = torch.Generator().manual_seed(11)
+    for n in (576, 100, 7):
+        x = torch.randn(5, n, generator=gen).to(dtype)
+        w = torch.randn(70, n, generator=gen).to(dtype)
+        b = torch.randn(70, generator=gen).to(dtype)
+        together = native.float_dot_linear(x, w, b)
+        for r in range(5):
+            alone = native.float_dot_linear(x[r : r + 1], w, b)
+            assert torch.equal(together[r : r + 1], alone), (n, r)
+        pairs = native.float_dot_linear(x[1:3], w, b)  # (a pair at another offset)
+        assert torch.equal(pairs, together[1:3])
+
+
+@needs_kernel
 def test_a_compiled_graph_calls_the_float_kernel() -> None:
     x, w = torch.randn(1, 1, 96).bfloat16(), torch.randn(48, 96).bfloat16()
     compiled = torch.compile(
