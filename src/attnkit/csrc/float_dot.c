@@ -5,9 +5,9 @@
  * Decoding reads every weight once, so the speed is the weight's read bandwidth. Each OpenMP
  * thread takes a contiguous range of output rows and reads it as one sequential stream, one
  * output row after the other, prefetching 4 KiB ahead (1.10x 2 KiB on an AVX512 EPYC); the rows
- * of x (a few) are dotted with each weight row while it is in L1, two at a time (row_dot2). Measured on a 2-core AVX2 CPU
- * (benchmarks/RESULTS.md): bf16 read at 1.6x the bandwidth of torch's bf16 F.linear, float32 at
- * MKL's.
+ * of x (a few) are dotted with each weight row while it is in L1, two at a time (row_dot2).
+ * Measured on a 2-core AVX2 CPU (benchmarks/RESULTS.md): bf16 read at 1.6x the bandwidth of
+ * torch's bf16 F.linear, float32 at MKL's.
  *
  * bf16 is float32's upper half, so a bf16 value widens by a 16-bit shift; results are rounded
  * back to bf16 to nearest even (a NaN stays a NaN).
