@@ -314,6 +314,14 @@ def test_codes_and_scales_are_parameters_without_gradients() -> None:
         lm.requires_grad_(False)  # (freezing a model for an adapter still works)
         trainable = [p for p in lm.parameters() if p.requires_grad]
         assert not trainable
+    lm = quantize(_lm(), "int4", group_size=32)
+    layers4 = [m for m in lm.modules() if isinstance(m, Int4Linear)]
+    assert layers4
+    for m in layers4:
+        own = dict(m.named_parameters(recurse=False))
+        assert own["packed"].dtype == torch.uint8 and own["scales_and_zeros"].numel()
+        assert not own["packed"].requires_grad and not own["scales_and_zeros"].requires_grad
+        assert {"packed", "scales_and_zeros"} <= set(m.state_dict())
 
 
 def test_bad_codes_in_a_state_dict_are_named() -> None:

@@ -111,7 +111,8 @@ def _frozen(t: Tensor) -> nn.Parameter:
     """``t`` (not copied) as a parameter without gradients: how quantized layers hold their codes
     and scales. A compiled step checks a parameter's guards only where they tell graphs apart, a
     buffer's on every call (dynamo's rule): 1.08-1.12x an int8 compiled step of the 135M Llama
-    shape (``benchmarks/RESULTS.md``). torchao's quantized weights are parameters too."""
+    shape, 1.15-1.20x an int4 one (``benchmarks/RESULTS.md``). torchao's quantized weights are
+    parameters too."""
     return nn.Parameter(t, requires_grad=False)
 
 
@@ -677,8 +678,9 @@ class Int4Linear(nn.Module):
             out_features,
             group_size,
         )
-        self.register_buffer("packed", torch.zeros(0, dtype=torch.uint8))
-        self.register_buffer("scales_and_zeros", torch.zeros(0, dtype=torch.bfloat16))
+        # Parameters without gradients, as Int8Linear's codes (see _frozen).
+        self.packed = _frozen(torch.zeros(0, dtype=torch.uint8))
+        self.scales_and_zeros = _frozen(torch.zeros(0, dtype=torch.bfloat16))
         self.bias: nn.Parameter | None = None
 
     @classmethod
@@ -724,9 +726,9 @@ class Int4Linear(nn.Module):
             q = groups.sub_(zero_b[rows].float()[..., None]).div_(scale_b[rows].float()[..., None])
             q_int = q.add_(8).round_().clamp_(0, 15).reshape(-1, in_features).to(torch.int32)
             packed[rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_int, 1)
-        new.packed = packed
+        new.packed = _frozen(packed)
         # (in / group, out, 2): [scale, zero] per group and output channel.
-        new.scales_and_zeros = torch.stack([scale_b.t(), zero_b.t()], dim=-1).contiguous()
+        new.scales_and_zeros = _frozen(torch.stack([scale_b.t(), zero_b.t()], dim=-1).contiguous())
         new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         return new
 
