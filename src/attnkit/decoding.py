@@ -204,15 +204,19 @@ class PreparedRMSNorm(nn.RMSNorm):
 UPCAST_ROWS = 16
 
 
+def _cpu_has(probe: str) -> bool:
+    """``torch.cpu.<probe>()``, false where this torch lacks the probe."""
+    return bool(getattr(torch.cpu, probe, lambda: False)())
+
+
 def _bf16_dot_native() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+    return _cpu_has("_is_avx512_bf16_supported") or _amx()
 
 
 def _amx() -> bool:
     """Whether this CPU has AMX tiles (Intel Xeon from Sapphire Rapids on)."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return _cpu_has("_is_amx_tile_supported")
 
 
 #: bf16 GEMMs of a prompt run natively (the upcast rule of :func:`linear`).

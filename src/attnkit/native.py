@@ -141,11 +141,24 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def _version(compiler: list[str]) -> str:
+    """The compiler's ``--version`` text (hashed into a build's name)."""
+    done = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60)
+    return done.stdout
+
+
+def _run(command: list[str], timeout: int) -> None:
+    """Run a compiler command; a RuntimeError with the end of its errors where it fails."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+
+
 def _build(compiler: str, runtime: Path | None) -> Path:
     """Compile the sources (cached by a hash of everything that goes into the build)."""
     sources = [path.read_bytes() for path in (*_SOURCES, *_HEADERS)]
     cc = shlex.split(compiler)  # (CC may carry a launcher or flags: "ccache gcc")
-    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    version = _version(cc)
     key = hashlib.sha256(
         b"\0".join([*sources, " ".join(_FLAGS).encode(), version.encode(), str(runtime).encode()])
     ).hexdigest()[:16]
@@ -165,9 +178,7 @@ def _build(compiler: str, runtime: Path | None) -> Path:
             for path, obj in zip(_SOURCES, objects, strict=True)
         ]
         for command in [*commands, [*cc, "-shared", *objects, "-o", str(lib), *link]]:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if done.returncode:
-                raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+            _run(command, timeout=300)
         os.replace(lib, target)  # (atomic: a reader sees a whole library or none)
     return target
 
@@ -183,7 +194,7 @@ def _build_ops(compiler: str, kernels: Path) -> Path:
     """Compile the ops' C++ implementations against torch's headers, linked to ``kernels`` (cached
     by a hash of everything that goes into the build)."""
     cxx = shlex.split(compiler)
-    version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    version = _version(cxx)
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = ["-O2", "-fPIC", "-shared", "-std=c++17", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
@@ -197,9 +208,7 @@ def _build_ops(compiler: str, kernels: Path) -> Path:
         libs = torch_dir / "lib"
         command = [*cxx, *flags, "-I", str(torch_dir / "include"), str(_OPS_SOURCE), str(kernels)]
         command += ["-L", str(libs), "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{libs}", "-o", str(lib)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+        _run(command, timeout=600)
         os.replace(lib, target)  # (atomic, as the kernels')
     return target
 
@@ -228,7 +237,8 @@ def load_ops() -> bool:
     """Build (the first time: 8-13 s, then cached) and load the ops' C++ implementations, after
     the kernels they call; whether they are loaded. :func:`attnkit.decoding.compiled_step` calls
     this before it traces (a graph compiled before keeps calling the Python functions)."""
-    if _load()[0] is None or _kernels_path is None:
+    _load()  # (sets _kernels_path where the kernels load)
+    if _kernels_path is None:
         return False
     _load_ops(_kernels_path)
     return _ops_why == ""
