@@ -14,7 +14,11 @@ from torch import nn
 from torch.testing import assert_close
 
 from attnkit.models import TransformerEncoder, TransformerLM
-from attnkit.positional import LearnedPositionalEmbedding, RotaryEmbedding
+from attnkit.positional import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    reserved_rotary_tables,
+)
 
 POSITIONS = ["none", "sinusoidal", "learned", "rope"]
 VOCAB, L = 32, 8
@@ -91,6 +95,35 @@ def test_compiled_rotary_computes_the_table_rows() -> None:
     positions = torch.tensor([[0, 7, 100, 3, 4096], [5, 6, 7, 8, 9]])
     want = rotary(x, positions)
     assert_close(_compiled(rotary)(x, positions), want, atol=0, rtol=0)
+
+
+def test_compiled_rotary_gathers_the_rows_of_reserved_tables() -> None:
+    # with tables reserved, the graph looks the rows up instead of computing cosines; the same
+    # values as eager, which looks them up too
+    rotary = RotaryEmbedding(8, interleaved=False)
+    x = torch.randn(2, 3, 5, 8)
+    positions = torch.tensor([[0, 7, 100, 3, 60], [5, 6, 7, 8, 9]])
+    want = rotary(x, positions)
+    graphs: list[str] = []
+
+    def capture(gm: torch.fx.GraphModule, inputs: object) -> object:
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(rotary, fullgraph=True, backend=capture)
+    assert_close(compiled(x, positions), want, atol=0, rtol=0)
+    assert ".cos()" in graphs[-1]  # (no reservation: computed)
+    with reserved_rotary_tables(rotary, 101):
+        assert rotary._reserved == 128  # (the table's size: nearby lengths share a graph)
+        assert_close(compiled(x, positions), want, atol=0, rtol=0)
+        assert ".cos()" not in graphs[-1] and len(graphs) == 2
+        with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+            compiled(x, positions + 100)  # past the reservation
+    assert rotary._reserved == 0  # released: computed again
+    assert_close(compiled(x, positions + 100), rotary(x, positions + 100), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="length must be non-negative, got -1"):
+        rotary.reserve(-1)
 
 
 def test_eager_still_checks_position_values() -> None:

@@ -391,6 +391,7 @@ def test_compiled_step_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert torch.equal(lm.generate(prompt, 5, compile=True, **options), want[:, :9])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert lm.rotary is not None and lm.rotary._reserved == 0  # (reserved for a call's steps)
     # Prepared for compiled steps (one row: the weights' streaming reduction), batch of one.
     decoding.prepare(lm, compiled=True)
     one = prompt[:1]

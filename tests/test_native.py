@@ -7,6 +7,7 @@ from __future__ import annotations
 import platform
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +92,35 @@ def test_non_finite_activations_give_non_finite_rows_and_tiny_ones_keep_their_pr
     slack = _slack(clean, codes, scale).clamp(min=1e-50)
     assert ((got[[0, 3]].double() - want).abs() <= slack).all()
     assert got[3].abs().max() > 0
+
+
+@needs_kernel
+def test_activation_codes_round_half_to_even() -> None:
+    # one-hot codes read each rounded activation back: x / top * 127 lands on .5 ties here
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5] + [0.25] * 24])
+    codes = torch.eye(32, dtype=torch.int8)
+    got = native.int8_dot_linear(x, native.group_codes(codes), torch.ones(32))
+    assert torch.equal(got[0, :8], torch.tensor([127.0, 0, 2, 2, 0, -2, -2, 126]))
+
+
+@needs_kernel
+def test_the_vnni_and_avx2_dots_give_the_same_bits() -> None:
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(-128, 128, (70, 192), dtype=torch.int8, generator=gen)
+    grouped, scale = native.group_codes(codes), torch.rand(70, generator=gen)
+    x = torch.randn(3, 192, generator=gen) * torch.logspace(-3, 3, 192)
+    flags = Path("/proc/cpuinfo").read_text().split()
+    able = "avx512_vnni" in flags and "avx512bw" in flags
+    before = native.int8_vnni()
+    try:
+        assert native.int8_vnni(False) is False
+        avx2 = native.int8_dot_linear(x, grouped, scale)
+        assert native.int8_vnni(True) is able  # (on only where the CPU has it)
+        assert torch.equal(native.int8_dot_linear(x, grouped, scale), avx2)
+    finally:
+        native.int8_vnni(before)
+    want = int8_dot_reference(x, codes, scale)
+    assert ((avx2.double() - want).abs() <= _slack(x, codes, scale)).all()
 
 
 @needs_kernel

@@ -419,7 +419,11 @@ def compiled_step(model: Any) -> Callable[..., Any]:
         # ops' C++ implementations, which the graph's op calls then run.
         _kernels_ready()
         native.load_ops()
-        step = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        # Without inductor's checks of every input's size and strides at each call (one Python
+        # call per weight, about 1.05x a compiled int8 step of the 135M shape): dynamo's guards
+        # check the same before a call, the first step of each generate call included.
+        options: dict[str, Any] = {"size_asserts": False}
+        step = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
         model.__dict__["_attnkit_step"] = step
     return step
 

@@ -27,11 +27,12 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from attnkit import decoding
 from attnkit.cache import KVCache
 from attnkit.config import TransformerConfig
+from attnkit.positional import reserved_rotary_tables
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -413,6 +414,12 @@ def _decode(
     lm.eval()
     caches = lm.make_kv_caches(B, capacity) if use_cache and max_new_tokens else None
     step_fn = decoding.compiled_step(lm) if compile and caches is not None else lm
+    tables = contextlib.ExitStack()
+    if step_fn is not lm and isinstance(lm, nn.Module) and positions.numel():
+        # every position the steps will see (as many as the cache's slots at least, so that
+        # nearby lengths share a graph): their rotary rows become lookups
+        top = max(capacity, int(positions.max()) + max_new_tokens)
+        tables.enter_context(reserved_rotary_tables(lm, top))
     try:
         step_ids, step_pos = ids, positions  # what the next forward reads
         for step in range(max_new_tokens):
@@ -458,6 +465,7 @@ def _decode(
             if eos is not None and not bool(unfinished.any()):
                 return
     finally:
+        tables.close()
         lm.train(was_training)
 
 

@@ -23,7 +23,9 @@ of each head's query/key channels; :func:`permute_rotary_weight` and
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -39,6 +41,7 @@ __all__ = [
     "apply_rope",
     "convert_rotary_convention",
     "permute_rotary_weight",
+    "reserved_rotary_tables",
     "rope_cos_sin",
     "rope_inv_freq",
     "sinusoidal_table",
@@ -407,6 +410,8 @@ class RotaryEmbedding(nn.Module):
         # (the cos table and the pairing they were made from, full-width cos, signed sin); see
         # _full_tables.
         self._full: tuple[Tensor, bool, Tensor, Tensor] | None = None
+        # Positions the full tables cover for compiled calls, 0 when none: see reserve.
+        self._reserved = 0
 
     def tables(
         self, length: int, device: torch.device | str | None = None
@@ -425,6 +430,28 @@ class RotaryEmbedding(nn.Module):
                 cos, sin = self._cos_sin(torch.arange(n))  # (N, E/2) each
                 self.cos, self.sin = cos.to(device), sin.to(device)
         return self.cos, self.sin
+
+    def reserve(self, length: int, device: torch.device | str | None = None) -> int:
+        """Make the tables cover ``length`` positions and let compiled calls gather from them.
+
+        A compiled forward cannot grow a table (that needs the positions' values), so without a
+        reservation it computes each position's rows afresh in every layer; with one, a
+        position's rows are a lookup. Compiled calls then need positions below the reservation:
+        one past it fails as an indexing error. :func:`reserved_rotary_tables` reserves for the
+        span of a ``with`` block. Returns the positions reserved (``length`` rounded up to the
+        table's size, so that nearby lengths give one graph); ``0`` releases the reservation.
+
+        Raises:
+            ValueError: If ``length`` is negative.
+        """
+        if length < 0:
+            raise ValueError(f"length must be non-negative, got {length}")
+        if length == 0:
+            self._reserved = 0
+            return 0
+        cos, _ = self._full_tables(length, torch.device(device) if device else self.cos.device)
+        self._reserved = cos.shape[0]
+        return self._reserved
 
     def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Float32 cos and sin of the float64 angles of ``positions``: ``(..., E/2)`` each."""
@@ -490,8 +517,18 @@ class RotaryEmbedding(nn.Module):
             positions ``(L,)`` -> ``(L, E)``; ``(B, L)`` -> ``(B, 1, L, E)``.
         """
         remember = _values_checkable() and not positions.is_inference()  # no version counter
-        if not _values_checkable():  # compiled: the table's rows, computed per position
-            cos, sin = self._cos_sin(positions)  # (L, E/2) or (B, L, E/2)
+        full = self._full
+        reserved = (
+            self._reserved
+            and full is not None
+            and full[1] == self.interleaved  # (not converted since)
+            and full[2].device == device
+        )
+        if not _values_checkable() and reserved:
+            # compiled, with tables reserved (see reserve): the rows are gathered
+            cos, sin = full[2][positions], full[3][positions]  # type: ignore[index]
+        elif not _values_checkable():  # compiled: the table's rows, computed per position
+            cos, sin = _full_width(*self._cos_sin(positions), self.interleaved)
         else:
             memo = self._memo if remember else None
             if (
@@ -513,8 +550,6 @@ class RotaryEmbedding(nn.Module):
                 top = high + 1
             cos, sin = self._full_tables(top, device)
             cos, sin = cos[positions], sin[positions]  # (L, E) or (B, L, E)
-        if not _values_checkable():
-            cos, sin = _full_width(cos, sin, self.interleaved)  # (L, E) or (B, L, E)
         if positions.dim() == 2:
             cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (B, 1, L, E): broadcast heads
         if remember:
@@ -603,3 +638,23 @@ def convert_rotary_convention(model: nn.Module, *, to: RotaryConvention) -> nn.M
     for _, rotary in todo:
         rotary.interleaved = want
     return model
+
+
+@contextlib.contextmanager
+def reserved_rotary_tables(model: nn.Module, length: int) -> Iterator[None]:
+    """Within the block, every :class:`RotaryEmbedding` of ``model`` keeps tables for
+    ``length`` positions that compiled calls gather from (:meth:`RotaryEmbedding.reserve`);
+    each module's earlier reservation comes back after it.
+
+    Raises:
+        ValueError: If ``length`` is negative.
+    """
+    modules = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    before = [m._reserved for m in modules]
+    try:
+        for m in modules:
+            m.reserve(length)
+        yield
+    finally:
+        for m, n in zip(modules, before, strict=True):
+            m._reserved = n

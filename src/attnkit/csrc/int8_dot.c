@@ -14,6 +14,12 @@
  * stay row-major at their row-major offsets). One activation block load serves four dots, the
  * loop prefetches 32 blocks (4 KiB) ahead (measured: 1.4-1.7x the row-major order's bandwidth;
  * 4 KiB 1.04-1.18x 1 KiB on an AVX512 EPYC), and OpenMP threads take whole groups.
+ *
+ * Where the CPU has AVX512-VNNI, a group's dots run two rows to a 512-bit register: the two rows'
+ * 32 codes of a block lie side by side, one vpdpbusd sums them against the block's activations
+ * (held in both halves) into sixteen int32 lanes, half a row's. Each lane holds the same four
+ * products as the AVX2 path's, summed and scaled in the same order, so both paths give the same
+ * bits; VNNI takes 6 instructions per 64 codes where AVX2 takes 12.
  */
 #include <float.h>
 #include <immintrin.h>
@@ -38,20 +44,35 @@ static inline __m256 block_dot(__m256i w, __m256i x, __m256 s, __m256 acc) {
 /* Each block of 32 activations as int8 codes xq and a scale xs (its largest magnitude / 127).
  * A block holding a NaN or an infinity gets a NaN scale, so its row's products are NaN, as a
  * float product's would be non-finite. (x / top * 127, not x * (127 / top): a subnormal top
- * would make 127 / top infinite.) */
+ * would make 127 / top infinite.) Eight lanes at a time, each code rounded to nearest even as
+ * lrintf rounds it. */
 static void quantize_blocks(const float *x, int64_t n, int8_t *xq, float *xs) {
+  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < n / BLOCK; b++) {
     const float *p = x + b * BLOCK;
-    float top = 0.f;
-    int finite = 1;
-    for (int i = 0; i < BLOCK; i++) {
-      const float a = fabsf(p[i]);
-      finite &= a <= FLT_MAX; /* (false for NaN too) */
-      top = a > top ? a : top;
+    __m256 v[BLOCK / 8], top = _mm256_setzero_ps();
+    __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int i = 0; i < BLOCK / 8; i++) {
+      v[i] = _mm256_loadu_ps(p + 8 * i);
+      const __m256 a = _mm256_and_ps(v[i], no_sign);
+      /* (false for NaN too) */
+      finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));
+      top = _mm256_max_ps(top, _mm256_and_ps(a, finite)); /* (a NaN lane counts as 0) */
     }
-    xs[b] = finite ? top / 127.f : NAN;
-    for (int i = 0; i < BLOCK; i++)
-      xq[b * BLOCK + i] = finite && top > 0.f ? (int8_t)lrintf(p[i] / top * 127.f) : 0;
+    const float high = lanes_max(top);
+    const int ok = _mm256_movemask_ps(finite) == 0xff;
+    xs[b] = ok ? high / 127.f : NAN;
+    __m256i q[BLOCK / 8];
+    for (int i = 0; i < BLOCK / 8; i++) {
+      const __m256 scaled =
+          _mm256_mul_ps(_mm256_div_ps(v[i], _mm256_set1_ps(high)), _mm256_set1_ps(127.f));
+      q[i] = ok && high > 0.f ? _mm256_cvtps_epi32(scaled) : _mm256_setzero_si256();
+    }
+    /* int32 -> int16 -> int8 (no code saturates: |code| <= 127), lanes back in order */
+    const __m256i q16a = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
+    const __m256i q16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
+    const __m256i q8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(q16a, q16b), 0xd8);
+    _mm256_storeu_si256((__m256i *)(xq + b * BLOCK), q8);
   }
 }
 
@@ -71,6 +92,47 @@ static inline void group_dots(const int8_t *xq, const float *xs, const int8_t *w
       acc[k] = block_dot(_mm256_loadu_si256((const __m256i *)(codes + k * BLOCK)), x, s, acc[k]);
   }
   for (int k = 0; k < GROUP; k++) dots[k] = lanes_sum(acc[k]);
+}
+
+/* group_dots with AVX512-VNNI (see the top): rows 0-1 of the group in acc[0], rows 2-3 in acc[1],
+ * each row's eight lanes as the AVX2 path's. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void group_dots_vnni(
+    const int8_t *xq, const float *xs, const int8_t *w, int64_t n, float *dots) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t b = 0; b < n / BLOCK; b++) {
+    const int8_t *codes = w + b * GROUP * BLOCK;
+    _mm_prefetch((const char *)(codes + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char *)(codes + PREFETCH + 64), _MM_HINT_T0);
+    const __m512i x =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + b * BLOCK)));
+    const __m512 s = _mm512_set1_ps(xs[b]);
+    for (int k = 0; k < 2; k++) {
+      const __m512i c = _mm512_loadu_si512((const void *)(codes + k * 2 * BLOCK));
+      /* |w| (unsigned: code -128 is 128) times x with w's sign, four products to a lane */
+      const __m512i zero = _mm512_setzero_si512();
+      const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c), zero, x);
+      const __m512i sums = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(c), signed_x);
+      acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, acc[k]);
+    }
+  }
+  for (int k = 0; k < 2; k++) {
+    dots[2 * k] = lanes_sum(_mm512_castps512_ps256(acc[k]));
+    const __m512d halves = _mm512_castps_pd(acc[k]);
+    dots[2 * k + 1] = lanes_sum(_mm256_castpd_ps(_mm512_extractf64x4_pd(halves, 1)));
+  }
+}
+
+/* Whether group dots run with AVX512-VNNI: -1 until asked, then 0 or 1 (see attnkit_int8_vnni). */
+static int vnni = -1;
+
+/* Ask for the VNNI group dots (wanted 1) or the AVX2 ones (0), -1 to leave the choice; returns
+ * whether VNNI runs from now on: 1 only where the CPU has AVX512-VNNI and AVX512-BW. By default
+ * it does where it can. */
+int attnkit_int8_vnni(int wanted) {
+  __builtin_cpu_init();
+  const int able = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  if (wanted >= 0 || vnni < 0) vnni = able && wanted != 0;
+  return vnni;
 }
 
 /* One row-major output row's dot with one activation row (the rows after the last group). */
@@ -98,6 +160,7 @@ int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w
   }
   for (int64_t r = 0; r < rows; r++) quantize_blocks(x + r * n, n, xq + r * n, xs + r * blocks);
   const int64_t groups = out / GROUP;
+  const int wide = vnni < 0 ? attnkit_int8_vnni(-1) : vnni;
   (void)threads; /* (unused where built without OpenMP) */
   /* (small products stay on one thread: a parallel region costs more than they do) */
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
@@ -105,7 +168,10 @@ int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w
     const int64_t o = g * GROUP;
     float dots[GROUP];
     for (int64_t r = 0; r < rows; r++) {
-      group_dots(xq + r * n, xs + r * blocks, w + o * n, n, dots);
+      if (wide)
+        group_dots_vnni(xq + r * n, xs + r * blocks, w + o * n, n, dots);
+      else
+        group_dots(xq + r * n, xs + r * blocks, w + o * n, n, dots);
       for (int k = 0; k < GROUP; k++) y[r * out + o + k] = dots[k] * scale[o + k];
     }
   }
