@@ -124,7 +124,24 @@ def check_focus_lines(
     driver: Any, w: torch.Tensor, layer: int, side: str, index: int, heads: list[int]
 ) -> list[dict[str, Any]]:
     """The drawn lines are exactly the selected token's weights, the brightest on the argmax."""
-    lines = driver.execute_script(LINES_JS)
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    own_side = {"q": "query", "k": "key"}[side]
+
+    def drawn(d: Any) -> Any:
+        # (the page redraws on its next frame: a busy machine may not have drawn it yet)
+        got = d.execute_script(LINES_JS)
+        focused = all(
+            line["cls"] == "focus" and line["layer"] == layer and line[own_side] == index
+            for line in got
+        )
+        return got if got and focused else False
+
+    try:
+        lines = WebDriverWait(driver, 10).until(drawn)
+    except TimeoutException:  # checked below, with the message of what is drawn
+        lines = driver.execute_script(LINES_JS)
     q_y, k_y = driver.execute_script(TOKEN_Y_JS)
     row_h = q_y[1] - q_y[0]
     assert sorted({line["head"] for line in lines}) == heads

@@ -35,6 +35,24 @@ def test_update_returns_views_of_the_preallocated_storage() -> None:
     assert cache.k.shape == (B, K, 5, E)
 
 
+def test_slots_are_an_empty_cache_over_one_rows_later_slots() -> None:
+    cache = KVCache(B, K, 6, E)
+    part = cache.slots(1, 2)
+    assert (part.capacity, part.length) == (4, 0) and part.k.shape == (1, K, 4, E)
+    k, v = torch.randn(1, K, 3, E), torch.randn(1, K, 3, E)
+    got_k, got_v = part.update(k, v)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    # stored in the whole cache's row 1, slots 2-4; nothing else written
+    assert torch.equal(cache.k[1, :, 2:5], k[0]) and torch.equal(cache.v[1, :, 2:5], v[0])
+    assert not cache.k[0].any() and not cache.k[1, :, :2].any() and not cache.k[1, :, 5].any()
+    assert cache.length == 0
+    with pytest.raises(ValueError, match="KVCache capacity exceeded"):
+        part.update(torch.randn(1, K, 2, E), torch.randn(1, K, 2, E))
+    for row, start in ((2, 0), (-1, 0), (0, 6)):
+        with pytest.raises(ValueError, match=f"got row={row}, start={start}"):
+            cache.slots(row, start)
+
+
 def test_reset_forgets_positions_and_keeps_storage() -> None:
     cache = KVCache(B, K, 4, E)
     cache.update(*_kv(4))

@@ -443,3 +443,37 @@ def test_training_after_generate_and_inference_mode() -> None:
     loss.backward()
     grads = [p.grad for p in lm.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def _ops_run(call: Any) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    return {e.key for e in prof.key_averages()}
+
+
+def test_float32_prompts_run_onednn_where_it_measured_faster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 20, 48, generator=gen), torch.randn(40, 48, generator=gen)
+    b = torch.randn(40, generator=gen)
+    want = (x.double() @ w.double().T + b.double()).float()
+    layer = PreparedLinear.from_linear(nn.Linear(48, 40))
+    layer.weight.data, layer.bias.data = w.clone(), b.clone()
+    for faster in (True, False):
+        monkeypatch.setattr(decoding, "_onednn", faster)
+        with torch.no_grad():
+            assert_close(decoding.linear(x, w, b), want)
+            assert_close(layer(x), want)
+            for call in (lambda: decoding.linear(x, w, b), lambda: layer(x)):
+                assert ("mkldnn::_linear_pointwise" in _ops_run(call)) is faster
+        # the layer's parameters want gradients: torch's product, whatever was measured
+        assert "mkldnn::_linear_pointwise" not in _ops_run(lambda: layer(x))
+    monkeypatch.setattr(decoding, "_onednn", True)
+    # only eager float32 prompts without gradients
+    assert decoding._onednn_prompt(x, w, b)
+    assert not decoding._onednn_prompt(x[:, :1], w, b)  # a decoding step: the stream kernel's
+    assert not decoding._onednn_prompt(x.bfloat16(), w.bfloat16(), None)
+    assert not decoding._onednn_prompt(x.requires_grad_(), w, b)
+    monkeypatch.setattr(decoding, "_onednn", None)
+    assert decoding._onednn_faster() is decoding._onednn is not None  # measured once, kept

@@ -164,6 +164,48 @@ def test_padded_rows_generate_as_alone(window: int | None) -> None:
         assert diff.abs().max() > 0.1
 
 
+def test_a_left_padded_prefill_runs_each_prompt_from_its_first_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each prompt alone from its first real token: the same caches (at the real slots) and
+    tokens as the padded batch's prefill, with no padded position computed."""
+    from attnkit import generation
+    from attnkit.cache import KVCache
+
+    lm = _small_lm(norm="rmsnorm", activation="swiglu", rope_interleaved=False)
+    ids, mask = padded_batch(5)  # lengths 10, 7, 2 of 10: 37% padding
+    lengths: list[int] = []
+    forward = lm.forward
+
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        lengths.append(x.shape[1])
+        return forward(x, *args, **kwargs)
+
+    monkeypatch.setattr(lm, "forward", spy)
+    caches: dict[str, list[KVCache]] = {}
+    make = lm.make_kv_caches
+
+    def keep(*args: Any, **kwargs: Any) -> list[KVCache]:
+        made = make(*args, **kwargs)
+        caches["split" if "split" not in caches else "batched"] = made
+        return made
+
+    monkeypatch.setattr(lm, "make_kv_caches", keep)
+    split = lm.generate(ids, 1, attention_mask=mask)
+    assert lengths == [10, 7, 2]
+    monkeypatch.setattr(generation, "SPLIT_PREFILL_PADDING", 0.5)  # (37% is too little now)
+    batched = lm.generate(ids, 1, attention_mask=mask)
+    assert lengths == [10, 7, 2, 10]
+    assert torch.equal(split, batched)
+    real = mask.bool()
+    for one, other in zip(caches["split"], caches["batched"], strict=True):
+        assert one.length == other.length == 10
+        for a, b in ((one.k, other.k), (one.v, other.v)):  # (B, K, C, E): prompt slots
+            a, b = a[:, :, :10].transpose(1, 2), b[:, :, :10].transpose(1, 2)
+            assert_close(a[real], b[real])
+            assert not a[~real].any()  # (padded slots: never written)
+
+
 _PROPERTY_LM: dict[str, TransformerLM] = {}
 
 
