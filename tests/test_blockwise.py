@@ -20,6 +20,7 @@ from attnkit.blockwise import (
     TileRun,
     attend_positional,
     attend_runs,
+    attnkit_flash,
     native_low_precision,
     plan_runs,
     tile_rows,
@@ -253,15 +254,15 @@ def test_bf16_forward_error_within_twice_torchs_fused_kernel(kw):
 
 
 def test_bf16_forward_of_equal_documents_is_one_kernel_call():
-    # Equal causal documents are one kernel call: on a CPU with bf16 units bit for bit torch's
-    # bf16 causal SDPA per document (attnkit's bf16 forward costs what torch's does); without
-    # them attnkit's kernel on the bf16 inputs, bit for bit its float32 result rounded.
+    # Equal causal documents are one kernel call: bit for bit attnkit's kernel on the bf16
+    # inputs (its float32 result rounded) where the rule picks it (a forward alone: every CPU
+    # without AMX), else torch's bf16 causal SDPA per document.
     q, k, v = (t.detach().bfloat16() for t in qkv(1, 4, 4, 256, 256, E=32, layout="blhe"))
     seg = (torch.arange(256) // 64).view(1, 256)
     with torch.no_grad():
         out = blockwise_attention(q, k, v, causal=True, segment_ids=seg)
         docs = [tuple(t[:, :, i : i + 64] for t in (q, k, v)) for i in range(0, 256, 64)]
-        if native_low_precision(torch.bfloat16) or not native.flash_available():
+        if not attnkit_flash(q):
             per_doc = [F.scaled_dot_product_attention(*doc, is_causal=True) for doc in docs]
         else:
             per_doc = [
@@ -432,3 +433,17 @@ def test_tile_rows_rule():
     assert tile_rows(8192, 256) == 64 and tile_rows(8192, 4096) == 128
     assert tile_rows(8192, None) == 1024 and tile_rows(10, None) == 10
     assert isinstance(plan_runs(1, 5, 5, Structure(causal=True))[0], TileRun)
+
+
+def test_bf16_runs_attnkit_kernel_for_a_forward_alone_except_with_amx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not native.flash_available():
+        pytest.skip(f"attnkit's flash kernel does not run here: {native.kernels_unavailable()}")
+    q = torch.randn(1, 2, 64, 16, dtype=torch.bfloat16)
+    for amx in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert attnkit_flash(q) is not amx  # no gradients: attnkit's unless torch has AMX
+        wants = q.clone().requires_grad_()
+        assert attnkit_flash(wants) is not native_low_precision(torch.bfloat16)
+    assert attnkit_flash(q.float())

@@ -342,21 +342,33 @@ FLASH_MIN_SCORES = 64 * 64
 
 def attnkit_flash(q: Tensor) -> bool:
     """Whether attnkit's flash kernels (:func:`attnkit.native.flash_attention` and its backward)
-    should run attention on ``q`` instead of torch's: float32 on the CPU, or bfloat16 on a CPU
-    without bf16 units (widened block by block, so a bf16 call costs about a float32 one, where
-    torch's bf16 kernel converts every block and its backward ran 6-9x its float32 time), outside
+    should run attention on ``q`` instead of torch's: float32 on the CPU, or bfloat16 where
+    :func:`_bf16_flash` says (widened block by block, so a bf16 call costs about a float32 one;
+    torch's bf16 kernel converts every block, and its backward ran 6-9x its float32 time on a
+    CPU without bf16 units), outside
     ``torch.compile``, ``torch.jit.trace`` and torch dispatch modes. They skip finer blocks than
     torch's kernel (a block of 64-128 causal queries computes the keys up to its last query; torch's
     256 x 512 blocks compute 75% of a 1024-document's scores against 53%) and measured faster per
     score (``benchmarks/RESULTS.md``)."""
     return (
-        (
-            q.dtype == torch.float32
-            or (q.dtype == torch.bfloat16 and not native_low_precision(torch.bfloat16))
-        )
+        (q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _bf16_flash(q)))
         and native.eager_cpu(q)
         and native.flash_available()
     )
+
+
+def _bf16_flash(q: Tensor) -> bool:
+    """Whether attnkit's kernels should run a bfloat16 call (see :func:`attnkit_flash`).
+
+    Queries that want gradients: where the CPU has no bf16 units (torch's bf16 backward is the
+    slow one there). A forward alone (inference, a prompt's prefill): on every CPU without AMX
+    tiles, where torch's bf16 kernel was the slower one: 33.4 against 39.8 ms for 2048 causal
+    queries of 9 heads over 3 key/value heads on a 2-core AVX512-BF16 AMD EPYC
+    (``benchmarks/RESULTS.md``). With AMX, torch's kernel multiplies in bf16 tiles.
+    """
+    if q.requires_grad:
+        return not native_low_precision(torch.bfloat16)
+    return not bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def _run_forward(

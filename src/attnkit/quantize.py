@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.decoding import PreparedLinear, _amx
+from attnkit.decoding import PreparedLinear, _amx, linear
 from attnkit.native import (
     INT8_DOT_BLOCK,
     group_codes,
@@ -535,7 +535,8 @@ def _(x: Tensor, handle: Tensor, tail: Tensor, scale: Tensor, scale_bf16: Tensor
 def _dequantized_product(x: Tensor, grouped: Tensor, scale: Tensor) -> Tensor:
     """``x @ (codes * scale[:, None]).T`` for the codes in the ``"avx2"`` kernel's order, a
     block of output rows at a time: each block's float weight (about 1 MiB) is made and
-    multiplied while it is in cache, and the scales go on the product's columns.
+    multiplied while it is in cache (by :func:`attnkit.decoding.linear`: oneDNN's GEMM where it
+    is the faster), and the scales go on the product's columns.
 
     Shape: ``(rows, in) -> (rows, out)``, float32.
     """
@@ -544,7 +545,7 @@ def _dequantized_product(x: Tensor, grouped: Tensor, scale: Tensor) -> Tensor:
     y = x.new_empty(x.shape[0], out)
     for start in range(0, out, step):
         weight = ungroup_codes(grouped[start : start + step], torch.float32)
-        y[:, start : start + step] = F.linear(x, weight) * scale[start : start + step]
+        y[:, start : start + step] = linear(x, weight) * scale[start : start + step]
     return y
 
 
