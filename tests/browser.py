@@ -109,7 +109,10 @@ def hover_token(driver: Any, side: str, index: int) -> None:
 
     group = "query-tokens" if side == "q" else "key-tokens"
     token = driver.find_elements(By.CSS_SELECTOR, f"#{group} .token")[index]
-    ActionChains(driver).move_to_element(token).perform()
+    # Off any token first: a pointer already where the token now lies (left there by an earlier
+    # page or frame of the shared browser) would move nowhere and fire no mouseenter.
+    away = driver.find_element(By.ID, "layer-select")
+    ActionChains(driver).move_to_element(away).move_to_element(token).perform()
 
 
 def select_layer(driver: Any, layer: int) -> None:
