@@ -585,7 +585,9 @@ def _plain_tensors(t: Tensor) -> list[Tensor]:
 
 
 def quantized_variants(model: TransformerLM, *, compile: bool) -> dict[str, TransformerLM]:
-    """``model`` as fp32, bf16, int8 and int4 (eager and, with ``compile``, compiled)."""
+    """``model`` as fp32, bf16, int8 and int4 (eager and, with ``compile``, compiled), each
+    prepared for decoding as ``attnkit generate`` prepares it (:func:`attnkit.decoding.prepare`:
+    the quantized linears kept, the norms and the embedding table prepared)."""
     from attnkit.quantize import quantize
 
     out: dict[str, TransformerLM] = {}
@@ -596,7 +598,7 @@ def quantized_variants(model: TransformerLM, *, compile: bool) -> dict[str, Tran
         for mode in ("int8", "int4"):
             quantized = copy.deepcopy(model)
             quantize(quantized, mode)  # type: ignore[arg-type]
-            out[f"{mode}{suffix}"] = quantized
+            out[f"{mode}{suffix}"] = decoding.prepare(quantized, compiled=compiled)
     return out
 
 
