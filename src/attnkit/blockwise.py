@@ -368,7 +368,7 @@ def _bf16_flash(q: Tensor) -> bool:
     """
     if q.requires_grad:
         return not native_low_precision(torch.bfloat16)
-    return not bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return not native._amx()
 
 
 def _run_forward(

@@ -22,7 +22,6 @@ import contextlib
 import ctypes
 import math
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeVar
 
@@ -32,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit import native
+from attnkit.profiling import time_calls
 
 __all__ = [
     "UPCAST_ROWS",
@@ -205,19 +205,9 @@ class PreparedRMSNorm(nn.RMSNorm):
 UPCAST_ROWS = 16
 
 
-def _cpu_has(probe: str) -> bool:
-    """``torch.cpu.<probe>()``, false where this torch lacks the probe."""
-    return bool(getattr(torch.cpu, probe, lambda: False)())
-
-
 def _bf16_dot_native() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
-    return _cpu_has("_is_avx512_bf16_supported") or _amx()
-
-
-def _amx() -> bool:
-    """Whether this CPU has AMX tiles (Intel Xeon from Sapphire Rapids on)."""
-    return _cpu_has("_is_amx_tile_supported")
+    return native._cpu_has("_is_avx512_bf16_supported") or native._amx()
 
 
 #: bf16 GEMMs of a prompt run natively (the upcast rule of :func:`linear`).
@@ -225,7 +215,7 @@ _BF16_NATIVE = _bf16_dot_native()
 #: Decoding steps keep torch's one-row products and the 16-lane compiled row, the choices
 #: measured on an AMX Xeon; every other CPU (AVX2 and AVX512-BF16 EPYCs measured) streams
 #: through attnkit's kernels and widens a compiled bf16 row first (``benchmarks/RESULTS.md``).
-_AMX = _amx()
+_AMX = native._amx()
 
 
 _onednn: bool | None = None  # _onednn_faster(), measured once
@@ -234,7 +224,8 @@ _onednn: bool | None = None  # _onednn_faster(), measured once
 def _onednn_faster() -> bool:
     """Whether oneDNN's float32 GEMM (``torch.ops.mkldnn._linear_pointwise``, the kernel
     inductor's CPU linears call) multiplies a prompt faster than ``F.linear`` (MKL) on this
-    CPU, by at least 1.15x: measured once, on a 256 x 768 -> 2048 product in alternating rounds.
+    CPU, by at least 1.15x: measured once, on a 256 x 768 -> 2048 product, medians of
+    interleaved rounds (:func:`attnkit.profiling.time_calls`).
 
     On a 2-core AMD EPYC with AVX512 oneDNN ran 2.2x MKL's speed (407 vs 184 GFLOP/s at 1024
     rows, 306 vs 154 at 32; ``benchmarks/RESULTS.md``): MKL takes a narrower path on AMD CPUs.
@@ -246,20 +237,13 @@ def _onednn_faster() -> bool:
         if op is not None and torch.backends.mkldnn.is_available():
             gen = torch.Generator().manual_seed(0)
             x, w = torch.randn(256, 768, generator=gen), torch.randn(2048, 768, generator=gen)
+            calls = {
+                "mkl": lambda: F.linear(x, w),
+                "onednn": lambda: op(x, w, None, "none", [], ""),
+            }
             with torch.no_grad():
-                calls = {
-                    "mkl": lambda: F.linear(x, w),
-                    "onednn": lambda: op(x, w, None, "none", [], ""),
-                }
-                times: dict[str, list[float]] = {name: [] for name in calls}
-                for _ in range(6):
-                    for name, call in calls.items():
-                        start = time.perf_counter()
-                        call()
-                        times[name].append(time.perf_counter() - start)
-            # (without each one's fastest and slowest call: the first warms up)
-            best = {name: sorted(t)[1:-1] for name, t in times.items()}
-            _onednn = sum(best["mkl"]) >= 1.15 * sum(best["onednn"])
+                seconds = time_calls(calls, rounds=5)
+            _onednn = seconds["mkl"] >= 1.15 * seconds["onednn"]
     return _onednn
 
 

@@ -117,6 +117,16 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _cpu_has(probe: str) -> bool:
+    """``torch.cpu.<probe>()``, false where this torch lacks the probe."""
+    return bool(getattr(torch.cpu, probe, lambda: False)())
+
+
+def _amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Xeon from Sapphire Rapids on)."""
+    return _cpu_has("_is_amx_tile_supported")
+
+
 def _openmp_runtime() -> Path | None:
     """The OpenMP runtime (``libgomp``) this process loaded with torch, if any."""
     try:

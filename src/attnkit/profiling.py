@@ -19,13 +19,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["best_time", "matmul_flops_per_second", "peak_memory", "time_call", "time_interleaved"]
+__all__ = [
+    "best_time",
+    "matmul_flops_per_second",
+    "peak_memory",
+    "time_call",
+    "time_calls",
+    "time_interleaved",
+]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -81,6 +90,15 @@ def time_interleaved(
         for name, fn in fns.items():
             samples[name].append(time_call(fn, device))
     return samples
+
+
+def time_calls(calls: Mapping[str, Callable[[], Any]], *, rounds: int = 7) -> dict[str, float]:
+    """Median seconds per call of each of ``calls``: one warm-up call each, then ``rounds``
+    interleaved rounds (:func:`time_interleaved`)."""
+    for call in calls.values():
+        call()
+    samples = time_interleaved(calls, repeats=rounds)
+    return {name: statistics.median(t) for name, t in samples.items()}
 
 
 def best_time(

@@ -49,10 +49,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import statistics
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,16 +59,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.decoding import PreparedLinear, _amx, linear
+from attnkit.decoding import PreparedLinear, linear
 from attnkit.native import (
     INT8_DOT_BLOCK,
+    _amx,
     group_codes,
     int8_dot_linear,
     kernels_available,
     round_activations,
     ungroup_codes,
 )
-from attnkit.profiling import time_interleaved
+from attnkit.profiling import time_calls  # (re-exported: quantize.time_calls)
 
 __all__ = [
     "INT8_KERNELS",
@@ -593,15 +593,6 @@ def last_level_cache_bytes() -> int:
         with contextlib.suppress(ValueError):
             sizes.append(int(text.rstrip("KMG")) * unit)
     return max(sizes, default=32 << 20)
-
-
-def time_calls(calls: Mapping[str, Callable[[], Any]], *, rounds: int = 7) -> dict[str, float]:
-    """Median seconds per call of each of ``calls``: one warm-up call each, then ``rounds``
-    interleaved rounds (:func:`attnkit.profiling.time_interleaved`)."""
-    for call in calls.values():
-        call()
-    samples = time_interleaved(calls, repeats=rounds)
-    return {name: statistics.median(t) for name, t in samples.items()}
 
 
 @functools.cache

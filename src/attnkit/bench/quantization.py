@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from attnkit.bench.decoding import quantization_quality
 from attnkit.config import FAMILIES, TransformerConfig
 from attnkit.models import TransformerLM
-from attnkit.quantize import time_calls
+from attnkit.profiling import time_calls
 
 __all__ = [
     "QUALITY_LM",
