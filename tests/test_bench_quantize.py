@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from attnkit import native
 from attnkit.bench import quantization as bq
 from attnkit.config import FAMILIES, TransformerConfig
 from attnkit.models import TransformerLM
@@ -188,7 +189,9 @@ def test_kernel_rows_time_every_kernel_against_its_rounding() -> None:
     for name in ("a", "b"):
         mine = [r for r in rows if r["matrix"] == name]
         kernels = {r["kernel"] for r in mine}
-        assert {"fp32 F.linear", "bf16 F.linear", "int4 g32, bf16 activations"} <= kernels
+        assert {"fp32 F.linear", "bf16 F.linear", "int4 g32 torch, bf16 activations"} <= kernels
+        if native.kernels_available():
+            assert "int4 g32 attnkit (int8 activations per 32)" in kernels
         assert sum(r["is_choice"] for r in mine) == 1
         assert mine[0]["chosen"] == choose_int8_kernel(*mine[0]["shape"])
         assert all(r["seconds"] > 0 and r["bytes_per_s"] > 0 for r in mine)

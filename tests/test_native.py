@@ -779,6 +779,114 @@ def test_one_query_attention_ignores_threads_and_gets_clear_errors() -> None:
         native.one_query_attention(q, k, v, torch.ones(4, 1, 1, 5, dtype=torch.bool), 1.0)
 
 
+def _int4_case(
+    rows: int, out: int, n: int, group: int, seed: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Activations, codes (0..15), scales and offsets of an int4 product; the scales and offsets
+    are bf16 values (what the kernel reads)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out, n), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(out, n // group, generator=gen) / 10).bfloat16().float()
+    offset = (torch.randn(out, n // group, generator=gen) / 10).bfloat16().float()
+    return torch.randn(rows, n, generator=gen), codes, scale, offset
+
+
+def _int4_reference(x: Tensor, codes: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
+    """The float64 product of the rows rounded as the int8 kernel rounds them and the weight
+    ``codes * scale + offset`` (per group)."""
+    out, n = codes.shape
+    groups = codes.double().view(out, scale.shape[1], -1)
+    weight = (groups * scale.double()[..., None] + offset.double()[..., None]).view(out, n)
+    return int8_dot_reference(x, weight, torch.ones(out))
+
+
+def _int4_slack(x: Tensor, codes: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
+    """float32 rounding of the block sums, of the products with the scales and of the sums."""
+    out, n = codes.shape
+    groups = codes.double().view(out, scale.shape[1], -1)
+    size = (groups * scale.double().abs()[..., None] + offset.double().abs()[..., None]).view(
+        out, n
+    )
+    return 1e-5 * (x.double().abs() @ size.T) + 1e-30
+
+
+def test_int4_packing_round_trips() -> None:
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (7, 64), dtype=torch.uint8, generator=gen)
+    packed = native.pack_int4(codes)
+    assert packed.shape == (8, 32) and packed.dtype == torch.uint8
+    assert torch.equal(native.unpack_int4(packed, 7), codes)
+    # Row 0's first block: input j in the low nibble of byte j, input 16 + j in its high one.
+    assert torch.equal(packed[0, :16], codes[0, :16] | codes[0, 16:32] << 4)
+    # The next 16 bytes are row 1's first block (four rows side by side, block by block).
+    assert torch.equal(packed[0, 16:32], codes[1, :16] | codes[1, 16:32] << 4)
+    assert not packed[-1].any() or torch.equal(native.unpack_int4(packed, 8)[7], torch.zeros(64))
+    scale, offset = torch.rand(7, 2).bfloat16().float(), torch.randn(7, 2).bfloat16().float()
+    both = native.pack_int4_scales(scale, offset)
+    assert both.shape == (2, 16) and both.dtype == torch.bfloat16
+    got = native.unpack_int4_scales(both, 7)
+    assert torch.equal(got[0], scale) and torch.equal(got[1], offset)
+    with pytest.raises(ValueError, match="40"):
+        native.pack_int4(torch.zeros(4, 40, dtype=torch.uint8))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("rows", "out", "n", "group"),
+    [(1, 4, 32, 32), (1, 130, 576, 64), (3, 7, 96, 32), (9, 64, 256, 128), (2, 13, 512, 256)],
+)
+def test_int4_products_are_the_integer_sums_of_the_rounded_rows(
+    rows: int, out: int, n: int, group: int
+) -> None:
+    x, codes, scale, offset = _int4_case(rows, out, n, group, seed=rows * out + n)
+    x[0, :32] *= 1000  # blocks of very different sizes: each keeps its own scale
+    x[-1, -32:] = 0  # an all-zero block
+    packed, scales = native.pack_int4(codes), native.pack_int4_scales(scale, offset)
+    got = native.int4_dot_linear(x, packed, scales, out).double()
+    want = _int4_reference(x, codes, scale, offset)
+    assert got.shape == (rows, out)
+    slack = _int4_slack(x, codes, scale, offset)
+    assert ((got - want).abs() <= slack).all(), (got - want).abs().max()
+
+
+@needs_kernel
+def test_int4_vnni_and_avx2_dots_give_the_same_bits_and_rows_stay_apart() -> None:
+    x, codes, scale, offset = _int4_case(3, 70, 192, 64, seed=5)
+    x = x * torch.logspace(-3, 3, 192)
+    x[1, 40] = float("nan")  # (its row only)
+    packed, scales = native.pack_int4(codes), native.pack_int4_scales(scale, offset)
+    before = native.int8_vnni()
+    try:
+        native.int8_vnni(False)
+        avx2 = native.int4_dot_linear(x, packed, scales, 70)
+        native.int8_vnni(True)
+        wide = native.int4_dot_linear(x, packed, scales, 70)
+        assert_close(wide, avx2, rtol=0, atol=0, equal_nan=True)  # (the same bits)
+    finally:
+        native.int8_vnni(before)
+    assert avx2[1].isnan().all() and not avx2[[0, 2]].isnan().any()
+    for r in (0, 2):  # (a row's product does not depend on the rows beside it)
+        assert torch.equal(native.int4_dot_linear(x[r : r + 1], packed, scales, 70)[0], avx2[r])
+    keep = [0, 2]
+    want = _int4_reference(x[keep], codes, scale, offset)
+    assert ((avx2[keep].double() - want).abs() <= _int4_slack(x[keep], codes, scale, offset)).all()
+
+
+@needs_kernel
+def test_int4_dot_linear_names_what_it_does_not_take() -> None:
+    codes = native.pack_int4(torch.zeros(5, 64, dtype=torch.uint8))
+    scales = native.pack_int4_scales(torch.ones(5, 2), torch.zeros(5, 2))
+    x = torch.zeros(1, 64)
+    with pytest.raises(TypeError, match="float32 x, uint8 codes and bfloat16 scales"):
+        native.int4_dot_linear(x.double(), codes, scales, 5)
+    with pytest.raises(ValueError, match=r"\(1, 96\)"):
+        native.int4_dot_linear(torch.zeros(1, 96), codes, scales, 5)
+    with pytest.raises(ValueError, match="out=9"):
+        native.int4_dot_linear(x, codes, scales, 9)
+    with pytest.raises(ValueError, match="CPU"):
+        native.int4_dot_linear(x.to("meta"), codes, scales, 5)
+
+
 # The ops compiled graphs call: C++ implementations where a C++ compiler builds them.
 
 
@@ -792,8 +900,12 @@ def _op_cases() -> list[tuple[str, tuple[object, ...], object]]:
     q = torch.randn(2, 6, 1, 32, generator=gen)
     k, v = torch.randn(2, 2, 2, 50, 32, generator=gen)[:, :, :, ::2]  # (rows strided in S)
     mask = torch.rand(2, 1, 1, 25, generator=gen) > 0.3
+    codes4 = native.pack_int4(torch.randint(0, 16, (41, 96), dtype=torch.uint8, generator=gen))
+    scales4 = native.pack_int4_scales(torch.rand(41, 3), torch.randn(41, 3))
+    int4 = (x[:, ::1], codes4, scales4, 41)
     cases: list[tuple[str, tuple[object, ...], object]] = [
         ("int8_dot_linear", (x, codes, scale), native.int8_dot_linear(x, codes, scale)),
+        ("int4_dot_linear", int4, native.int4_dot_linear(*int4)),
         (
             "one_query_attention",
             (q, k, v, mask, 0.2),
@@ -815,7 +927,7 @@ def test_the_ops_run_their_cpp_implementations_wherever_a_cpp_compiler_builds_th
     if native._cxx_compiler() is None:
         pytest.skip("no C++ compiler")
     assert native.load_ops() and native.ops_unavailable() == ""
-    for name in ("int8_dot_linear", "float_dot_linear", "one_query_attention"):
+    for name in ("int8_dot_linear", "int4_dot_linear", "float_dot_linear", "one_query_attention"):
         table = torch._C._dispatch_dump(f"attnkit::{name}")
         cpu = [line for line in table.splitlines() if line.startswith("CPU:")]
         assert len(cpu) == 1 and "ops.cpp" in cpu[0], table
@@ -836,6 +948,11 @@ def test_the_ops_equal_the_python_functions_and_check_their_inputs() -> None:
         ops.int8_dot_linear(x.double(), codes, scale)
     with pytest.raises(ValueError, match="multiple of 32"):
         ops.int8_dot_linear(x[:, :40], codes[:, :40], scale)
+    codes4, scales4 = torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(1, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="uint8 codes"):
+        ops.int4_dot_linear(x, codes4.to(torch.int8), scales4, 3)
+    with pytest.raises(ValueError, match="out=5"):
+        ops.int4_dot_linear(x, codes4, scales4, 5)
     w = torch.zeros(3, 64)
     with pytest.raises(TypeError, match="all bfloat16 or all float32"):
         ops.float_dot_linear(x, w.bfloat16(), None)

@@ -27,6 +27,7 @@ from attnkit.quantize import (
     int8_kernel_seconds,
     int8_kernels,
     quantize,
+    quantize_linear,
 )
 from tests.helpers import int8_dot_reference
 
@@ -319,9 +320,9 @@ def test_codes_and_scales_are_parameters_without_gradients() -> None:
     assert layers4
     for m in layers4:
         own = dict(m.named_parameters(recurse=False))
-        assert own["packed"].dtype == torch.uint8 and own["scales_and_zeros"].numel()
-        assert not own["packed"].requires_grad and not own["scales_and_zeros"].requires_grad
-        assert {"packed", "scales_and_zeros"} <= set(m.state_dict())
+        assert own["codes"].dtype == torch.uint8 and own["scales"].numel()
+        assert not own["codes"].requires_grad and not own["scales"].requires_grad
+        assert {"codes", "scales"} <= set(m.state_dict())
 
 
 def test_bad_codes_in_a_state_dict_are_named() -> None:
@@ -386,8 +387,8 @@ def test_bad_arguments_name_the_values() -> None:
         quantize(_lm(), "int4", group_size=100)
     with pytest.raises(ValueError, match="in_features=96"):
         Int4Linear.from_weight(torch.randn(32, 96), group_size=64)
-    with pytest.raises(ValueError, match="40"):
-        Int4Linear.from_weight(torch.randn(40, 64), group_size=32)
+    with pytest.raises(ValueError, match="meta"):
+        Int4Linear.from_weight(torch.randn(40, 64, device="meta"), group_size=32)
     with pytest.raises(ValueError, match="shape"):
         Int8Linear.from_weight(torch.randn(4))
     with pytest.raises(ValueError, match="int8"):
@@ -413,9 +414,11 @@ def test_quantize_swaps_plain_linears_and_the_tied_head(mode: str) -> None:
     want = Int4Linear if mode == "int4" else Int8Linear
     assert isinstance(lm.blocks[1].attention.qkv_proj, want)
     assert isinstance(lm.lm_head, want)
-    # An output size the int4 kernel cannot pack falls back to int8.
+    # Any output size packs (int4 pads its rows to groups of four); an input size no group size
+    # divides falls back to int8.
     odd = quantize(_lm(vocab=90), mode, group_size=32)  # type: ignore[arg-type]
-    assert isinstance(odd.lm_head, Int8Linear)
+    assert isinstance(odd.lm_head, want) and odd.lm_head.out_features == 90
+    assert isinstance(quantize_linear(nn.Linear(48, 8), mode, group_size=32), Int8Linear)
 
 
 def _dequantized_copy(lm: TransformerLM, quantized: TransformerLM) -> TransformerLM:

@@ -9,6 +9,11 @@ stream per thread, prefetched ahead:
   this one streams the codes at about the bandwidth, as llama.cpp's ``q8_0`` dot does
   (``benchmarks/RESULTS.md``). Its activations are rounded to int8 per block of 32 inputs, so it
   is more exact than fbgemm's (one 7-bit scale per row).
+* int4 weights (a bf16 scale and offset per group of inputs) through the same integer dots
+  (``csrc/int4_dot.c``): the codes packed two to a byte, unpacked by a shift and two masks,
+  multiplied by the activations rounded as for int8. torch's CPU int4 kernel
+  (``torch._weight_int4pack_mm_for_cpu``) converts its codes to floats, and decoded the 135M
+  Llama shape at 0.83x attnkit's int8 on an AVX512 EPYC (``benchmarks/RESULTS.md``).
 * bf16 and float32 weights through AVX2 FMAs (``csrc/float_dot.c``): torch's bf16 ``F.linear``
   reads a one-row product's weight at about 0.6x this kernel's bandwidth on such CPUs, and at
   0.5x on an AMD EPYC with AVX512-BF16 (fp32 ``F.linear`` at 0.4x).
@@ -42,10 +47,11 @@ missing (not Linux on x86-64 with AVX2 and FMA, no compiler, a build that fails)
 torch's kernels.
 
 Compiled graphs call the decoding kernels as ops (``attnkit::int8_dot_linear``,
-``attnkit::float_dot_linear``, ``attnkit::one_query_attention``). Their CPU implementations are
-C++ (``csrc/ops.cpp``, built with the system's C++ compiler against torch's headers and linked to
-the kernels' library), so the dispatcher calls the kernels without entering Python: 15-25 us a
-call less, over a hundred calls a decoding step with int8 weights (``benchmarks/RESULTS.md``).
+``attnkit::int4_dot_linear``, ``attnkit::float_dot_linear``, ``attnkit::one_query_attention``).
+Their CPU implementations are C++ (``csrc/ops.cpp``, built with the system's C++ compiler
+against torch's headers and linked to the kernels' library), so the dispatcher calls the kernels
+without entering Python: 15-25 us a call less, over a hundred calls a decoding step with int8 or
+int4 weights (``benchmarks/RESULTS.md``).
 :func:`load_ops` builds and loads them (:func:`attnkit.decoding.compiled_step` does, before it
 traces); until then, and where they cannot be built (:func:`ops_unavailable` says why), the ops
 run this module's Python functions (registered for every backend, so a C++ CPU kernel takes
@@ -81,6 +87,7 @@ __all__ = [
     "flash_available",
     "float_dot_linear",
     "group_codes",
+    "int4_dot_linear",
     "int8_dot_linear",
     "int8_vnni",
     "kernels_available",
@@ -89,8 +96,12 @@ __all__ = [
     "load_ops",
     "one_query_attention",
     "ops_unavailable",
+    "pack_int4",
+    "pack_int4_scales",
     "round_activations",
     "ungroup_codes",
+    "unpack_int4",
+    "unpack_int4_scales",
 ]
 
 #: Inputs per activation scale; the weight's input count must be a multiple of it.
@@ -99,7 +110,14 @@ INT8_DOT_BLOCK = 32
 _GROUP = 4
 _SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("int8_dot.c", "float_dot.c", "capped_softmax.c", "one_query.c", "flash.c")
+    for name in (
+        "int8_dot.c",
+        "int4_dot.c",
+        "float_dot.c",
+        "capped_softmax.c",
+        "one_query.c",
+        "flash.c",
+    )
 )
 #: Headers the sources include (hashed into the build's name with them).
 _HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h",))
@@ -290,6 +308,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         call.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, ctypes.c_int]
         call.restype = ctypes.c_int
     lib.attnkit_int8_vnni.argtypes, lib.attnkit_int8_vnni.restype = [ctypes.c_int], ctypes.c_int
+    call = lib.attnkit_int4_linear
+    call.argtypes = [pointer, int64, int64, pointer, pointer, int64, int64, pointer, ctypes.c_int]
+    call.restype = ctypes.c_int
     lib.attnkit_capped_softmax.argtypes = [pointer, *[int64] * 5, ctypes.c_int, int64]
     lib.attnkit_capped_softmax.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.attnkit_capped_softmax.restype = ctypes.c_int
@@ -830,6 +851,144 @@ _OPS.impl("int8_dot_linear", int8_dot_linear, "CompositeExplicitAutograd")
 @torch.library.register_fake("attnkit::int8_dot_linear", lib=_OPS)
 def _(x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], codes.shape[0])
+
+
+def _int4_rows(out: int) -> int:
+    """Rows of an int4 weight as :func:`pack_int4` stores it: ``out`` rounded up to groups."""
+    return -(-out // _GROUP) * _GROUP
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    """Int4 ``codes`` ``(out, n)`` (integers 0..15, any integer dtype) packed two to a byte in
+    the order :func:`int4_dot_linear` reads them: ``(out4, n // 2)`` uint8 with ``out4`` the
+    rows rounded up to a multiple of four (the added rows' codes are 0).
+
+    Rows in groups of four, each group's codes block by block, the four rows' 16 bytes of a
+    block of 32 inputs side by side; byte ``j`` of a row's block holds input ``j`` in its low
+    nibble and input ``16 + j`` in its high one. :func:`unpack_int4` undoes it.
+    """
+    out, n = codes.shape
+    if n % INT8_DOT_BLOCK:
+        raise ValueError(f"pack_int4 needs a multiple of {INT8_DOT_BLOCK} inputs, got {n}")
+    padded = codes.new_zeros(_int4_rows(out), n, dtype=torch.uint8)
+    padded[:out] = codes
+    blocks = padded.view(-1, _GROUP, n // INT8_DOT_BLOCK, 2, INT8_DOT_BLOCK // 2).transpose(1, 2)
+    return (blocks[:, :, :, 0] | blocks[:, :, :, 1] << 4).reshape(len(padded), n // 2)
+
+
+def unpack_int4(packed: Tensor, out: int, dtype: torch.dtype = torch.uint8) -> Tensor:
+    """The codes ``(out, n)`` of :func:`pack_int4`'s ``packed`` (a new tensor), in ``dtype``."""
+    rows, half = packed.shape
+    blocks = packed.view(-1, half * 2 // INT8_DOT_BLOCK, _GROUP, INT8_DOT_BLOCK // 2)
+    nibbles = torch.stack([blocks & 15, blocks >> 4], dim=3)  # (groups, blocks, 4, 2, 16)
+    codes = nibbles.transpose(1, 2).reshape(rows, half * 2)[:out]
+    return codes.to(dtype)
+
+
+def pack_int4_scales(scale: Tensor, offset: Tensor) -> Tensor:
+    """Per-group ``scale`` and ``offset`` ``(out, n // group)`` as :func:`int4_dot_linear` reads
+    them: bf16, ``(out4 // 4, groups * 8)``: for each group of four rows and each input group,
+    the four rows' scales, then their offsets (rows added to fill a group get 0)."""
+    out, groups = scale.shape
+    both = scale.new_zeros(_int4_rows(out), groups, 2, dtype=torch.bfloat16)
+    both[:out, :, 0], both[:out, :, 1] = scale, offset
+    return both.view(-1, _GROUP, groups, 2).permute(0, 2, 3, 1).reshape(-1, groups * 2 * _GROUP)
+
+
+def unpack_int4_scales(packed: Tensor, out: int) -> tuple[Tensor, Tensor]:
+    """``(scale, offset)``, each ``(out, groups)`` float32, of :func:`pack_int4_scales`."""
+    groups = packed.shape[1] // (2 * _GROUP)
+    both = packed.view(-1, groups, 2, _GROUP).permute(0, 3, 1, 2).reshape(-1, groups, 2)[:out]
+    return both[..., 0].float(), both[..., 1].float()
+
+
+def _int4_mismatch(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Exception | None:
+    """The error for inputs :func:`int4_dot_linear` does not take (``None`` where it takes them)."""
+    if x.dtype != torch.float32 or codes.dtype != torch.uint8 or scales.dtype != torch.bfloat16:
+        return TypeError(
+            f"int4_dot_linear takes float32 x, uint8 codes and bfloat16 scales, got {x.dtype}, "
+            f"{codes.dtype} and {scales.dtype}"
+        )
+    n = codes.shape[1] * 2 if codes.dim() == 2 else -1
+    groups = scales.shape[1] // (2 * _GROUP) if scales.dim() == 2 else 0
+    if (
+        x.dim() != 2
+        or x.shape[1] != n
+        or n % INT8_DOT_BLOCK
+        or codes.shape[0] != _int4_rows(out)
+        or out < 0
+        or scales.shape != (codes.shape[0] // _GROUP, groups * 2 * _GROUP)
+        or groups == 0
+        or n % groups
+        or (n // groups) % INT8_DOT_BLOCK
+    ):
+        return ValueError(
+            f"int4_dot_linear needs x (rows, n), codes (ceil(out / 4) * 4, n / 2) and scales "
+            f"(ceil(out / 4), groups * 8) with n a multiple of groups * {INT8_DOT_BLOCK}, got "
+            f"{tuple(x.shape)}, {tuple(codes.shape)} and {tuple(scales.shape)} for out={out}"
+        )
+    if not (x.device.type == codes.device.type == scales.device.type == "cpu"):
+        return ValueError(f"int4_dot_linear runs on CPU tensors, got x on {x.device}")
+    return None
+
+
+def int4_dot_linear(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Tensor:
+    """``x @ W.T`` for the int4 weight ``W[o, i] = q[o, i] * scale[o, g] + offset[o, g]``
+    (``g`` the input group of ``i``), with ``x``'s rows rounded to int8 per block of 32 inputs
+    as :func:`int8_dot_linear` rounds them (:func:`round_activations`).
+
+    The weight is read once as packed nibbles (half a byte a weight, plus 4 bytes a group), the
+    products summed in integers a block at a time (AVX512-VNNI where :func:`int8_vnni` runs,
+    else AVX2; the same bits). Compiled graphs call it as one op,
+    ``torch.ops.attnkit.int4_dot_linear``.
+
+    Args:
+        x: Float32 activations ``(rows, n)``.
+        codes: :func:`pack_int4`'s codes, ``(ceil(out / 4) * 4, n / 2)`` uint8.
+        scales: :func:`pack_int4_scales`' scales and offsets (bf16); the group size is ``n``
+            over their groups, a multiple of 32.
+        out: The weight's output rows.
+
+    Returns:
+        ``(rows, out)``, float32.
+
+    Raises:
+        TypeError: For other dtypes.
+        ValueError: For shapes that do not fit, or tensors not on the CPU.
+        RuntimeError: Where the kernel is not available (:func:`kernels_unavailable`).
+    """
+    error = _int4_mismatch(x, codes, scales, out)
+    if error is not None:
+        raise error
+    lib, why = _load()
+    if lib is None:
+        raise RuntimeError(f"attnkit's kernels are not available: {why}")
+    x, codes, scales = x.contiguous(), codes.contiguous(), scales.contiguous()
+    n = x.shape[1]
+    y = x.new_empty(x.shape[0], out)
+    failed = lib.attnkit_int4_linear(
+        x.data_ptr(),
+        x.shape[0],
+        n,
+        codes.data_ptr(),
+        scales.data_ptr(),
+        out,
+        n // (scales.shape[1] // (2 * _GROUP)),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError(f"int4_dot_linear could not allocate {x.shape[0]} quantized rows")
+    return y
+
+
+_OPS.define("int4_dot_linear(Tensor x, Tensor codes, Tensor scales, int out) -> Tensor")
+_OPS.impl("int4_dot_linear", int4_dot_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("attnkit::int4_dot_linear", lib=_OPS)
+def _(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Tensor:
+    return x.new_empty(x.shape[0], out)
 
 
 def _float_mismatch(x: Tensor, weight: Tensor, bias: Tensor | None) -> Exception:

@@ -39,9 +39,11 @@ rule by CPU features (:func:`default_int8_kernel`), so every load of a model giv
   inside a compiled graph is a streaming float32 reduction over the int8 bytes instead.
 * ``"dequantize"``: the float product with the dequantized weight (other devices, other sizes).
 
-Int4 runs torch's CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``) with bf16 activations
-(float32 ones take a path an order of magnitude slower). ``benchmarks/bench_quantize.py`` measures
-the candidates per matrix of a model and the decode steps against fp32 and bf16.
+Int4 runs attnkit's own kernel (:func:`attnkit.native.int4_dot_linear`): the codes packed two to a
+byte, multiplied in integers by the activations rounded as for ``"avx2"``; torch's CPU int4 kernel
+(``torch._weight_int4pack_mm_for_cpu``) converts its codes to floats and decoded at 0.83x the int8
+kernel's speed. ``benchmarks/bench_quantize.py`` measures the candidates per matrix of a model and
+the decode steps against fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -64,10 +66,15 @@ from attnkit.native import (
     INT8_DOT_BLOCK,
     _amx,
     group_codes,
+    int4_dot_linear,
     int8_dot_linear,
     kernels_available,
+    pack_int4,
+    pack_int4_scales,
     round_activations,
     ungroup_codes,
+    unpack_int4,
+    unpack_int4_scales,
 )
 from attnkit.profiling import time_calls  # (re-exported: quantize.time_calls)
 
@@ -652,28 +659,46 @@ def choose_int8_kernel(
 class Int4Linear(nn.Module):
     """A linear whose weight is int4, with a bf16 scale and offset per group of input channels.
 
-    Within each group of ``group_size`` inputs of a row, ``weight ≈ (q - 8) * scale + zero`` with
-    ``q`` in ``0..15`` (asymmetric: ``scale = (max - min) / 15``, ``zero = min + 8 * scale``),
-    packed by ``torch._convert_weight_to_int4pack_for_cpu`` for torch's CPU int4 kernel. Build it
-    with :meth:`from_linear`; CPU only.
+    Within each group of ``group_size`` inputs of a row, ``weight ≈ q * scale + offset`` with
+    ``q`` in ``0..15`` (asymmetric: ``offset`` the group's smallest weight, ``scale = (max -
+    min) / 15``, both rounded to bf16 before ``q`` is chosen). The codes are packed two to a
+    byte in the order attnkit's int4 kernel reads them (``codes``, :func:`attnkit.native.pack_int4`;
+    the rows rounded up to a multiple of four), the scales and offsets beside
+    (``scales``, :func:`attnkit.native.pack_int4_scales`). Build it with :meth:`from_linear`;
+    CPU only.
+
+    Up to :data:`AVX2_MAX_ROWS` rows (decoding) multiply through
+    :func:`attnkit.native.int4_dot_linear` (activations rounded to int8 per block of 32 inputs,
+    as the int8 kernel rounds them); more rows (a prompt) multiply the dequantized weight by the
+    activations rounded the same way, a block of rows at a time. Where attnkit's kernels cannot
+    run, every product is the float one with the dequantized weight.
 
     Shape: ``(*, in_features) -> (*, out_features)``, in the input's dtype.
     """
 
-    packed: Tensor
-    scales_and_zeros: Tensor
+    codes: Tensor
+    scales: Tensor
 
     def __init__(self, in_features: int, out_features: int, group_size: int) -> None:
         super().__init__()
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+        if in_features % group_size:
+            raise ValueError(
+                f"in_features={in_features} is not a multiple of group_size={group_size}"
+            )
         self.in_features, self.out_features, self.group_size = (
             in_features,
             out_features,
             group_size,
         )
+        rows = -(-out_features // 4) * 4
         # Parameters without gradients, as Int8Linear's codes (see _frozen).
-        self.packed = _frozen(torch.zeros(0, dtype=torch.uint8))
-        self.scales_and_zeros = _frozen(torch.zeros(0, dtype=torch.bfloat16))
+        self.codes = _frozen(torch.zeros(rows, in_features // 2, dtype=torch.uint8))
+        groups = in_features // group_size
+        self.scales = _frozen(torch.zeros(rows // 4, groups * 8, dtype=torch.bfloat16))
         self.bias: nn.Parameter | None = None
+        self.kernel = "int4" if kernels_available() else "dequantize"
 
     @classmethod
     @torch.no_grad()
@@ -681,47 +706,37 @@ class Int4Linear(nn.Module):
         cls, weight: Tensor, bias: Tensor | None = None, *, group_size: int = 128
     ) -> Int4Linear:
         """Quantize ``weight`` ``(out, in)`` group-wise; ``in`` must be a multiple of
-        ``group_size`` (one of 32, 64, 128, 256), ``out`` a multiple of 16."""
+        ``group_size`` (one of 32, 64, 128, 256)."""
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ValueError(
                 f"Int4Linear needs a 2-D float weight, got shape {tuple(weight.shape)} "
                 f"and dtype {weight.dtype}"
             )
-        if group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
-        out_features, in_features = weight.shape
-        if in_features % group_size:
-            raise ValueError(
-                f"in_features={in_features} is not a multiple of group_size={group_size}"
-            )
-        if out_features % 16:
-            raise ValueError(f"Int4Linear needs out_features divisible by 16, got {out_features}")
         if weight.device.type != "cpu":
             raise ValueError(f"Int4Linear runs on CPU only, got a weight on {weight.device}")
-        new = cls(in_features, out_features, group_size)
+        out_features, in_features = weight.shape
+        with torch.device("meta"):  # (checks the sizes; the tensors are replaced)
+            new = cls(in_features, out_features, group_size)
         n_groups = in_features // group_size
-        scale_b = torch.empty(out_features, n_groups, dtype=torch.bfloat16)
-        zero_b = torch.empty(out_features, n_groups, dtype=torch.bfloat16)
-        # The packing is row-block independent in blocks of 64 rows: pack a block at a time so
-        # the int32 codes never exist for the whole weight.
-        step = max(64, _rows_per_block(in_features) // 64 * 64)
-        packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+        scale = torch.empty(out_features, n_groups)
+        offset = torch.empty(out_features, n_groups)
+        codes = torch.empty(out_features, in_features, dtype=torch.uint8)
+        # A block of rows at a time: the float temporaries stay small.
+        step = _rows_per_block(in_features)
         for start in range(0, out_features, step):
             rows = slice(start, start + step)
-            groups = (
-                weight[rows].detach().to(torch.float32, copy=True).reshape(-1, n_groups, group_size)
-            )
+            groups = weight[rows].to(torch.float32, copy=True).reshape(-1, n_groups, group_size)
             low, high = groups.amin(-1), groups.amax(-1)
-            scale = ((high - low) / 15).clamp(min=1e-6)
-            # Round the scale and offset to bf16 (what the kernel reads) before choosing q.
-            scale_b[rows], zero_b[rows] = scale.bfloat16(), (low + 8 * scale).bfloat16()
-            q = groups.sub_(zero_b[rows].float()[..., None]).div_(scale_b[rows].float()[..., None])
-            q_int = q.add_(8).round_().clamp_(0, 15).reshape(-1, in_features).to(torch.int32)
-            packed[rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_int, 1)
-        new.packed = _frozen(packed)
-        # (in / group, out, 2): [scale, zero] per group and output channel.
-        new.scales_and_zeros = _frozen(torch.stack([scale_b.t(), zero_b.t()], dim=-1).contiguous())
+            # Rounded to bf16 (what the kernel reads) before q is chosen.
+            s = ((high - low) / 15).clamp(min=1e-6).bfloat16().float()
+            m = low.bfloat16().float()
+            scale[rows], offset[rows] = s, m
+            q = groups.sub_(m[..., None]).div_(s[..., None]).round_().clamp_(0, 15)
+            codes[rows] = q.reshape(-1, in_features).to(torch.uint8)
+        new.codes = _frozen(pack_int4(codes))
+        new.scales = _frozen(pack_int4_scales(scale, offset))
         new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        new.kernel = "int4" if kernels_available() else "dequantize"
         return new
 
     @classmethod
@@ -729,22 +744,50 @@ class Int4Linear(nn.Module):
         """Quantize ``linear``'s weight; its bias is kept as it is."""
         return cls.from_weight(linear.weight, linear.bias, group_size=group_size)
 
+    def _weight_rows(self, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop`` (multiples of four, or the end) of the float32 weight."""
+        out = min(stop, self.out_features) - start
+        codes = unpack_int4(self.codes[start : -(-stop // 4) * 4], out, torch.float32)
+        scale, offset = unpack_int4_scales(self.scales[start // 4 : -(-stop // 4)], out)
+        groups = codes.view(out, -1, self.group_size)
+        return groups.mul_(scale[..., None]).add_(offset[..., None]).view(out, -1)
+
     def dequantize(self) -> Tensor:
         """The float32 weight this module computes with. Shape: ``(out, in)``."""
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        # Columns of W^T through the kernel itself: I @ W^T = W^T.
-        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            eye, self.packed, self.group_size, self.scales_and_zeros
-        )
-        return w_t.float().t().contiguous()
+        return self._weight_rows(0, self.out_features)
+
+    def _product(self, x: Tensor) -> Tensor:
+        """``x @ W.T`` a block of output rows at a time: each block's float weight (about
+        1 MiB) is made and multiplied while it is in cache (by
+        :func:`attnkit.decoding.linear`: oneDNN's GEMM where it is the faster)."""
+        step = max(4, (1 << 20) // (4 * self.in_features) // 4 * 4)
+        y = x.new_empty(x.shape[0], self.out_features)
+        for start in range(0, self.out_features, step):
+            y[:, start : start + step] = linear(x, self._weight_rows(start, start + step))
+        return y
 
     def forward(self, x: Tensor) -> Tensor:
         """Shape: ``(*, in) -> (*, out)``."""
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2, self.packed, self.group_size, self.scales_and_zeros
-        )
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "int4" and x2.shape[0] <= AVX2_MAX_ROWS and not x2.requires_grad:
+            xf = x2.float()
+            if torch.compiler.is_compiling():  # (one opaque op of the graph)
+                y = torch.ops.attnkit.int4_dot_linear(
+                    xf, self.codes, self.scales, self.out_features
+                )
+            else:
+                y = int4_dot_linear(xf, self.codes, self.scales, self.out_features)
+        elif self.kernel == "int4":
+            # A prompt, or a product gradients flow through: the float product of the
+            # activations rounded as the kernel rounds them (a row's output does not depend on
+            # how many rows came with it).
+            rounded = round_activations(x2)
+            if x2.requires_grad:  # (straight through the rounding: the float product's gradient)
+                rounded = x2.float() + (rounded - x2.float()).detach()
+            y = self._product(rounded)
+        else:
+            y = F.linear(x2, self.dequantize().to(x2.dtype))
         return _finish(self, y, x, shape)
 
     def extra_repr(self) -> str:
@@ -771,12 +814,12 @@ def _quantized(
     group_size: int,
     kernel: Int8Kernel = "default",
 ) -> nn.Module:
-    if mode == "int4" and weight.device.type == "cpu" and weight.shape[0] % 16 == 0:
+    if mode == "int4" and weight.device.type == "cpu":
         group = _group_for(weight.shape[1], group_size)
         if group is not None:
             return Int4Linear.from_weight(weight, bias, group_size=group)
-    # int4 weights the kernel cannot pack (inputs no group size divides, outputs not a multiple
-    # of 16, other devices) fall back to int8.
+    # int4 weights the kernel cannot pack (inputs no group size divides, other devices) fall
+    # back to int8.
     if kernel not in ("default", "auto", *int8_kernels(weight.shape[1], weight.device)):
         kernel = "default"  # (a named kernel that cannot run this weight: the default's rule)
     return Int8Linear.from_weight(weight, bias, kernel=kernel)
@@ -825,8 +868,7 @@ def quantize(
             :class:`attnkit.decoding.PreparedLinear`, exactly those types) are swapped;
             subclasses (a LoRA wrapper, a user's own) and already quantized modules stay.
         mode: ``"int8"`` (per output channel) or ``"int4"`` (group-wise; a linear whose input
-            size no group size of at most ``group_size`` divides, or whose output size is not a
-            multiple of 16, gets int8).
+            size no group size of at most ``group_size`` divides gets int8).
         group_size: int4 group size: 32, 64, 128 or 256.
         int8_kernel: The CPU kernel of int8 linears: ``"default"`` (the rule of
             :func:`default_int8_kernel`), ``"avx2"``, ``"fbgemm"``, ``"int8pack"``,

@@ -15,7 +15,8 @@ Used by ``benchmarks/bench_quantize.py``. Three measurements:
   ``/proc/self/clear_refs``), over the bytes of the loaded model's tensors.
 * **Kernels.** :func:`kernel_rows` times every way to multiply one row by each weight matrix of a
   model (fp32 and bf16 ``F.linear``, the int8 kernels of :class:`attnkit.quantize.Int8Linear` and
-  others, torch's int4 kernel at each group size, with bf16 and float32 activations), each call
+  others, attnkit's int4 kernel and torch's at each group size, the latter with bf16 and float32
+  activations), each call
   after the cache is flushed (a decode step reads each weight once), with its error against the
   float64 product of the dequantized weight.
 * **torchao.** :func:`torchao_variants` adds torchao's ``Int8WeightOnlyConfig`` to the decoding
@@ -520,7 +521,14 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
     takes it, the weight's parts, float64 reference)``; ``call(row, *parts)`` is the product and
     the reference is the row, rounded as the kernel rounds it, times the weight the kernel
     multiplies by (in float64)."""
-    from attnkit.native import group_codes, int8_dot_linear, round_activations
+    from attnkit.native import (
+        group_codes,
+        int4_dot_linear,
+        int8_dot_linear,
+        round_activations,
+        unpack_int4,
+        unpack_int4_scales,
+    )
     from attnkit.quantize import Int4Linear, Int8Linear, _fbgemm_pack, int8_kernels
 
     out_features, in_features = weight.shape
@@ -560,16 +568,39 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
         parts = (q.weight_int8.t(), q.scale)
         out["int8 _int_mm (8-bit activations per row)"] = (_int_mm, x, parts, ref)
     for group in (32, 64, 128, 256):
-        if in_features % group or out_features % 16:
+        if in_features % group:
             continue
         layer = Int4Linear.from_weight(weight, group_size=group)
         deq4 = layer.dequantize().double()
-        packed4, sz = layer.packed, layer.scales_and_zeros
-        out[f"int4 g{group}, bf16 activations"] = (_int4, xb, (packed4, group, sz), xb64 @ deq4.T)
+        if layer.kernel == "int4":
+            parts = (layer.codes, layer.scales, out_features)
+            ref = round_activations(x).double() @ deq4.T
+            out[f"int4 g{group} attnkit (int8 activations per 32)"] = (
+                int4_dot_linear,
+                x,
+                parts,
+                ref,
+            )
+        if out_features % 16:
+            continue
+        # torch's kernel on the same codes: w = (q - 8) * scale + zero.
+        codes = unpack_int4(layer.codes, out_features, torch.int32)
+        step, low = unpack_int4_scales(layer.scales, out_features)
+        zero4 = (low + 8 * step).bfloat16()
+        packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        sz = torch.stack([step.bfloat16().t(), zero4.t()], dim=-1).contiguous()
+        groups = (codes.double() - 8).view(out_features, -1, group)
+        deq_t = (groups * step.double()[..., None] + zero4.double()[..., None]).flatten(1)
+        out[f"int4 g{group} torch, bf16 activations"] = (
+            _int4,
+            xb,
+            (packed4, group, sz),
+            xb64 @ deq_t.T,
+        )
         with contextlib.suppress(RuntimeError):
             _int4(x, packed4, group, sz.float())
             parts = (packed4, group, sz.float())
-            out[f"int4 g{group}, fp32 activations"] = (_int4, x, parts, x64 @ deq4.T)
+            out[f"int4 g{group} torch, fp32 activations"] = (_int4, x, parts, x64 @ deq_t.T)
     return out
 
 

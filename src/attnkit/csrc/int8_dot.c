@@ -41,41 +41,6 @@ static inline __m256 block_dot(__m256i w, __m256i x, __m256 s, __m256 acc) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, acc);
 }
 
-/* Each block of 32 activations as int8 codes xq and a scale xs (its largest magnitude / 127).
- * A block holding a NaN or an infinity gets a NaN scale, so its row's products are NaN, as a
- * float product's would be non-finite. (x / top * 127, not x * (127 / top): a subnormal top
- * would make 127 / top infinite.) Eight lanes at a time, each code rounded to nearest even as
- * lrintf rounds it. */
-static void quantize_blocks(const float *x, int64_t n, int8_t *xq, float *xs) {
-  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int64_t b = 0; b < n / BLOCK; b++) {
-    const float *p = x + b * BLOCK;
-    __m256 v[BLOCK / 8], top = _mm256_setzero_ps();
-    __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    for (int i = 0; i < BLOCK / 8; i++) {
-      v[i] = _mm256_loadu_ps(p + 8 * i);
-      const __m256 a = _mm256_and_ps(v[i], no_sign);
-      /* (false for NaN too) */
-      finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));
-      top = _mm256_max_ps(top, _mm256_and_ps(a, finite)); /* (a NaN lane counts as 0) */
-    }
-    const float high = lanes_max(top);
-    const int ok = _mm256_movemask_ps(finite) == 0xff;
-    xs[b] = ok ? high / 127.f : NAN;
-    __m256i q[BLOCK / 8];
-    for (int i = 0; i < BLOCK / 8; i++) {
-      const __m256 scaled =
-          _mm256_mul_ps(_mm256_div_ps(v[i], _mm256_set1_ps(high)), _mm256_set1_ps(127.f));
-      q[i] = ok && high > 0.f ? _mm256_cvtps_epi32(scaled) : _mm256_setzero_si256();
-    }
-    /* int32 -> int16 -> int8 (no code saturates: |code| <= 127), lanes back in order */
-    const __m256i q16a = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
-    const __m256i q16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
-    const __m256i q8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(q16a, q16b), 0xd8);
-    _mm256_storeu_si256((__m256i *)(xq + b * BLOCK), q8);
-  }
-}
-
 /* The four dots of one group (its codes grouped as above) with one activation row. */
 static inline void group_dots(const int8_t *xq, const float *xs, const int8_t *w, int64_t n,
                               float *dots) {

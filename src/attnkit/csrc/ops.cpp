@@ -20,6 +20,8 @@
 extern "C" {
 int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w,
                         const float *scale, int64_t out, float *y, int threads);
+int attnkit_int4_linear(const float *x, int64_t rows, int64_t n, const uint8_t *w,
+                        const uint16_t *sm, int64_t out, int64_t group, float *y, int threads);
 int attnkit_bf16_linear(const uint16_t *x, int64_t rows, int64_t n, const uint16_t *w,
                         const uint16_t *bias, int64_t out, uint16_t *y, int threads);
 int attnkit_float_linear(const float *x, int64_t rows, int64_t n, const float *w,
@@ -34,6 +36,7 @@ int attnkit_one_query_attention(const void *q, int64_t B, int64_t K, int64_t G, 
 namespace {
 
 constexpr int64_t kInt8Block = 32; /* int8_dot.c's BLOCK */
+constexpr int64_t kGroup = 4;      /* int4_dot.c's GROUP: rows side by side */
 constexpr int kNoMemory = 4;       /* one_query.c's NO_MEMORY */
 
 bool on_cpu(const at::Tensor &t) { return t.device().is_cpu(); }
@@ -58,6 +61,38 @@ at::Tensor int8_dot_linear(const at::Tensor &x, const at::Tensor &codes, const a
                                          cc.data_ptr<int8_t>(), sc.data_ptr<float>(),
                                          codes.size(0), y.data_ptr<float>(), at::get_num_threads());
   TORCH_CHECK(!failed, "int8_dot_linear could not allocate ", x.size(0), " quantized rows");
+  return y;
+}
+
+/* x (rows, n) @ W.T for the int4 weight of packed codes (out4, n / 2) and bf16 scales and
+ * offsets (out4 / 4, groups * 8), out4 = out rounded up to a multiple of four. */
+at::Tensor int4_dot_linear(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scales,
+                           int64_t out) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte &&
+                       scales.scalar_type() == at::kBFloat16,
+                   "int4_dot_linear takes float32 x, uint8 codes and bfloat16 scales, got ",
+                   x.scalar_type(), ", ", codes.scalar_type(), " and ", scales.scalar_type());
+  const int64_t n = codes.dim() == 2 ? 2 * codes.size(1) : -1;
+  const int64_t groups = scales.dim() == 2 ? scales.size(1) / (2 * kGroup) : 0;
+  const bool fits = x.dim() == 2 && x.size(1) == n && n % kInt8Block == 0 && out >= 0 &&
+                    codes.size(0) == (out + kGroup - 1) / kGroup * kGroup && groups > 0 &&
+                    scales.size(0) == codes.size(0) / kGroup &&
+                    scales.size(1) == groups * 2 * kGroup && n % groups == 0 &&
+                    (n / groups) % kInt8Block == 0;
+  TORCH_CHECK_VALUE(fits,
+                    "int4_dot_linear needs x (rows, n), codes (ceil(out / 4) * 4, n / 2) and "
+                    "scales (ceil(out / 4), groups * 8) with n a multiple of groups * ",
+                    kInt8Block, ", got ", x.sizes(), ", ", codes.sizes(), " and ", scales.sizes(),
+                    " for out=", out);
+  TORCH_CHECK_VALUE(on_cpu(x) && on_cpu(codes) && on_cpu(scales),
+                    "int4_dot_linear runs on CPU tensors, got x on ", x.device());
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scales.contiguous();
+  at::Tensor y = at::empty({x.size(0), out}, x.options());
+  const int failed = attnkit_int4_linear(
+      xc.data_ptr<float>(), x.size(0), n, cc.data_ptr<uint8_t>(),
+      reinterpret_cast<const uint16_t *>(sc.data_ptr<at::BFloat16>()), out, n / groups,
+      y.data_ptr<float>(), at::get_num_threads());
+  TORCH_CHECK(!failed, "int4_dot_linear could not allocate ", x.size(0), " quantized rows");
   return y;
 }
 
@@ -156,6 +191,7 @@ at::Tensor one_query_attention(const at::Tensor &q, const at::Tensor &k, const a
 
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
   m.impl("int8_dot_linear", &int8_dot_linear);
+  m.impl("int4_dot_linear", &int4_dot_linear);
   m.impl("float_dot_linear", &float_dot_linear);
   m.impl("one_query_attention", &one_query_attention);
 }

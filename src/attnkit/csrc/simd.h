@@ -4,6 +4,7 @@
 #define ATTNKIT_SIMD_H
 
 #include <immintrin.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -130,6 +131,41 @@ static inline float capped_row(float *row, int64_t n, float cap, int finite) {
     m = c > m ? c : m;
   }
   return m;
+}
+
+/* Each block of 32 activations as int8 codes xq and a scale xs (its largest magnitude / 127).
+ * A block holding a NaN or an infinity gets a NaN scale, so its row's products are NaN, as a
+ * float product's would be non-finite. (x / top * 127, not x * (127 / top): a subnormal top
+ * would make 127 / top infinite.) Eight lanes at a time, each code rounded to nearest even as
+ * lrintf rounds it. */
+static inline void quantize_blocks(const float *x, int64_t n, int8_t *xq, float *xs) {
+  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < n / 32; b++) {
+    const float *p = x + b * 32;
+    __m256 v[4], top = _mm256_setzero_ps();
+    __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int i = 0; i < 4; i++) {
+      v[i] = _mm256_loadu_ps(p + 8 * i);
+      const __m256 a = _mm256_and_ps(v[i], no_sign);
+      /* (false for NaN too) */
+      finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));
+      top = _mm256_max_ps(top, _mm256_and_ps(a, finite)); /* (a NaN lane counts as 0) */
+    }
+    const float high = lanes_max(top);
+    const int ok = _mm256_movemask_ps(finite) == 0xff;
+    xs[b] = ok ? high / 127.f : NAN;
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) {
+      const __m256 scaled =
+          _mm256_mul_ps(_mm256_div_ps(v[i], _mm256_set1_ps(high)), _mm256_set1_ps(127.f));
+      q[i] = ok && high > 0.f ? _mm256_cvtps_epi32(scaled) : _mm256_setzero_si256();
+    }
+    /* int32 -> int16 -> int8 (no code saturates: |code| <= 127), lanes back in order */
+    const __m256i q16a = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
+    const __m256i q16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
+    const __m256i q8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(q16a, q16b), 0xd8);
+    _mm256_storeu_si256((__m256i *)(xq + b * 32), q8);
+  }
 }
 
 #endif
