@@ -14,13 +14,16 @@ rate: the time of ``new`` tokens minus the time of one, over ``new - 1``):
 * llama.cpp ``f32`` vs attnkit fp32 (``compile=True``),
 * llama.cpp ``bf16`` vs attnkit bf16 weights (compiled),
 * llama.cpp ``q8_0`` vs attnkit int8 weight-only (``quantize="int8"``, its default kernel;
-  eager and compiled).
+  eager and compiled),
+* llama.cpp ``q4_0`` (a scale per 32 weights) and ``q4_1`` (a scale and a minimum per 32) vs
+  attnkit int4 weight-only (``quantize="int4"``: a scale and an offset per group of 128 inputs,
+  or 64 where 128 does not divide; compiled).
 
 The GGUF files: ``--gguf PRECISION=FILE`` (e.g. converted with llama.cpp's own
 ``convert_hf_to_gguf.py --outtype f32|bf16|q8_0``), or, for the precisions not given, written
 here from the attnkit model with the ``gguf`` package's writer (tensor names and the rotary
-channel order of llama.cpp's converter; q8_0 quantized by ``gguf.quants``). Goals: attnkit /
-llama.cpp >= 1.15 in fp32 and >= 1.0 in bf16.
+channel order of llama.cpp's converter; q8_0, q4_0 and q4_1 quantized by ``gguf.quants``).
+Goals: attnkit / llama.cpp >= 1.15 in fp32 and >= 1.0 in bf16.
 
 Prints a table and writes JSON (default ``benchmarks/results/bench_llamacpp.json``).
 """
@@ -44,21 +47,23 @@ import torch
 from attnkit.bench import decoding as db
 from attnkit.models import TransformerLM
 
-PRECISIONS = ("f32", "bf16", "q8_0")
+PRECISIONS = ("f32", "bf16", "q8_0", "q4_0", "q4_1")
 #: (llama.cpp precision, attnkit variant of ``attnkit.bench.decoding.quantized_variants``)
 PAIRS = (
     ("f32", "fp32 compile"),
     ("bf16", "bf16 compile"),
     ("q8_0", "int8 compile"),
     ("q8_0", "int8"),
+    ("q4_0", "int4 compile"),
+    ("q4_1", "int4 compile"),
 )
 GOALS = {"f32": 1.15, "bf16": 1.0}
 
 
 def write_gguf(lm: TransformerLM, path: Path, precision: str) -> Path:
     """``lm`` (a tied or untied Llama-shaped model) as a GGUF file of 2-D weights in
-    ``precision`` (``f32``, ``bf16`` or ``q8_0``), with a placeholder SentencePiece vocabulary
-    (speed does not depend on the tokens). Needs the ``gguf`` package."""
+    ``precision`` (``f32``, ``bf16``, ``q8_0``, ``q4_0`` or ``q4_1``), with a placeholder
+    SentencePiece vocabulary (speed does not depend on the tokens). Needs the ``gguf`` package."""
     import gguf
     import numpy as np
 
@@ -102,7 +107,7 @@ def write_gguf(lm: TransformerLM, path: Path, precision: str) -> Path:
         elif precision == "bf16":
             w.add_tensor(target, t.bfloat16().view(torch.uint8).numpy(), raw_dtype=kind["bf16"])
         else:
-            q = gguf.GGMLQuantizationType.Q8_0
+            q = getattr(gguf.GGMLQuantizationType, precision.upper())
             w.add_tensor(target, gguf.quants.quantize(t.numpy(), q), raw_dtype=q)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -720,9 +720,10 @@ class Int4Linear(nn.Module):
         n_groups = in_features // group_size
         scale = torch.empty(out_features, n_groups)
         offset = torch.empty(out_features, n_groups)
-        codes = torch.empty(out_features, in_features, dtype=torch.uint8)
-        # A block of rows at a time: the float temporaries stay small.
-        step = _rows_per_block(in_features)
+        packed = torch.empty(-(-out_features // 4) * 4, in_features // 2, dtype=torch.uint8)
+        # A block of rows (whole groups of four) at a time: the float temporaries and the
+        # unpacked codes stay small.
+        step = max(4, _rows_per_block(in_features) // 4 * 4)
         for start in range(0, out_features, step):
             rows = slice(start, start + step)
             groups = weight[rows].to(torch.float32, copy=True).reshape(-1, n_groups, group_size)
@@ -732,11 +733,11 @@ class Int4Linear(nn.Module):
             m = low.bfloat16().float()
             scale[rows], offset[rows] = s, m
             q = groups.sub_(m[..., None]).div_(s[..., None]).round_().clamp_(0, 15)
-            codes[rows] = q.reshape(-1, in_features).to(torch.uint8)
-        new.codes = _frozen(pack_int4(codes))
+            codes = pack_int4(q.reshape(-1, in_features).to(torch.uint8))
+            packed[start : start + len(codes)] = codes
+        new.codes = _frozen(packed)
         new.scales = _frozen(pack_int4_scales(scale, offset))
         new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
-        new.kernel = "int4" if kernels_available() else "dequantize"
         return new
 
     @classmethod

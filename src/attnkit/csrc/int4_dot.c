@@ -20,7 +20,8 @@
  * AVX2 multiplies unsigned codes (0..15) by signed activations in byte pairs (at most
  * 2 * 15 * 127 < 2^15); AVX512-VNNI sums four products to an int32 lane in one instruction. A
  * lane holds the same eight products either way (four of each nibble), summed in the same
- * float order, so both give the same bits.
+ * float order, so both give the same bits, and a row's result does not depend on the rows
+ * beside it. Two or four activation rows share each unpacked block (a batch's steps).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -48,86 +49,142 @@ static inline float sum4(__m128 v) {
   return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
 }
 
-/* The four dots of one group of rows with one activation row (AVX2): rows 0-1 in acc[0] (four
- * lanes each), rows 2-3 in acc[1]. */
-static inline void group_dots(const int8_t *xq, const float *xs, const float *xz,
-                              const uint8_t *w, const uint16_t *sm, int64_t n, int64_t group,
-                              float *dots) {
+/* The activations of R rows (1 or 2) as the dots read them: each row's int8 codes (n), block
+ * scales (n / 32) and group sums xz (n / group) at strides of a row. */
+typedef struct {
+  const int8_t *xq;
+  const float *xs, *xz;
+  int64_t n, blocks, groups;
+} Rows;
+
+/* The four dots of one group of weight rows with R activation rows (AVX2, R <= 2), into
+ * dots[4 r + k]: weight rows 0-1 in acc[r][0] (four lanes each), rows 2-3 in acc[r][1]. Each
+ * 64-byte block of codes is unpacked once for the R rows; each row's sums run in the same order
+ * whatever R. */
+static inline __attribute__((always_inline)) void group_dots(const Rows *x, int R,
+                                                             const uint8_t *w, const uint16_t *sm,
+                                                             int64_t group, float *dots) {
   const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, zacc[2] = {acc[0], acc[1]};
+  __m256 acc[2][2], zacc[2][2];
+  for (int r = 0; r < R; r++)
+    for (int k = 0; k < 2; k++) acc[r][k] = zacc[r][k] = _mm256_setzero_ps();
   const int64_t per = group / BLOCK;
-  for (int64_t g = 0; g < n / group; g++) {
-    __m256 gacc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < x->groups; g++) {
+    __m256 gacc[2][2];
+    for (int r = 0; r < R; r++) gacc[r][0] = gacc[r][1] = _mm256_setzero_ps();
     for (int64_t b = g * per; b < (g + 1) * per; b++) {
       const uint8_t *codes = w + b * BLOCK_BYTES;
       /* (a prefetch past the end of the weight is harmless: it never faults) */
       _mm_prefetch((const char *)(codes + PREFETCH), _MM_HINT_T0);
-      const __m256i lo_x =
-          _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xq + b * BLOCK)));
-      const __m256i hi_x =
-          _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xq + b * BLOCK + 16)));
-      const __m256 s = _mm256_set1_ps(xs[b]);
+      __m256i lo[2], hi[2];
       for (int k = 0; k < 2; k++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 32 * k));
-        const __m256i lo = _mm256_and_si256(v, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        const __m256i pairs =
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, lo_x), _mm256_maddubs_epi16(hi, hi_x));
-        const __m256i sums = _mm256_madd_epi16(pairs, ones);
-        gacc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, gacc[k]);
+        lo[k] = _mm256_and_si256(v, nibble);
+        hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      }
+      for (int r = 0; r < R; r++) {
+        const int8_t *q = x->xq + r * x->n + b * BLOCK;
+        const __m256i lo_x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
+        const __m256i hi_x =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16)));
+        const __m256 s = _mm256_set1_ps(x->xs[r * x->blocks + b]);
+        for (int k = 0; k < 2; k++) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], lo_x),
+                                                 _mm256_maddubs_epi16(hi[k], hi_x));
+          const __m256i sums = _mm256_madd_epi16(pairs, ones);
+          gacc[r][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, gacc[r][k]);
+        }
       }
     }
     const __m256 scales = _mm256_castps128_ps256(widen4(sm + 8 * g));
     const __m256 offsets = _mm256_castps128_ps256(widen4(sm + 8 * g + 4));
-    const __m256 z = _mm256_set1_ps(xz[g]);
     for (int k = 0; k < 2; k++) {
       /* lanes 0-3 row 2k, lanes 4-7 row 2k + 1 */
       const __m256i spread = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1,
                                                2 * k + 1, 2 * k + 1);
-      acc[k] = _mm256_fmadd_ps(gacc[k], _mm256_permutevar8x32_ps(scales, spread), acc[k]);
-      zacc[k] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(offsets, spread), z, zacc[k]);
+      const __m256 sv = _mm256_permutevar8x32_ps(scales, spread);
+      const __m256 ov = _mm256_permutevar8x32_ps(offsets, spread);
+      for (int r = 0; r < R; r++) {
+        acc[r][k] = _mm256_fmadd_ps(gacc[r][k], sv, acc[r][k]);
+        zacc[r][k] = _mm256_fmadd_ps(ov, _mm256_set1_ps(x->xz[r * x->groups + g]), zacc[r][k]);
+      }
     }
   }
-  for (int k = 0; k < 2; k++) {
-    dots[2 * k] = sum4(_mm256_castps256_ps128(acc[k])) + _mm256_cvtss_f32(zacc[k]);
-    dots[2 * k + 1] = sum4(_mm256_extractf128_ps(acc[k], 1)) +
-                      _mm_cvtss_f32(_mm256_extractf128_ps(zacc[k], 1));
-  }
+  for (int r = 0; r < R; r++)
+    for (int k = 0; k < 2; k++) {
+      dots[4 * r + 2 * k] =
+          sum4(_mm256_castps256_ps128(acc[r][k])) + _mm256_cvtss_f32(zacc[r][k]);
+      dots[4 * r + 2 * k + 1] = sum4(_mm256_extractf128_ps(acc[r][k], 1)) +
+                                _mm_cvtss_f32(_mm256_extractf128_ps(zacc[r][k], 1));
+    }
 }
 
-/* group_dots with AVX512-VNNI: the four rows in one register, four lanes each. */
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void group_dots_vnni(
-    const int8_t *xq, const float *xs, const float *xz, const uint8_t *w, const uint16_t *sm,
-    int64_t n, int64_t group, float *dots) {
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+/* group_dots with AVX512-VNNI (R <= 4): the four weight rows in one register, four lanes each. */
+static inline VNNI __attribute__((always_inline)) void group_dots_vnni(
+    const Rows *x, int R, const uint8_t *w, const uint16_t *sm, int64_t group, float *dots) {
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  __m512 acc = _mm512_setzero_ps(), zacc = _mm512_setzero_ps();
+  __m512 acc[4], zacc[4];
+  for (int r = 0; r < R; r++) acc[r] = zacc[r] = _mm512_setzero_ps();
   const int64_t per = group / BLOCK;
-  for (int64_t g = 0; g < n / group; g++) {
-    __m512 gacc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < x->groups; g++) {
+    __m512 gacc[4];
+    for (int r = 0; r < R; r++) gacc[r] = _mm512_setzero_ps();
     for (int64_t b = g * per; b < (g + 1) * per; b++) {
       const uint8_t *codes = w + b * BLOCK_BYTES;
       _mm_prefetch((const char *)(codes + PREFETCH), _MM_HINT_T0);
-      const __m512i lo_x =
-          _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xq + b * BLOCK)));
-      const __m512i hi_x =
-          _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xq + b * BLOCK + 16)));
       const __m512i v = _mm512_loadu_si512((const void *)codes);
       const __m512i lo = _mm512_and_si512(v, nibble);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      const __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, lo_x);
-      const __m512i sums = _mm512_dpbusd_epi32(low, hi, hi_x);
-      gacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(xs[b]), gacc);
+      for (int r = 0; r < R; r++) {
+        const int8_t *q = x->xq + r * x->n + b * BLOCK;
+        const __m512i lo_x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q));
+        const __m512i hi_x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q + 16)));
+        const __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, lo_x);
+        const __m512i sums = _mm512_dpbusd_epi32(low, hi, hi_x);
+        const __m512 s = _mm512_set1_ps(x->xs[r * x->blocks + b]);
+        gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, gacc[r]);
+      }
     }
-    const __m512 scales = _mm512_castps128_ps512(widen4(sm + 8 * g));
-    const __m512 offsets = _mm512_castps128_ps512(widen4(sm + 8 * g + 4));
-    acc = _mm512_fmadd_ps(gacc, _mm512_permutexvar_ps(spread, scales), acc);
-    zacc = _mm512_fmadd_ps(_mm512_permutexvar_ps(spread, offsets), _mm512_set1_ps(xz[g]), zacc);
+    const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(widen4(sm + 8 * g)));
+    const __m512 ov =
+        _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(widen4(sm + 8 * g + 4)));
+    for (int r = 0; r < R; r++) {
+      acc[r] = _mm512_fmadd_ps(gacc[r], sv, acc[r]);
+      zacc[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(x->xz[r * x->groups + g]), zacc[r]);
+    }
   }
-  dots[0] = sum4(_mm512_castps512_ps128(acc)) + _mm512_cvtss_f32(zacc);
-  dots[1] = sum4(_mm512_extractf32x4_ps(acc, 1)) + _mm_cvtss_f32(_mm512_extractf32x4_ps(zacc, 1));
-  dots[2] = sum4(_mm512_extractf32x4_ps(acc, 2)) + _mm_cvtss_f32(_mm512_extractf32x4_ps(zacc, 2));
-  dots[3] = sum4(_mm512_extractf32x4_ps(acc, 3)) + _mm_cvtss_f32(_mm512_extractf32x4_ps(zacc, 3));
+  for (int r = 0; r < R; r++) {
+    float *d = dots + 4 * r;
+    d[0] = sum4(_mm512_castps512_ps128(acc[r])) + _mm512_cvtss_f32(zacc[r]);
+    for (int k = 1; k < 4; k++)
+      d[k] = sum4(_mm512_extractf32x4_ps(acc[r], k)) +
+             _mm_cvtss_f32(_mm512_extractf32x4_ps(zacc[r], k));
+  }
+}
+
+/* Activation rows through a group of weight rows, each path compiled per row count: two at a
+ * time with AVX2 (its 16 registers hold two rows' sums), four with AVX512 (measured on the 135M
+ * shape's matrices, 4 rows: 1.6x one row a pass, 1.25x two; benchmarks/RESULTS.md). */
+static void dots1(const Rows *x, const uint8_t *w, const uint16_t *sm, int64_t g, float *d) {
+  group_dots(x, 1, w, sm, g, d);
+}
+static void dots2(const Rows *x, const uint8_t *w, const uint16_t *sm, int64_t g, float *d) {
+  group_dots(x, 2, w, sm, g, d);
+}
+static VNNI void dots1_vnni(const Rows *x, const uint8_t *w, const uint16_t *sm, int64_t g,
+                            float *d) {
+  group_dots_vnni(x, 1, w, sm, g, d);
+}
+static VNNI void dots2_vnni(const Rows *x, const uint8_t *w, const uint16_t *sm, int64_t g,
+                            float *d) {
+  group_dots_vnni(x, 2, w, sm, g, d);
+}
+static VNNI void dots4_vnni(const Rows *x, const uint8_t *w, const uint16_t *sm, int64_t g,
+                            float *d) {
+  group_dots_vnni(x, 4, w, sm, g, d);
 }
 
 /* y (rows, out) = x (rows, n) @ W.T for the int4 weight W of codes w and scales/offsets sm in
@@ -160,21 +217,24 @@ int attnkit_int4_linear(const float *x, int64_t rows, int64_t n, const uint8_t *
     }
   }
   const int64_t row_groups = (out + GROUP - 1) / GROUP;
+  typedef void (*Dots)(const Rows *, const uint8_t *, const uint16_t *, int64_t, float *);
   const int wide = attnkit_int8_vnni(-1);
+  const Dots one = wide ? dots1_vnni : dots1, two = wide ? dots2_vnni : dots2;
+  const int most = wide ? 4 : 2;
   (void)threads; /* (unused where built without OpenMP) */
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
   for (int64_t rg = 0; rg < row_groups; rg++) {
     const int64_t o = rg * GROUP;
     const uint8_t *codes = w + o * (n / 2);
     const uint16_t *scales = sm + rg * groups * 2 * GROUP;
-    float dots[GROUP];
-    for (int64_t r = 0; r < rows; r++) {
-      if (wide)
-        group_dots_vnni(xq + r * n, xs + r * blocks, xz + r * groups, codes, scales, n, group,
-                        dots);
-      else
-        group_dots(xq + r * n, xs + r * blocks, xz + r * groups, codes, scales, n, group, dots);
-      for (int k = 0; k < GROUP && o + k < out; k++) y[r * out + o + k] = dots[k];
+    float dots[4 * GROUP];
+    for (int64_t r = 0; r < rows;) {
+      const Rows x = {xq + r * n, xs + r * blocks, xz + r * groups, n, blocks, groups};
+      const int R = rows - r >= most ? most : rows - r >= 2 ? 2 : 1;
+      (R == 4 ? dots4_vnni : R == 2 ? two : one)(&x, codes, scales, group, dots);
+      for (int i = 0; i < R; i++)
+        for (int k = 0; k < GROUP && o + k < out; k++) y[(r + i) * out + o + k] = dots[4 * i + k];
+      r += R;
     }
   }
   free(xq);
