@@ -68,6 +68,15 @@ def test_streams_prompt_then_greedy_continuation(
     assert out.startswith(prompt) and len(out) > len(prompt) + 1
 
 
+def test_compile_gives_the_eager_text(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--model", str(folder), "--prompt", "the cat sat on", "--max-new-tokens", "5"]
+    code, eager, err = _run([*args, "--quiet"], capsys)
+    assert code == 0, err
+    code, compiled, err = _run([*args, "--compile"], capsys)
+    assert code == 0, err
+    assert compiled == eager and "tokens/s" in err
+
+
 @pytest.mark.slow
 def test_prompt_from_stdin_sampling_seed_and_attention(
     folder: Path,
