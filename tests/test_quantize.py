@@ -635,3 +635,17 @@ def test_generate_command_quantizes_and_reports_speed(
     assert main([*args, "--quantize", "int4", "--quiet"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith(tok.decode(ids[0].tolist())) and "tokens/s" not in err
+
+
+def test_a_cast_layer_is_named_not_misread() -> None:
+    """Casting a quantized model (``.half()``) casts its float scales: the kernels read float32
+    (int8) and bf16 (int4) ones, so a call names the dtype rather than reading the wrong bits."""
+    layers = [
+        Int4Linear.from_weight(torch.randn(8, 64), group_size=32),
+        Int8Linear.from_weight(torch.randn(8, 64)),
+    ]
+    for layer in layers:
+        layer.half()
+        if layer.kernel in ("int4", "avx2"):
+            with pytest.raises(TypeError, match="float16"):
+                layer(torch.randn(1, 64).half())

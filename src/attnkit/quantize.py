@@ -65,6 +65,8 @@ from attnkit.decoding import PreparedLinear, linear
 from attnkit.native import (
     INT8_DOT_BLOCK,
     _amx,
+    _int4_product,
+    _int8_product,
     group_codes,
     int4_dot_linear,
     int8_dot_linear,
@@ -377,7 +379,9 @@ class Int8Linear(nn.Module):
             xf = x2.float()
             if compiling:  # (one opaque op of the graph)
                 y = torch.ops.attnkit.int8_dot_linear(xf, self.weight_int8, self.scale)
-            else:
+            elif self.scale.dtype == torch.float32:  # (the layer holds the kernel's shapes)
+                y = _int8_product(xf.contiguous(), self.weight_int8, self.scale)
+            else:  # (a cast scale, e.g. after .half(): the checks name it)
                 y = int8_dot_linear(xf, self.weight_int8, self.scale)
         elif kernel == "avx2":
             # A prompt, or a product gradients flow through (e.g. to an adapter's input): the
@@ -777,7 +781,9 @@ class Int4Linear(nn.Module):
                 y = torch.ops.attnkit.int4_dot_linear(
                     xf, self.codes, self.scales, self.out_features
                 )
-            else:
+            elif self.scales.dtype == torch.bfloat16:  # (the layer holds the kernel's shapes)
+                y = _int4_product(xf.contiguous(), self.codes, self.scales, self.out_features)
+            else:  # (cast scales, e.g. after .half(): the checks name them)
                 y = int4_dot_linear(xf, self.codes, self.scales, self.out_features)
         elif self.kernel == "int4":
             # A prompt, or a product gradients flow through: the float product of the
