@@ -649,3 +649,21 @@ def test_a_cast_layer_is_named_not_misread() -> None:
         if layer.kernel in ("int4", "avx2"):
             with pytest.raises(TypeError, match="float16"):
                 layer(torch.randn(1, 64).half())
+
+
+def test_int4_prompts_and_gradients() -> None:
+    """Prompts run the kernel (a row's result does not depend on the rows beside it); a product
+    gradients flow through is the float product of the rounded activations, the gradient the
+    dequantized weight's (straight through the rounding)."""
+    torch.manual_seed(4)
+    layer = Int4Linear.from_weight(torch.randn(24, 128), torch.randn(24), group_size=64)
+    x = torch.randn(300, 128)
+    y = layer(x)
+    for i in (0, 151, 299):
+        assert torch.equal(y[i], layer(x[i : i + 1])[0])
+    xg = x[:7].clone().requires_grad_(True)
+    out = layer(xg)
+    assert_close(out, y[:7], rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert xg.grad is not None
+    assert_close(xg.grad, layer.dequantize().sum(0).expand(7, -1), rtol=1e-5, atol=1e-5)
