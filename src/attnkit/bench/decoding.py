@@ -710,7 +710,7 @@ def quantize_rows(
     steps: dict[str, list[float]] = {v: [] for v in runners}
     firsts: dict[str, list[float]] = {v: [] for v in runners}
     bandwidths: list[float] = []
-    probe = _ReadBandwidth(1 << 28)
+    probe = _ReadBandwidth()  # (1 GB, as decode_rows measures the bound)
     for r in range(repeats):
         for variant, run in runners.items():
             say(f"{name}: run {r + 1}/{repeats} {variant}")
@@ -719,7 +719,7 @@ def quantize_rows(
             firsts[variant].append(t1)
             steps[variant].append(max(t - t1, 1e-9) / (new - 1))
         bandwidths.append(probe.measure())
-    bandwidth = max(bandwidths)
+    bandwidth = max(bandwidths)  # (the fastest probe, as decode_rows)
     rows: dict[str, dict[str, Any]] = {}
     for variant in runners:
         rate = [1 / s for s in steps[variant]]
