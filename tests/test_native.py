@@ -108,7 +108,8 @@ def test_the_vnni_and_avx2_dots_give_the_same_bits() -> None:
     gen = torch.Generator().manual_seed(5)
     codes = torch.randint(-128, 128, (70, 192), dtype=torch.int8, generator=gen)
     grouped, scale = native.group_codes(codes), torch.rand(70, generator=gen)
-    x = torch.randn(3, 192, generator=gen) * torch.logspace(-3, 3, 192)
+    # 7 rows: four, two and one a pass with VNNI (each row's sums in the same order)
+    x = torch.randn(7, 192, generator=gen) * torch.logspace(-3, 3, 192)
     flags = Path("/proc/cpuinfo").read_text().split()
     able = "avx512_vnni" in flags and "avx512bw" in flags
     before = native.int8_vnni()
@@ -151,14 +152,21 @@ def test_a_compiled_graph_calls_the_same_kernel() -> None:
 
 
 @needs_kernel
-def test_a_rows_product_does_not_depend_on_how_many_rows_came_with_it() -> None:
+@pytest.mark.parametrize("vnni", [False, True])
+def test_a_rows_product_does_not_depend_on_how_many_rows_came_with_it(vnni: bool) -> None:
     """Past AVX2_MAX_ROWS rows a layer multiplies the dequantized weight by the activations
-    rounded as the kernel rounds them: the same products up to float32 summation order."""
+    rounded as the kernel rounds them (the kernel's VNNI dots, where they run, take every row):
+    the same products up to float32 summation order."""
     torch.manual_seed(5)
     layer = Int8Linear.from_weight(torch.randn(40, 96), torch.randn(40), kernel="avx2")
     x = torch.randn(AVX2_MAX_ROWS + 1, 96)
     x[7, 5] = float("nan")
-    many, few = layer(x), layer(x[:3])
+    before = native.int8_vnni()
+    try:
+        native.int8_vnni(vnni)
+        many, few = layer(x), layer(x[:3])
+    finally:
+        native.int8_vnni(before)
     assert few.isfinite().all() and many[7].isnan().all()
     assert_close(many[:3], few, rtol=1e-5, atol=1e-5)
     codes, deq = layer.codes(), layer.dequantize().double()

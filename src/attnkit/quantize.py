@@ -15,11 +15,12 @@ rule by CPU features (:func:`default_int8_kernel`), so every load of a model giv
 
 * ``"avx2"`` (the default on CPUs without AMX, where attnkit could build it):
   :func:`attnkit.native.int8_dot_linear`, attnkit's own kernel of AVX2 integer dot products, for up
-  to :data:`AVX2_MAX_ROWS` rows (decoding); activations rounded to int8 per block of 32 inputs (as
-  llama.cpp's ``q8_0`` dot); inputs a multiple of 32. It streams the codes at about the read
-  bandwidth, where torch's int8 kernels on AVX2-only CPUs reach about a third of it (and on an
-  AVX512-BF16 EPYC decoded 1.2x/1.3x slower, eager/compiled). More rows (a prompt) multiply the
-  dequantized weight by the activations rounded the same way
+  to :data:`AVX2_MAX_ROWS` rows (decoding), or every row without gradients where its AVX512-VNNI
+  dots run; activations rounded to int8 per block of 32 inputs (as llama.cpp's ``q8_0`` dot);
+  inputs a multiple of 32. It streams the codes at about the read bandwidth, where torch's int8
+  kernels on AVX2-only CPUs reach about a third of it (and on an AVX512-BF16 EPYC decoded
+  1.2x/1.3x slower, eager/compiled). More rows (a prompt) multiply the dequantized weight by the
+  activations rounded the same way
   (:func:`attnkit.native.round_activations`), so the result does not depend on the row count beyond
   float32 summation order. Compiled graphs call it as one op (``attnkit::int8_dot_linear``).
 * ``"fbgemm"`` (the default where ``"avx2"`` cannot run, on CPUs with torch's fbgemm engine and
@@ -70,6 +71,7 @@ from attnkit.native import (
     group_codes,
     int4_dot_linear,
     int8_dot_linear,
+    int8_vnni,
     kernels_available,
     pack_int4,
     pack_int4_scales,
@@ -102,9 +104,11 @@ GROUP_SIZES = (256, 128, 64, 32)
 #: The ways an :class:`Int8Linear` multiplies (see the module's docstring); ``"auto"`` measures.
 INT8_KERNELS = ("avx2", "fbgemm", "int8pack", "dequantize")
 Int8Kernel = Literal["default", "auto", "avx2", "fbgemm", "int8pack", "dequantize"]
-#: Rows up to which the ``"avx2"`` kernel multiplies (decoding, small batches); more rows (a
-#: prompt) multiply the dequantized weight (with the activations rounded as the kernel rounds
-#: them), faster from about 256 rows on (measured).
+#: Rows up to which the ``"avx2"`` kernel multiplies (decoding, small batches) on CPUs without
+#: AVX512-VNNI; more rows (a prompt) multiply the dequantized weight (with the activations
+#: rounded as the kernel rounds them), faster from about 256 rows on (measured). Where the
+#: kernel's VNNI dots run (:func:`attnkit.native.int8_vnni`), four rows share each block and the
+#: kernel stays the faster at 2048 rows (1.2-1.6x), so it takes every product without gradients.
 AVX2_MAX_ROWS = 256
 
 
@@ -375,7 +379,8 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         compiling = torch.compiler.is_compiling()
         kernel = self.kernel if x2.device.type == "cpu" else "dequantize"
-        if kernel == "avx2" and x2.shape[0] <= AVX2_MAX_ROWS and not x2.requires_grad:
+        rows_fit = x2.shape[0] <= AVX2_MAX_ROWS or (not compiling and int8_vnni())
+        if kernel == "avx2" and rows_fit and not x2.requires_grad:
             xf = x2.float()
             if compiling:  # (one opaque op of the graph)
                 y = torch.ops.attnkit.int8_dot_linear(xf, self.weight_int8, self.scale)

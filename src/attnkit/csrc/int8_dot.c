@@ -19,7 +19,8 @@
  * 32 codes of a block lie side by side, one vpdpbusd sums them against the block's activations
  * (held in both halves) into sixteen int32 lanes, half a row's. Each lane holds the same four
  * products as the AVX2 path's, summed and scaled in the same order, so both paths give the same
- * bits; VNNI takes 6 instructions per 64 codes where AVX2 takes 12.
+ * bits; VNNI takes 6 instructions per 64 codes where AVX2 takes 12. Two or four activation rows
+ * share each block's magnitudes and signs (a batch's steps, short prompts).
  */
 #include <float.h>
 #include <immintrin.h>
@@ -59,32 +60,60 @@ static inline void group_dots(const int8_t *xq, const float *xs, const int8_t *w
   for (int k = 0; k < GROUP; k++) dots[k] = lanes_sum(acc[k]);
 }
 
-/* group_dots with AVX512-VNNI (see the top): rows 0-1 of the group in acc[0], rows 2-3 in acc[1],
- * each row's eight lanes as the AVX2 path's. */
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void group_dots_vnni(
-    const int8_t *xq, const float *xs, const int8_t *w, int64_t n, float *dots) {
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+/* group_dots with AVX512-VNNI (see the top) for R activation rows (1, 2 or 4; rows n codes and
+ * blocks scales apart), into dots[4 r + k]: rows 0-1 of the group in acc[r][0], rows 2-3 in
+ * acc[r][1], each row's eight lanes as the AVX2 path's. The codes' magnitudes and signs are taken
+ * once for the R rows (4 rows: 1.3x one a pass), each row's sums in the same order whatever R. */
+static inline VNNI __attribute__((always_inline)) void group_dots_vnni(
+    const int8_t *xq, const float *xs, int64_t blocks, int R, const int8_t *w, int64_t n,
+    float *dots) {
+  __m512 acc[4][2];
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
   for (int64_t b = 0; b < n / BLOCK; b++) {
     const int8_t *codes = w + b * GROUP * BLOCK;
     _mm_prefetch((const char *)(codes + PREFETCH), _MM_HINT_T0);
     _mm_prefetch((const char *)(codes + PREFETCH + 64), _MM_HINT_T0);
-    const __m512i x =
-        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + b * BLOCK)));
-    const __m512 s = _mm512_set1_ps(xs[b]);
+    __m512i size[2];
+    __mmask64 negative[2];
     for (int k = 0; k < 2; k++) {
       const __m512i c = _mm512_loadu_si512((const void *)(codes + k * 2 * BLOCK));
       /* |w| (unsigned: code -128 is 128) times x with w's sign, four products to a lane */
-      const __m512i zero = _mm512_setzero_si512();
-      const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c), zero, x);
-      const __m512i sums = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(c), signed_x);
-      acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, acc[k]);
+      size[k] = _mm512_abs_epi8(c);
+      negative[k] = _mm512_movepi8_mask(c);
+    }
+    for (int r = 0; r < R; r++) {
+      const __m256i *row = (const __m256i *)(xq + r * n + b * BLOCK);
+      const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(row));
+      const __m512 s = _mm512_set1_ps(xs[r * blocks + b]);
+      for (int k = 0; k < 2; k++) {
+        const __m512i signed_x = _mm512_mask_sub_epi8(x, negative[k], zero, x);
+        const __m512i sums = _mm512_dpbusd_epi32(zero, size[k], signed_x);
+        acc[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, acc[r][k]);
+      }
     }
   }
-  for (int k = 0; k < 2; k++) {
-    dots[2 * k] = lanes_sum(_mm512_castps512_ps256(acc[k]));
-    const __m512d halves = _mm512_castps_pd(acc[k]);
-    dots[2 * k + 1] = lanes_sum(_mm256_castpd_ps(_mm512_extractf64x4_pd(halves, 1)));
-  }
+  for (int r = 0; r < R; r++)
+    for (int k = 0; k < 2; k++) {
+      dots[4 * r + 2 * k] = lanes_sum(_mm512_castps512_ps256(acc[r][k]));
+      const __m512d halves = _mm512_castps_pd(acc[r][k]);
+      dots[4 * r + 2 * k + 1] = lanes_sum(_mm256_castpd_ps(_mm512_extractf64x4_pd(halves, 1)));
+    }
+}
+
+static VNNI void dots1_vnni(const int8_t *xq, const float *xs, int64_t blocks, const int8_t *w,
+                            int64_t n, float *dots) {
+  group_dots_vnni(xq, xs, blocks, 1, w, n, dots);
+}
+static VNNI void dots2_vnni(const int8_t *xq, const float *xs, int64_t blocks, const int8_t *w,
+                            int64_t n, float *dots) {
+  group_dots_vnni(xq, xs, blocks, 2, w, n, dots);
+}
+static VNNI void dots4_vnni(const int8_t *xq, const float *xs, int64_t blocks, const int8_t *w,
+                            int64_t n, float *dots) {
+  group_dots_vnni(xq, xs, blocks, 4, w, n, dots);
 }
 
 /* Whether group dots run with AVX512-VNNI: -1 until asked, then 0 or 1 (see attnkit_int8_vnni). */
@@ -131,13 +160,18 @@ int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
   for (int64_t g = 0; g < groups; g++) {
     const int64_t o = g * GROUP;
-    float dots[GROUP];
-    for (int64_t r = 0; r < rows; r++) {
-      if (wide)
-        group_dots_vnni(xq + r * n, xs + r * blocks, w + o * n, n, dots);
+    float dots[4 * GROUP];
+    for (int64_t r = 0; r < rows;) {
+      const int R = !wide ? 1 : rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+      const int8_t *q = xq + r * n;
+      const float *qs = xs + r * blocks;
+      if (!wide)
+        group_dots(q, qs, w + o * n, n, dots);
       else
-        group_dots(xq + r * n, xs + r * blocks, w + o * n, n, dots);
-      for (int k = 0; k < GROUP; k++) y[r * out + o + k] = dots[k] * scale[o + k];
+        (R == 4 ? dots4_vnni : R == 2 ? dots2_vnni : dots1_vnni)(q, qs, blocks, w + o * n, n, dots);
+      for (int i = 0; i < R; i++)
+        for (int k = 0; k < GROUP; k++) y[(r + i) * out + o + k] = dots[4 * i + k] * scale[o + k];
+      r += R;
     }
   }
   for (int64_t o = groups * GROUP; o < out; o++)
