@@ -713,6 +713,14 @@ def capped_attention(
     return out
 
 
+def _library() -> ctypes.CDLL:
+    """The kernels' library; a RuntimeError saying why where it is not available."""
+    lib, why = _load()
+    if lib is None:
+        raise RuntimeError(f"attnkit's kernels are not available: {why}")
+    return lib
+
+
 def kernels_unavailable() -> str:
     """Why attnkit's kernels cannot run here (empty where they can)."""
     return _load()[1]
@@ -780,8 +788,18 @@ def _check(x: Tensor, codes: Tensor, scale: Tensor) -> None:
             f"multiple of {INT8_DOT_BLOCK}, got {tuple(x.shape)}, {tuple(codes.shape)} and "
             f"{tuple(scale.shape)}"
         )
-    if not (x.device.type == codes.device.type == scale.device.type == "cpu"):
-        raise ValueError(f"int8_dot_linear runs on CPU tensors, got x on {x.device}")
+    error = _off_cpu("int8_dot_linear", x, codes, scale)
+    if error is not None:
+        raise error
+
+
+def _off_cpu(name: str, *tensors: Tensor) -> ValueError | None:
+    """The error for a kernel's tensors of which one is not on the CPU (``None``: all are)."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return None
+    return ValueError(
+        f"{name} runs on CPU tensors, got {', '.join(str(t.device) for t in tensors)}"
+    )
 
 
 def int8_vnni(use: bool | None = None) -> bool:
@@ -792,9 +810,7 @@ def int8_vnni(use: bool | None = None) -> bool:
     Raises:
         RuntimeError: Where the kernels are not available (:func:`kernels_unavailable`).
     """
-    lib, why = _load()
-    if lib is None:
-        raise RuntimeError(f"attnkit's kernels are not available: {why}")
+    lib = _library()
     return bool(lib.attnkit_int8_vnni(-1 if use is None else int(use)))
 
 
@@ -819,9 +835,7 @@ def int8_dot_linear(x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
         RuntimeError: Where the kernel is not available (:func:`kernels_unavailable`).
     """
     _check(x, codes, scale)
-    lib, why = _load()
-    if lib is None:
-        raise RuntimeError(f"attnkit's kernels are not available: {why}")
+    _library()
     return _int8_product(x.contiguous(), codes.contiguous(), scale.contiguous())
 
 
@@ -933,9 +947,7 @@ def _int4_mismatch(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Except
             f"(ceil(out / 4), groups * 8) with n a multiple of groups * {INT8_DOT_BLOCK}, got "
             f"{tuple(x.shape)}, {tuple(codes.shape)} and {tuple(scales.shape)} for out={out}"
         )
-    if not (x.device.type == codes.device.type == scales.device.type == "cpu"):
-        return ValueError(f"int4_dot_linear runs on CPU tensors, got x on {x.device}")
-    return None
+    return _off_cpu("int4_dot_linear", x, codes, scales)
 
 
 def int4_dot_linear(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Tensor:
@@ -966,9 +978,7 @@ def int4_dot_linear(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Tenso
     error = _int4_mismatch(x, codes, scales, out)
     if error is not None:
         raise error
-    lib, why = _load()
-    if lib is None:
-        raise RuntimeError(f"attnkit's kernels are not available: {why}")
+    _library()
     return _int4_product(x.contiguous(), codes.contiguous(), scales.contiguous(), out)
 
 
