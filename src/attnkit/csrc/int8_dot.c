@@ -19,8 +19,8 @@
  * 32 codes of a block lie side by side, one vpdpbusd sums them against the block's activations
  * (held in both halves) into sixteen int32 lanes, half a row's. Each lane holds the same four
  * products as the AVX2 path's, summed and scaled in the same order, so both paths give the same
- * bits; VNNI takes 6 instructions per 64 codes where AVX2 takes 12. Two or four activation rows
- * share each block's magnitudes and signs (a batch's steps, short prompts).
+ * bits; VNNI takes 6 instructions per 64 codes where AVX2 takes 12. Four (VNNI) or two (AVX2)
+ * activation rows a pass share each block's codes (a batch's steps, prompts).
  */
 #include <float.h>
 #include <immintrin.h>
@@ -42,22 +42,41 @@ static inline __m256 block_dot(__m256i w, __m256i x, __m256 s, __m256 acc) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, acc);
 }
 
-/* The four dots of one group (its codes grouped as above) with one activation row. */
-static inline void group_dots(const int8_t *xq, const float *xs, const int8_t *w, int64_t n,
-                              float *dots) {
-  __m256 acc[GROUP];
-  for (int k = 0; k < GROUP; k++) acc[k] = _mm256_setzero_ps();
+/* The four dots of one group (its codes grouped as above) with R activation rows (1 or 2; rows
+ * n codes and blocks scales apart), into dots[4 r + k]; each row's sums in the same order
+ * whatever R. */
+static inline __attribute__((always_inline)) void group_dots(const int8_t *xq, const float *xs,
+                                                             int64_t blocks, int R,
+                                                             const int8_t *w, int64_t n,
+                                                             float *dots) {
+  __m256 acc[2][GROUP];
+  for (int r = 0; r < R; r++)
+    for (int k = 0; k < GROUP; k++) acc[r][k] = _mm256_setzero_ps();
   for (int64_t b = 0; b < n / BLOCK; b++) {
     const int8_t *codes = w + b * GROUP * BLOCK;
     /* (a prefetch past the end of the weight is harmless: it never faults) */
     _mm_prefetch((const char *)(codes + PREFETCH), _MM_HINT_T0);
     _mm_prefetch((const char *)(codes + PREFETCH + 64), _MM_HINT_T0);
-    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
-    const __m256 s = _mm256_set1_ps(xs[b]);
-    for (int k = 0; k < GROUP; k++)
-      acc[k] = block_dot(_mm256_loadu_si256((const __m256i *)(codes + k * BLOCK)), x, s, acc[k]);
+    for (int r = 0; r < R; r++) {
+      const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * n + b * BLOCK));
+      const __m256 s = _mm256_set1_ps(xs[r * blocks + b]);
+      for (int k = 0; k < GROUP; k++) {
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + k * BLOCK));
+        acc[r][k] = block_dot(c, x, s, acc[r][k]);
+      }
+    }
   }
-  for (int k = 0; k < GROUP; k++) dots[k] = lanes_sum(acc[k]);
+  for (int r = 0; r < R; r++)
+    for (int k = 0; k < GROUP; k++) dots[4 * r + k] = lanes_sum(acc[r][k]);
+}
+
+static void dots1(const int8_t *xq, const float *xs, int64_t blocks, const int8_t *w, int64_t n,
+                  float *dots) {
+  group_dots(xq, xs, blocks, 1, w, n, dots);
+}
+static void dots2(const int8_t *xq, const float *xs, int64_t blocks, const int8_t *w, int64_t n,
+                  float *dots) {
+  group_dots(xq, xs, blocks, 2, w, n, dots);
 }
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -155,6 +174,7 @@ int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w
   for (int64_t r = 0; r < rows; r++) quantize_blocks(x + r * n, n, xq + r * n, xs + r * blocks);
   const int64_t groups = out / GROUP;
   const int wide = vnni < 0 ? attnkit_int8_vnni(-1) : vnni;
+  const int most = wide ? 4 : 2; /* activation rows a pass */
   (void)threads; /* (unused where built without OpenMP) */
   /* (small products stay on one thread: a parallel region costs more than they do) */
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
@@ -162,11 +182,11 @@ int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w
     const int64_t o = g * GROUP;
     float dots[4 * GROUP];
     for (int64_t r = 0; r < rows;) {
-      const int R = !wide ? 1 : rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+      const int R = rows - r >= most ? most : rows - r >= 2 ? 2 : 1;
       const int8_t *q = xq + r * n;
       const float *qs = xs + r * blocks;
       if (!wide)
-        group_dots(q, qs, w + o * n, n, dots);
+        (R == 2 ? dots2 : dots1)(q, qs, blocks, w + o * n, n, dots);
       else
         (R == 4 ? dots4_vnni : R == 2 ? dots2_vnni : dots1_vnni)(q, qs, blocks, w + o * n, n, dots);
       for (int i = 0; i < R; i++)
