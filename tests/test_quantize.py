@@ -19,6 +19,7 @@ from attnkit.config import TransformerConfig
 from attnkit.decoding import PreparedLinear, prepare
 from attnkit.models import TransformerLM
 from attnkit.quantize import (
+    AVX2_MAX_ROWS,
     INT8_KERNELS,
     Int4Linear,
     Int8Linear,
@@ -667,3 +668,16 @@ def test_int4_prompts_and_gradients() -> None:
     out.sum().backward()
     assert xg.grad is not None
     assert_close(xg.grad, layer.dequantize().sum(0).expand(7, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_other_kernels_never_ask_for_the_vnni_dots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the "avx2" kernel's layers ask the kernels' library whether its VNNI dots run (on a
+    machine without the library, asking raises)."""
+
+    def unavailable(use: bool | None = None) -> bool:
+        raise RuntimeError("attnkit's kernels are not available")
+
+    monkeypatch.setattr(quantize_module, "int8_vnni", unavailable)
+    layer = Int8Linear.from_weight(torch.randn(8, 64), kernel="dequantize")
+    x = torch.randn(AVX2_MAX_ROWS + 4, 64)
+    assert_close(layer(x), x @ layer.dequantize().T, rtol=1e-5, atol=1e-5)

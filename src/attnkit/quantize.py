@@ -379,8 +379,9 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         compiling = torch.compiler.is_compiling()
         kernel = self.kernel if x2.device.type == "cpu" else "dequantize"
-        rows_fit = x2.shape[0] <= AVX2_MAX_ROWS or (not compiling and int8_vnni())
-        if kernel == "avx2" and rows_fit and not x2.requires_grad:
+        # (int8_vnni asks the kernels' library: only where the "avx2" kernel runs)
+        few = x2.shape[0] <= AVX2_MAX_ROWS
+        if kernel == "avx2" and not x2.requires_grad and (few or (not compiling and int8_vnni())):
             xf = x2.float()
             if compiling:  # (one opaque op of the graph)
                 y = torch.ops.attnkit.int8_dot_linear(xf, self.weight_int8, self.scale)
