@@ -636,6 +636,9 @@ def test_generate_command_quantizes_and_reports_speed(
     assert main([*args, "--quantize", "int4", "--quiet"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith(tok.decode(ids[0].tolist())) and "tokens/s" not in err
+    # The compiled step runs the same int4 kernel: the same text.
+    assert main([*args, "--quantize", "int4", "--quiet", "--compile"]) == 0
+    assert capsys.readouterr().out == out
 
 
 def test_a_cast_layer_is_named_not_misread() -> None:
