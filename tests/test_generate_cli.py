@@ -74,7 +74,7 @@ def test_compile_gives_the_eager_text(folder: Path, capsys: pytest.CaptureFixtur
     assert code == 0, err
     code, compiled, err = _run([*args, "--compile"], capsys)
     assert code == 0, err
-    assert compiled == eager and "tokens/s" in err
+    assert compiled == eager and "tokens/s" in err and "first compiled step" in err
 
 
 @pytest.mark.slow
@@ -216,3 +216,16 @@ def test_chat_stops_at_end_of_turn(
     assert code == 0, err
     assert out == chat.decode([first, second]) + "\n"
     assert "2 tokens" in err
+
+
+def test_the_speed_leaves_out_a_compiled_first_step() -> None:
+    """The first compiled step may include the compilation: its time is given apart and the rate
+    is that of the tokens after it."""
+    from attnkit.commands.generate import Timing
+
+    timing = Timing(0.0, first=0.5, last=13.0, tokens=6, second=11.0)
+    assert timing.summary() == "6 tokens, first after 500 ms, 0.4 tokens/s"
+    timing.compiled = True
+    assert timing.summary() == (
+        "6 tokens, first after 500 ms, first compiled step 10.5 s, 2.0 tokens/s"
+    )

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             history.pop()
             print(f"attnkit chat: {err}", file=sys.stderr)
             continue
-        timing = Timing(time.perf_counter())
+        timing = Timing(time.perf_counter(), compiled=args.compile)
         steps = session.stream(prompt_ids, args)
         reply: list[int] = []
 

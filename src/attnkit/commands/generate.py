@@ -8,7 +8,8 @@ vocabulary), prints the prompt, then each new piece of text as soon as it is dec
 ``--chat`` (implied by ``--system TEXT``) sends the prompt as a user message through the model's
 chat template (:mod:`attnkit.chat`) and prints the reply only; generation stops at the template's
 end-of-turn tokens (``eos_token_id`` of ``generation_config.json``). At the end, the number of
-new tokens, the time to the first token and the decoding speed go to stderr (``--quiet``: not).
+new tokens, the time to the first token and the decoding speed go to stderr (``--quiet``: not;
+with ``--compile`` the speed leaves out the first compiled step, whose time is given apart).
 ``--quantize int8|int4`` quantizes the linear weights after loading
 (:func:`attnkit.quantize.quantize`); ``--compile`` decodes through the model's forward compiled
 for one-token steps (:func:`attnkit.decoding.compiled_step`: the first call compiles, the steps
@@ -221,20 +222,29 @@ def read_tokenizer(path: Path) -> Any:
 
 @dataclass
 class Timing:
-    """When generation started and when its first and last tokens came."""
+    """When generation started and when its first, second and last tokens came; ``compiled``:
+    the steps after the first token run a compiled graph, whose first call may compile it."""
 
     start: float
     first: float | None = None
     last: float | None = None
     tokens: int = 0
+    second: float | None = None
+    compiled: bool = False
 
     def summary(self) -> str:
-        """``N tokens, first after X ms, Y tokens/s`` (the rate of the tokens after the first)."""
+        """``N tokens, first after X ms, Y tokens/s``: the rate of the tokens after the first,
+        or, for compiled steps, after the second (the first step's time, which may include the
+        compilation, is given apart)."""
         if self.first is None or self.last is None:
             return "0 tokens"
         ttft = (self.first - self.start) * 1e3
-        rate = (self.tokens - 1) / (self.last - self.first) if self.last > self.first else 0.0
-        return f"{self.tokens} tokens, first after {ttft:.0f} ms, {rate:.1f} tokens/s"
+        since, count, step = self.first, self.tokens - 1, ""
+        if self.compiled and self.second is not None and self.tokens > 2:
+            since, count = self.second, self.tokens - 2
+            step = f", first compiled step {self.second - self.first:.1f} s"
+        rate = count / (self.last - since) if self.last > since else 0.0
+        return f"{self.tokens} tokens, first after {ttft:.0f} ms{step}, {rate:.1f} tokens/s"
 
 
 def stream_text(
@@ -252,6 +262,8 @@ def stream_text(
         now = time.perf_counter()
         timing.first = timing.first or now
         timing.last, timing.tokens = now, timing.tokens + 1
+        if timing.tokens == 2:
+            timing.second = now
         new.append(token)
         text = tokenizer.decode(prefix_ids + new, skip_special_tokens=True)
         if text.startswith(shown) and not text.endswith("\ufffd"):
@@ -290,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(prompt).ids
     if not prompt_ids:
         raise ValueError(f"the prompt {prompt!r} gives no tokens")
-    timing = Timing(time.perf_counter())
+    timing = Timing(time.perf_counter(), compiled=args.compile)
     if session.chat is None:  # the prompt, then its continuation
         sys.stdout.write(tokenizer.decode(prompt_ids, skip_special_tokens=True))
         new = stream_text(
