@@ -788,18 +788,14 @@ def _check(x: Tensor, codes: Tensor, scale: Tensor) -> None:
             f"multiple of {INT8_DOT_BLOCK}, got {tuple(x.shape)}, {tuple(codes.shape)} and "
             f"{tuple(scale.shape)}"
         )
-    error = _off_cpu("int8_dot_linear", x, codes, scale)
-    if error is not None:
-        raise error
+    _require_cpu("int8_dot_linear", x, codes, scale)
 
 
-def _off_cpu(name: str, *tensors: Tensor) -> ValueError | None:
-    """The error for a kernel's tensors of which one is not on the CPU (``None``: all are)."""
-    if all(t.device.type == "cpu" for t in tensors):
-        return None
-    return ValueError(
-        f"{name} runs on CPU tensors, got {', '.join(str(t.device) for t in tensors)}"
-    )
+def _require_cpu(name: str, *tensors: Tensor) -> None:
+    """Raise a ValueError naming the devices where one of a kernel's tensors is not on the CPU."""
+    if any(t.device.type != "cpu" for t in tensors):
+        devices = ", ".join(str(t.device) for t in tensors)
+        raise ValueError(f"{name} runs on CPU tensors, got {devices}")
 
 
 def int8_vnni(use: bool | None = None) -> bool:
@@ -922,10 +918,10 @@ def unpack_int4_scales(packed: Tensor, out: int) -> tuple[Tensor, Tensor]:
     return both[..., 0].float(), both[..., 1].float()
 
 
-def _int4_mismatch(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Exception | None:
-    """The error for inputs :func:`int4_dot_linear` does not take (``None`` where it takes them)."""
+def _check_int4(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> None:
+    """Raise for inputs :func:`int4_dot_linear` does not take, naming them (as :func:`_check`)."""
     if x.dtype != torch.float32 or codes.dtype != torch.uint8 or scales.dtype != torch.bfloat16:
-        return TypeError(
+        raise TypeError(
             f"int4_dot_linear takes float32 x, uint8 codes and bfloat16 scales, got {x.dtype}, "
             f"{codes.dtype} and {scales.dtype}"
         )
@@ -942,12 +938,12 @@ def _int4_mismatch(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Except
         or n % groups
         or (n // groups) % INT8_DOT_BLOCK
     ):
-        return ValueError(
+        raise ValueError(
             f"int4_dot_linear needs x (rows, n), codes (ceil(out / 4) * 4, n / 2) and scales "
             f"(ceil(out / 4), groups * 8) with n a multiple of groups * {INT8_DOT_BLOCK}, got "
             f"{tuple(x.shape)}, {tuple(codes.shape)} and {tuple(scales.shape)} for out={out}"
         )
-    return _off_cpu("int4_dot_linear", x, codes, scales)
+    _require_cpu("int4_dot_linear", x, codes, scales)
 
 
 def int4_dot_linear(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Tensor:
@@ -975,9 +971,7 @@ def int4_dot_linear(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Tenso
         ValueError: For shapes that do not fit, or tensors not on the CPU.
         RuntimeError: Where the kernel is not available (:func:`kernels_unavailable`).
     """
-    error = _int4_mismatch(x, codes, scales, out)
-    if error is not None:
-        raise error
+    _check_int4(x, codes, scales, out)
     _library()
     return _int4_product(x.contiguous(), codes.contiguous(), scales.contiguous(), out)
 

@@ -557,12 +557,23 @@ def _dequantized_product(x: Tensor, grouped: Tensor, scale: Tensor) -> Tensor:
 
     Shape: ``(rows, in) -> (rows, out)``, float32.
     """
+
+    def block(start: int, stop: int) -> Tensor:
+        weight = ungroup_codes(grouped[start:stop], torch.float32)
+        return linear(x, weight) * scale[start:stop]
+
     out, n = grouped.shape
-    step = max(4, (1 << 20) // (4 * n) // 4 * 4)  # (whole groups of four rows)
+    return _by_row_blocks(x, out, n, block)
+
+
+def _by_row_blocks(x: Tensor, out: int, n: int, block: Callable[[int, int], Tensor]) -> Tensor:
+    """``(rows, out)`` float32 product of ``x`` filled a block of output rows at a time:
+    ``block(start, stop)`` gives the columns ``start:stop``, made from about 1 MiB of float
+    weight (whole groups of four rows, the kernels' order) while it is in cache."""
+    step = max(4, (1 << 20) // (4 * n) // 4 * 4)
     y = x.new_empty(x.shape[0], out)
     for start in range(0, out, step):
-        weight = ungroup_codes(grouped[start : start + step], torch.float32)
-        y[:, start : start + step] = linear(x, weight) * scale[start : start + step]
+        y[:, start : start + step] = block(start, min(start + step, out))
     return y
 
 
@@ -773,11 +784,11 @@ class Int4Linear(nn.Module):
         """``x @ W.T`` a block of output rows at a time: each block's float weight (about
         1 MiB) is made and multiplied while it is in cache (by
         :func:`attnkit.decoding.linear`: oneDNN's GEMM where it is the faster)."""
-        step = max(4, (1 << 20) // (4 * self.in_features) // 4 * 4)
-        y = x.new_empty(x.shape[0], self.out_features)
-        for start in range(0, self.out_features, step):
-            y[:, start : start + step] = linear(x, self._weight_rows(start, start + step))
-        return y
+
+        def block(start: int, stop: int) -> Tensor:
+            return linear(x, self._weight_rows(start, stop))
+
+        return _by_row_blocks(x, self.out_features, self.in_features, block)
 
     def forward(self, x: Tensor) -> Tensor:
         """Shape: ``(*, in) -> (*, out)``."""

@@ -173,7 +173,7 @@ class Session:
             args.model, dtype=getattr(torch, args.dtype), quantize=args.quantize
         )
         # inference only: linears laid out for one-token steps (eager or compiled)
-        decoding.prepare(lm, compiled=getattr(args, "compile", False))
+        decoding.prepare(lm, compiled=args.compile)
         return cls(lm, tokenizer, chat_tokenizer)
 
     def stream(self, prompt_ids: list[int], args: argparse.Namespace) -> Generator[int, None, None]:
@@ -192,7 +192,7 @@ class Session:
             top_p=args.top_p,
             repetition_penalty=args.repetition_penalty,
             generator=generator,
-            compile=getattr(args, "compile", False),
+            compile=args.compile,
             **options,
         )
         try:

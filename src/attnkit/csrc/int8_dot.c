@@ -142,9 +142,10 @@ static int vnni = -1;
  * whether VNNI runs from now on: 1 only where the CPU has AVX512-VNNI and AVX512-BW. By default
  * it does where it can. */
 int attnkit_int8_vnni(int wanted) {
+  if (wanted < 0 && vnni >= 0) return vnni; /* (every product asks: the CPU is probed once) */
   __builtin_cpu_init();
   const int able = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-  if (wanted >= 0 || vnni < 0) vnni = able && wanted != 0;
+  vnni = able && wanted != 0;
   return vnni;
 }
 
@@ -173,7 +174,7 @@ int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w
   }
   for (int64_t r = 0; r < rows; r++) quantize_blocks(x + r * n, n, xq + r * n, xs + r * blocks);
   const int64_t groups = out / GROUP;
-  const int wide = vnni < 0 ? attnkit_int8_vnni(-1) : vnni;
+  const int wide = attnkit_int8_vnni(-1);
   const int most = wide ? 4 : 2; /* activation rows a pass */
   (void)threads; /* (unused where built without OpenMP) */
   /* (small products stay on one thread: a parallel region costs more than they do) */
