@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from attnkit import native
 from attnkit.bench.batched import batched_rows, left_padded_prompts
 from attnkit.bench.decoding import (
     _ReadBandwidth,
@@ -96,13 +97,16 @@ def test_layout_table_times_every_kernel() -> None:
     # oneDNN's packed layout needs a torch build with oneDNN (and, for bf16, CPU support): a
     # row is timed only where the kernel exists, never silently replaced by another.
     packed = {d: "oneDNN packed" in layout_kernels(torch.randn(4, 4, dtype=d)) for d in (F32, BF16)}
+    built = native.kernels_available()  # attnkit's own streaming kernel
     assert [r["kernel"] for r in rows] == [
         "f32 sum (read only)",
         "f32 F.linear",
         "f32 transposed (addmm)",
         *(["f32 oneDNN packed"] if packed[F32] else []),
+        *(["f32 stream (attnkit)"] if built else []),
         "bf16 F.linear",
         *(["bf16 oneDNN packed"] if packed[BF16] else []),
+        *(["bf16 stream (attnkit)"] if built else []),
     ]
     fp32_bytes = 4 * (1 * (32 * 16 + 16 * 16 + 64 * 16 + 16 * 32) + 64 * 16)
     for r in rows:

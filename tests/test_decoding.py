@@ -110,7 +110,8 @@ def test_prepare_swaps_plain_linears_and_keeps_outputs(name: str, compiled: bool
     assert_close(lm(ids[:, :1]), want_step, **TOL)
     layout = lm.blocks[0].attention.qkv_proj.layout
     without = "linear" if compiled else "transposed"
-    assert layout == ("stream" if decoding._kernels_ready() else without)
+    streamed = decoding._streamed(torch.float32) and decoding._kernels_ready()
+    assert layout == ("stream" if streamed else without)
     w = lm.blocks[0].attention.qkv_proj.weight
     # Eager fp32 without attnkit's kernels: column-major storage, same values.
     assert w.is_contiguous() == (layout != "transposed")
@@ -160,6 +161,7 @@ def test_prepared_rmsnorm_equals_torch_and_keeps_gradients(eps: float | None) ->
 @pytest.mark.parametrize("kernels", [False, True])
 def test_layouts_follow_the_measured_rule(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(decoding, "_kernels", kernels)
+    monkeypatch.setattr(decoding, "_AMX", False)  # (with AMX: the rule's test below)
     full, half = torch.zeros(4, 4), torch.zeros(4, 4, dtype=torch.bfloat16)
     assert decoding.layout_for(full) == ("stream" if kernels else "transposed")
     assert decoding.layout_for(half) == ("stream" if kernels else "linear")
@@ -270,8 +272,7 @@ def test_bf16_steps_stream_through_attnkits_kernel(
     compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A prepared bf16 linear runs native.float_dot_linear for a few rows without gradients (as
-    the op in compiled graphs, from two rows on) and F.linear otherwise, with the same results.
-    (The rule is forced on: CPUs with AMX do not take it.)"""
+    the op in compiled graphs, from two rows on) and F.linear otherwise, with the same results."""
     monkeypatch.setattr(decoding, "_kernels", True)
     calls: list[int] = []
     real = decoding.native.float_dot_linear
@@ -305,17 +306,23 @@ def test_bf16_steps_stream_through_attnkits_kernel(
 
 @pytest.mark.parametrize("amx", [False, True])
 def test_the_kernels_rule_is_by_cpu_feature(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """attnkit's kernels take a step's products wherever they build, except on CPUs with AMX
-    (whose measured choice is torch's kernels); the answer is kept."""
+    """attnkit's kernels take a step's bf16 products wherever they build, and its fp32 ones
+    except on CPUs with AMX (whose measured choice is MKL over a column-major weight); whether
+    they build is asked once."""
     monkeypatch.setattr(decoding, "_kernels", None)
     monkeypatch.setattr(decoding, "_AMX", amx)
-    want = not amx and decoding.native.kernels_available()
-    assert decoding._kernels_ready() is want and decoding._kernels is want
-    monkeypatch.setattr(decoding, "_AMX", not amx)
-    assert decoding._kernels_ready() is want
+    built = decoding.native.kernels_available()
+    assert decoding._kernels_ready() is built and decoding._kernels is built
     w = torch.randn(24, 40)
-    assert decoding.layout_for(w) == ("stream" if want else "transposed")
-    assert decoding.layout_for(w.bfloat16(), compiled=True) == ("stream" if want else "linear")
+    fp32 = built and not amx
+    assert decoding.layout_for(w) == ("stream" if fp32 else "transposed")
+    assert decoding.layout_for(w, compiled=True) == ("stream" if fp32 else "linear")
+    assert decoding.layout_for(w.bfloat16()) == ("stream" if built else "linear")
+    assert decoding.layout_for(w.bfloat16(), compiled=True) == ("stream" if built else "linear")
+    x = torch.randn(2, 40)
+    with torch.no_grad():
+        assert decoding._streams(x, w, None) is fp32
+        assert decoding._streams(x.bfloat16(), w.bfloat16(), None) is built
 
 
 def test_a_compiled_graph_never_traces_the_kernels_build(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -331,14 +338,10 @@ def test_a_compiled_graph_never_traces_the_kernels_build(monkeypatch: pytest.Mon
     assert decoding._kernels is not None
 
 
-@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_compiled_rows_reduction_is_the_product(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, amx: bool
-) -> None:
-    """One row inside a compiled graph (both bf16 forms, chosen by CPU feature) is the product
-    summed in float32: within one rounding to the dtype of float64's."""
-    monkeypatch.setattr(decoding, "_AMX", amx)
+def test_a_compiled_rows_reduction_is_the_product(dtype: torch.dtype) -> None:
+    """One row inside a compiled graph is the product summed in float32: within one rounding to
+    the dtype of float64's."""
     torch._dynamo.reset()
     x, w, b = torch.randn(1, 1, 96), torch.randn(40, 96), torch.randn(40)
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)

@@ -194,12 +194,11 @@ def test_a_named_kernel_that_cannot_run_a_shape_falls_back_to_the_default_rule(
 
 def test_default_kernel_is_a_rule_by_cpu_features(monkeypatch: pytest.MonkeyPatch) -> None:
     usable = int8_kernels(64)
-    if not quantize_module._amx():
-        assert default_int8_kernel(64) == next(
-            k for k in ("avx2", "fbgemm", "int8pack", "dequantize") if k in usable
-        )
+    for amx in (True, False):
+        monkeypatch.setattr(quantize_module, "_amx", lambda amx=amx: amx)
+        order = ("avx2", "int8pack") if amx else ("avx2", "fbgemm", "int8pack")
+        assert default_int8_kernel(64) == next((k for k in order if k in usable), "dequantize")
     monkeypatch.setattr(quantize_module, "_amx", lambda: True)
-    assert default_int8_kernel(64) == "int8pack"
     assert default_int8_kernel(100) == "dequantize"
     assert default_int8_kernel(64, "meta") == "dequantize"
     monkeypatch.setattr(quantize_module, "_amx", lambda: False)
@@ -211,6 +210,22 @@ def test_default_kernel_is_a_rule_by_cpu_features(monkeypatch: pytest.MonkeyPatc
     kernels = [(n, m.kernel) for n, m in a.named_modules() if isinstance(m, Int8Linear)]
     assert kernels == [(n, m.kernel) for n, m in b.named_modules() if isinstance(m, Int8Linear)]
     assert {k for _, k in kernels} == {default_int8_kernel(64)}
+
+
+def test_int8pack_input_sizes_by_cpu_feature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's int8pack kernel takes multiples of 8 inputs, of 16 with AMX (where it crashed the
+    process on 24 inputs and several rows): a 24-input layer there multiplies otherwise."""
+    monkeypatch.setattr(quantize_module, "_amx", lambda: False)
+    assert "int8pack" in int8_kernels(24) and "int8pack" not in int8_kernels(20)
+    monkeypatch.setattr(quantize_module, "_amx", lambda: True)
+    assert "int8pack" not in int8_kernels(24) and "int8pack" in int8_kernels(48)
+    with pytest.raises(ValueError, match="int8pack"):
+        Int8Linear.from_weight(torch.randn(8, 24), kernel="int8pack")
+    layer = Int8Linear.from_weight(torch.randn(8, 24))
+    assert layer.kernel == default_int8_kernel(24) != "int8pack"
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert_close(layer(x), nn.functional.linear(x, layer.dequantize()), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -47,29 +47,32 @@ __all__ = [
 
 # How a single row reads a weight fastest on CPU (``benchmarks/bench_decode.py --kernels`` prints
 # the measurement; the results are in ``benchmarks/RESULTS.md``):
-#   * fp32 and bf16 on CPUs without AMX: attnkit's own streaming kernel over the row-major
+#   * bf16, and fp32 on CPUs without AMX: attnkit's own streaming kernel over the row-major
 #     weight (:func:`attnkit.native.float_dot_linear`), where it is built (``"stream"``), except
 #     for one row in a compiled step (inductor's reduction, below);
-#   * eager fp32 otherwise: a column-major weight (``x @ W^T`` over a contiguous ``(in, out)``
+#   * eager fp32 otherwise (AMX): a column-major weight (``x @ W^T`` over a contiguous ``(in, out)``
 #     matrix, as MKL streams it) beats ``F.linear`` on a row-major one;
 #   * compiled, fp32 and bf16: ``(W * x).sum(-1)``, which inductor turns into one streaming
-#     reduction over ``W`` (bf16: partial sums over 16 lanes first);
+#     reduction over ``W`` (the row widened to float32 first);
 #   * everything else: ``F.linear`` as is.
 Layout = Literal["linear", "transposed", "stream"]
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 #: Weight dtypes whose eager products of fewer than :data:`UPCAST_ROWS` rows run attnkit's own
-#: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built, on CPUs without
-#: AMX. Measured on 2-core AMD EPYCs (``benchmarks/RESULTS.md``): the 135M Llama shape decodes
-#: eager 1.2x faster in bf16 and fp32 than through torch's products with AVX2 only, and 1.7x
-#: (bf16) and 2.5x (fp32) faster with AVX512-BF16, where torch's one-row products read the
-#: weights at half the bandwidth.
+#: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built, float32 except on
+#: CPUs with AMX (:func:`_streamed`). Measured on the 135M Llama shape (``benchmarks/RESULTS.md``):
+#: eager steps decode 1.2x faster in bf16 and fp32 than through torch's products on a 2-core AVX2
+#: AMD EPYC, 1.7x (bf16) and 2.5x (fp32) with AVX512-BF16, where torch's one-row products read
+#: the weights at half the bandwidth, and 1.58x in bf16 on an Intel Xeon with AMX, whose fp32
+#: steps ran 1.14x faster through MKL over a column-major weight (the ``"transposed"`` layout).
 #: A compiled step of one row keeps inductor's streaming reduction, which the op call's cost made
 #: faster.
 KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float32})
 
 _kernels: bool | None = None  # native.kernels_available(), asked once (it builds them)
+#: Whether this CPU has AMX tiles (an Intel Xeon): float32 steps keep MKL's products there.
+_AMX = native._amx()
 
 
 def _kernels_ready() -> bool:
@@ -77,8 +80,14 @@ def _kernels_ready() -> bool:
     if _kernels is None:
         if torch.compiler.is_compiling():  # (a build is not traced: asked before, or no kernel)
             return False
-        _kernels = not _AMX and native.kernels_available()
+        _kernels = native.kernels_available()
     return _kernels
+
+
+def _streamed(dtype: torch.dtype) -> bool:
+    """Whether one-row products of ``dtype`` weights run attnkit's kernel where it is built: the
+    :data:`KERNEL_DTYPES`, float32 except with AMX (an Intel Xeon, where MKL read it faster)."""
+    return dtype in KERNEL_DTYPES and not (dtype == torch.float32 and _AMX)
 
 
 def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
@@ -88,12 +97,13 @@ def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def layout_for(weight: Tensor, *, compiled: bool = False) -> Layout:
     """The storage layout :func:`prepare` gives ``weight`` (see the table above).
 
-    CPU steps of :data:`KERNEL_DTYPES` weights stream through attnkit's kernel where it is built
+    CPU steps of bf16 weights, and of fp32 ones without AMX, stream through attnkit's kernel where
+    it is built
     (``"stream"``, row-major; a compiled step of one row runs inductor's reduction instead).
     Otherwise compiled steps read row-major weights (the streaming reduction runs along rows) and
     eager fp32 CPU steps column-major ones.
     """
-    if weight.device.type == "cpu" and weight.dtype in KERNEL_DTYPES and _kernels_ready():
+    if weight.device.type == "cpu" and _streamed(weight.dtype) and _kernels_ready():
         return "stream"
     if not compiled and weight.device.type == "cpu" and weight.dtype == torch.float32:
         return "transposed"
@@ -212,10 +222,6 @@ def _bf16_dot_native() -> bool:
 
 #: bf16 GEMMs of a prompt run natively (the upcast rule of :func:`linear`).
 _BF16_NATIVE = _bf16_dot_native()
-#: Decoding steps keep torch's one-row products and the 16-lane compiled row, the choices
-#: measured on an AMX Xeon; every other CPU (AVX2 and AVX512-BF16 EPYCs measured) streams
-#: through attnkit's kernels and widens a compiled bf16 row first (``benchmarks/RESULTS.md``).
-_AMX = native._amx()
 
 
 _onednn: bool | None = None  # _onednn_faster(), measured once
@@ -267,7 +273,7 @@ def _onednn_prompt(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def _streams(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether ``F.linear(x, weight, bias)`` runs attnkit's streaming kernel."""
     return (
-        weight.dtype in KERNEL_DTYPES
+        _streamed(weight.dtype)
         and x.dtype == weight.dtype
         and (bias is None or bias.dtype == weight.dtype)
         and x.device.type == "cpu"
@@ -331,27 +337,15 @@ def _row(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
     The row is stored before the reduction (an identity view makes inductor store it: otherwise
     it inlines the producer, a norm or SwiGLU's silu, into the reduction and recomputes it for
-    every output row). bf16 weights, by CPU feature (``benchmarks/RESULTS.md``):
-
-    * on CPUs without AMX, the row is widened to float32 first, so the loop widens only the
-      weight: a compiled bf16 step of the 135M Llama shape decoded 1.19x faster on a 2-core AVX2
-      AMD EPYC than with the bf16 row widened in the loop, and 2.6x faster on an AVX512-BF16 one
-      than the 16-lane form below;
-    * with AMX (an Intel Xeon), partial sums over 16 lanes first, then across them: 1.2x faster
-      than one sum per output there.
+    every output row), widened to float32 first, so the loop widens only the weight: a compiled
+    bf16 step of the 135M Llama shape decoded 1.19x faster on a 2-core AVX2 AMD EPYC than with the
+    bf16 row widened in the loop, 2.6x faster on an AVX512-BF16 one and 1.19x faster on an Intel
+    Xeon with AMX than partial sums over 16 lanes first (``benchmarks/RESULTS.md``).
     """
     shape, out_features = x.shape, weight.shape[0]
-    n_in = x.shape[-1]
-    lanes = x.dtype == torch.bfloat16 and _AMX and n_in % 16 == 0
-    row = x.reshape(1, -1) if lanes else x.reshape(1, -1).float()
+    row = x.reshape(1, -1).float()
     row = torch.as_strided(row, row.shape, row.stride())
-    if lanes:
-        w = weight.view(1, out_features, n_in // 16, 16)
-        part = (row.view(1, 1, n_in // 16, 16) * w).sum(-2, dtype=torch.float32)  # (1, out, 16)
-        part = torch.as_strided(part, part.shape, part.stride())
-        y = part.sum(-1)  # (1, out)
-    else:
-        y = (row.unsqueeze(1) * weight).sum(-1, dtype=torch.float32)  # (1, out)
+    y = (row.unsqueeze(1) * weight).sum(-1, dtype=torch.float32)  # (1, out)
     if bias is not None:
         y = y + bias
     return y.to(x.dtype).reshape(*shape[:-1], out_features)

@@ -13,14 +13,14 @@ Kernels. An :class:`Int8Linear` multiplies with one of four (``int8_kernel=``); 
 rule by CPU features (:func:`default_int8_kernel`), so every load of a model gives the same layers;
 ``int8_kernel="auto"`` instead times the candidates per shape (:func:`choose_int8_kernel`):
 
-* ``"avx2"`` (the default on CPUs without AMX, where attnkit could build it):
+* ``"avx2"`` (the default wherever attnkit could build it):
   :func:`attnkit.native.int8_dot_linear`, attnkit's own kernel of AVX2 integer dot products, for up
   to :data:`AVX2_MAX_ROWS` rows (decoding), or every row without gradients where its AVX512-VNNI
   dots run; activations rounded to int8 per block of 32 inputs (as llama.cpp's ``q8_0`` dot);
   inputs a multiple of 32. It streams the codes at about the read bandwidth, where torch's int8
-  kernels on AVX2-only CPUs reach about a third of it (and on an AVX512-BF16 EPYC decoded
-  1.2x/1.3x slower, eager/compiled). More rows (a prompt) multiply the dequantized weight by the
-  activations rounded the same way
+  kernels on AVX2-only CPUs reach about a third of it (and decoded 1.2x/1.3x slower,
+  eager/compiled, on an AVX512-BF16 EPYC, 1.33x/1.85x slower on an Intel Xeon with AMX). More rows
+  (a prompt) multiply the dequantized weight by the activations rounded the same way
   (:func:`attnkit.native.round_activations`), so the result does not depend on the row count beyond
   float32 summation order. Compiled graphs call it as one op (``attnkit::int8_dot_linear``).
 * ``"fbgemm"`` (the default where ``"avx2"`` cannot run, on CPUs with torch's fbgemm engine and
@@ -35,9 +35,9 @@ rule by CPU features (:func:`default_int8_kernel`), so every load of a model giv
   like the others. Inside a compiled graph the call is one opaque op
   (``attnkit::int8_fbgemm_linear``), the same products as in eager mode.
 * ``"int8pack"``: ``torch._weight_int8pack_mm`` with bf16 activations (input sizes that are
-  multiples of 8; the default on CPUs with AMX, where it was measured at the read bandwidth, and
-  where neither of the above runs). Where the CPU has no bf16 units it converts as it goes. One row
-  inside a compiled graph is a streaming float32 reduction over the int8 bytes instead.
+  multiples of 8, of 16 with AMX; the default where neither of the above runs). Where the CPU has
+  no bf16 units it converts as it goes. One row inside a compiled graph is a streaming float32
+  reduction over the int8 bytes instead.
 * ``"dequantize"``: the float product with the dequantized weight (other devices, other sizes).
 
 Int4 runs attnkit's own kernel (:func:`attnkit.native.int4_dot_linear`): the codes packed two to a
@@ -410,8 +410,7 @@ class Int8Linear(nn.Module):
             # One streaming pass over the int8 bytes; float32 sums.
             y = (self.weight_int8.float() * x2.float()).sum(-1) * self.scale
             y = y.reshape(1, -1)
-        elif kernel == "int8pack" and self.in_features % 8 == 0:
-            # (torch's kernel reads out of bounds for other input sizes.)
+        elif kernel == "int8pack" and _int8pack_runs(self.in_features):
             xb = x2.to(torch.bfloat16).contiguous()
             # An identity view that makes inductor store the input: its int8 GEMM lowering
             # takes stored tensors, not fused expressions.
@@ -522,7 +521,7 @@ def _fbgemm_product(
     if not tail.shape[1]:
         return y
     rest = x[:, main:]
-    if tail.shape[1] % 8 == 0:
+    if _int8pack_runs(tail.shape[1]):
         return y.add_(torch._weight_int8pack_mm(rest.bfloat16().contiguous(), tail, scale_bf16))
     return torch.addmm(y, rest, (tail.float() * scale[:, None]).T)
 
@@ -581,15 +580,22 @@ def _has_fbgemm() -> bool:
     return any(e in torch.backends.quantized.supported_engines for e in ("fbgemm", "x86"))
 
 
+def _int8pack_runs(in_features: int) -> bool:
+    """Whether ``torch._weight_int8pack_mm`` takes ``in_features`` inputs: multiples of 8 (it
+    reads out of bounds otherwise), and of 16 on CPUs with AMX, where torch 2.13's kernel crashed
+    the process on bf16 activations of several rows otherwise."""
+    return in_features % (16 if _amx() else 8) == 0
+
+
 def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[str, ...]:
     """The :data:`INT8_KERNELS` that can run a weight with ``in_features`` inputs on ``device``
-    (``"dequantize"`` always can)."""
+    (``"dequantize"`` always can; ``"int8pack"`` where :func:`_int8pack_runs`)."""
     if torch.device(device).type != "cpu":
         return ("dequantize",)
     usable = ["avx2"] if in_features % INT8_DOT_BLOCK == 0 and kernels_available() else []
     if _has_fbgemm():
         usable.append("fbgemm")
-    if in_features % 8 == 0:
+    if _int8pack_runs(in_features):
         usable.append("int8pack")
     return (*usable, "dequantize")
 
@@ -597,18 +603,18 @@ def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[
 def default_int8_kernel(in_features: int, device: torch.device | str = "cpu") -> str:
     """The kernel ``int8_kernel="default"`` takes: a rule by CPU features, the same on every run.
 
-    On CPUs without AMX: ``"avx2"`` where it runs the shape (inputs a multiple of 32, a C
-    compiler), else ``"fbgemm"``; on an AVX2-only EPYC ``"avx2"`` decodes 1.4x faster than
-    ``"fbgemm"``, and ``"fbgemm"`` 1.6-1.8x faster than ``"int8pack"``; on an AVX512-BF16 one
-    ``"avx2"`` decodes 1.2-1.3x faster than ``"int8pack"`` (``benchmarks/RESULTS.md``). With AMX
-    ``"int8pack"`` where it runs the shape, else ``"dequantize"``.
+    ``"avx2"`` where it runs the shape (inputs a multiple of 32, a C compiler); otherwise
+    ``"fbgemm"`` on CPUs without AMX, else ``"int8pack"`` where it runs the shape, else
+    ``"dequantize"``. On an AVX2-only EPYC ``"avx2"`` decodes 1.4x faster than ``"fbgemm"``, and
+    ``"fbgemm"`` 1.6-1.8x faster than ``"int8pack"``; on an AVX512-BF16 one ``"avx2"`` decodes
+    1.2-1.3x faster than ``"int8pack"``, and on an Intel Xeon with AMX 1.33x (eager) and 1.85x
+    (compiled) faster (``benchmarks/RESULTS.md``).
     ``int8_kernel="auto"`` measures instead (:func:`choose_int8_kernel`).
     """
     usable = int8_kernels(in_features, device)
-    if not _amx():
-        for kernel in ("avx2", "fbgemm"):
-            if kernel in usable:
-                return kernel
+    for kernel in ("avx2",) if _amx() else ("avx2", "fbgemm"):
+        if kernel in usable:
+            return kernel
     return "int8pack" if "int8pack" in usable else "dequantize"
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit import decoding
+from attnkit import decoding, native
 from attnkit.config import FAMILIES, PRESETS, TransformerConfig
 from attnkit.models import TransformerLM
 from attnkit.positional import LearnedPositionalEmbedding
@@ -362,7 +362,8 @@ def layout_kernels(weight: Tensor) -> dict[str, Callable[[Tensor], Tensor]]:
     ``(in, out)`` copy multiplied with ``torch.mm``; ``"oneDNN packed"`` reorders it into
     oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) applied with
     ``torch.ops.mkldnn._linear_pointwise``, the kernel inductor uses for frozen CPU linears
-    (absent from torch builds without oneDNN).
+    (absent from torch builds without oneDNN); ``"stream"`` is attnkit's own kernel over the
+    weight as is (:func:`attnkit.native.float_dot_linear`, where it is built).
 
     Args:
         weight: ``(out, in)`` weight.
@@ -376,6 +377,8 @@ def layout_kernels(weight: Tensor) -> dict[str, Callable[[Tensor], Tensor]]:
         "F.linear": lambda x: F.linear(x, weight),
         "transposed (addmm)": lambda x: torch.mm(x, transposed),
     }
+    if native.kernels_available():
+        kernels["stream"] = lambda x: native.float_dot_linear(x, weight)
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
     except (AttributeError, RuntimeError):  # a torch build without the op
@@ -420,8 +423,10 @@ def layout_table(
         ("f32 F.linear", torch.float32, "F.linear"),
         ("f32 transposed (addmm)", torch.float32, "transposed (addmm)"),
         ("f32 oneDNN packed", torch.float32, "oneDNN packed"),
+        ("f32 stream (attnkit)", torch.float32, "stream"),
         ("bf16 F.linear", torch.bfloat16, "F.linear"),
         ("bf16 oneDNN packed", torch.bfloat16, "oneDNN packed"),
+        ("bf16 stream (attnkit)", torch.bfloat16, "stream"),
     ):
         fns = [kernels[kernel] for kernels in per_weight[dtype] if kernel in kernels]
         if len(fns) == len(weights):
