@@ -23,7 +23,8 @@ The GGUF files: ``--gguf PRECISION=FILE`` (e.g. converted with llama.cpp's own
 ``convert_hf_to_gguf.py --outtype f32|bf16|q8_0``), or, for the precisions not given, written
 here from the attnkit model with the ``gguf`` package's writer (tensor names and the rotary
 channel order of llama.cpp's converter; q8_0, q4_0 and q4_1 quantized by ``gguf.quants``).
-Goals: attnkit / llama.cpp >= 1.15 in fp32 and >= 1.0 in bf16.
+Goals: attnkit / llama.cpp >= 1.15 in fp32 and >= 1.0 in bf16. Each GGUF file is first run in a
+child process: a precision whose llama.cpp path crashes on this CPU is left out and reported.
 
 Prints a table and writes JSON (default ``benchmarks/results/bench_llamacpp.json``).
 """
@@ -35,6 +36,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -130,6 +132,28 @@ def _llama_runner(path: Path, prompt: list[int], threads: int) -> Callable[[int]
     return run
 
 
+_PROBE = """
+import sys
+from llama_cpp import Llama
+path, threads, *prompt = sys.argv[1:]
+llm = Llama(path, n_ctx=len(prompt) + 8, n_threads=int(threads), verbose=False)
+llm.eval([int(t) for t in prompt])
+llm.eval([int(prompt[-1])])
+"""
+
+
+def _crash(path: Path, prompt: list[int], threads: int) -> str | None:
+    """Why llama.cpp cannot run ``path`` here, tried in a child process first (some of its CPU
+    paths crash the process: q8_0 on an Intel Xeon with AMX), or ``None`` where it runs."""
+    args = [sys.executable, "-c", _PROBE, str(path), str(threads), *map(str, prompt)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        return f"crashed (signal {-done.returncode}) loading or running it"
+    return f"failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}"
+
+
 def _step_rate(run: Callable[[int], Any], new: int) -> float:
     start = time.perf_counter()
     run(new)
@@ -178,15 +202,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants = db.quantized_variants(lm, compile=True)
     threads = torch.get_num_threads()
     runners: dict[str, Callable[[int], Any]] = {}
+    failures: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in PRECISIONS:
             path = Path(given[precision]) if precision in given else None
             if path is None:
                 path = write_gguf(lm, Path(tmp) / f"model-{precision}.gguf", precision)
-            try:
-                runners[f"llama.cpp {precision}"] = _llama_runner(path, prompt[0].tolist(), threads)
-            except Exception as err:  # a type this build's CPU path does not run
-                print(f"llama.cpp {precision} failed: {err}", file=sys.stderr)
+            why = _crash(path, prompt[0].tolist(), threads)
+            if why is not None:
+                print(f"llama.cpp {precision} {why}: left out", file=sys.stderr)
+                failures[precision] = why
+                continue
+            runners[f"llama.cpp {precision}"] = _llama_runner(path, prompt[0].tolist(), threads)
         for name in dict.fromkeys(ours for _, ours in PAIRS):
 
             def run(n: int, lm: Any = variants[name], c: bool = name.endswith("compile")) -> Any:
@@ -220,13 +247,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "goal": goal,
             }
         )
-        shown = "failed" if theirs is None else f"{theirs:8.1f}"
+        shown = (
+            ("crashed" if "crash" in failures.get(precision, "") else "failed")
+            if theirs is None
+            else f"{theirs:8.1f}"
+        )
         print(
             f"{precision:<10} {shown:>8}  {ours:<18} {mine:>8.1f} "
             f"{'-' if ratio is None else f'{ratio:7.2f}':>7} {goal or '-':>6}"
         )
     result = {
         "rows": rows,
+        "llama_cpp_failures": failures,
         "rates": median,
         "threads": threads,
         "load_average_1min_after": os.getloadavg()[0],

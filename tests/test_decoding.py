@@ -110,7 +110,7 @@ def test_prepare_swaps_plain_linears_and_keeps_outputs(name: str, compiled: bool
     assert_close(lm(ids[:, :1]), want_step, **TOL)
     layout = lm.blocks[0].attention.qkv_proj.layout
     without = "linear" if compiled else "transposed"
-    streamed = decoding._streamed(torch.float32) and decoding._kernels_ready()
+    streamed = decoding._streamed(torch.float32, 2 if compiled else 1) and decoding._kernels_ready()
     assert layout == ("stream" if streamed else without)
     w = lm.blocks[0].attention.qkv_proj.weight
     # Eager fp32 without attnkit's kernels: column-major storage, same values.
@@ -306,9 +306,9 @@ def test_bf16_steps_stream_through_attnkits_kernel(
 
 @pytest.mark.parametrize("amx", [False, True])
 def test_the_kernels_rule_is_by_cpu_feature(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """attnkit's kernels take a step's bf16 products wherever they build, and its fp32 ones
-    except on CPUs with AMX (whose measured choice is MKL over a column-major weight); whether
-    they build is asked once."""
+    """attnkit's kernels take a step's products wherever they build, but a single fp32 row on
+    CPUs with AMX (whose measured choice is MKL over a column-major weight, the eager layout);
+    whether they build is asked once."""
     monkeypatch.setattr(decoding, "_kernels", None)
     monkeypatch.setattr(decoding, "_AMX", amx)
     built = decoding.native.kernels_available()
@@ -316,12 +316,13 @@ def test_the_kernels_rule_is_by_cpu_feature(amx: bool, monkeypatch: pytest.Monke
     w = torch.randn(24, 40)
     fp32 = built and not amx
     assert decoding.layout_for(w) == ("stream" if fp32 else "transposed")
-    assert decoding.layout_for(w, compiled=True) == ("stream" if fp32 else "linear")
+    assert decoding.layout_for(w, compiled=True) == ("stream" if built else "linear")
     assert decoding.layout_for(w.bfloat16()) == ("stream" if built else "linear")
     assert decoding.layout_for(w.bfloat16(), compiled=True) == ("stream" if built else "linear")
     x = torch.randn(2, 40)
     with torch.no_grad():
-        assert decoding._streams(x, w, None) is fp32
+        assert decoding._streams(x, w, None) is built  # (two rows)
+        assert decoding._streams(x[:1], w, None) is fp32
         assert decoding._streams(x.bfloat16(), w.bfloat16(), None) is built
 
 

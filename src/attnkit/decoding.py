@@ -47,10 +47,10 @@ __all__ = [
 
 # How a single row reads a weight fastest on CPU (``benchmarks/bench_decode.py --kernels`` prints
 # the measurement; the results are in ``benchmarks/RESULTS.md``):
-#   * bf16, and fp32 on CPUs without AMX: attnkit's own streaming kernel over the row-major
-#     weight (:func:`attnkit.native.float_dot_linear`), where it is built (``"stream"``), except
-#     for one row in a compiled step (inductor's reduction, below);
-#   * eager fp32 otherwise (AMX): a column-major weight (``x @ W^T`` over a contiguous ``(in, out)``
+#   * fp32 and bf16: attnkit's own streaming kernel over the row-major weight
+#     (:func:`attnkit.native.float_dot_linear`), where it is built (``"stream"``), except for one
+#     row in a compiled step (inductor's reduction, below) and eager fp32 steps with AMX;
+#   * eager fp32 otherwise: a column-major weight (``x @ W^T`` over a contiguous ``(in, out)``
 #     matrix, as MKL streams it) beats ``F.linear`` on a row-major one;
 #   * compiled, fp32 and bf16: ``(W * x).sum(-1)``, which inductor turns into one streaming
 #     reduction over ``W`` (the row widened to float32 first);
@@ -60,14 +60,14 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 #: Weight dtypes whose eager products of fewer than :data:`UPCAST_ROWS` rows run attnkit's own
-#: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built, float32 except on
-#: CPUs with AMX (:func:`_streamed`). Measured on the 135M Llama shape (``benchmarks/RESULTS.md``):
-#: eager steps decode 1.2x faster in bf16 and fp32 than through torch's products on a 2-core AVX2
-#: AMD EPYC, 1.7x (bf16) and 2.5x (fp32) with AVX512-BF16, where torch's one-row products read
-#: the weights at half the bandwidth, and 1.58x in bf16 on an Intel Xeon with AMX, whose fp32
-#: steps ran 1.14x faster through MKL over a column-major weight (the ``"transposed"`` layout).
-#: A compiled step of one row keeps inductor's streaming reduction, which the op call's cost made
-#: faster.
+#: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built, but one float32
+#: row on CPUs with AMX (:func:`_streamed`). Measured on the 135M Llama shape
+#: (``benchmarks/RESULTS.md``): eager steps decode 1.2x faster in bf16 and fp32 than through
+#: torch's products on a 2-core AVX2 AMD EPYC, 1.7x (bf16) and 2.5x (fp32) with AVX512-BF16,
+#: where torch's one-row products read the weights at half the bandwidth, and 1.58x in bf16 on
+#: an Intel Xeon with AMX, whose fp32 steps ran 1.14x faster through MKL over a column-major
+#: weight (the ``"transposed"`` layout). A compiled step of one row keeps inductor's streaming
+#: reduction, which the op call's cost made faster.
 KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float32})
 
 _kernels: bool | None = None  # native.kernels_available(), asked once (it builds them)
@@ -84,10 +84,12 @@ def _kernels_ready() -> bool:
     return _kernels
 
 
-def _streamed(dtype: torch.dtype) -> bool:
-    """Whether one-row products of ``dtype`` weights run attnkit's kernel where it is built: the
-    :data:`KERNEL_DTYPES`, float32 except with AMX (an Intel Xeon, where MKL read it faster)."""
-    return dtype in KERNEL_DTYPES and not (dtype == torch.float32 and _AMX)
+def _streamed(dtype: torch.dtype, rows: int) -> bool:
+    """Whether products of ``rows`` rows (fewer than :data:`UPCAST_ROWS`) with ``dtype`` weights
+    run attnkit's kernel where it is built: the :data:`KERNEL_DTYPES`, except a single float32
+    row on CPUs with AMX (an Intel Xeon, where MKL read a column-major weight faster; 8 rows of
+    the 100M Llama shape decoded 1.22x (eager) and 1.45x (compiled) faster through the kernel)."""
+    return dtype in KERNEL_DTYPES and not (dtype == torch.float32 and _AMX and rows < 2)
 
 
 def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
@@ -97,13 +99,15 @@ def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def layout_for(weight: Tensor, *, compiled: bool = False) -> Layout:
     """The storage layout :func:`prepare` gives ``weight`` (see the table above).
 
-    CPU steps of bf16 weights, and of fp32 ones without AMX, stream through attnkit's kernel where
-    it is built
-    (``"stream"``, row-major; a compiled step of one row runs inductor's reduction instead).
-    Otherwise compiled steps read row-major weights (the streaming reduction runs along rows) and
-    eager fp32 CPU steps column-major ones.
+    CPU steps stream through attnkit's kernel where it is built (``"stream"``, row-major; a
+    compiled step of one row runs inductor's reduction instead), except eager fp32 steps on CPUs
+    with AMX, where one row reads faster through MKL over a column-major weight. Otherwise
+    compiled steps read row-major weights (the streaming reduction runs along rows) and eager
+    fp32 CPU steps column-major ones.
     """
-    if weight.device.type == "cpu" and _streamed(weight.dtype) and _kernels_ready():
+    # (An eager step of one sequence is the common case; a compiled one reduces one row itself.)
+    rows = 2 if compiled else 1
+    if weight.device.type == "cpu" and _streamed(weight.dtype, rows) and _kernels_ready():
         return "stream"
     if not compiled and weight.device.type == "cpu" and weight.dtype == torch.float32:
         return "transposed"
@@ -273,7 +277,7 @@ def _onednn_prompt(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def _streams(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether ``F.linear(x, weight, bias)`` runs attnkit's streaming kernel."""
     return (
-        _streamed(weight.dtype)
+        _streamed(weight.dtype, x.numel() // max(x.shape[-1], 1))
         and x.dtype == weight.dtype
         and (bias is None or bias.dtype == weight.dtype)
         and x.device.type == "cpu"
