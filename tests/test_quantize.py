@@ -195,13 +195,13 @@ def test_a_named_kernel_that_cannot_run_a_shape_falls_back_to_the_default_rule(
 def test_default_kernel_is_a_rule_by_cpu_features(monkeypatch: pytest.MonkeyPatch) -> None:
     usable = int8_kernels(64)
     for amx in (True, False):
-        monkeypatch.setattr(quantize_module, "_amx", lambda amx=amx: amx)
+        monkeypatch.setattr(quantize_module, "_AMX", amx)
         order = ("avx2", "int8pack") if amx else ("avx2", "fbgemm", "int8pack")
         assert default_int8_kernel(64) == next((k for k in order if k in usable), "dequantize")
-    monkeypatch.setattr(quantize_module, "_amx", lambda: True)
+    monkeypatch.setattr(quantize_module, "_AMX", True)
     assert default_int8_kernel(100) == "dequantize"
     assert default_int8_kernel(64, "meta") == "dequantize"
-    monkeypatch.setattr(quantize_module, "_amx", lambda: False)
+    monkeypatch.setattr(quantize_module, "_AMX", False)
     # 100 inputs: neither avx2 (a multiple of 32) nor int8pack (of 8) runs them.
     assert default_int8_kernel(100) == ("fbgemm" if "fbgemm" in usable else "dequantize")
     assert default_int8_kernel(96) == next(k for k in INT8_KERNELS if k in int8_kernels(96))
@@ -215,9 +215,9 @@ def test_default_kernel_is_a_rule_by_cpu_features(monkeypatch: pytest.MonkeyPatc
 def test_int8pack_input_sizes_by_cpu_feature(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's int8pack kernel takes multiples of 8 inputs, of 16 with AMX (where it crashed the
     process on 24 inputs and several rows): a 24-input layer there multiplies otherwise."""
-    monkeypatch.setattr(quantize_module, "_amx", lambda: False)
+    monkeypatch.setattr(quantize_module, "_AMX", False)
     assert "int8pack" in int8_kernels(24) and "int8pack" not in int8_kernels(20)
-    monkeypatch.setattr(quantize_module, "_amx", lambda: True)
+    monkeypatch.setattr(quantize_module, "_AMX", True)
     assert "int8pack" not in int8_kernels(24) and "int8pack" in int8_kernels(48)
     with pytest.raises(ValueError, match="int8pack"):
         Int8Linear.from_weight(torch.randn(8, 24), kernel="int8pack")
@@ -226,6 +226,15 @@ def test_int8pack_input_sizes_by_cpu_feature(monkeypatch: pytest.MonkeyPatch) ->
     x = torch.randn(3, 24)
     with torch.no_grad():
         assert_close(layer(x), nn.functional.linear(x, layer.dequantize()), atol=1e-4, rtol=1e-4)
+
+
+def test_a_compiled_int8pack_layer_of_several_rows_is_one_graph() -> None:
+    """The input-size rule reads the CPU feature asked once (dynamo cannot trace the probe)."""
+    torch._dynamo.reset()
+    layer = Int8Linear.from_weight(torch.randn(32, 64), kernel="int8pack")
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert_close(torch.compile(layer, fullgraph=True)(x), layer(x), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize(

@@ -580,11 +580,15 @@ def _has_fbgemm() -> bool:
     return any(e in torch.backends.quantized.supported_engines for e in ("fbgemm", "x86"))
 
 
+#: Whether this CPU has AMX tiles (asked once: compiled graphs read it as a constant).
+_AMX = _amx()
+
+
 def _int8pack_runs(in_features: int) -> bool:
     """Whether ``torch._weight_int8pack_mm`` takes ``in_features`` inputs: multiples of 8 (it
     reads out of bounds otherwise), and of 16 on CPUs with AMX, where torch 2.13's kernel crashed
     the process on bf16 activations of several rows otherwise."""
-    return in_features % (16 if _amx() else 8) == 0
+    return in_features % (16 if _AMX else 8) == 0
 
 
 def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[str, ...]:
@@ -612,7 +616,7 @@ def default_int8_kernel(in_features: int, device: torch.device | str = "cpu") ->
     ``int8_kernel="auto"`` measures instead (:func:`choose_int8_kernel`).
     """
     usable = int8_kernels(in_features, device)
-    for kernel in ("avx2",) if _amx() else ("avx2", "fbgemm"):
+    for kernel in ("avx2",) if _AMX else ("avx2", "fbgemm"):
         if kernel in usable:
             return kernel
     return "int8pack" if "int8pack" in usable else "dequantize"
