@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from attnkit import decoding
+from attnkit import decoding, native
 from attnkit.config import TransformerConfig
 from attnkit.decoding import PreparedLinear
 from attnkit.models import TransformerLM
@@ -130,7 +130,10 @@ def test_prepared_rmsnorm_equals_torch_and_keeps_gradients(eps: float | None) ->
     ref = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + (eps or 1.19209e-07))
     ref = ref * norm.weight.double()
     with torch.inference_mode():
-        assert_close(fast(x), norm(x), atol=0, rtol=0)  # several rows: torch's own forward
+        # several rows: attnkit's kernel where it runs, else torch's own forward
+        exact = {} if decoding._kernels_ready() else {"atol": 0, "rtol": 0}
+        assert_close(fast(x), norm(x), **exact)
+        assert_close(fast(x).double(), ref, atol=1e-7, rtol=2e-6)
         for i, j in itertools.product(range(3), range(5)):
             row = x[i, j].view(1, 1, 16)  # one decoding step's row: the one-row path
             assert_close(fast(row), norm(row), atol=1e-7, rtol=2e-6)
@@ -156,6 +159,39 @@ def test_prepared_rmsnorm_equals_torch_and_keeps_gradients(eps: float | None) ->
     out = fast(row)
     assert not out.requires_grad
     assert_close(out, norm(row), atol=1e-7, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepared_rmsnorm_runs_the_kernel_on_eager_rows(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not decoding._kernels_ready():
+        pytest.skip(f"attnkit's kernels do not run here: {native.kernels_unavailable()}")
+    norm = nn.RMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    fast = decoding.PreparedRMSNorm.from_norm(norm)
+    x = torch.randn(2, 37, 600, dtype=dtype)[..., 3:579]  # rows of a wider tensor: strided
+    calls: list[tuple[int, ...]] = []
+    kernel = native.rms_norm
+    monkeypatch.setattr(native, "rms_norm", lambda x, *a: calls.append(x.shape) or kernel(x, *a))
+    with torch.no_grad():
+        got = fast(x)
+        assert calls == [x.shape] and got.dtype == dtype and got.is_contiguous()
+        wide = x.double()
+        ref = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + 1e-5)
+        ref = ref * norm.weight.double()
+        # float32: a few roundings; bf16: one rounding of the float32 result, as torch's
+        tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {}
+        assert_close(got.double(), ref if dtype == torch.float32 else ref.to(dtype).double(), **tol)
+        assert_close(got, norm(x), **tol)
+        monkeypatch.setattr(decoding, "_kernels", False)  # not built: torch's own forward
+        assert_close(fast(x), norm(x), atol=0, rtol=0)
+    assert len(calls) == 1
+    with pytest.raises(TypeError, match="float32 or bfloat16 tensors of one dtype"):
+        native.rms_norm(x.float(), norm.weight.half(), 1e-5)
+    with pytest.raises(ValueError, match=r"weight \(D,\)"):
+        native.rms_norm(x, norm.weight[:5], 1e-5)
 
 
 @pytest.mark.parametrize("kernels", [False, True])
@@ -430,7 +466,7 @@ def test_prepare_keeps_quantized_linears_and_their_outputs() -> None:
         got = lm(ids)
     assert isinstance(lm.blocks[0].attention.qkv_proj, Int8Linear)
     assert not any(type(m) is PreparedLinear for m in lm.modules())
-    assert torch.equal(got, want)
+    assert_close(got, want, atol=1e-5, rtol=1e-5)  # (the prepared norms' rounding)
 
 
 def test_training_after_generate_and_inference_mode() -> None:

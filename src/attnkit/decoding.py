@@ -166,14 +166,17 @@ class PreparedLinear(nn.Linear):
 
 
 class PreparedRMSNorm(nn.RMSNorm):
-    """An ``nn.RMSNorm`` prepared for decoding: same parameters, a shorter one-row forward.
+    """An ``nn.RMSNorm`` prepared for decoding and prefill: same parameters, a shorter forward.
 
-    Built by :meth:`from_norm`, which shares the original's ``weight``. For a single float32
-    CPU row without gradients (a one-token decoding step) the row's norm is read once and the
-    scale ``1 / sqrt(||x||^2 / D + eps)`` applied in one multiply with the weight: three torch
-    calls instead of torch's composite ``rms_norm`` (about ten small kernels; 40 against 55-66 us
-    per row as module calls on a 2-core AMD EPYC, ``benchmarks/RESULTS.md``). Every other input runs
-    ``nn.RMSNorm``'s own forward; the two differ by float rounding only.
+    Built by :meth:`from_norm`, which shares the original's ``weight``. Eager float32 or bf16
+    CPU rows without gradients run :func:`attnkit.native.rms_norm` where attnkit's kernels are
+    built: one pass through the rows instead of torch's composite ``rms_norm`` (about ten
+    kernels, each writing a fresh tensor; ``benchmarks/RESULTS.md``), except a single float32 row
+    (a one-token decoding step), which has its norm read once and the scale
+    ``1 / sqrt(||x||^2 / D + eps)`` applied in one multiply with the weight: three torch calls,
+    4 us against the kernel's 12 on an Intel Xeon (the call costs more than the row), and 40
+    against 55-66 us as module calls on a 2-core AMD EPYC. Every other input runs
+    ``nn.RMSNorm``'s own forward; they all differ by float rounding only.
     """
 
     _zero: Tensor
@@ -192,11 +195,9 @@ class PreparedRMSNorm(nn.RMSNorm):
     def forward(self, x: Tensor) -> Tensor:
         """Shape: ``(..., dim) -> (..., dim)``."""
         weight = self.weight
-        D = x.shape[-1]
+        D = x.shape[-1] if x.dim() else 0
         if (
-            x.numel() != D
-            or x.dtype != torch.float32
-            or len(self.normalized_shape) != 1
+            len(self.normalized_shape) != 1
             or (
                 torch.is_grad_enabled()
                 and (x.requires_grad or (weight is not None and weight.requires_grad))
@@ -206,11 +207,21 @@ class PreparedRMSNorm(nn.RMSNorm):
         ):
             return super().forward(x)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        norm = float(torch.linalg.vector_norm(x))
-        scale = 1.0 / math.sqrt(norm * norm / D + eps)
-        if weight is None:
-            return x * scale
-        return torch.addcmul(self._zero, x, weight, value=scale)
+        if x.numel() == D and x.dtype == torch.float32:  # (4 us a call, the kernel's 12)
+            norm = float(torch.linalg.vector_norm(x))
+            scale = 1.0 / math.sqrt(norm * norm / D + eps)
+            if weight is None:
+                return x * scale
+            return torch.addcmul(self._zero, x, weight, value=scale)
+        if (
+            x.dtype in (torch.float32, torch.bfloat16)
+            and (weight is None or weight.dtype == x.dtype)
+            and self.normalized_shape[0] == D
+            and native.eager_cpu(x)
+            and _kernels_ready()
+        ):
+            return native.rms_norm(x, weight, eps)
+        return super().forward(x)
 
 
 #: From this many rows on, a bf16 product on a CPU without bf16 dot-product instructions runs

@@ -502,10 +502,12 @@ def _may_hide_non_finite(out: Tensor, weights: Tensor | None) -> bool:
         return True
     if out.numel() == 0:  # Ev = 0 or no rows: no values to hide anything in
         return False
-    # Each row's largest magnitude must be positive and finite (NaN propagates through the
-    # maxima and fails both comparisons). ``abs().amax`` rather than ``vector_norm(inf)``: 6-20x
-    # faster on CPU (2.6 against 0.13-0.43 ms for a (9, 2048, 64) output, float32 and bf16).
-    low, high = torch.aminmax(out.abs().amax(-1))
+    # Each row's Euclidean norm must be positive and finite: a NaN or inf entry makes it NaN or
+    # inf, an all-zero row 0 (NaN fails both comparisons). A row whose squares overflow or
+    # underflow takes the careful path too, which is only slower. The 2-norm is one reduction
+    # kernel: 3-6x faster on CPU than ``abs().amax`` (0.07 against 0.44 ms for a bf16
+    # (9, 2048, 64) output), which the infinity norm, 6-20x slower again, would be.
+    low, high = torch.aminmax(torch.linalg.vector_norm(out, dim=-1))
     return not (float(low) > 0 and float(high) < math.inf)
 
 

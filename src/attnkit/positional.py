@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from attnkit import native
 from attnkit.attention import MultiHeadAttention
 from attnkit.config import check_rope_scaling
 
@@ -302,7 +303,13 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Te
     """:func:`apply_rope` with full-width tables: ``x * cos + partner(x) * signed_sin``, where
     ``partner`` swaps the two channels of each pair (adjacent ones, or the two halves). Each
     output channel is ``x_i cos - x_j sin`` or ``x_i cos + x_j sin`` as in the textbook form
-    (``a - b`` is ``a + (-b)``), in three kernels: this runs twice per layer per decoded token.
+    (``a - b`` is ``a + (-b)``).
+
+    Half-precision ``x`` is rotated in float32 and rounded once. Three kernels, none of them a
+    copy: the product with ``cos`` reads ``x`` in its own dtype into a new float32 tensor, and
+    each half of the pairs adds its partner's product in place (no swapped copy of ``x``); then
+    the cast back. Fresh memory is what an eager prefill pays most for on a CPU (page faults):
+    1.0x-5x faster than rotating a float32 copy of ``x``.
 
     Shape:
         x ``(..., L, E)``, cos/signed_sin broadcastable to it -> like ``x``.
@@ -310,16 +317,45 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Te
     E = x.shape[-1]
     if E % 2 or cos.shape[-1] != E:
         raise ValueError(f"rotary tables must have last dim E={E}, got {tuple(cos.shape)}")
+    if _native_rotation(x, cos, signed_sin):
+        return native.rotate(x, cos, signed_sin, interleaved=interleaved)
     compute = x.dtype if x.dtype in _WIDE else torch.promote_types(x.dtype, torch.float32)
-    xf = x if x.dtype == compute else x.to(compute)
     if cos.dtype != compute:
         cos, signed_sin = cos.to(compute), signed_sin.to(compute)
+    out = x * cos  # (compute dtype: cos's)
     if interleaved:  # pairs are adjacent channels
-        partner = xf.unflatten(-1, (E // 2, 2)).flip(-1).flatten(-2)
-    else:  # pairs are the two halves: swapping them is a roll by half
-        partner = xf.roll(E // 2, -1)
-    out = torch.addcmul(xf * cos, partner, signed_sin)
+        pairs, xs, ss = (t.unflatten(-1, (E // 2, 2)) for t in (out, x, signed_sin))
+        first, second = pairs[..., 0], pairs[..., 1]
+        first.addcmul_(xs[..., 1], ss[..., 0])
+        second.addcmul_(xs[..., 0], ss[..., 1])
+    else:  # pairs are the two halves
+        h = E // 2
+        out[..., :h].addcmul_(x[..., h:], signed_sin[..., :h])
+        out[..., h:].addcmul_(x[..., :h], signed_sin[..., h:])
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _native_rotation(x: Tensor, cos: Tensor, signed_sin: Tensor) -> bool:
+    """Whether :func:`attnkit.native.rotate` computes this rotation: eager CPU inference on
+    float32 or bf16 heads with the rotary module's float32 rows (``(L, E)``, or ``(B, 1, L, E)``
+    for per-sequence positions), where attnkit's kernels run. One pass and one new tensor
+    instead of five (a bf16 prefill of 2048 tokens: ``benchmarks/RESULTS.md``)."""
+    if (
+        x.dtype not in (torch.float32, torch.bfloat16)
+        or cos.dtype != torch.float32
+        or signed_sin.dtype != torch.float32
+        or not 2 <= x.dim() <= 4
+        or x.stride(-1) != 1
+        or not native.eager_cpu(x)
+        or (
+            torch.is_grad_enabled()
+            and (x.requires_grad or cos.requires_grad or signed_sin.requires_grad)
+        )
+    ):
+        return False
+    L, E = x.shape[-2:]
+    fits = cos.shape == (L, E) or (x.dim() == 4 and cos.shape == (x.shape[0], 1, L, E))
+    return fits and signed_sin.shape == cos.shape and native.kernels_available()
 
 
 def _check_head_dim(head_dim: int) -> None:
