@@ -97,7 +97,12 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="fp32/bf16/int8/int4 weights on the 135M Llama shape (--shape); quality on --model",
     )
-    parser.add_argument("--shape", default="llama-135m", help="model of --quantize")
+    parser.add_argument("--shape", default="llama-135m", help="model of --quantize/--prefill")
+    parser.add_argument(
+        "--prefill",
+        action="store_true",
+        help="time to first token, fp32 and bf16, prompts 256 and 2048 (--shape)",
+    )
     args = parser.parse_args(argv)
 
     if args.threads is not None:
@@ -112,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
         return batched_table(args)
     if args.quantize:
         return quantize_table(args)
+    if args.prefill:
+        return prefill_table(args)
     if args.out is None:
         args.out = Path(__file__).parent / "results" / "bench_decode.json"
     torch.manual_seed(0)
@@ -375,6 +382,35 @@ def batched_table(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(__file__).parent / "results" / "bench_decode_batched.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"reports": reports}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def prefill_table(args: argparse.Namespace) -> dict[str, Any]:
+    """``--prefill``: time to first token against transformers, per dtype and prompt length."""
+    from attnkit.bench.decoding import prefill_rows
+
+    result = prefill_rows(
+        args.shape,
+        repeats=max(args.repeats, 5),
+        progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+    )
+    print(
+        f"{args.shape}: time to first token, medians of {max(args.repeats, 5)} interleaved "
+        f"rounds, {result['threads']} threads"
+    )
+    print(f"{'dtype':<9} {'prompt':>6} {'attnkit ms':>11} {'hf ms':>8} {'x hf':>6} {'x fp32':>7}")
+    for r in result["rows"]:
+        hf_ms = f"{1e3 * r['transformers_s']:.0f}" if "transformers_s" in r else "-"
+        vs = f"{r['vs_transformers']:.2f}" if "vs_transformers" in r else "-"
+        print(
+            f"{r['dtype']:<9} {r['prompt']:>6} {1e3 * r['attnkit_s']:>11.0f} {hf_ms:>8} "
+            f"{vs:>6} {r.get('vs_fp32', 1.0):>7.2f}"
+        )
+    for note in result["notes"]:
+        print(f"note: {note}")
+    out = args.out or Path(__file__).parent / "results" / "bench_decode_prefill.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     return result
 

@@ -16,6 +16,7 @@ from attnkit.bench.decoding import (
     decode_rows,
     layout_kernels,
     layout_table,
+    prefill_rows,
     read_bandwidth,
     to_transformers,
     vs_rows,
@@ -56,6 +57,25 @@ def test_decode_rows_measure_a_tiny_model() -> None:
     assert rows["attnkit"]["vs_transformers"] == pytest.approx(ratio)
     with pytest.raises(ValueError, match="unknown decode model"):
         decode_rows(("nope",))
+
+
+def test_prefill_rows_time_both_libraries_per_dtype_and_prompt() -> None:
+    pytest.importorskip("transformers")
+    seen: list[str] = []
+    report = prefill_rows("llama-tiny", prompts=(5, 12), repeats=2, progress=seen.append)
+    rows = {(r["dtype"], r["prompt"]): r for r in report["rows"]}
+    assert set(rows) == {(d, p) for d in ("float32", "bfloat16") for p in (5, 12)}
+    assert len(seen) == 2 and report["notes"] == []
+    for (dtype, _), row in rows.items():
+        assert row["vs_transformers"] == pytest.approx(row["transformers_s"] / row["attnkit_s"])
+        fp32 = rows[("float32", row["prompt"])]["attnkit_s"]
+        assert row["vs_fp32"] == pytest.approx(fp32 / row["attnkit_s"])
+        if dtype == "float32":  # the same greedy first token as transformers
+            assert row["same_first_token"] is True
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        prefill_rows("nope")
+    with pytest.raises(ValueError, match="at least 1"):
+        prefill_rows("llama-tiny", prompts=(0,))
 
 
 def test_vs_rows_compare_with_transformers() -> None:

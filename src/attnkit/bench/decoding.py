@@ -17,6 +17,7 @@ Rows:
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import tempfile
 import time
@@ -38,6 +39,7 @@ __all__ = [
     "layout_kernels",
     "layout_table",
     "llama_config",
+    "prefill_rows",
     "read_bandwidth",
     "to_transformers",
     "vs_rows",
@@ -756,3 +758,79 @@ def quantize_rows(
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+
+
+def prefill_rows(
+    name: str = "llama-135m",
+    *,
+    prompts: tuple[int, ...] = (256, 2048),
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+    repeats: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Time to first token: attnkit's eager prefill (the model prepared as ``attnkit generate``
+    prepares it) against transformers' ``generate`` of one token, per dtype and prompt length.
+
+    Random weights, one prompt, both libraries in the same dtype and process, rounds interleaved,
+    medians. Rows carry ``attnkit_s``, ``transformers_s``, ``vs_transformers`` (transformers'
+    time over attnkit's), ``vs_fp32`` (attnkit's fp32 time over this dtype's) and whether the
+    two first tokens agree. Targets (bf16, prompt 2048): >= 1.0x transformers, and >= 2.5x
+    attnkit fp32 where torch's bf16 GEMM is >= 4x its fp32 one.
+
+    Raises:
+        ValueError: For an unknown ``name`` or a prompt shorter than 1.
+    """
+    if name not in QUANT_MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(QUANT_MODELS)}")
+    if not prompts or min(prompts) < 1:
+        raise ValueError(f"prompt lengths must be at least 1, got {prompts}")
+    say = progress or (lambda _msg: None)
+    config = QUANT_MODELS[name][0].replace(max_seq_len=max(prompts) + 1)
+    torch.manual_seed(0)
+    base = TransformerLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size or 2, (1, max(prompts)), generator=gen)
+    runners: dict[tuple[str, str, int], Callable[[], Tensor]] = {}
+    for dtype in dtypes:
+        kind = str(dtype).removeprefix("torch.")
+        ours = decoding.prepare(copy.deepcopy(base).to(dtype))
+        try:
+            theirs = to_transformers(base).to(dtype)
+        except ImportError:
+            theirs = None
+        for P in prompts:
+            prompt = ids[:, :P]
+            runners[("attnkit", kind, P)] = functools.partial(
+                ours.generate, prompt, 1, eos_token_id=[]
+            )
+            if theirs is not None:
+                runners[("transformers", kind, P)] = functools.partial(
+                    _hf_greedy(theirs, prompt), 1
+                )
+    firsts = {key: run() for key, run in runners.items()}  # (warm-up)
+    seconds: dict[tuple[str, str, int], list[float]] = {key: [] for key in runners}
+    for r in range(repeats):
+        say(f"{name}: prefill round {r + 1}/{repeats}")
+        for key, run in runners.items():
+            start = time.perf_counter()
+            run()
+            seconds[key].append(time.perf_counter() - start)
+    med = {key: statistics.median(v) for key, v in seconds.items()}
+    rows = []
+    for dtype in dtypes:
+        kind = str(dtype).removeprefix("torch.")
+        for P in prompts:
+            ours_s = med[("attnkit", kind, P)]
+            row: dict[str, Any] = {"dtype": kind, "prompt": P, "attnkit_s": ours_s}
+            hf_key = ("transformers", kind, P)
+            if hf_key in med:
+                row["transformers_s"] = med[hf_key]
+                row["vs_transformers"] = med[hf_key] / ours_s
+                row["same_first_token"] = bool(
+                    torch.equal(firsts[("attnkit", kind, P)][:, -1], firsts[hf_key][:, -1])
+                )
+            if ("attnkit", "float32", P) in med:
+                row["vs_fp32"] = med[("attnkit", "float32", P)] / ours_s
+            rows.append(row)
+    notes = [] if any(k[0] == "transformers" for k in runners) else ["transformers not installed"]
+    return {"rows": rows, "notes": notes, "threads": torch.get_num_threads()}
