@@ -161,17 +161,20 @@ def test_prepared_rmsnorm_equals_torch_and_keeps_gradients(eps: float | None) ->
     assert_close(out, norm(row), atol=1e-7, rtol=2e-6)
 
 
+@pytest.mark.parametrize("eps", [1e-5, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prepared_rmsnorm_runs_the_kernel_on_eager_rows(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, eps: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not decoding._kernels_ready():
         pytest.skip(f"attnkit's kernels do not run here: {native.kernels_unavailable()}")
-    norm = nn.RMSNorm(576, eps=1e-5).to(dtype)
+    norm = nn.RMSNorm(576, eps=eps).to(dtype)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     fast = decoding.PreparedRMSNorm.from_norm(norm)
-    x = torch.randn(2, 37, 600, dtype=dtype)[..., 3:579]  # rows of a wider tensor: strided
+    # rows of a wider tensor (strided), small enough for the default eps (float32's, also for
+    # bf16 rows: torch's rule) to matter
+    x = (torch.randn(2, 37, 600) * 1e-3).to(dtype)[..., 3:579]
     calls: list[tuple[int, ...]] = []
     kernel = native.rms_norm
     monkeypatch.setattr(native, "rms_norm", lambda x, *a: calls.append(x.shape) or kernel(x, *a))
@@ -179,7 +182,8 @@ def test_prepared_rmsnorm_runs_the_kernel_on_eager_rows(
         got = fast(x)
         assert calls == [x.shape] and got.dtype == dtype and got.is_contiguous()
         wide = x.double()
-        ref = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + 1e-5)
+        used = 1.1920928955078125e-07 if eps is None else eps
+        ref = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + used)
         ref = ref * norm.weight.double()
         # float32: a few roundings; bf16: one rounding of the float32 result, as torch's
         tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {}

@@ -206,7 +206,9 @@ class PreparedRMSNorm(nn.RMSNorm):
             or torch.compiler.is_compiling()
         ):
             return super().forward(x)
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        # (torch's default: the epsilon of the dtype it computes in, float32 for half precision)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        eps = torch.finfo(wide).eps if self.eps is None else self.eps
         if x.numel() == D and x.dtype == torch.float32:  # (4 us a call, the kernel's 12)
             norm = float(torch.linalg.vector_norm(x))
             scale = 1.0 / math.sqrt(norm * norm / D + eps)
