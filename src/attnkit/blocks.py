@@ -123,15 +123,7 @@ class FeedForward(nn.Module):
         """Shape: x ``(..., in_dim)`` -> ``(..., out_dim)``."""
         if self.gated:
             gate, up = self.gate_up(x).chunk(2, dim=-1)  # (..., hidden) each
-            if type(self.activation) is nn.SiLU and not (
-                torch.is_grad_enabled() and up.requires_grad
-            ):
-                # Nothing to differentiate: the gate's half of the projection becomes the hidden
-                # layer in place. A long prompt's prefill then allocates no hidden-sized tensor,
-                # and fresh memory is what it pays most for on a CPU (page faults).
-                h = F.silu(gate, inplace=True).mul_(up)
-            else:
-                h = self.activation(gate) * up
+            h = self.activation(gate) * up
         else:
             h = self.activation(self.linear1(x))  # (..., hidden)
         if self.training:
