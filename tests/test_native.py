@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import platform
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -1071,6 +1072,12 @@ def test_rotary_inference_runs_the_kernel_and_training_torchs_form(
     assert_close(out.detach(), want, atol=1e-6, rtol=1e-6)
     out.sum().backward()
     assert xg.grad is not None and xg.grad.abs().sum() > 0
+    # under torch.func's transforms the batched tensors have no memory to read: torch's form
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's note on an in-place op without a batch rule)
+        batched = torch.func.vmap(rotary)(x)
+    assert calls == [x.shape]
+    assert_close(batched, want, atol=1e-6, rtol=1e-6)
 
 
 def test_rotate_names_what_does_not_fit() -> None:

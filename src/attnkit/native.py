@@ -371,13 +371,15 @@ def kernels_loaded() -> bool:
 
 def eager_cpu(t: Tensor) -> bool:
     """Whether attnkit's kernels may compute on ``t`` now: it lives on the CPU and torch runs
-    eagerly (not compiling or tracing, and outside torch dispatch modes: a graph, a trace, a FLOP
-    counter or fake tensors see torch's ops, not a kernel's writes)."""
+    eagerly (not compiling or tracing, outside torch dispatch modes: a graph, a trace, a FLOP
+    counter or fake tensors see torch's ops, not a kernel's writes; and outside ``torch.func``'s
+    transforms, whose batched or differentiated tensors have no memory of their own to read)."""
     return (
         t.device.type == "cpu"
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and not is_in_torch_dispatch_mode()
+        and not torch._C._are_functorch_transforms_active()
     )
 
 
