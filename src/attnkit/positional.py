@@ -305,11 +305,11 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Te
     output channel is ``x_i cos - x_j sin`` or ``x_i cos + x_j sin`` as in the textbook form
     (``a - b`` is ``a + (-b)``).
 
-    Half-precision ``x`` is rotated in float32 and rounded once. Three kernels, none of them a
-    copy: the product with ``cos`` reads ``x`` in its own dtype into a new float32 tensor, and
-    each half of the pairs adds its partner's product in place (no swapped copy of ``x``); then
-    the cast back. Fresh memory is what an eager prefill pays most for on a CPU (page faults):
-    1.0x-5x faster than rotating a float32 copy of ``x``.
+    Half-precision ``x`` is rotated in float32 and rounded once. Eager CPU inference runs
+    attnkit's kernel (:func:`_native_rotation`); otherwise (gradients, compiled graphs, other
+    dtypes) the product with ``cos`` makes a new tensor in the compute dtype, each half of the
+    pairs adds its partner's product to it in place (no swapped copy of ``x``: 1.5x faster in
+    float32 than ``roll`` and ``addcmul``), and the result is cast back.
 
     Shape:
         x ``(..., L, E)``, cos/signed_sin broadcastable to it -> like ``x``.
