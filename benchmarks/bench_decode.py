@@ -57,6 +57,16 @@ def _time_generate(
     return best, tokens[0]
 
 
+def _write(report: dict[str, Any], out: Path | None, name: str) -> dict[str, Any]:
+    """Print the report's notes and write it as JSON to ``out`` (default: ``results/<name>``)."""
+    for note in report.get("notes", []):
+        print(f"note: {note}")
+    path = out or Path(__file__).parent / "results" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=512)
@@ -337,12 +347,7 @@ def decode_rows_table(args: argparse.Namespace) -> dict[str, Any]:
     for t in report["targets"]:
         verdict = "met" if t["met"] else f"MISSED by {t['shortfall']:.0%}"
         print(f"target {t['model']} {t['what']}: {t['measured']:.2f} (>= {t['target']}) {verdict}")
-    for note in report["notes"]:
-        print(f"note: {note}")
-    out = args.out or Path(__file__).parent / "results" / "bench_decode_rows.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    return report
+    return _write(report, args.out, "bench_decode_rows.json")
 
 
 def batched_table(args: argparse.Namespace) -> dict[str, Any]:
@@ -407,12 +412,7 @@ def prefill_table(args: argparse.Namespace) -> dict[str, Any]:
             f"{r['dtype']:<9} {r['prompt']:>6} {1e3 * r['attnkit_s']:>11.0f} {hf_ms:>8} "
             f"{vs:>6} {r.get('vs_fp32', 1.0):>7.2f}"
         )
-    for note in result["notes"]:
-        print(f"note: {note}")
-    out = args.out or Path(__file__).parent / "results" / "bench_decode_prefill.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return _write(result, args.out, "bench_decode_prefill.json")
 
 
 def kernels(args: argparse.Namespace) -> dict[str, Any]:
@@ -505,10 +505,7 @@ def quantize_table(args: argparse.Namespace) -> dict[str, Any]:
     for mode, q in quality.items():
         print(f"quality {mode}: {q}")
     result["quality"] = quality
-    out = args.out or Path(__file__).parent / "results" / "bench_decode_quantize.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return _write(result, args.out, "bench_decode_quantize.json")
 
 
 if __name__ == "__main__":
