@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
 
@@ -192,6 +193,9 @@ def test_prepared_rmsnorm_runs_the_kernel_on_eager_rows(
         monkeypatch.setattr(decoding, "_kernels", False)  # not built: torch's own forward
         assert_close(fast(x), norm(x), atol=0, rtol=0)
     assert len(calls) == 1
+    unscaled = kernel(x, None, 1e-5)  # no weight; an empty batch
+    assert_close(unscaled, F.rms_norm(x, (576,), None, 1e-5), **tol)
+    assert kernel(x[:0], norm.weight, 1e-5).shape == (0, 37, 576)
     with pytest.raises(TypeError, match="float32 or bfloat16 tensors of one dtype"):
         native.rms_norm(x.float(), norm.weight.half(), 1e-5)
     with pytest.raises(ValueError, match=r"weight \(D,\)"):
