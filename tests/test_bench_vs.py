@@ -33,6 +33,11 @@ def test_vs_quick_table_and_json(tmp_path, capsys):
     batched = rows[("decode llama-tiny batched", "transformers batched generate")]
     assert batched["peer_s"] > 0 and "same tokens: True" in batched["note"]
     assert batched["goal"] == 2.0
+    first = rows[("first token llama-tiny bfloat16 P=16", "transformers LlamaForCausalLM")]
+    assert first["peer_s"] > 0 and first["goal"] == 1.0 and "same first token" in first["note"]
+    own = rows[("first token llama-tiny bf16 weights P=16", "attnkit fp32 weights")]
+    fp32 = rows[("first token llama-tiny float32 P=16", "transformers LlamaForCausalLM")]
+    assert own["peer_s"] == pytest.approx(fp32["attnkit_s"]) and fp32["goal"] is None
     assert report["config"]["attention"]["seq_len"] == 512 and report["machine"]["torch"]
     assert "x = peer time / attnkit time" in out
 

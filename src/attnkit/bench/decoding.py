@@ -32,9 +32,11 @@ from attnkit import decoding, native
 from attnkit.config import FAMILIES, PRESETS, TransformerConfig
 from attnkit.models import TransformerLM
 from attnkit.positional import LearnedPositionalEmbedding
+from attnkit.profiling import time_calls
 
 __all__ = [
     "DECODE_MODELS",
+    "bf16_gemm_speedup",
     "decode_rows",
     "layout_kernels",
     "layout_table",
@@ -42,6 +44,7 @@ __all__ = [
     "prefill_rows",
     "read_bandwidth",
     "to_transformers",
+    "vs_prefill_rows",
     "vs_rows",
 ]
 
@@ -834,3 +837,65 @@ def prefill_rows(
             rows.append(row)
     notes = [] if any(k[0] == "transformers" for k in runners) else ["transformers not installed"]
     return {"rows": rows, "notes": notes, "threads": torch.get_num_threads()}
+
+
+#: The prefill targets: bf16 time to first token at the longest prompt against transformers bf16,
+#: and against attnkit's own fp32 where torch's bf16 GEMM is at least 4x its fp32 one.
+PREFILL_GOALS = {"transformers": 1.0, "fp32": 2.5}
+
+
+def bf16_gemm_speedup(rows: int = 2048, inputs: int = 576, outputs: int = 1536) -> float:
+    """How many times faster torch's bf16 GEMM is than its float32 one on this CPU (a prompt's
+    product of the 135M Llama shape, medians of interleaved rounds)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, inputs, generator=gen), torch.randn(outputs, inputs, generator=gen)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    with torch.no_grad():
+        seconds = time_calls({"fp32": lambda: x @ w.T, "bf16": lambda: xb @ wb.T}, rounds=5)
+    return seconds["fp32"] / seconds["bf16"]
+
+
+def vs_prefill_rows(
+    name: str = "llama-135m",
+    *,
+    prompts: tuple[int, ...] = (256, 2048),
+    repeats: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """The time-to-first-token rows of ``attnkit bench --vs`` (see :func:`prefill_rows`): each
+    dtype and prompt against transformers in the same dtype, and bf16 against attnkit fp32. The
+    longest prompt's bf16 rows carry :data:`PREFILL_GOALS` (the fp32 one only where
+    :func:`bf16_gemm_speedup` is at least 4)."""
+    report = prefill_rows(name, prompts=prompts, repeats=repeats, progress=progress)
+    fast_bf16 = bf16_gemm_speedup()
+    longest = max(prompts)
+    out: list[dict[str, Any]] = []
+    for row in report["rows"]:
+        P, kind = row["prompt"], row["dtype"]
+        size = f"prompt {P}, {kind}, batch 1, {report['threads']} threads"
+        goal = PREFILL_GOALS["transformers"] if kind == "bfloat16" and longest == P else None
+        same = row.get("same_first_token")
+        out.append(
+            {
+                "job": f"first token {name} {kind} P={P}",
+                "peer": "transformers LlamaForCausalLM",
+                "attnkit_s": row["attnkit_s"],
+                "peer_s": row.get("transformers_s"),
+                "note": size if same is None else f"{size}; same first token: {same}",
+                "goal": goal,
+            }
+        )
+        if kind == "bfloat16" and "vs_fp32" in row:
+            fp32 = row["attnkit_s"] * row["vs_fp32"]
+            goal = PREFILL_GOALS["fp32"] if longest == P and fast_bf16 >= 4 else None
+            out.append(
+                {
+                    "job": f"first token {name} bf16 weights P={P}",
+                    "peer": "attnkit fp32 weights",
+                    "attnkit_s": row["attnkit_s"],
+                    "peer_s": fp32,
+                    "note": f"{size}; torch's bf16 GEMM {fast_bf16:.1f}x its fp32 here",
+                    "goal": goal,
+                }
+            )
+    return out

@@ -19,7 +19,10 @@ warm-up call each that also checks the results agree), with both absolute times 
 * ``decode llama-3m`` / ``decode llama-100m`` (eager and ``compile``): cached greedy generation
   against transformers' ``LlamaForCausalLM`` with the same weights, and the 100M model's bf16
   weights against its fp32 ones (:mod:`attnkit.bench.decoding`; notes give tokens/s and the share
-  of the read-bandwidth bound).
+  of the read-bandwidth bound);
+* ``first token llama-135m`` (fp32 and bf16, prompts 256 and 2048): time to first token against
+  transformers in the same dtype, and bf16 against attnkit's fp32 (goals at 2048 tokens: bf16
+  >= 1.0x transformers, and >= 2.5x attnkit fp32 where torch's bf16 GEMM is >= 4x its fp32).
 
 Peers that are not installed give a row that says so instead of a time. Rows come from the
 makers in :data:`ROW_MAKERS`, in order; a new comparison is one function
@@ -84,6 +87,9 @@ class VsConfig:
         decode_models: Models of :data:`attnkit.bench.decoding.DECODE_MODELS` for the decoding
             rows (cached greedy generation against transformers).
         decode_compile: Also time ``generate(..., compile=True)`` (compiles once per model).
+        prefill_model: Model of the time-to-first-token rows
+            (:data:`attnkit.bench.decoding.QUANT_MODELS`).
+        prefill_prompts: Their prompt lengths.
         ring_len: Whole sequence of the ring rows.
         ring_world: Processes of the ring rows.
     """
@@ -95,6 +101,8 @@ class VsConfig:
     long_words: int = 400
     decode_models: tuple[str, ...] = ("llama-3m", "llama-100m")
     decode_compile: bool = True
+    prefill_model: str = "llama-135m"
+    prefill_prompts: tuple[int, ...] = (256, 2048)
     ring_len: int = 16384
     ring_world: int = 2
 
@@ -109,6 +117,8 @@ class VsConfig:
             long_words=40,
             decode_models=("llama-tiny",),
             decode_compile=False,
+            prefill_model="llama-tiny",
+            prefill_prompts=(16,),
             ring_len=512,
         )
 
@@ -453,6 +463,19 @@ def _batched_rows(config: VsConfig) -> list[VsRow]:
 
 
 register("batched decoding", _batched_rows)
+
+
+def _prefill_rows(config: VsConfig) -> list[VsRow]:
+    """Time to first token against transformers (see :mod:`attnkit.bench.decoding`)."""
+    from attnkit.bench.decoding import vs_prefill_rows
+
+    rows = vs_prefill_rows(
+        config.prefill_model, prompts=config.prefill_prompts, repeats=max(config.repeats, 3)
+    )
+    return [VsRow(**row) for row in rows]
+
+
+register("prefill", _prefill_rows)
 
 
 #: The ring's goal: per-rank peak memory at most this fraction of one process's.
