@@ -1089,9 +1089,7 @@ def float_dot_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
         or (bias is not None and (bias.dtype != dtype or bias.shape != (out,) or not bias.is_cpu))
     ):
         raise _float_mismatch(x, weight, bias)
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"attnkit's kernels are not available: {_load()[1]}")
+    lib = _library()
     x, weight = x.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()  # (held: the kernel reads its memory)
     rows = math.prod(x.shape[:-1])
@@ -1174,9 +1172,7 @@ def capped_softmax_(
             f"capped_softmax_ needs softcap > 0, period >= 1 and window >= 1 or None, got "
             f"softcap={softcap}, period={period}, window={window}"
         )
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"attnkit's kernels are not available: {_load()[1]}")
+    lib = _library()
     width = scores.shape[-1]
     if rows and width:
         lib.attnkit_capped_softmax(
@@ -1232,9 +1228,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
             f"{None if weight is None else tuple(weight.shape)}"
         )
     _require_cpu("rms_norm", x, *(() if weight is None else (weight,)))
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"attnkit's kernels are not available: {_load()[1]}")
+    lib = _library()
     x = x if x.stride(-1) == 1 or D <= 1 else x.contiguous()
     flat = x.reshape(-1, D) if x.numel() else x.new_empty(0, D)  # (a view for strided rows)
     weight = None if weight is None else weight.contiguous()
@@ -1296,9 +1290,7 @@ def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, *, interleaved: bool) -> 
             f"signed_sin {tuple(signed_sin.shape)}"
         )
     _require_cpu("rotate", x, cos, signed_sin)
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"attnkit's kernels are not available: {_load()[1]}")
+    lib = _library()
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     if out.numel():
@@ -1403,9 +1395,7 @@ def one_query_attention(
             f"{tuple(ks)}, {tuple(vs)} and {None if mask is None else tuple(mask.shape)} on "
             f"{q.device}, {k.device}, {v.device}"
         )
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"attnkit's kernels are not available: {_load()[1]}")
+    lib = _library()
     q = q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
