@@ -111,8 +111,7 @@ def test_prepare_swaps_plain_linears_and_keeps_outputs(name: str, compiled: bool
     assert_close(lm(ids[:, :1]), want_step, **TOL)
     layout = lm.blocks[0].attention.qkv_proj.layout
     without = "linear" if compiled else "transposed"
-    streamed = decoding._streamed(torch.float32, 2 if compiled else 1) and decoding._kernels_ready()
-    assert layout == ("stream" if streamed else without)
+    assert layout == ("stream" if decoding._kernels_ready() else without)
     w = lm.blocks[0].attention.qkv_proj.weight
     # Eager fp32 without attnkit's kernels: column-major storage, same values.
     assert w.is_contiguous() == (layout != "transposed")
@@ -205,7 +204,6 @@ def test_prepared_rmsnorm_runs_the_kernel_on_eager_rows(
 @pytest.mark.parametrize("kernels", [False, True])
 def test_layouts_follow_the_measured_rule(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(decoding, "_kernels", kernels)
-    monkeypatch.setattr(decoding, "_AMX", False)  # (with AMX: the rule's test below)
     full, half = torch.zeros(4, 4), torch.zeros(4, 4, dtype=torch.bfloat16)
     assert decoding.layout_for(full) == ("stream" if kernels else "transposed")
     assert decoding.layout_for(half) == ("stream" if kernels else "linear")
@@ -316,7 +314,7 @@ def test_bf16_steps_stream_through_attnkits_kernel(
     compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A prepared bf16 linear runs native.float_dot_linear for a few rows without gradients (as
-    the op in compiled graphs, from two rows on) and F.linear otherwise, with the same results."""
+    the op in compiled graphs) and F.linear otherwise, with the same results."""
     monkeypatch.setattr(decoding, "_kernels", True)
     calls: list[int] = []
     real = decoding.native.float_dot_linear
@@ -335,7 +333,7 @@ def test_bf16_steps_stream_through_attnkits_kernel(
         if compiled:  # the op calls the kernel (not through this module's name)
             got = torch.compile(layer, fullgraph=True)(step)
             assert not calls and torch.equal(got, real(step, layer.weight, layer.bias))
-            one = torch.compile(layer, fullgraph=True)(step[:1])  # one row: inductor's sum
+            one = torch.compile(layer, fullgraph=True)(step[:1])  # (the op or inductor's sum)
             assert_close(one, plain(step[:1]), atol=0.02, rtol=0.02)
         else:
             got = layer(step)
@@ -348,26 +346,53 @@ def test_bf16_steps_stream_through_attnkits_kernel(
     assert calls == ([] if compiled else [2])
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_the_kernels_rule_is_by_cpu_feature(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """attnkit's kernels take a step's products wherever they build, but a single fp32 row on
-    CPUs with AMX (whose measured choice is MKL over a column-major weight, the eager layout);
-    whether they build is asked once."""
+def test_the_kernels_take_every_step_where_they_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attnkit's kernels take a step's fp32 and bf16 products wherever they build (one row and
+    several); whether they build is asked once."""
     monkeypatch.setattr(decoding, "_kernels", None)
-    monkeypatch.setattr(decoding, "_AMX", amx)
     built = decoding.native.kernels_available()
     assert decoding._kernels_ready() is built and decoding._kernels is built
     w = torch.randn(24, 40)
-    fp32 = built and not amx
-    assert decoding.layout_for(w) == ("stream" if fp32 else "transposed")
+    assert decoding.layout_for(w) == ("stream" if built else "transposed")
     assert decoding.layout_for(w, compiled=True) == ("stream" if built else "linear")
     assert decoding.layout_for(w.bfloat16()) == ("stream" if built else "linear")
     assert decoding.layout_for(w.bfloat16(), compiled=True) == ("stream" if built else "linear")
+    assert decoding.layout_for(w.double()) == "linear"
     x = torch.randn(2, 40)
     with torch.no_grad():
         assert decoding._streams(x, w, None) is built  # (two rows)
-        assert decoding._streams(x[:1], w, None) is fp32
+        assert decoding._streams(x[:1], w, None) is built
         assert decoding._streams(x.bfloat16(), w.bfloat16(), None) is built
+        assert not decoding._streams(x.double(), w.double(), None)
+
+
+@pytest.mark.skipif(
+    not decoding.native.kernels_available(),
+    reason=f"attnkit's kernels do not build here: {decoding.native.kernels_unavailable()}",
+)
+@pytest.mark.parametrize("row_kernel", [False, True])
+def test_a_compiled_single_row_runs_the_kernel_by_cpu_feature(
+    row_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a compiled graph one row runs the kernel's op where its AVX512 dots run (the same bits
+    as the eager kernel, so a row is the same alone or batched), else inductor's reduction."""
+    monkeypatch.setattr(decoding, "_kernels", True)
+    monkeypatch.setattr(decoding, "_ROW_KERNEL", row_kernel)
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(1, 1, 96, generator=gen).to(dtype)
+        w = torch.randn(40, 96, generator=gen).to(dtype)
+        b = torch.randn(40, generator=gen).to(dtype)
+        with torch.no_grad():
+            got = torch.compile(decoding.linear, fullgraph=True)(x, w, b)
+            kernel = decoding.native.float_dot_linear(x, w, b)
+        want = x.double() @ w.double().T + b.double()
+        step = torch.finfo(dtype).eps * want.abs().max().item()
+        assert (got.double() - want).abs().max().item() <= step + 1e-5
+        if row_kernel:
+            assert torch.equal(got, kernel)
+    torch._dynamo.reset()
 
 
 def test_a_compiled_graph_never_traces_the_kernels_build(monkeypatch: pytest.MonkeyPatch) -> None:

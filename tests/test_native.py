@@ -276,14 +276,34 @@ def _bf16_ulp(t: Tensor) -> Tensor:
     return torch.ldexp(torch.ones_like(t), torch.frexp(t)[1] - 8).abs()
 
 
+@pytest.fixture(params=[False, True], ids=["avx2", "avx512"])
+def float_dots(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The float products' AVX2 dots, or their AVX512 ones (where the CPU has them: the AVX2 ones
+    elsewhere); yields whether the AVX512 ones run."""
+    before = native.float_wide()
+    try:
+        wide = native.float_wide(request.param)
+        assert wide == (request.param and native.wide_cpu())  # (the kernel's probe and ours)
+        yield wide
+    finally:
+        native.float_wide(before)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("rows", "out", "n", "bias"),
-    [(1, 1536, 576, False), (3, 77, 100, True), (15, 9, 64, True), (2, 5, 7, False)],
+    [
+        (1, 1536, 576, False),
+        (3, 77, 100, True),
+        (15, 9, 64, True),
+        (2, 5, 7, False),
+        (9, 20, 1536, True),  # eight rows' inputs in chunks (AVX512), then one row at once
+        (8, 11, 1100, False),  # chunks of 512, 512 and 76 (two steps of 32 and 12 masked)
+    ],
 )
 def test_float_products_follow_float64(
-    dtype: torch.dtype, rows: int, out: int, n: int, bias: bool
+    dtype: torch.dtype, rows: int, out: int, n: int, bias: bool, float_dots: bool
 ) -> None:
     """Summed in float32 (n not a multiple of the vector width too), then rounded to the dtype."""
     gen = torch.Generator().manual_seed(rows * out + n)
@@ -300,7 +320,9 @@ def test_float_products_follow_float64(
 
 
 @needs_kernel
-def test_float_products_keep_non_finite_values_and_ignore_threads_and_strides() -> None:
+def test_float_products_keep_non_finite_values_and_ignore_threads_and_strides(
+    float_dots: bool,
+) -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(64, 3, generator=gen).T  # (3, 64), not contiguous
     w = torch.randn(64, 40, generator=gen).T  # (40, 64), not contiguous
@@ -323,20 +345,39 @@ def test_float_products_keep_non_finite_values_and_ignore_threads_and_strides() 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_float_rows_product_does_not_depend_on_the_rows_beside_it(dtype: torch.dtype) -> None:
-    """Rows go through the kernel two at a time and an odd one alone: each row's result is the
+def test_a_float_rows_product_does_not_depend_on_the_rows_beside_it(
+    dtype: torch.dtype, float_dots: bool
+) -> None:
+    """Rows go through the kernel a few at a time (AVX2: two, and an odd one alone; AVX512: up to
+    eight, whose inputs go in chunks where they would not stay in L1): each row's result is the
     same bits as the row's product by itself (a sequence decodes the same alone or batched)."""
     gen = torch.Generator().manual_seed(11)
-    for n in (576, 100, 7):
-        x = torch.randn(5, n, generator=gen).to(dtype)
+    for n in (1100, 576, 100, 7):
+        x = torch.randn(11, n, generator=gen).to(dtype)
         w = torch.randn(70, n, generator=gen).to(dtype)
         b = torch.randn(70, generator=gen).to(dtype)
         together = native.float_dot_linear(x, w, b)
-        for r in range(5):
+        for r in range(11):
             alone = native.float_dot_linear(x[r : r + 1], w, b)
             assert torch.equal(together[r : r + 1], alone), (n, r)
-        pairs = native.float_dot_linear(x[1:3], w, b)  # (a pair at another offset)
-        assert torch.equal(pairs, together[1:3])
+        for part in (slice(1, 3), slice(2, 10), slice(3, 6)):  # (other counts and offsets)
+            assert torch.equal(native.float_dot_linear(x[part], w, b), together[part]), part
+
+
+@needs_kernel
+def test_the_avx512_and_avx2_float_dots_agree_within_their_roundings() -> None:
+    """The two sum in different orders: the same products up to float32 summation order."""
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(9, 1100, generator=gen), torch.randn(33, 1100, generator=gen)
+    before = native.float_wide()
+    try:
+        native.float_wide(False)
+        avx2 = native.float_dot_linear(x, w)
+        native.float_wide(True)
+        wide = native.float_dot_linear(x, w)
+    finally:
+        native.float_wide(before)
+    assert_close(wide, avx2, rtol=1e-5, atol=1e-4)
 
 
 @needs_kernel

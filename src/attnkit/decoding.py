@@ -49,30 +49,34 @@ __all__ = [
 # the measurement; the results are in ``benchmarks/RESULTS.md``):
 #   * fp32 and bf16: attnkit's own streaming kernel over the row-major weight
 #     (:func:`attnkit.native.float_dot_linear`), where it is built (``"stream"``), except for one
-#     row in a compiled step (inductor's reduction, below) and eager fp32 steps with AMX;
+#     row in a compiled step on CPUs without AVX512 (inductor's reduction, below);
 #   * eager fp32 otherwise: a column-major weight (``x @ W^T`` over a contiguous ``(in, out)``
 #     matrix, as MKL streams it) beats ``F.linear`` on a row-major one;
-#   * compiled, fp32 and bf16: ``(W * x).sum(-1)``, which inductor turns into one streaming
-#     reduction over ``W`` (the row widened to float32 first);
+#   * compiled otherwise, fp32 and bf16: ``(W * x).sum(-1)``, which inductor turns into one
+#     streaming reduction over ``W`` (the row widened to float32 first);
 #   * everything else: ``F.linear`` as is.
 Layout = Literal["linear", "transposed", "stream"]
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
-#: Weight dtypes whose eager products of fewer than :data:`UPCAST_ROWS` rows run attnkit's own
-#: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built, but one float32
-#: row on CPUs with AMX (:func:`_streamed`). Measured on the 135M Llama shape
-#: (``benchmarks/RESULTS.md``): eager steps decode 1.2x faster in bf16 and fp32 than through
-#: torch's products on a 2-core AVX2 AMD EPYC, 1.7x (bf16) and 2.5x (fp32) with AVX512-BF16,
-#: where torch's one-row products read the weights at half the bandwidth, and 1.58x in bf16 on
-#: an Intel Xeon with AMX, whose fp32 steps ran 1.14x faster through MKL over a column-major
-#: weight (the ``"transposed"`` layout). A compiled step of one row keeps inductor's streaming
-#: reduction, which the op call's cost made faster.
+#: Weight dtypes whose products of fewer than :data:`UPCAST_ROWS` rows run attnkit's own
+#: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built. Measured on the
+#: 135M Llama shape (``benchmarks/RESULTS.md``): eager steps decode 1.2x faster in bf16 and fp32
+#: than through torch's products on a 2-core AVX2 AMD EPYC, 1.7x (bf16) and 2.5x (fp32) with
+#: AVX512-BF16, where torch's one-row products read the weights at half the bandwidth, and 1.58x
+#: in bf16 on an Intel Xeon with AMX, where fp32 steps are at parity with MKL over a column-major
+#: weight (the ``"transposed"`` layout, 1.14x faster than the AVX2 kernel there) and 8 rows of
+#: the 100M Llama shape decode 1.5x faster than through MKL.
 KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float32})
 
 _kernels: bool | None = None  # native.kernels_available(), asked once (it builds them)
-#: Whether this CPU has AMX tiles (an Intel Xeon): float32 steps keep MKL's products there.
-_AMX = native._amx()
+#: Whether a compiled step's single row runs the kernel too (the op ``attnkit::float_dot_linear``)
+#: rather than inductor's streaming reduction: where the kernel's AVX512 dots run
+#: (:func:`attnkit.native.float_wide`). On an Intel Xeon with AMX a compiled bf16 step of the
+#: 135M Llama shape decoded 1.19x faster so, fp32 at parity; a row's result is then the same
+#: alone or batched. On AVX2 CPUs the op call's cost made inductor's reduction faster. (Read once
+#: here: a compiled graph cannot trace the CPU probe.)
+_ROW_KERNEL = native.wide_cpu()
 
 
 def _kernels_ready() -> bool:
@@ -84,14 +88,6 @@ def _kernels_ready() -> bool:
     return _kernels
 
 
-def _streamed(dtype: torch.dtype, rows: int) -> bool:
-    """Whether products of ``rows`` rows (fewer than :data:`UPCAST_ROWS`) with ``dtype`` weights
-    run attnkit's kernel where it is built: the :data:`KERNEL_DTYPES`, except a single float32
-    row on CPUs with AMX (an Intel Xeon, where MKL read a column-major weight faster; 8 rows of
-    the 100M Llama shape decoded 1.22x (eager) and 1.45x (compiled) faster through the kernel)."""
-    return dtype in KERNEL_DTYPES and not (dtype == torch.float32 and _AMX and rows < 2)
-
-
 def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
 
@@ -99,15 +95,12 @@ def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def layout_for(weight: Tensor, *, compiled: bool = False) -> Layout:
     """The storage layout :func:`prepare` gives ``weight`` (see the table above).
 
-    CPU steps stream through attnkit's kernel where it is built (``"stream"``, row-major; a
-    compiled step of one row runs inductor's reduction instead), except eager fp32 steps on CPUs
-    with AMX, where one row reads faster through MKL over a column-major weight. Otherwise
-    compiled steps read row-major weights (the streaming reduction runs along rows) and eager
-    fp32 CPU steps column-major ones.
+    CPU steps of the :data:`KERNEL_DTYPES` stream through attnkit's kernel where it is built
+    (``"stream"``, row-major; a compiled step of one row may run inductor's reduction instead,
+    see :data:`_ROW_KERNEL`). Otherwise compiled steps read row-major weights (the streaming
+    reduction runs along rows) and eager fp32 CPU steps column-major ones.
     """
-    # (An eager step of one sequence is the common case; a compiled one reduces one row itself.)
-    rows = 2 if compiled else 1
-    if weight.device.type == "cpu" and _streamed(weight.dtype, rows) and _kernels_ready():
+    if weight.device.type == "cpu" and weight.dtype in KERNEL_DTYPES and _kernels_ready():
         return "stream"
     if not compiled and weight.device.type == "cpu" and weight.dtype == torch.float32:
         return "transposed"
@@ -290,7 +283,7 @@ def _onednn_prompt(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def _streams(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether ``F.linear(x, weight, bias)`` runs attnkit's streaming kernel."""
     return (
-        _streamed(weight.dtype, x.numel() // max(x.shape[-1], 1))
+        weight.dtype in KERNEL_DTYPES
         and x.dtype == weight.dtype
         and (bias is None or bias.dtype == weight.dtype)
         and x.device.type == "cpu"
@@ -305,18 +298,19 @@ def _streams(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)``; inside a compiled graph a single row is computed as
-    ``(W * x).sum(-1)`` in float32, which inductor streams at the memory bandwidth.
+    """``F.linear(x, weight, bias)``; inside a compiled graph a single row outside attnkit's
+    kernel is computed as ``(W * x).sum(-1)`` in float32, which inductor streams at the memory
+    bandwidth.
 
     On a CPU without bf16 dot-product instructions, bf16 products of at least
     :data:`UPCAST_ROWS` rows (a prompt's prefill) run in float32 and are rounded back to bf16:
     torch's bf16 GEMM there is emulated and several times slower than converting the weight.
     Fewer rows of a :data:`KERNEL_DTYPES` weight, without gradients, run
     :func:`attnkit.native.float_dot_linear` where it is built (in compiled graphs as the op
-    ``attnkit::float_dot_linear``, from two rows on: a single row's reduction is as fast there
-    and costs no op call). float32 products of at least :data:`UPCAST_ROWS` rows without
-    gradients (a prompt) run oneDNN's GEMM where it measured faster than ``F.linear``'s MKL on
-    this CPU (:func:`_onednn_faster`).
+    ``attnkit::float_dot_linear``; a single row there only where :data:`_ROW_KERNEL`, otherwise
+    inductor's reduction is as fast and costs no op call). float32 products of at least
+    :data:`UPCAST_ROWS` rows without gradients (a prompt) run oneDNN's GEMM where it measured
+    faster than ``F.linear``'s MKL on this CPU (:func:`_onednn_faster`).
 
     Shape: x ``(*, in)``, weight ``(out, in)`` -> ``(*, out)``.
     """
@@ -326,7 +320,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if _streams(x, weight, bias):
         if not compiling:
             return native.float_dot_linear(x, weight, bias)
-        if x.numel() != x.shape[-1]:
+        if x.numel() != x.shape[-1] or _ROW_KERNEL:
             return torch.ops.attnkit.float_dot_linear(x, weight, bias)
     if (
         weight.dtype == torch.bfloat16
