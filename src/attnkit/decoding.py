@@ -70,13 +70,14 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float32})
 
 _kernels: bool | None = None  # native.kernels_available(), asked once (it builds them)
-#: Whether a compiled step's single row runs the kernel too (the op ``attnkit::float_dot_linear``)
-#: rather than inductor's streaming reduction: where the kernel's AVX512 dots run
-#: (:func:`attnkit.native.float_wide`). On an Intel Xeon with AMX a compiled bf16 step of the
-#: 135M Llama shape decoded 1.19x faster so, fp32 at parity; a row's result is then the same
-#: alone or batched. On AVX2 CPUs the op call's cost made inductor's reduction faster. (Read once
-#: here: a compiled graph cannot trace the CPU probe.)
-_ROW_KERNEL = native.wide_cpu()
+#: Weight dtypes whose single row in a compiled step runs the kernel too (the op
+#: ``attnkit::float_dot_linear``) rather than inductor's streaming reduction: bf16 where the
+#: kernel's AVX512 dots run (:func:`attnkit.native.float_wide`). On an Intel Xeon with AMX a
+#: compiled bf16 step of the 135M Llama shape decoded 1.13-1.19x faster so, and a bf16 row's
+#: result is then the same alone or batched; a compiled fp32 step ran 0.92-0.93x as fast, and on
+#: AVX2 CPUs the op call's cost made inductor's reduction faster for both. (Read once here: a
+#: compiled graph cannot trace the CPU probe.)
+_ROW_KERNEL: frozenset[torch.dtype] = frozenset({torch.bfloat16} if native.wide_cpu() else ())
 
 
 def _kernels_ready() -> bool:
@@ -307,8 +308,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     torch's bf16 GEMM there is emulated and several times slower than converting the weight.
     Fewer rows of a :data:`KERNEL_DTYPES` weight, without gradients, run
     :func:`attnkit.native.float_dot_linear` where it is built (in compiled graphs as the op
-    ``attnkit::float_dot_linear``; a single row there only where :data:`_ROW_KERNEL`, otherwise
-    inductor's reduction is as fast and costs no op call). float32 products of at least
+    ``attnkit::float_dot_linear``; a single row there only for the :data:`_ROW_KERNEL` dtypes:
+    otherwise inductor's reduction is as fast and costs no op call). float32 products of at least
     :data:`UPCAST_ROWS` rows without gradients (a prompt) run oneDNN's GEMM where it measured
     faster than ``F.linear``'s MKL on this CPU (:func:`_onednn_faster`).
 
@@ -320,7 +321,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if _streams(x, weight, bias):
         if not compiling:
             return native.float_dot_linear(x, weight, bias)
-        if x.numel() != x.shape[-1] or _ROW_KERNEL:
+        if x.numel() != x.shape[-1] or weight.dtype in _ROW_KERNEL:
             return torch.ops.attnkit.float_dot_linear(x, weight, bias)
     if (
         weight.dtype == torch.bfloat16
