@@ -111,7 +111,8 @@ def test_prepare_swaps_plain_linears_and_keeps_outputs(name: str, compiled: bool
     assert_close(lm(ids[:, :1]), want_step, **TOL)
     layout = lm.blocks[0].attention.qkv_proj.layout
     without = "linear" if compiled else "transposed"
-    assert layout == ("stream" if decoding._kernels_ready() else without)
+    streamed = decoding._streamed(torch.float32, 2 if compiled else 1) and decoding._kernels_ready()
+    assert layout == ("stream" if streamed else without)
     w = lm.blocks[0].attention.qkv_proj.weight
     # Eager fp32 without attnkit's kernels: column-major storage, same values.
     assert w.is_contiguous() == (layout != "transposed")
@@ -204,6 +205,7 @@ def test_prepared_rmsnorm_runs_the_kernel_on_eager_rows(
 @pytest.mark.parametrize("kernels", [False, True])
 def test_layouts_follow_the_measured_rule(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(decoding, "_kernels", kernels)
+    monkeypatch.setattr(decoding, "_AMX", False)  # (with AMX: the rule's test below)
     full, half = torch.zeros(4, 4), torch.zeros(4, 4, dtype=torch.bfloat16)
     assert decoding.layout_for(full) == ("stream" if kernels else "transposed")
     assert decoding.layout_for(half) == ("stream" if kernels else "linear")
@@ -346,24 +348,45 @@ def test_bf16_steps_stream_through_attnkits_kernel(
     assert calls == ([] if compiled else [2])
 
 
-def test_the_kernels_take_every_step_where_they_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    """attnkit's kernels take a step's fp32 and bf16 products wherever they build (one row and
-    several); whether they build is asked once."""
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_kernels_rule_is_by_cpu_feature(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """attnkit's kernels take a step's products wherever they build, but a single fp32 row on
+    CPUs with AMX (whose measured choice is MKL over a column-major weight, the eager layout for
+    one sequence; a batch's eager layout streams); whether they build is asked once."""
     monkeypatch.setattr(decoding, "_kernels", None)
+    monkeypatch.setattr(decoding, "_AMX", amx)
     built = decoding.native.kernels_available()
     assert decoding._kernels_ready() is built and decoding._kernels is built
     w = torch.randn(24, 40)
-    assert decoding.layout_for(w) == ("stream" if built else "transposed")
+    fp32 = built and not amx
+    assert decoding.layout_for(w) == ("stream" if fp32 else "transposed")
+    assert decoding.layout_for(w, batch=8) == ("stream" if built else "transposed")
     assert decoding.layout_for(w, compiled=True) == ("stream" if built else "linear")
     assert decoding.layout_for(w.bfloat16()) == ("stream" if built else "linear")
     assert decoding.layout_for(w.bfloat16(), compiled=True) == ("stream" if built else "linear")
-    assert decoding.layout_for(w.double()) == "linear"
     x = torch.randn(2, 40)
     with torch.no_grad():
         assert decoding._streams(x, w, None) is built  # (two rows)
-        assert decoding._streams(x[:1], w, None) is built
+        assert decoding._streams(x[:1], w, None) is fp32
         assert decoding._streams(x.bfloat16(), w.bfloat16(), None) is built
-        assert not decoding._streams(x.double(), w.double(), None)
+
+
+def test_prepare_lays_a_batch_out_for_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX an eager fp32 model prepared for several sequences streams through the kernel
+    (row-major), for one through MKL (column-major); both decode the same."""
+    monkeypatch.setattr(decoding, "_AMX", True)
+    lm = _lm(**LLAMA)
+    ids = torch.randint(0, 50, (3, 9))
+    one = decoding.prepare(copy.deepcopy(lm))
+    many = decoding.prepare(copy.deepcopy(lm), batch=3)
+    want = "stream" if decoding._kernels_ready() else "transposed"
+    assert many.blocks[0].attention.qkv_proj.layout == want
+    assert one.blocks[0].attention.qkv_proj.layout == "transposed"
+    with torch.no_grad():
+        assert_close(many.generate(ids, 4), one.generate(ids, 4), rtol=0, atol=0)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="batch must be a positive int"):
+            decoding.prepare(copy.deepcopy(lm), batch=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(

@@ -49,7 +49,8 @@ __all__ = [
 # the measurement; the results are in ``benchmarks/RESULTS.md``):
 #   * fp32 and bf16: attnkit's own streaming kernel over the row-major weight
 #     (:func:`attnkit.native.float_dot_linear`), where it is built (``"stream"``), except for one
-#     row in a compiled step on CPUs without AVX512 (inductor's reduction, below);
+#     fp32 row in a compiled step, and one bf16 row there on CPUs without AVX512 (inductor's
+#     reduction, below);
 #   * eager fp32 otherwise: a column-major weight (``x @ W^T`` over a contiguous ``(in, out)``
 #     matrix, as MKL streams it) beats ``F.linear`` on a row-major one;
 #   * compiled otherwise, fp32 and bf16: ``(W * x).sum(-1)``, which inductor turns into one
@@ -60,16 +61,18 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 #: Weight dtypes whose products of fewer than :data:`UPCAST_ROWS` rows run attnkit's own
-#: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built. Measured on the
-#: 135M Llama shape (``benchmarks/RESULTS.md``): eager steps decode 1.2x faster in bf16 and fp32
-#: than through torch's products on a 2-core AVX2 AMD EPYC, 1.7x (bf16) and 2.5x (fp32) with
-#: AVX512-BF16, where torch's one-row products read the weights at half the bandwidth, and 1.58x
-#: in bf16 on an Intel Xeon with AMX, where fp32 steps are at parity with MKL over a column-major
-#: weight (the ``"transposed"`` layout, 1.14x faster than the AVX2 kernel there) and 8 rows of
-#: the 100M Llama shape decode 1.5x faster than through MKL.
+#: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built, but one float32
+#: row on CPUs with AMX (:func:`_streamed`). Measured on the 135M Llama shape
+#: (``benchmarks/RESULTS.md``): eager steps decode 1.2x faster in bf16 and fp32 than through
+#: torch's products on a 2-core AVX2 AMD EPYC, 1.7x (bf16) and 2.5x (fp32) with AVX512-BF16,
+#: where torch's one-row products read the weights at half the bandwidth, and 1.58x in bf16 on
+#: an Intel Xeon with AMX, whose fp32 steps of one sequence ran 1.04-1.09x faster through MKL
+#: over a column-major weight (the ``"transposed"`` layout), and of 8 sequences 1.4x slower.
 KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float32})
 
 _kernels: bool | None = None  # native.kernels_available(), asked once (it builds them)
+#: Whether this CPU has AMX tiles (an Intel Xeon): one float32 row keeps MKL's product there.
+_AMX = native._amx()
 #: Weight dtypes whose single row in a compiled step runs the kernel too (the op
 #: ``attnkit::float_dot_linear``) rather than inductor's streaming reduction: bf16 where the
 #: kernel's AVX512 dots run (:func:`attnkit.native.float_wide`). On an Intel Xeon with AMX a
@@ -89,19 +92,30 @@ def _kernels_ready() -> bool:
     return _kernels
 
 
+def _streamed(dtype: torch.dtype, rows: int) -> bool:
+    """Whether products of ``rows`` rows (fewer than :data:`UPCAST_ROWS`) with ``dtype`` weights
+    run attnkit's kernel where it is built: the :data:`KERNEL_DTYPES`, except a single float32
+    row on CPUs with AMX (an Intel Xeon, where MKL read a column-major weight faster)."""
+    return dtype in KERNEL_DTYPES and not (dtype == torch.float32 and _AMX and rows < 2)
+
+
 def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
 
 
-def layout_for(weight: Tensor, *, compiled: bool = False) -> Layout:
-    """The storage layout :func:`prepare` gives ``weight`` (see the table above).
+def layout_for(weight: Tensor, *, compiled: bool = False, batch: int = 1) -> Layout:
+    """The storage layout :func:`prepare` gives ``weight`` (see the table above) for steps of
+    ``batch`` sequences.
 
-    CPU steps of the :data:`KERNEL_DTYPES` stream through attnkit's kernel where it is built
-    (``"stream"``, row-major; a compiled step of one row may run inductor's reduction instead,
-    see :data:`_ROW_KERNEL`). Otherwise compiled steps read row-major weights (the streaming
-    reduction runs along rows) and eager fp32 CPU steps column-major ones.
+    CPU steps stream through attnkit's kernel where it is built (``"stream"``, row-major; a
+    compiled step of one row may run inductor's reduction instead, see :data:`_ROW_KERNEL`),
+    except eager fp32 steps of one sequence on CPUs with AMX, where one row reads faster through
+    MKL over a column-major weight. Otherwise compiled steps read row-major weights (the
+    streaming reduction runs along rows) and eager fp32 CPU steps column-major ones.
     """
-    if weight.device.type == "cpu" and weight.dtype in KERNEL_DTYPES and _kernels_ready():
+    # (A compiled step of one row reduces it itself, over the row-major weight.)
+    rows = max(2, batch) if compiled else batch
+    if weight.device.type == "cpu" and _streamed(weight.dtype, rows) and _kernels_ready():
         return "stream"
     if not compiled and weight.device.type == "cpu" and weight.dtype == torch.float32:
         return "transposed"
@@ -121,15 +135,17 @@ class PreparedLinear(nn.Linear):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, *, compiled: bool = False) -> PreparedLinear:
+    def from_linear(
+        cls, linear: nn.Linear, *, compiled: bool = False, batch: int = 1
+    ) -> PreparedLinear:
         """A prepared linear over ``linear``'s parameters, laid out for compiled or eager
-        steps (see :func:`layout_for`)."""
+        steps of ``batch`` sequences (see :func:`layout_for`)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
-        new.layout = layout_for(linear.weight, compiled=compiled)
+        new.layout = layout_for(linear.weight, compiled=compiled, batch=batch)
         if new.layout == "transposed" and linear.weight.stride() != (1, linear.out_features):
             # Column-major storage of the same (out, in) values.
             new.weight.data = linear.weight.data.t().contiguous().t()
@@ -284,7 +300,7 @@ def _onednn_prompt(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def _streams(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether ``F.linear(x, weight, bias)`` runs attnkit's streaming kernel."""
     return (
-        weight.dtype in KERNEL_DTYPES
+        _streamed(weight.dtype, x.numel() // max(x.shape[-1], 1))
         and x.dtype == weight.dtype
         and (bias is None or bias.dtype == weight.dtype)
         and x.device.type == "cpu"
@@ -411,13 +427,17 @@ def _gather_on_huge_pages(weights: list[Tensor]) -> None:
 
 
 @torch.no_grad()
-def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
+def prepare(model: ModuleT, *, compiled: bool = False, batch: int = 1) -> ModuleT:
     """Prepare ``model`` for decoding, in place, and return it.
 
     Args:
         model: Any module; its plain ``nn.Linear`` children are swapped.
         compiled: Lay the weights out for compiled steps (``generate(..., compile=True)``)
             rather than eager ones.
+        batch: The number of sequences its steps will decode together. It only changes eager
+            fp32 layouts on CPUs with AMX (:func:`layout_for`): for one sequence MKL's product
+            over a column-major weight, for several attnkit's kernel (any batch decodes with
+            either, at those speeds).
 
     Every plain ``nn.Linear`` (exactly that type) is replaced by a :class:`PreparedLinear` over
     the same parameters; subclasses (quantized or LoRA linears, a user's own) are kept as they
@@ -429,7 +449,12 @@ def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
 
     Returns:
         ``model``.
+
+    Raises:
+        ValueError: If ``batch`` is not a positive int.
     """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
     swaps = [
         (parent, name, child)
         for parent in model.modules()
@@ -438,12 +463,13 @@ def prepare(model: ModuleT, *, compiled: bool = False) -> ModuleT:
     ]
     for parent, name, child in swaps:
         if isinstance(child, nn.Linear):
-            setattr(parent, name, PreparedLinear.from_linear(child, compiled=compiled))
+            prepared = PreparedLinear.from_linear(child, compiled=compiled, batch=batch)
+            setattr(parent, name, prepared)
         elif isinstance(child, nn.RMSNorm):
             setattr(parent, name, PreparedRMSNorm.from_norm(child))
     if not compiled:  # a tied output head reads the embedding table as a matrix
         for m in model.modules():
-            if type(m) is nn.Embedding and layout_for(m.weight) == "transposed":
+            if type(m) is nn.Embedding and layout_for(m.weight, batch=batch) == "transposed":
                 m.weight.data = m.weight.data.t().contiguous().t()
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, PreparedLinear)}
     weights |= {id(m.weight): m.weight for m in model.modules() if type(m) is nn.Embedding}

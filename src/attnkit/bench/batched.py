@@ -159,8 +159,9 @@ def batched_rows(
 def _attnkit_run(
     model: TransformerLM, ids: Tensor, mask: Tensor, new: int, *, compiled: bool
 ) -> Callable[[], Tensor]:
-    """Batched greedy ``generate`` of a prepared copy of ``model``; returns the new tokens."""
-    prepared = decoding.prepare(copy.deepcopy(model), compiled=compiled)
+    """Batched greedy ``generate`` of a copy of ``model`` prepared for the batch; returns the new
+    tokens."""
+    prepared = decoding.prepare(copy.deepcopy(model), compiled=compiled, batch=ids.shape[0])
 
     def run() -> Tensor:
         out = prepared.generate(ids, new, attention_mask=mask, compile=compiled)

@@ -9,8 +9,8 @@
  * of x (a few) are dotted with each weight row while it is in L1, two at a time (row_dot2).
  * Measured on a 2-core AVX2 CPU (benchmarks/RESULTS.md): bf16 read at 1.6x the bandwidth of
  * torch's bf16 F.linear, float32 at MKL's. The AVX512 dots take up to eight rows of x a pass
- * (an AMX Xeon: one fp32 row at MKL's speed, eight through the 100M Llama shape 1.4x faster
- * than two at a time with AVX2).
+ * (an AMX Xeon: one fp32 row at 0.92-1.01x MKL's speed, eight through the 100M Llama shape 1.4x
+ * faster than two at a time with AVX2).
  *
  * bf16 is float32's upper half, so a bf16 value widens by a 16-bit shift; results are rounded
  * back to bf16 to nearest even (a NaN stays a NaN).
