@@ -21,6 +21,12 @@ from tests.helpers import LLAMA_OPTIONS as LLAMA
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
+#: attnkit's kernels (where they do not build, the tests of their rules skip with the reason)
+needs_kernels = pytest.mark.skipif(
+    not decoding.native.kernels_available(),
+    reason=f"attnkit's kernels do not build here: {decoding.native.kernels_unavailable()}",
+)
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": LLAMA,
     "gpt-default": {},
@@ -307,10 +313,7 @@ def test_bf16_products_run_in_float32_where_bf16_is_emulated(
     assert seen == [torch.float32 if upcast else torch.bfloat16]
 
 
-@pytest.mark.skipif(
-    not decoding.native.kernels_available(),
-    reason=f"attnkit's kernels do not build here: {decoding.native.kernels_unavailable()}",
-)
+@needs_kernels
 @pytest.mark.parametrize("compiled", [False, True])
 def test_bf16_steps_stream_through_attnkits_kernel(
     compiled: bool, monkeypatch: pytest.MonkeyPatch
@@ -389,10 +392,7 @@ def test_prepare_lays_a_batch_out_for_the_kernel(monkeypatch: pytest.MonkeyPatch
             decoding.prepare(copy.deepcopy(lm), batch=bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(
-    not decoding.native.kernels_available(),
-    reason=f"attnkit's kernels do not build here: {decoding.native.kernels_unavailable()}",
-)
+@needs_kernels
 @pytest.mark.parametrize("row_kernel", [False, True])
 def test_a_compiled_bf16_row_runs_the_kernel_by_cpu_feature(
     row_kernel: bool, monkeypatch: pytest.MonkeyPatch
