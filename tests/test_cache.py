@@ -51,6 +51,13 @@ def test_slots_are_an_empty_cache_over_one_rows_later_slots() -> None:
     for row, start in ((2, 0), (-1, 0), (0, 6)):
         with pytest.raises(ValueError, match=f"got row={row}, start={start}"):
             cache.slots(row, start)
+    both = cache.slots(0, 5, rows=2)  # (several rows: a run of prompts filled in together)
+    assert both.k.shape == (2, K, 1, E) and both.capacity == 1
+    both.update(torch.ones(2, K, 1, E), torch.ones(2, K, 1, E))
+    assert cache.k[:, :, 5].eq(1).all() and cache.v[:, :, 5].eq(1).all()
+    for row, rows in ((1, 2), (0, 0), (0, 3)):
+        with pytest.raises(ValueError, match=f"rows={rows}"):
+            cache.slots(row, 0, rows)
 
 
 def test_reset_forgets_positions_and_keeps_storage() -> None:

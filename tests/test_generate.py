@@ -167,8 +167,9 @@ def test_padded_rows_generate_as_alone(window: int | None) -> None:
 def test_a_left_padded_prefill_runs_each_prompt_from_its_first_token(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Each prompt alone from its first real token: the same caches (at the real slots) and
-    tokens as the padded batch's prefill, with no padded position computed."""
+    """Runs of prompts, each from its first real token (10 and 7 together, their padding below a
+    quarter, then 2 alone): the same caches (at the real slots) and tokens as the padded
+    batch's prefill, the short prompt's padding never computed."""
     from attnkit import generation
     from attnkit.cache import KVCache
 
@@ -192,10 +193,10 @@ def test_a_left_padded_prefill_runs_each_prompt_from_its_first_token(
 
     monkeypatch.setattr(lm, "make_kv_caches", keep)
     split = lm.generate(ids, 1, attention_mask=mask)
-    assert lengths == [10, 7, 2]
+    assert lengths == [10, 2]
     monkeypatch.setattr(generation, "SPLIT_PREFILL_PADDING", 0.5)  # (37% is too little now)
     batched = lm.generate(ids, 1, attention_mask=mask)
-    assert lengths == [10, 7, 2, 10]
+    assert lengths == [10, 2, 10]
     assert torch.equal(split, batched)
     real = mask.bool()
     for one, other in zip(caches["split"], caches["batched"], strict=True):
@@ -203,7 +204,29 @@ def test_a_left_padded_prefill_runs_each_prompt_from_its_first_token(
         for a, b in ((one.k, other.k), (one.v, other.v)):  # (B, K, C, E): prompt slots
             a, b = a[:, :, :10].transpose(1, 2), b[:, :, :10].transpose(1, 2)
             assert_close(a[real], b[real])
-            assert not a[~real].any()  # (padded slots: never written)
+            assert not a[2, :8].any()  # (the short prompt's padded slots: never written)
+
+
+@pytest.mark.parametrize(
+    ("starts", "width", "groups"),
+    [
+        # 8 prompts of 32-128 tokens: 3 (padding 23%) and 5 (22%); a fourth row would make 28%
+        ([96, 83, 69, 55, 42, 28, 14, 0], 128, [(0, 3, 69), (3, 8, 0)]),
+        ([0, 3, 8], 10, [(0, 2, 0), (2, 3, 8)]),
+        ([8, 0, 8], 10, [(0, 1, 8), (1, 2, 0), (2, 3, 8)]),  # (only neighbours run together)
+        ([8, 0, 8], 128, [(0, 3, 0)]),  # (6% padding)
+        ([5], 10, [(0, 1, 5)]),
+    ],
+)
+def test_prompts_fill_in_in_runs_of_little_padding(
+    starts: list[int], width: int, groups: list[tuple[int, int, int]]
+) -> None:
+    from attnkit import generation
+
+    got = generation._prefill_groups(starts, width)
+    assert got == groups
+    covered = [row for first, end, _ in got for row in range(first, end)]
+    assert covered == list(range(len(starts)))
 
 
 _PROPERTY_LM: dict[str, TransformerLM] = {}

@@ -146,26 +146,26 @@ class KVCache(nn.Module):
             allowed = allowed & (slots > query - window)
         return allowed
 
-    def slots(self, row: int, start: int) -> KVCache:
-        """An empty cache of sequence ``row`` whose slots are this one's from ``start`` on:
-        views of this storage, so what it stores lands here.
+    def slots(self, row: int, start: int, rows: int = 1) -> KVCache:
+        """An empty cache of the ``rows`` sequences from ``row`` on whose slots are this one's
+        from ``start`` on: views of this storage, so what it stores lands here.
 
-        Generation fills a left-padded prompt's keys/values this way, one sequence at a time
-        from its first real token, so that padding costs no compute.
+        Generation fills a left-padded batch's prompts this way, a few sequences at a time from
+        their first real tokens, so that most padding costs no compute.
 
         Raises:
-            ValueError: If ``row`` or ``start`` is out of range.
+            ValueError: If ``row``, ``rows`` or ``start`` is out of range.
         """
         batch = self.k.shape[0]
-        if not 0 <= row < batch or not 0 <= start < self.capacity:
+        if not (row >= 0 and rows >= 1 and row + rows <= batch and 0 <= start < self.capacity):
             raise ValueError(
-                f"need 0 <= row < {batch} and 0 <= start < {self.capacity}, got row={row}, "
-                f"start={start}"
+                f"need 0 <= row, rows >= 1, row + rows <= {batch} and 0 <= start < "
+                f"{self.capacity}, got row={row}, start={start}, rows={rows}"
             )
         part = KVCache.__new__(KVCache)
         nn.Module.__init__(part)
         for name in ("k", "v"):
-            storage = getattr(self, name)[row : row + 1, :, start:]  # (1, K, C - start, E)
+            storage = getattr(self, name)[row : row + rows, :, start:]  # (rows, K, C - start, E)
             part.register_buffer(name, storage, persistent=False)
         part.capacity, part.length = self.capacity - start, 0
         return part
