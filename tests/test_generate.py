@@ -207,14 +207,20 @@ def test_a_left_padded_prefill_runs_each_prompt_from_its_first_token(
             assert not a[2, :8].any()  # (the short prompt's padded slots: never written)
 
 
+SPREAD = [384, 330, 275, 220, 165, 110, 55, 0]  # (8 prompts of 128-512 tokens)
+
+
 @pytest.mark.parametrize(
     ("starts", "width", "groups"),
     [
-        # 8 prompts of 32-128 tokens: 3 (padding 23%) and 5 (22%); a fourth row would make 28%
-        ([96, 83, 69, 55, 42, 28, 14, 0], 128, [(0, 3, 69), (3, 8, 0)]),
+        # 8 prompts of 32-128 tokens: 3 (23% padding; a fourth would make 28%), then 2 and 2
+        # (within 256 real tokens), then the last alone
+        ([96, 83, 69, 55, 42, 28, 14, 0], 128, [(0, 3, 69), (3, 5, 42), (5, 7, 14), (7, 8, 0)]),
+        # 8 prompts of 128-512 tokens: each alone (two would pass 256 real tokens)
+        (SPREAD, 512, [(r, r + 1, start) for r, start in enumerate(SPREAD)]),
         ([0, 3, 8], 10, [(0, 2, 0), (2, 3, 8)]),
         ([8, 0, 8], 10, [(0, 1, 8), (1, 2, 0), (2, 3, 8)]),  # (only neighbours run together)
-        ([8, 0, 8], 128, [(0, 3, 0)]),  # (6% padding)
+        ([8, 0, 8], 128, [(0, 2, 0), (2, 3, 8)]),  # (3% padding; a third: 368 tokens)
         ([5], 10, [(0, 1, 5)]),
     ],
 )

@@ -379,6 +379,11 @@ def _stream(
 #: a few at a time from their first real tokens instead of as one padded batch (see
 #: _left_padding); each group of neighbouring prompts keeps its own padding below this share.
 SPLIT_PREFILL_PADDING = 0.25
+#: Real tokens up to which neighbouring prompts fill in together (see _prefill_groups): a
+#: forward of a few dozen rows costs about a read of every weight, while GEMMs of a few hundred
+#: rows run near their peak (MKL's fp32 GEMM on an AMX Xeon: 170-180 GFLOP/s for 32 rows, 260-310
+#: for 128, 320-330 for 640), so past that, padding only adds work.
+PREFILL_RUN_TOKENS = 256
 
 
 def _left_padding(mask: Tensor | None) -> list[int] | None:
@@ -401,29 +406,34 @@ def _left_padding(mask: Tensor | None) -> list[int] | None:
 
 def _prefill_groups(starts: list[int], width: int) -> list[tuple[int, int, int]]:
     """Runs of neighbouring prompts filled in together: ``(first row, end row, first column)``
-    each, a run growing while its padding stays below :data:`SPLIT_PREFILL_PADDING` of its
-    positions (``starts``: each row's first real column of ``width``).
+    each (``starts``: each row's first real column of ``width``). A run takes the next prompt
+    while their real tokens stay within :data:`PREFILL_RUN_TOKENS` and their padding below
+    :data:`SPLIT_PREFILL_PADDING` of their positions.
 
-    Each forward of a few rows reads every weight once, so fewer, larger ones cost less than
-    one a prompt: 8 prompts of 32-128 tokens through the 100M Llama shape prefilled in 0.86x the
-    time as two runs of 3 and 5 than one at a time (``benchmarks/RESULTS.md``).
+    Each forward reads every weight once, so short prompts cost less a few at a time: 8 prompts
+    of 32-128 tokens through the 100M Llama shape prefilled in 0.83-0.86x the time in runs of
+    2-3 as one at a time. Longer prompts gain nothing from it (8 of 128-512 tokens through the
+    3M shape took 1.35x the time with padding up to a quarter and no token limit;
+    ``benchmarks/RESULTS.md``).
     """
     groups: list[tuple[int, int, int]] = []
     first = 0
     while first < len(starts):
         end = first + 1
-        limit = SPLIT_PREFILL_PADDING
-        while end < len(starts) and _padding(starts[first : end + 1], width) < limit:
+        while end < len(starts) and _joins(starts[first : end + 1], width):
             end += 1
         groups.append((first, end, min(starts[first:end])))
         first = end
     return groups
 
 
-def _padding(starts: list[int], width: int) -> float:
-    """The share of padded positions of these rows run from the earliest of their ``starts``."""
+def _joins(starts: list[int], width: int) -> bool:
+    """Whether these rows (the last one joining the others) run together: their real tokens
+    within :data:`PREFILL_RUN_TOKENS`, the share of padded positions (run from the earliest of
+    their ``starts``) below :data:`SPLIT_PREFILL_PADDING`."""
+    real = sum(width - s for s in starts)
     positions = len(starts) * (width - min(starts))
-    return 1 - sum(width - s for s in starts) / positions
+    return real <= PREFILL_RUN_TOKENS and positions - real < SPLIT_PREFILL_PADDING * positions
 
 
 def _prefill_each(
