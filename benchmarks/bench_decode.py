@@ -181,9 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
         "speedup": speedup,
         "same_tokens": same,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    return report
+    return _write(report, args.out, "bench_decode.json")
 
 
 def _random_llama_folder(args: argparse.Namespace, path: Path) -> None:
@@ -208,7 +206,6 @@ def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
 
     from attnkit.interop import hf
 
-    out = args.out or Path(__file__).parent / "results" / "bench_decode_vs_hf.json"
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.model
@@ -315,9 +312,7 @@ def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
         "ratios": ratios,
         "same_tokens": same,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    return report
+    return _write(report, args.out, "bench_decode_vs_hf.json")
 
 
 def decode_rows_table(args: argparse.Namespace) -> dict[str, Any]:
@@ -384,11 +379,7 @@ def batched_table(args: argparse.Namespace) -> dict[str, Any]:
             )
         for note in report["notes"]:
             print(f"note: {note}")
-    out = args.out or Path(__file__).parent / "results" / "bench_decode_batched.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"reports": reports}
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return _write({"reports": reports}, args.out, "bench_decode_batched.json")
 
 
 def prefill_table(args: argparse.Namespace) -> dict[str, Any]:
