@@ -436,7 +436,7 @@ def _joins(starts: list[int], width: int) -> bool:
     return real <= PREFILL_RUN_TOKENS and positions - real < SPLIT_PREFILL_PADDING * positions
 
 
-def _prefill_each(
+def _prefill_runs(
     lm: CausalLM,
     ids: Tensor,
     mask: Tensor,
@@ -451,10 +451,10 @@ def _prefill_each(
     last = []
     for first, end, start in _prefill_groups(starts, ids.shape[1]):
         parts = [cache.slots(first, start, end - first) for cache in caches]
-        part = mask[first:end, start:]
+        padded = max(starts[first:end]) > start  # (a run's shorter prompts: left padding)
         logits = lm(
             ids[first:end, start:],
-            None if bool(part.all()) else part,
+            mask[first:end, start:] if padded else None,
             positions=positions[first:end, start:],
             kv_caches=parts,
             logits_to_keep=1,
@@ -522,7 +522,7 @@ def _decode(
                 starts = _left_padding(mask)
                 with torch.inference_mode():
                     if starts is not None and mask is not None:
-                        raw = _prefill_each(lm, ids, mask, positions, caches, starts)
+                        raw = _prefill_runs(lm, ids, mask, positions, caches, starts)
                     else:
                         raw = lm(ids, mask, positions=positions, kv_caches=caches, logits_to_keep=1)
                         raw = raw[:, -1]
