@@ -104,8 +104,9 @@ static inline WIDE __attribute__((always_inline)) __m512 load16(const void *w, i
  * is loaded (and widened) once for the R rows. Each row sums 32 values a step in two accumulators
  * (16 lanes each), then the last 16 and the last few (masked), in the same order whatever R, so a
  * row's result does not depend on the rows beside it. The accumulators start at zero for i0 = 0,
- * else from `state` (2 R vectors of 16 floats, 64-byte aligned), and go back there unless i1 = n, where their sums go to
- * `sums`: a product split into input ranges sums in the same order as one over all n. With eight
+ * else from `state` (2 R vectors of 16 floats, 64-byte aligned), and go back there unless
+ * i1 = n, where their sums go to `sums`: a product split into input ranges sums in the same
+ * order as one over all n. With eight
  * rows a pass a step loads 2 weight and 16 activation vectors, where row_dot2's loads 4 and 8 for
  * two rows a pass (8 rows: 48 loads per 32 weights, against 18). The weight is prefetched
  * `ahead` bytes ahead, into L2 only (leaving L1 to the activations: 1.04x into L1 on an AMX
