@@ -30,25 +30,35 @@ GGUF files: ``llama`` (which llama.cpp also writes for Mistral-style models), ``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
 from attnkit.config import FAMILIES, TransformerConfig
 
 __all__ = [
+    "GEMMA2",
+    "GEMMA3",
     "GEMMA_TENSORS",
+    "GPT2",
     "GPT2_KEYS",
     "GPT2_TENSORS",
+    "LLAMA",
     "LLAMA_GGUF_TENSORS",
     "LLAMA_KEYS",
     "LLAMA_TENSORS",
     "LOCAL_ROPE_BASE",
+    "MISTRAL",
+    "PHI3",
+    "PHI3_TENSORS",
     "QUERY_PRE_ATTN_SCALAR",
+    "QWEN2",
+    "QWEN3",
     "SOFTCAPPING",
     "Architecture",
     "ConfigKeys",
     "ConfigOption",
+    "GGUFFormat",
     "SlidingLayers",
     "TensorNames",
     "architecture",
@@ -57,6 +67,7 @@ __all__ = [
     "find_gguf",
     "register",
     "supported",
+    "unregister",
 ]
 
 #: The kinds of attention a layer can have (Hugging Face's ``layer_types`` values).
@@ -262,15 +273,19 @@ def rope_parameters(c: TransformerConfig) -> dict[str, Any]:
 
 def _read_local_rope_base(data: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's rotary base of the sliding layers (``rope_local_base_freq``, or the
-    ``sliding_attention`` entry of transformers 5's per-layer-type ``rope_parameters``)."""
+    ``sliding_attention`` entry of transformers 5's per-layer-type ``rope_parameters``);
+    ``None`` when it is the global layers' base."""
     params = data.get("rope_parameters") or {}
     local = params.get(SLIDING) if isinstance(params, dict) else None
     if local is not None:
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"rope scaling of the sliding layers is not supported: {local}")
-        return {"rope_local_base": float(local.get("rope_theta", 10_000.0))}
-    base = data.get("rope_local_base_freq")
-    return {"rope_local_base": None if base is None else float(base)}
+        base = local.get("rope_theta", 10_000.0)
+    else:
+        base = data.get("rope_local_base_freq")
+    full = params.get(FULL, params) if isinstance(params, dict) else {}
+    same = base is not None and float(base) == full.get("rope_theta", data.get("rope_theta"))
+    return {"rope_local_base": None if base is None or same else float(base)}
 
 
 def _write_local_rope_base(c: TransformerConfig) -> dict[str, Any]:
@@ -393,6 +408,23 @@ LLAMA_GGUF_TENSORS = TensorNames(
     ),
 )
 
+
+@dataclass(frozen=True)
+class GGUFFormat:
+    """How llama.cpp stores a family.
+
+    Attributes:
+        name: Its ``general.architecture``.
+        tensors: Its tensor names (llama.cpp's llama, qwen2 and qwen3 graphs share them).
+        interleaved_rotary: llama.cpp's converter interleaved each head's rotary pairs in the
+            query/key rows (its llama graph rotates adjacent pairs); loading undoes it.
+    """
+
+    name: str
+    tensors: TensorNames = LLAMA_GGUF_TENSORS
+    interleaved_rotary: bool = False
+
+
 # A projection's bias: fixed for the family, or the config.json key that switches it.
 Bias = bool | str
 
@@ -425,10 +457,7 @@ class Architecture:
         constants: Keys written into a saved ``config.json`` as they are.
         saves: Whether :func:`~attnkit.interop.hf_config.hf_config_from` may choose it (Phi-3's
             checkpoints are saved as Llama's).
-        gguf: llama.cpp's ``general.architecture`` (``None``: no GGUF files).
-        gguf_tensors: The tensor names of its GGUF files.
-        gguf_interleaved: llama.cpp's converter interleaved each head's rotary pairs in the q/k
-            rows (its llama graph rotates adjacent pairs); loading undoes it.
+        gguf: How its GGUF files are written (``None``: attnkit reads none).
     """
 
     name: str
@@ -444,9 +473,7 @@ class Architecture:
     fixed: Mapping[str, tuple[Any, ...]] = field(default_factory=lambda: _frozen({}))
     constants: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
     saves: bool = True
-    gguf: str | None = None
-    gguf_tensors: TensorNames | None = None
-    gguf_interleaved: bool = False
+    gguf: GGUFFormat | None = None
 
     def __post_init__(self) -> None:
         if not self.activations:
@@ -454,8 +481,6 @@ class Architecture:
         unknown = set(self.options) - {f.name for f in fields(TransformerConfig)}
         if unknown:
             raise ValueError(f"{self.name}: options {sorted(unknown)} are not config fields")
-        if self.gguf is not None and self.gguf_tensors is None:
-            raise ValueError(f"{self.name}: gguf {self.gguf!r} needs gguf_tensors")
         for attr in ("options", "activations", "fixed", "constants"):
             object.__setattr__(self, attr, _frozen(getattr(self, attr)))
 
@@ -465,120 +490,106 @@ class Architecture:
         return str(self.options.get("position", "rope"))
 
 
-# The Llama family's options beyond FAMILIES["llama"] (no activation: each record maps its own).
+# The Llama graph's options (FAMILIES["llama"] less what the records map: activation, biases).
 _LLAMA = {k: v for k, v in FAMILIES["llama"].items() if k not in ("activation", "bias")}
-_GEMMA = _LLAMA | {"norm": "rmsnorm_plus_one", "post_norms": True, "scale_embeddings": True}
-_ROPE_FIXED = {"pretraining_tp": (1, None)}
-_ROPE_CONSTANTS = {"attention_dropout": 0.0}
-_SILU = {"silu": "swiglu"}  # the gated MLP of the Llama graphs
-_GEGLU = {"gelu_pytorch_tanh": "geglu_tanh"}
 
-
-def _rope_family(name: str, model_type: str, **fields: Any) -> Architecture:
-    fields = {"fixed": _ROPE_FIXED, "constants": _ROPE_CONSTANTS} | fields
-    return Architecture(name, model_type, **fields)
-
-
-_BUILTIN = (
-    _rope_family(
-        "LlamaForCausalLM",
-        "llama",
-        options=_LLAMA,
-        activations=_SILU,
-        biases=("attention_bias", "attention_bias", "mlp_bias"),
-        gguf="llama",
-        gguf_tensors=LLAMA_GGUF_TENSORS,
-        gguf_interleaved=True,
-    ),
-    _rope_family(
-        "MistralForCausalLM",
-        "mistral",
-        options=_LLAMA,
-        activations=_SILU,
-        sliding=SlidingLayers("all"),
-    ),
-    _rope_family(
-        "Qwen2ForCausalLM",
-        "qwen2",
-        options=_LLAMA,
-        activations=_SILU,
-        biases=(True, False, False),
-        sliding=SlidingLayers("max_window_layers"),
-        gguf="qwen2",
-        gguf_tensors=LLAMA_GGUF_TENSORS,
-    ),
-    _rope_family(
-        "Qwen3ForCausalLM",
-        "qwen3",
-        options=_LLAMA | {"qk_norm": True},
-        activations=_SILU,
-        biases=("attention_bias", "attention_bias", False),
-        sliding=SlidingLayers("max_window_layers"),
-        gguf="qwen3",
-        gguf_tensors=LLAMA_GGUF_TENSORS,
-    ),
-    _rope_family(
-        "Phi3ForCausalLM",
-        "phi3",
-        options=_LLAMA,
-        activations=_SILU,
-        sliding=SlidingLayers("all"),
-        tensors=PHI3_TENSORS,
-        saves=False,
-    ),
-    _rope_family(
-        "Gemma2ForCausalLM",
-        "gemma2",
-        options=_GEMMA,
-        activations=_GEGLU,
-        keys=ConfigKeys(activation=("hidden_activation", "hidden_act")),
-        biases=("attention_bias", "attention_bias", False),
-        sliding=SlidingLayers("pattern", every=2),
-        extras=(SOFTCAPPING, QUERY_PRE_ATTN_SCALAR),
-        tensors=GEMMA_TENSORS,
-        tie_default=True,
-    ),
-    _rope_family(
-        "Gemma3ForCausalLM",
-        "gemma3_text",
-        options=_GEMMA | {"qk_norm": True},
-        activations=_GEGLU,
-        keys=ConfigKeys(activation=("hidden_activation", "hidden_act")),
-        biases=("attention_bias", "attention_bias", False),
-        sliding=SlidingLayers("pattern", every=6, every_key="sliding_window_pattern"),
-        extras=(SOFTCAPPING, QUERY_PRE_ATTN_SCALAR, LOCAL_ROPE_BASE),
-        tensors=GEMMA_TENSORS,
-        tie_default=True,
-    ),
-    Architecture(
-        "GPT2LMHeadModel",
-        "gpt2",
-        options={"position": "learned"},
-        activations={
-            "gelu_new": "gelu_tanh",
-            "gelu_pytorch_tanh": "gelu_tanh",
-            "gelu_fast": "gelu_tanh",
-            "gelu": "gelu",
-            "relu": "relu",
-            "silu": "silu",
-            "swish": "silu",
-        },
-        keys=GPT2_KEYS,
-        biases=(True, True, True),
-        tensors=GPT2_TENSORS,
-        tie_default=True,
-        fixed={
-            "scale_attn_weights": (True,),
-            "scale_attn_by_inverse_layer_idx": (False,),
-            "add_cross_attention": (False,),
-        },
-        constants={"reorder_and_upcast_attn": False}
-        | dict.fromkeys(("attn_pdrop", "embd_pdrop", "resid_pdrop"), 0.0),
-    ),
+LLAMA = Architecture(
+    "LlamaForCausalLM",
+    "llama",
+    options=_LLAMA,
+    activations={"silu": "swiglu"},  # silu on the gate of the gated MLP
+    biases=("attention_bias", "attention_bias", "mlp_bias"),
+    fixed={"pretraining_tp": (1, None)},
+    constants={"attention_dropout": 0.0},
+    gguf=GGUFFormat("llama", interleaved_rotary=True),
+)
+# Llama with a sliding window (its GGUF files are written as llama's).
+MISTRAL = replace(
+    LLAMA,
+    name="MistralForCausalLM",
+    model_type="mistral",
+    sliding=SlidingLayers("all"),
+    biases=(False, False, False),
+    gguf=None,
+)
+# Llama with biases on q/k/v only, and sliding, full or mixed layers.
+QWEN2 = replace(
+    LLAMA,
+    name="Qwen2ForCausalLM",
+    model_type="qwen2",
+    biases=(True, False, False),
+    sliding=SlidingLayers("max_window_layers"),
+    gguf=GGUFFormat("qwen2"),
+)
+# Qwen2's layers with qk-norm (and optional biases on q/k/v/o).
+QWEN3 = replace(
+    QWEN2,
+    name="Qwen3ForCausalLM",
+    model_type="qwen3",
+    options=_LLAMA | {"qk_norm": True},
+    biases=("attention_bias", "attention_bias", False),
+    gguf=GGUFFormat("qwen3"),
+)
+# Mistral with fused q/k/v and gate/up tensors; saved as Llama.
+PHI3 = replace(
+    MISTRAL, name="Phi3ForCausalLM", model_type="phi3", tensors=PHI3_TENSORS, saves=False
+)
+# (1 + w) RMSNorm, GeGLU, norms after attention and MLP, scaled embeddings, soft-capping,
+# query_pre_attn_scalar, alternating sliding and global layers.
+GEMMA2 = replace(
+    LLAMA,
+    name="Gemma2ForCausalLM",
+    model_type="gemma2",
+    options=_LLAMA | {"norm": "rmsnorm_plus_one", "post_norms": True, "scale_embeddings": True},
+    activations={"gelu_pytorch_tanh": "geglu_tanh"},
+    keys=ConfigKeys(activation=("hidden_activation", "hidden_act")),
+    biases=("attention_bias", "attention_bias", False),
+    sliding=SlidingLayers("pattern", every=2),
+    extras=(SOFTCAPPING, QUERY_PRE_ATTN_SCALAR),
+    tensors=GEMMA_TENSORS,
+    tie_default=True,
+    gguf=None,
+)
+# Gemma 2 with qk-norm, a local rotary base and a configurable sliding pattern.
+GEMMA3 = replace(
+    GEMMA2,
+    name="Gemma3ForCausalLM",
+    model_type="gemma3_text",
+    options=GEMMA2.options | {"qk_norm": True},
+    sliding=SlidingLayers("pattern", every=6, every_key="sliding_window_pattern"),
+    extras=(*GEMMA2.extras, LOCAL_ROPE_BASE),
+)
+# LayerNorm, learned positions, fused c_attn Conv1D weights, biases everywhere.
+GPT2 = Architecture(
+    "GPT2LMHeadModel",
+    "gpt2",
+    options={"position": "learned"},
+    activations={
+        "gelu_new": "gelu_tanh",
+        "gelu_pytorch_tanh": "gelu_tanh",
+        "gelu_fast": "gelu_tanh",
+        "gelu": "gelu",
+        "relu": "relu",
+        "silu": "silu",
+        "swish": "silu",
+    },
+    keys=GPT2_KEYS,
+    biases=(True, True, True),
+    tensors=GPT2_TENSORS,
+    tie_default=True,
+    fixed={
+        "scale_attn_weights": (True,),
+        "scale_attn_by_inverse_layer_idx": (False,),
+        "add_cross_attention": (False,),
+    },
+    constants={"reorder_and_upcast_attn": False}
+    | dict.fromkeys(("attn_pdrop", "embd_pdrop", "resid_pdrop"), 0.0),
 )
 
 # name -> record, in the order hf_config_from tries them when saving.
-_REGISTRY: dict[str, Architecture] = {a.name: a for a in _BUILTIN}
+_REGISTRY: dict[str, Architecture] = {
+    a.name: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3, GPT2)
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -604,7 +615,7 @@ def register(arch: Architecture) -> Architecture:
             for what, mine, theirs in (
                 ("name", arch.name, other.name),
                 ("model_type", arch.model_type, other.model_type),
-                ("gguf", arch.gguf, other.gguf),
+                ("gguf", _gguf_name(arch), _gguf_name(other)),
             )
             if mine is not None and mine == theirs
         ]
@@ -612,6 +623,21 @@ def register(arch: Architecture) -> Architecture:
             raise ValueError(f"{arch.name}: {', '.join(clash)} already registered by {other.name}")
     _REGISTRY[arch.name] = arch
     return arch
+
+
+def unregister(name: str) -> Architecture:
+    """Remove the record of Hugging Face architecture ``name`` (the inverse of
+    :func:`register`).
+
+    Returns:
+        The removed record.
+
+    Raises:
+        ValueError: For a name not registered.
+    """
+    found = architecture(name)
+    del _REGISTRY[name]
+    return found
 
 
 def architectures() -> tuple[Architecture, ...]:
@@ -644,10 +670,14 @@ def find(names: list[str], model_type: str | None = None) -> Architecture | None
     return None
 
 
+def _gguf_name(arch: Architecture) -> str | None:
+    return None if arch.gguf is None else arch.gguf.name
+
+
 def find_gguf(name: str | None) -> Architecture | None:
     """The record of llama.cpp architecture ``name`` (``general.architecture``), or ``None``."""
     for arch in _REGISTRY.values():
-        if arch.gguf is not None and arch.gguf == name:
+        if arch.gguf is not None and arch.gguf.name == name:
             return arch
     return None
 
@@ -655,5 +685,5 @@ def find_gguf(name: str | None) -> Architecture | None:
 def supported(*, gguf: bool = False) -> str:
     """The registered Hugging Face architectures (or GGUF architectures), comma-separated."""
     if gguf:
-        return ", ".join(a.gguf for a in _REGISTRY.values() if a.gguf is not None)
+        return ", ".join(a.gguf.name for a in _REGISTRY.values() if a.gguf is not None)
     return ", ".join(_REGISTRY)

@@ -297,8 +297,8 @@ def _open(path: Path) -> _File:
 def _bias_keys(arch: Architecture, file: _File) -> dict[str, bool]:
     """The family's bias switches (``attention_bias``, ...), set when layer 0 holds the
     tensor: a key shared by several projections is set when any of them has its bias."""
-    names = arch.gguf_tensors
-    assert names is not None  # a record with a GGUF name has GGUF tensor names
+    assert arch.gguf is not None  # found by its GGUF name
+    names = arch.gguf.tensors
     modules = ("attention.qkv_proj", "attention.out_proj", "feed_forward.linear2")
     out: dict[str, bool] = {}
     for bias, module in zip(arch.biases, modules, strict=True):
@@ -482,15 +482,15 @@ def llama_cpp_name(name: str) -> str:
     """The llama.cpp tensor name of Hugging Face Llama tensor ``name``: the inverse of
     :func:`hf_name` (itself when it has none)."""
     llama = architecture("LlamaForCausalLM")
-    assert llama.gguf_tensors is not None
-    return translate_name(name, llama.tensors, llama.gguf_tensors)
+    assert llama.gguf is not None
+    return translate_name(name, llama.tensors, llama.gguf.tensors)
 
 
 def hf_name(name: str) -> str:
     """The Hugging Face name of llama.cpp tensor ``name`` (itself when it has none)."""
     llama = architecture("LlamaForCausalLM")
-    assert llama.gguf_tensors is not None
-    return translate_name(name, llama.gguf_tensors, llama.tensors)
+    assert llama.gguf is not None
+    return translate_name(name, llama.gguf.tensors, llama.tensors)
 
 
 # Rows dequantized at a time (times the row length in float32: 16 MiB for rows of 4096).
@@ -534,9 +534,10 @@ def read_gguf(path: str | Path) -> Checkpoint:
     file = _open(path)
     arch, data = _hf_config(file)
     _, config = config_from_hf(data)
-    assert arch.gguf_tensors is not None
+    gguf = arch.gguf
+    assert gguf is not None  # found by its GGUF name
     tensors = (
-        CheckpointTensor(name, t.shape, path.name, partial(_copy, file, t, arch.gguf_interleaved))
+        CheckpointTensor(name, t.shape, path.name, partial(_copy, file, t, gguf.interleaved_rotary))
         for name, t in file.tensors.items()
         if name != "rope_freqs.weight"  # read into the config's rope_scaling
     )
@@ -548,7 +549,7 @@ def read_gguf(path: str | Path) -> Checkpoint:
         value = file.value(f"tokenizer.ggml.{meta}")
         if value is not None:
             gen[key] = int(value)
-    return Checkpoint(arch, config, arch.gguf_tensors, tensors, str(path), f"{arch.gguf} GGUF", gen)
+    return Checkpoint(arch, config, gguf.tensors, tensors, str(path), f"{gguf.name} GGUF", gen)
 
 
 def _stop_ids(file: _File) -> list[int]:
