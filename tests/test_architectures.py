@@ -23,6 +23,7 @@ from attnkit.interop.architectures import (
     LLAMA_TENSORS,
     MISTRAL,
     Architecture,
+    SlidingLayers,
     architectures,
     register,
     rope_parameters,
@@ -165,6 +166,14 @@ def test_register_rejects_clashes_and_bad_records() -> None:
         register("LlamaForCausalLM")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"options \['flash'\] are not config fields"):
         replace(LLAMA, options={"flash": True})
+    with pytest.raises(ValueError, match=r"activations \{'gelu': 'geglu'\} map to none"):
+        replace(LLAMA, activations={"gelu": "geglu"})
+    with pytest.raises(ValueError, match="biases must be"):
+        replace(LLAMA, biases=(True, False))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        SlidingLayers("some")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="every >= 1"):
+        SlidingLayers("pattern")
     with pytest.raises(ValueError, match=r"unsupported architecture 'Nope'.*LlamaForCausalLM"):
         unregister("Nope")
 

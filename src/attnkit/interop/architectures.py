@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
-from attnkit.config import FAMILIES, TransformerConfig
+from attnkit.config import ACTIVATIONS, FAMILIES, TransformerConfig
 
 __all__ = [
     "GEMMA2",
@@ -157,6 +157,13 @@ class SlidingLayers:
     kind: Literal["none", "all", "max_window_layers", "pattern"]
     every: int = 0
     every_key: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = ("none", "all", "max_window_layers", "pattern")
+        if self.kind not in kinds:
+            raise ValueError(f"SlidingLayers kind must be one of {kinds}, got {self.kind!r}")
+        if self.kind == "pattern" and self.every < 1:
+            raise ValueError(f"a 'pattern' of sliding layers needs every >= 1, got {self.every}")
 
     def read(self, data: dict[str, Any], n: int) -> tuple[int | None, tuple[str, ...] | None]:
         """``(window, layer_types)`` of the ``config.json`` of ``n`` layers, as
@@ -478,6 +485,14 @@ class Architecture:
     def __post_init__(self) -> None:
         if not self.activations:
             raise ValueError(f"{self.name}: activations must name at least one activation")
+        bad = {k: v for k, v in self.activations.items() if v not in ACTIVATIONS}
+        if bad:
+            raise ValueError(f"{self.name}: activations {bad} map to none of {ACTIVATIONS}")
+        if len(self.biases) != 3 or not all(isinstance(b, bool | str) for b in self.biases):
+            raise ValueError(
+                f"{self.name}: biases must be (qkv, out, mlp), each a bool or a config.json "
+                f"key, got {self.biases!r}"
+            )
         unknown = set(self.options) - {f.name for f in fields(TransformerConfig)}
         if unknown:
             raise ValueError(f"{self.name}: options {sorted(unknown)} are not config fields")
@@ -555,7 +570,7 @@ GEMMA3 = replace(
     GEMMA2,
     name="Gemma3ForCausalLM",
     model_type="gemma3_text",
-    options=GEMMA2.options | {"qk_norm": True},
+    options={**GEMMA2.options, "qk_norm": True},
     sliding=SlidingLayers("pattern", every=6, every_key="sliding_window_pattern"),
     extras=(*GEMMA2.extras, LOCAL_ROPE_BASE),
 )

@@ -177,7 +177,9 @@ def _problems(arch: Architecture, c: TransformerConfig) -> list[str]:
         if value != wanted:
             out.append(f"{option}={value!r} (needs {wanted!r})")
 
-    for option in _LAYOUT:
+    # The layout options, then any other the family fixes (rotary pairs are permuted instead).
+    fixed = [*_LAYOUT, *(k for k in arch.options if k not in _LAYOUT and k != "rope_interleaved")]
+    for option in fixed:
         need(option, getattr(c, option), arch.options.get(option, _DEFAULTS[option]))
         if option == "norm" and c.activation not in arch.activations.values():
             acts = sorted(set(arch.activations.values()))

@@ -110,18 +110,21 @@ def hf_state_dict(lm: nn.Module, arch: str | Architecture) -> Iterator[tuple[str
         yield key, (t.t() if entry.transpose else t).contiguous().cpu()
 
 
+def _parts(names: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (names,) if isinstance(names, str) else names
+
+
 def _module(names: TensorNames, module: str) -> tuple[str, int] | None:
     """``(attnkit module, part)`` of checkpoint module ``module`` under ``names``."""
-    for ours, theirs in names.model.items():
-        if theirs == module:
+    for ours, name in names.model.items():
+        if name == module:
             return ours, 0
     layer = re.escape(names.layer).replace(re.escape("{i}"), r"(\d+)")
     match = re.fullmatch(f"{layer}(.+)", module)
     if match:
         for ours, theirs in names.block.items():
-            parts = (theirs,) if isinstance(theirs, str) else theirs
-            if match.group(2) in parts:
-                return f"blocks.{match.group(1)}.{ours}", parts.index(match.group(2))
+            if match.group(2) in _parts(theirs):
+                return f"blocks.{match.group(1)}.{ours}", _parts(theirs).index(match.group(2))
     return None
 
 
@@ -134,13 +137,11 @@ def translate_name(name: str, source: TensorNames, target: TensorNames) -> str:
         return name
     ours, part = found
     if not ours.startswith("blocks."):
-        theirs = target.model.get(ours)
-        return name if theirs is None else f"{theirs}.{kind}"
+        top = target.model.get(ours)
+        return name if top is None else f"{top}.{kind}"
     _, i, sub = ours.split(".", 2)
-    names = target.block.get(sub)
-    if names is None:
+    theirs = target.block.get(sub)
+    parts = () if theirs is None else _parts(theirs)
+    if part >= len(parts):
         return name
-    names = (names,) if isinstance(names, str) else names
-    if part >= len(names):
-        return name
-    return f"{target.layer.format(i=i)}{names[part]}.{kind}"
+    return f"{target.layer.format(i=i)}{parts[part]}.{kind}"
