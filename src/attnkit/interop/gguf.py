@@ -18,11 +18,13 @@ block of rows at a time straight into the model's parameters:
            int8 scales and ``d``: ``d * scale * (q - 32)`` per sub-block of 16
 =========  ==================================================================================
 
-Supported architectures (``general.architecture``): ``llama`` (which llama.cpp also writes for
-Mistral-style models), ``qwen2`` (q/k/v biases) and ``qwen3`` (qk-norm: ``attn_q_norm`` and
-``attn_k_norm``). For ``llama`` files llama.cpp's converter permutes each head's query and key
-rows so that rotary pairs are interleaved; loading undoes it (the Hugging Face layout attnkit's
-Llama config uses); the Qwen graphs rotate halves as Hugging Face does. Llama 3.1's rotary
+Supported architectures (``general.architecture``): those with a GGUF name in
+:mod:`attnkit.interop.architectures`, ``llama`` (which llama.cpp also writes for Mistral-style
+models), ``qwen2`` (q/k/v biases) and ``qwen3`` (qk-norm: ``attn_q_norm`` and ``attn_k_norm``);
+the record gives the Hugging Face family and the tensor names. For ``llama`` files llama.cpp's
+converter permutes each head's query and key rows so that rotary pairs are interleaved; loading
+undoes it (the Hugging Face layout attnkit's Llama config uses); the Qwen graphs rotate halves
+as Hugging Face does. Llama 3.1's rotary
 scaling is stored as per-frequency divisors (``rope_freqs.weight``); loading turns them back into
 the ``llama3`` ``rope_scaling`` that gives exactly those divisors (:func:`llama3_scaling`). The
 config is mapped through :func:`attnkit.interop.hf_config.config_from_hf`, so every option is
@@ -34,28 +36,30 @@ Needs the ``gguf`` extra (``gguf``, ``numpy``, ``tokenizers``).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from attnkit.interop.architectures import Architecture, architecture, find_gguf, supported
 from attnkit.interop.hf_config import config_from_hf
-from attnkit.interop.hf_weights import ModelClass, ParameterFiller, Replace, allocate
+from attnkit.interop.hf_weights import WeightEntry, translate_name
+from attnkit.interop.loading import Checkpoint, CheckpointTensor
 from attnkit.positional import permute_rotary_weight, rope_inv_freq
 
 __all__ = [
-    "ARCHITECTURES",
     "GGML_TYPES",
     "GGUFTensor",
     "GGUFTokenizer",
     "dequantize",
-    "from_gguf",
+    "hf_name",
     "llama3_scaling",
     "llama_cpp_name",
+    "read_gguf",
     "read_tokenizer",
 ]
 
@@ -290,28 +294,46 @@ def _open(path: Path) -> _File:
 # --------------------------------------------------------------------------------------------
 
 
-def _hf_config(file: _File) -> dict[str, Any]:
-    """The ``config.json`` of the Hugging Face model equivalent to the file's metadata.
+def _bias_keys(arch: Architecture, file: _File) -> dict[str, bool]:
+    """The family's bias switches (``attention_bias``, ...), set when layer 0 holds the
+    tensor: a key shared by several projections is set when any of them has its bias."""
+    assert arch.gguf is not None  # found by its GGUF name
+    names = arch.gguf.tensors
+    modules = ("attention.qkv_proj", "attention.out_proj", "feed_forward.linear2")
+    out: dict[str, bool] = {}
+    for bias, module in zip(arch.biases, modules, strict=True):
+        if isinstance(bias, str):
+            theirs = names.block[module]
+            first = theirs if isinstance(theirs, str) else theirs[0]
+            found = f"{names.layer.format(i=0)}{first}.bias" in file.tensors
+            out[bias] = out.get(bias, False) or found
+    return out
+
+
+def _hf_config(file: _File) -> tuple[Architecture, dict[str, Any]]:
+    """The family's record and the ``config.json`` of the Hugging Face model equivalent to the
+    file's metadata (llama.cpp names the sizes alike for every architecture).
 
     Raises:
-        ValueError: For an architecture other than llama/qwen2/qwen3, or metadata with no
+        ValueError: For an architecture that is not registered, or metadata with no
             counterpart (partial rotary, rotary divisors that no llama3 scaling gives, an
             unknown scaling type).
     """
-    arch = file.value("general.architecture")
-    if arch not in ARCHITECTURES:
+    name = file.value("general.architecture")
+    arch = find_gguf(name)
+    if arch is None:
         raise ValueError(
-            f"{file.path}: GGUF architecture {arch!r} is not supported (supported: "
-            f"{', '.join(ARCHITECTURES)})"
+            f"{file.path}: GGUF architecture {name!r} is not supported (supported: "
+            f"{supported(gguf=True)})"
         )
 
     def value(key: str, default: Any = None) -> Any:
-        return file.value(f"{arch}.{key}", default)
+        return file.value(f"{name}.{key}", default)
 
     def need(key: str) -> Any:
         found = value(key)
         if found is None:
-            raise ValueError(f"{file.path} lacks the metadata {arch}.{key}")
+            raise ValueError(f"{file.path} lacks the metadata {name}.{key}")
         return found
 
     dim, heads = int(need("embedding_length")), int(need("attention.head_count"))
@@ -325,23 +347,25 @@ def _hf_config(file: _File) -> dict[str, Any]:
         )
     embed = file.tensors.get("token_embd.weight")
     vocab = embed.shape[0] if embed is not None else len(file.value("tokenizer.ggml.tokens", []))
-    data: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
-        "hidden_act": "silu",  # llama.cpp's llama and qwen graphs: SwiGLU
+    rms = arch.options.get("norm", "layernorm") != "layernorm"
+    sizes = {
         "vocab_size": int(value("vocab_size", vocab)),
-        "hidden_size": dim,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(value("attention.head_count_kv", heads)),
+        "dim": dim,
+        "num_layers": int(need("block_count")),
+        "num_heads": heads,
+        "num_kv_heads": int(value("attention.head_count_kv", heads)),
         "head_dim": head_dim,
-        "max_position_embeddings": int(value("context_length", 2048)),
-        "rms_norm_eps": float(value("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(value("rope.freq_base", 10_000.0)),
-        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "ffn_dim": int(need("feed_forward_length")),
+        "max_seq_len": int(value("context_length", 2048)),
+        "eps": float(value(f"attention.layer_norm{'_rms' if rms else ''}_epsilon", 1e-5)),
     }
-    if arch == "qwen3":  # q/k/v biases are optional there (Qwen2 always has them)
-        data["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
+    keys = arch.keys
+    data: dict[str, Any] = {"architectures": [arch.name]}
+    data |= {getattr(keys, k): v for k, v in sizes.items() if getattr(keys, k) is not None}
+    data[keys.activation[0]] = next(iter(arch.activations))  # llama.cpp's graph of the family
+    data |= _bias_keys(arch, file)
+    data["rope_theta"] = float(value("rope.freq_base", 10_000.0))
+    data["tie_word_embeddings"] = "output.weight" not in file.tensors
     kind = value("rope.scaling.type")
     if kind not in (None, "none"):  # config_from_hf maps linear and rejects the others
         data["rope_scaling"] = {
@@ -358,7 +382,7 @@ def _hf_config(file: _File) -> dict[str, Any]:
         scaling = llama3_scaling(factors, head_dim, data["rope_theta"], str(file.path))
         if scaling is not None:
             data["rope_scaling"] = scaling
-    return data
+    return arch, data
 
 
 def _tidy(x: float) -> float:
@@ -454,126 +478,69 @@ def llama3_scaling(
     return scaling
 
 
-#: ``general.architecture`` -> the Hugging Face architecture with the same graph.
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's qk-norm
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
 def llama_cpp_name(name: str) -> str:
-    """The llama.cpp tensor name of Hugging Face parameter ``name``: the inverse of
-    ``hf_name`` (itself when it has none)."""
-    for gguf_name, hf in _GLOBAL.items():
-        if hf == name:
-            return gguf_name
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if match:
-        for gguf_name, hf in _LAYER.items():
-            if hf == match.group(2):
-                return f"blk.{match.group(1)}.{gguf_name}"
-    return name
+    """The llama.cpp tensor name of Hugging Face Llama tensor ``name``: the inverse of
+    :func:`hf_name` (itself when it has none)."""
+    llama = architecture("LlamaForCausalLM")
+    assert llama.gguf is not None
+    return translate_name(name, llama.tensors, llama.gguf.tensors)
 
 
 def hf_name(name: str) -> str:
     """The Hugging Face name of llama.cpp tensor ``name`` (itself when it has none)."""
-    if name in _GLOBAL:
-        return _GLOBAL[name]
-    match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if match and match.group(2) in _LAYER:
-        return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
-    return name
+    llama = architecture("LlamaForCausalLM")
+    assert llama.gguf is not None
+    return translate_name(name, llama.gguf.tensors, llama.tensors)
 
 
 # Rows dequantized at a time (times the row length in float32: 16 MiB for rows of 4096).
 _CHUNK_VALUES = 4 * 2**20
 
 
-def from_gguf(
-    path: str | Path,
-    *,
-    cls: ModelClass,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    replace: Replace | None = None,
-) -> Any:
-    """Load a Llama-, Qwen2- or Qwen3-architecture GGUF file into ``cls(config)`` (eval mode).
+def _copy(
+    file: _File, tensor: GGUFTensor, interleaved: bool, dest: Tensor, entry: WeightEntry
+) -> None:
+    """Dequantize ``tensor`` into ``dest`` a block of rows at a time; with ``interleaved``,
+    undo llama.cpp's interleaving of the rotary pairs of a query/key projection."""
+    rows, cols = math.prod(tensor.shape[:-1]), tensor.shape[-1]
+    if interleaved and entry.rotary_heads is not None:
+        w = file.read_rows(tensor, 0, rows).reshape(tensor.shape)
+        dest.copy_(permute_rotary_weight(w, entry.rotary_heads, to="split"))
+        return
+    step = max(1, _CHUNK_VALUES // cols)
+    flat = dest.reshape(rows, cols)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        flat[r0:r1].copy_(file.read_rows(tensor, r0, r1))
 
-    Args:
-        path: The ``.gguf`` file.
-        cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
-        dtype: Parameter dtype (default: torch's default dtype); quantized tensors are
-            dequantized to float32 a block of rows at a time and cast.
-        device: Where the parameters are allocated (default: CPU).
-        replace: Swap each plain ``nn.Linear`` for ``replace(linear)`` once its weight is read
-            (see :func:`attnkit.interop.hf.from_pretrained`).
 
-    Returns:
-        The model; ``generation_config`` holds the file's bos/eos/pad ids (eos: the end-of-text
-        and end-of-turn ids).
+def read_gguf(path: str | Path) -> Checkpoint:
+    """A GGUF file read up to its tensors, for :func:`attnkit.interop.loading.load` (which
+    :func:`attnkit.interop.hf.from_pretrained` calls for a ``.gguf`` path).
+
+    The config comes from the metadata through
+    :func:`attnkit.interop.hf_config.config_from_hf`; ``generation_config`` holds the file's
+    bos/eos/pad ids (eos: the end-of-text and end-of-turn ids). Every tensor is checked against
+    the file here, before anything is allocated.
 
     Raises:
         FileNotFoundError: If ``path`` does not exist.
-        ValueError: For a damaged or hostile file (naming the file and tensor, before any
-            allocation), an unsupported architecture, option or tensor type, or tensors that do
-            not fit the config.
+        ValueError: For a damaged or hostile file (naming the file and tensor), an unsupported
+            architecture, option or tensor type.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     file = _open(path)
-    _, config = config_from_hf(_hf_config(file))
-    lm = allocate(cls, config, dtype=dtype, device=device, stream_linears=replace is not None)
-    arch = file.value("general.architecture")
-    filler = ParameterFiller(lm, f"{arch} GGUF", str(path), replace=replace)
-    # llama.cpp's converter interleaves the rotary pairs of Llama's q/k rows (its llama graph
-    # rotates adjacent pairs); Qwen's graphs rotate halves, as Hugging Face does: no permutation.
-    rotary = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
-    if arch != "llama":
-        rotary = {}
-    with torch.no_grad():
-        for name, tensor in file.tensors.items():
-            if name == "rope_freqs.weight":  # read into the config's rope_scaling
-                continue
-            entry = filler.entry(hf_name(name))
-            if entry is None:
-                continue
-            dest = filler.target(entry, name, tensor.shape, path.name)
-            rows = math.prod(tensor.shape[:-1])
-            heads = rotary.get(name.split(".", 2)[-1]) if name.startswith("blk.") else None
-            if heads is not None:  # llama.cpp interleaved each head's rotary pairs: undo it
-                w = file.read_rows(tensor, 0, rows)
-                dest.copy_(permute_rotary_weight(w, heads, to="split"))
-                continue
-            step = max(1, _CHUNK_VALUES // tensor.shape[-1])
-            flat = dest.reshape(rows, tensor.shape[-1])
-            for r0 in range(0, rows, step):
-                r1 = min(rows, r0 + step)
-                flat[r0:r1].copy_(file.read_rows(tensor, r0, r1))
-    filler.finish()
+    arch, data = _hf_config(file)
+    _, config = config_from_hf(data)
+    gguf = arch.gguf
+    assert gguf is not None  # found by its GGUF name
+    tensors = (
+        CheckpointTensor(name, t.shape, path.name, partial(_copy, file, t, gguf.interleaved_rotary))
+        for name, t in file.tensors.items()
+        if name != "rope_freqs.weight"  # read into the config's rope_scaling
+    )
     gen: dict[str, Any] = {}
     stops = _stop_ids(file)
     if stops:
@@ -582,8 +549,7 @@ def from_gguf(
         value = file.value(f"tokenizer.ggml.{meta}")
         if value is not None:
             gen[key] = int(value)
-    lm.generation_config = gen
-    return lm.eval()
+    return Checkpoint(arch, config, gguf.tensors, tensors, str(path), f"{gguf.name} GGUF", gen)
 
 
 def _stop_ids(file: _File) -> list[int]:

@@ -3,13 +3,15 @@
 A folder holds ``config.json``, the weights (``model.safetensors``, or shards
 ``model-0000N-of-0000M.safetensors`` listed in ``model.safetensors.index.json``) and optionally
 ``generation_config.json`` and ``tokenizer.json``. The supported architectures and the mapping of
-their options are in :mod:`attnkit.interop.hf_config`, the tensor names in
-:mod:`attnkit.interop.hf_weights`, the file reading in :mod:`attnkit.interop.safetensors_io`;
-a path ending in ``.gguf`` is read by :mod:`attnkit.interop.gguf`.
+their options are records in :mod:`attnkit.interop.architectures`, mapped by
+:mod:`attnkit.interop.hf_config` (``config.json``) and :mod:`attnkit.interop.hf_weights` (tensor
+names); the file reading is in :mod:`attnkit.interop.safetensors_io`. A path ending in ``.gguf``
+is read by :mod:`attnkit.interop.gguf`.
 
-Loading builds the model on the meta device, allocates the parameters once in the target dtype
-on the target device and copies the checkpoint's tensors into them a block of rows at a time, so
-the peak memory is the weights plus one block.
+Both formats load through :func:`attnkit.interop.loading.load`: the model is built on the meta
+device, its parameters allocated once in the target dtype on the target device and the
+checkpoint's tensors copied into them a block of rows at a time, so the peak memory is the
+weights plus one block.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +30,13 @@ from torch import Tensor, nn
 
 from attnkit.config import TransformerConfig
 from attnkit.interop import gguf
+from attnkit.interop.architectures import architecture
 from attnkit.interop.hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, hf_config_from
-from attnkit.interop.hf_weights import (
-    ModelClass,
-    ParameterFiller,
-    Replace,
-    WeightEntry,
-    allocate,
-    hf_state_dict,
-    weight_map,
-)
+from attnkit.interop.hf_weights import WeightEntry, hf_state_dict, weight_map
+from attnkit.interop.loading import Checkpoint, CheckpointTensor, ModelClass, Replace, load
 from attnkit.interop.safetensors_io import (
+    SafetensorsEntry,
+    SafetensorsFile,
     copy_tensor,
     open_safetensors,
     read_safetensors_header,
@@ -50,6 +50,7 @@ __all__ = [
     "from_pretrained",
     "hf_config_from",
     "hf_state_dict",
+    "read_folder",
     "read_generation_config",
     "read_safetensors_header",
     "save_pretrained",
@@ -121,6 +122,47 @@ def read_generation_config(path: str | Path) -> dict[str, Any]:
     return out
 
 
+def _tensors(headers: dict[Path, dict[str, SafetensorsEntry]]) -> Iterator[CheckpointTensor]:
+    """The tensors of the weight files, each file open while its tensors are read."""
+    for file, entries in headers.items():
+        with open_safetensors(file) as f:
+            for key, info in entries.items():
+                yield CheckpointTensor(key, info.shape, file.name, partial(_copy, f, key, info))
+
+
+def _copy(
+    f: SafetensorsFile, key: str, info: SafetensorsEntry, dest: Tensor, entry: WeightEntry
+) -> None:
+    copy_tensor(f, key, info, dest)
+
+
+def read_folder(path: str | Path) -> Checkpoint:
+    """A Hugging Face folder read up to its tensors: config, architecture, the weight files'
+    headers (checked before anything is allocated) and generation ids.
+
+    Raises:
+        FileNotFoundError: Naming the missing folder, ``config.json`` or weight files.
+        ValueError: Unsupported architecture or option, malformed or truncated files.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} lacks config.json")
+    name, config = config_from_hf(read_json(path / "config.json"))
+    arch = architecture(name)
+    headers = {f: read_safetensors_header(f) for f in _weight_files(path)}
+    return Checkpoint(
+        arch,
+        config,
+        arch.tensors,
+        _tensors(headers),
+        str(path),
+        name,
+        read_generation_config(path),
+    )
+
+
 def from_pretrained(
     path: str | Path,
     *,
@@ -136,49 +178,35 @@ def from_pretrained(
 
     Args:
         path: Folder with ``config.json`` and safetensors weights, or a llama.cpp ``.gguf`` file
-            (see :func:`attnkit.interop.gguf.from_gguf`).
+            (see :func:`attnkit.interop.gguf.read_gguf`).
         cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
         dtype: Parameter dtype (default: torch's default dtype, float32); ``torch.bfloat16`` or
-            ``torch.float16`` load straight into that dtype.
+            ``torch.float16`` load straight into that dtype (GGUF's quantized tensors are
+            dequantized to float32 a block of rows at a time and cast).
         device: Where the parameters are allocated and the weights copied to (default: CPU), e.g.
             ``"cuda"``; nothing passes through a full CPU copy of the model.
         replace: Swap each plain ``nn.Linear`` for ``replace(linear)`` as soon as its weight is
             loaded (in ``dtype``), e.g. a quantized linear: only a linear or two is ever held in
-            full precision (see :class:`attnkit.interop.hf_weights.ParameterFiller`).
+            full precision (see :class:`attnkit.interop.loading.ParameterFiller`).
 
     Returns:
-        The model; ``model.generation_config`` holds the folder's eos/pad/bos ids.
+        The model; ``model.generation_config`` holds the folder's eos/pad/bos ids (a GGUF
+        file's: the end-of-text and end-of-turn ids).
 
     Raises:
-        FileNotFoundError: Naming the missing folder, ``config.json`` or weight files.
-        ValueError: Unsupported architecture or option, truncated files, tensor shapes that do
-            not match the config, missing or unexpected tensors.
+        FileNotFoundError: Naming the missing folder, file, ``config.json`` or weight files.
+        ValueError: Unsupported architecture or option, truncated, damaged or hostile files,
+            tensor shapes that do not match the config, missing or unexpected tensors (naming
+            the file and tensor, before any allocation where the file's description is at
+            fault).
         TypeError: If ``dtype`` is not a floating torch dtype.
     """
     path = Path(path)
     if path.suffix == ".gguf" and not path.is_dir():
-        return gguf.from_gguf(path, cls=cls, dtype=dtype, device=device, replace=replace)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model folder {path} does not exist")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} lacks config.json")
-    arch, config = config_from_hf(read_json(path / "config.json"))
-    files = _weight_files(path)
-    headers = {f: read_safetensors_header(f) for f in files}  # errors before any allocation
-    lm = allocate(cls, config, dtype=dtype, device=device, stream_linears=replace is not None)
-    base_prefix = "transformer." if arch == "GPT2LMHeadModel" else "model."
-    filler = ParameterFiller(lm, arch, str(path), base_prefix=base_prefix, replace=replace)
-    with torch.no_grad():
-        for file, entries in headers.items():
-            with open_safetensors(file) as f:
-                for key, info in entries.items():
-                    entry = filler.entry(key)
-                    if entry is not None:
-                        dest = filler.target(entry, key, info.shape, file.name)
-                        copy_tensor(f, key, info, dest)
-    filler.finish()
-    lm.generation_config = read_generation_config(path)
-    return lm.eval()
+        checkpoint = gguf.read_gguf(path)
+    else:
+        checkpoint = read_folder(path)
+    return load(checkpoint, cls=cls, dtype=dtype, device=device, replace=replace)
 
 
 def to_transformers(lm: nn.Module) -> Any:

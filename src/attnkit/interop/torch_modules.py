@@ -55,9 +55,12 @@ def from_torch_multihead_attention(
             but the result then only does self-attention). Needs ``kdim == vdim == embed_dim``.
 
     Returns:
-        A batch-first module, in the training mode of ``m``: ``out = new(q, k, v, mask)`` equals
-        ``m(q, k, v, ...)[0]`` (with ``(L, B, D)`` inputs transposed when ``m.batch_first`` is
-        false, and the masks converted by :func:`mask_from_torch`).
+        A batch-first module, in the training mode of ``m``, that returns ``(out, weights)``:
+        in ``out, weights = new(q, k, v, mask)``, ``out`` equals ``m(q, k, v, ...)[0]`` (with
+        ``(L, B, D)`` inputs transposed when ``m.batch_first`` is false, and the masks converted
+        by :func:`mask_from_torch`); ``weights`` is ``None`` unless ``return_weights=True``,
+        then ``(B, H, L, S)``, which ``m`` returns averaged over the heads unless
+        ``average_attn_weights=False``.
 
     Raises:
         TypeError: If ``m`` is not an ``nn.MultiheadAttention``.

@@ -1,0 +1,320 @@
+"""Building a model from any checkpoint: allocate once, place each tensor, check the result.
+
+A reader (:func:`attnkit.interop.hf.read_folder` for Hugging Face folders,
+:func:`attnkit.interop.gguf.read_gguf` for GGUF files) turns a checkpoint into a
+:class:`Checkpoint`: its architecture's record, the config, the naming scheme of its tensors and
+the tensors themselves, each with the function that copies its values into a view of a parameter.
+:func:`load` does the rest for every format: it builds the model on the meta device, allocates
+the parameters once in the target dtype on the target device, fills them through a
+:class:`ParameterFiller` (which checks every name and shape) and raises for anything left over
+or missing.
+
+Streamed replacement (weight-only quantization while loading): given ``replace``,
+:func:`allocate` leaves the weight of every plain ``nn.Linear`` unallocated, the filler allocates
+it when its first tensor arrives and, once it is full, swaps the linear for ``replace(linear)``
+and drops the full-precision weight. Loading then peaks near the final (replaced) model's size
+plus a linear or two, not at the full-precision model's size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from attnkit.config import TransformerConfig
+from attnkit.interop.architectures import Architecture, TensorNames
+from attnkit.interop.hf_weights import WeightEntry, weight_map
+
+# The model class a loader builds: ``cls(config)`` (:class:`attnkit.TransformerLM`, which sits
+# above this package and passes itself in).
+ModelClass = Callable[[TransformerConfig], nn.Module]
+# What a plain linear becomes once its weight is loaded (a quantized linear, say).
+Replace = Callable[[nn.Linear], nn.Module]
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointTensor",
+    "ModelClass",
+    "ParameterFiller",
+    "Replace",
+    "allocate",
+    "load",
+]
+
+# Tensors some checkpoints carry that are recomputed buffers, not weights.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+class CheckpointTensor(NamedTuple):
+    """A tensor of a checkpoint: its name, shape and file, and how to read it.
+
+    ``copy(dest, entry)`` writes the tensor's values into ``dest`` (a view of the parameter
+    ``entry`` names, of the tensor's shape, in the parameter's dtype and device).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    file: str
+    copy: Callable[[Tensor, WeightEntry], None]
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read up to its tensors, which :func:`load` turns into a model.
+
+    Attributes:
+        arch: The family's record.
+        config: The config its metadata maps to.
+        names: The naming scheme of its tensors.
+        tensors: Its tensors, read as :func:`load` iterates over them.
+        where: The checkpoint's path (named in errors).
+        label: The format and architecture (named in errors), e.g. ``"llama GGUF"``.
+        generation_config: Its eos/pad/bos ids.
+    """
+
+    arch: Architecture
+    config: TransformerConfig
+    names: TensorNames
+    tensors: Iterable[CheckpointTensor]
+    where: str
+    label: str
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def load(
+    checkpoint: Checkpoint,
+    *,
+    cls: ModelClass,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    replace: Replace | None = None,
+) -> Any:
+    """``cls(checkpoint.config)`` holding the checkpoint's weights, in eval mode.
+
+    Args:
+        checkpoint: What a reader found.
+        cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
+        dtype: Parameter dtype (default: torch's default dtype).
+        device: Where the parameters are allocated (default: CPU).
+        replace: Swap each plain ``nn.Linear`` for ``replace(linear)`` as soon as its weight is
+            loaded (see :class:`ParameterFiller`).
+
+    Returns:
+        The model; ``model.generation_config`` holds the checkpoint's eos/pad/bos ids.
+
+    Raises:
+        TypeError: If ``dtype`` is not a floating torch dtype or ``device`` not a device.
+        ValueError: For tensor shapes that do not match the config, missing or unexpected
+            tensors (naming the file and tensor).
+    """
+    lm = allocate(
+        cls, checkpoint.config, dtype=dtype, device=device, stream_linears=replace is not None
+    )
+    filler = ParameterFiller(
+        lm,
+        weight_map(checkpoint.arch, lm, names=checkpoint.names),
+        checkpoint.label,
+        checkpoint.where,
+        base_prefix=checkpoint.names.base_prefix,
+        replace=replace,
+    )
+    with torch.no_grad():
+        for tensor in checkpoint.tensors:
+            entry = filler.entry(tensor.name)
+            if entry is not None:
+                tensor.copy(filler.target(entry, tensor.name, tensor.shape, tensor.file), entry)
+    filler.finish()
+    lm.generation_config = dict(checkpoint.generation_config)
+    return lm.eval()
+
+
+def allocate(
+    cls: ModelClass,
+    config: TransformerConfig,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    stream_linears: bool = False,
+) -> Any:
+    """``cls(config)`` with uninitialised parameters, built on the meta device and allocated
+    once in ``dtype`` on ``device`` (for a loader to fill).
+
+    With ``stream_linears``, the weights of plain ``nn.Linear`` modules stay on the meta device:
+    a :class:`ParameterFiller` with ``replace`` allocates each when its tensor arrives.
+
+    Raises:
+        TypeError: If ``dtype`` is not a floating torch dtype or ``device`` not a device.
+        ValueError: If the model holds a non-empty buffer (a loader could not fill it).
+    """
+    if dtype is None:
+        dtype = torch.get_default_dtype()
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    try:
+        target = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError) as err:
+        raise TypeError(f"device must be a torch.device or its name, got {device!r}") from err
+    with torch.device("meta"):
+        lm = cls(config)
+    lm = lm.to(dtype)
+    if not stream_linears:
+        lm = lm.to_empty(device=target)
+    else:
+        made: dict[int, nn.Parameter] = {}  # shared parameters stay shared
+        for module in lm.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if type(module) is nn.Linear and name == "weight":
+                    continue
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(
+                        torch.empty_like(param, device=target), param.requires_grad
+                    )
+                setattr(module, name, made[id(param)])
+            for name, buf in list(module.named_buffers(recurse=False)):
+                module._buffers[name] = torch.empty_like(buf, device=target)
+    for name, buf in lm.named_buffers():
+        if buf.numel():  # to_empty left them uninitialised; every buffer here is recomputable
+            raise ValueError(f"unexpected non-empty buffer {name} after allocating {config}")
+    return lm
+
+
+def _release_freed_memory() -> None:
+    """Hand the allocator's free pages back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere). Without it the staged weights freed between the long-lived quantized ones leave
+    holes in the heap that count as resident memory, well above the final model's size."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
+class ParameterFiller:
+    """Places checkpoint tensors, read one at a time, into a model's (allocated) parameters.
+
+    :meth:`target` checks each tensor's name and shape and returns the view to copy it into;
+    :meth:`finish` raises for tensors with no place and parameters left unfilled.
+
+    Args:
+        lm: The model whose parameters receive the tensors.
+        entries: Checkpoint tensor name -> where it goes (:func:`weight_map`).
+        label: The checkpoint's format and architecture (named in errors).
+        where: The checkpoint's path (named in errors).
+        base_prefix: Tried before a name that is not in the map (base-model checkpoints, such as
+            the original gpt2, omit ``transformer.``/``model.``).
+        replace: For a model from :func:`allocate` with ``stream_linears``: each plain linear
+            whose weight is on the meta device gets it allocated (in that dtype) when its first
+            tensor arrives and is swapped for ``replace(linear)`` once its weight and bias are
+            full (checked as the next tensor arrives and in :meth:`finish`).
+    """
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        entries: dict[str, WeightEntry],
+        label: str,
+        where: str,
+        *,
+        base_prefix: str = "",
+        replace: Replace | None = None,
+    ) -> None:
+        self.label, self.where, self.base_prefix = label, where, base_prefix
+        self.lm, self.replace = lm, replace
+        self.config: TransformerConfig = lm.config  # type: ignore[assignment]
+        self.entries = entries
+        self.params = dict(lm.named_parameters())
+        self.sizes = {k: p.numel() for k, p in self.params.items()}
+        self.filled = dict.fromkeys(self.params, 0)
+        self.unexpected: list[str] = []
+        # Linears waiting for their weight (module name -> module), when streaming.
+        self.pending: dict[str, nn.Linear] = {}
+        if replace is not None:
+            self.pending = {
+                name: m
+                for name, m in lm.named_modules()
+                if type(m) is nn.Linear and m.weight.is_meta
+            }
+        real = [p for p in self.params.values() if not p.is_meta]
+        self.device = real[0].device if real else torch.device("cpu")
+
+    def _swap_full(self) -> None:
+        """Swap every pending linear whose weight (and bias) is full for ``replace(linear)``."""
+        assert self.replace is not None or not self.pending
+        for name, linear in list(self.pending.items()):
+            parts = [f"{name}.weight"] + ([f"{name}.bias"] if linear.bias is not None else [])
+            if linear.weight.is_meta or any(self.filled[k] < self.sizes[k] for k in parts):
+                continue
+            parent, _, attr = name.rpartition(".")
+            new = self.replace(linear)  # type: ignore[misc]
+            setattr(self.lm.get_submodule(parent), attr, new)
+            del self.pending[name]
+            for k in parts:  # the full-precision weight goes with the last reference
+                self.params.pop(k)
+            del linear
+            _release_freed_memory()
+
+    def entry(self, key: str) -> WeightEntry | None:
+        """The entry of checkpoint tensor ``key``; ``None`` (noted unless ignorable) if none."""
+        entry = self.entries.get(key) or self.entries.get(self.base_prefix + key)
+        tied_head = key == "lm_head.weight" and self.config.tie_embeddings
+        if entry is None and not key.endswith(IGNORED_SUFFIXES) and not tied_head:
+            self.unexpected.append(key)
+        return entry
+
+    def target(self, entry: WeightEntry, key: str, shape: tuple[int, ...], file: str) -> Tensor:
+        """The view of the parameter that tensor ``key`` of ``shape`` is copied into.
+
+        Raises:
+            ValueError: If ``shape`` is not the shape the config needs (naming file and tensor).
+        """
+        self._swap_full()
+        module = entry.param.rpartition(".")[0]
+        if module in self.pending and entry.param.endswith(".weight"):
+            linear = self.pending[module]
+            if linear.weight.is_meta:
+                staged = torch.empty_like(linear.weight, device=self.device)
+                linear.weight = nn.Parameter(staged, requires_grad=False)
+                self.params[entry.param] = linear.weight
+        if entry.param not in self.params:
+            raise ValueError(
+                f"{file}: tensor {key} fills {entry.param}, which an earlier tensor already filled"
+            )
+        target: Tensor = self.params[entry.param]
+        if entry.rows is not None:
+            target = target[entry.rows[0] : entry.rows[1]]
+        want = tuple(target.shape[::-1] if entry.transpose else target.shape)
+        if tuple(shape) != want:
+            raise ValueError(
+                f"{file}: tensor {key} has shape {list(shape)}, the config ({self.label}) needs "
+                f"{list(want)}"
+            )
+        self.filled[entry.param] += target.numel()
+        return target.t() if entry.transpose else target
+
+    def finish(self) -> None:
+        """Raise if a tensor had no place or a parameter was not (fully) filled.
+
+        Raises:
+            ValueError: Naming up to 8 tensors without a place, or the unfilled parameters.
+        """
+        self._swap_full()
+        if self.unexpected:
+            more = len(self.unexpected) - 8
+            raise ValueError(
+                f"{self.where}: tensors with no place in {self.label} as configured: "
+                f"{self.unexpected[:8]}" + (f" and {more} more" if more > 0 else "")
+            )
+        missing = [k for k, n in self.sizes.items() if self.filled[k] < n]
+        if missing:
+            raise ValueError(f"{self.where}: the weights lack tensors for {missing[:8]}")
