@@ -196,6 +196,20 @@ def test_compile_fullgraph():
     assert_close(compiled(x, mask=mask), m(x, mask=mask))
 
 
+def test_deprecated_hidden_dim_warns_at_the_callers_line_and_means_num_heads_times_head_dim():
+    torch.manual_seed(0)
+    with pytest.warns(DeprecationWarning, match=r"MultiHeadAttention\(hidden_dim=\.\.\.\)") as w:
+        old = attnkit.MultiHeadAttention(12, 4, hidden_dim=20)
+    assert [r.filename for r in w] == [__file__]
+    torch.manual_seed(0)
+    new = attnkit.MultiHeadAttention(12, 4, head_dim=5)
+    assert old.state_dict().keys() == new.state_dict().keys()
+    for name, tensor in new.state_dict().items():
+        assert torch.equal(old.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match=r"give head_dim \(5\) or its deprecated form hidden_dim"):
+        attnkit.MultiHeadAttention(12, 4, head_dim=5, hidden_dim=20)
+
+
 def test_constructor_and_input_errors():
     with pytest.raises(ValueError, match=r"hidden_dim \(10\) must be divisible by num_heads \(4\)"):
         attnkit.MultiHeadAttention(10, 4)

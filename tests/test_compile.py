@@ -31,7 +31,7 @@ def _tiny(kind: str, position: str, **options: object) -> nn.Module:
         dim=16,
         num_layers=2,
         num_heads=2,
-        hidden_dim=32,
+        ffn_dim=32,
         position=position,
         max_seq_len=16,
         **options,

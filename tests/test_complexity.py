@@ -59,7 +59,7 @@ def test_matmul_flops_equal_flop_counter(B, L, S, D, H, K, E, causal, bias):
         L, D, H, batch=B, kv_len=S, head_dim=E, num_kv_heads=K, causal=causal, bias=bias
     )
     layer = attnkit.MultiHeadAttention(
-        D, H, hidden_dim=H * E, num_kv_heads=K, causal=causal, bias=bias
+        D, H, head_dim=E, num_kv_heads=K, causal=causal, bias=bias
     ).eval()
     query, kv = torch.randn(B, L, D), torch.randn(B, S, D)
     assert count_flops(layer, query, kv) == cost.matmul_flops
@@ -116,7 +116,7 @@ def test_transformer_block_matches_flop_counter():
 
 @pytest.mark.parametrize(("D", "H", "K", "E", "bias"), [(24, 3, 3, 8, True), (16, 4, 2, 6, False)])
 def test_params_equal_module_parameters(D, H, K, E, bias):
-    layer = attnkit.MultiHeadAttention(D, H, hidden_dim=H * E, num_kv_heads=K, bias=bias)
+    layer = attnkit.MultiHeadAttention(D, H, head_dim=E, num_kv_heads=K, bias=bias)
     cost = attention_cost(5, D, H, head_dim=E, num_kv_heads=K, bias=bias)
     assert cost.params == sum(p.numel() for p in layer.parameters())
 

@@ -35,6 +35,31 @@ def test_from_dict_names_unknown_keys() -> None:
         TransformerConfig.from_dict(data)
 
 
+def test_deprecated_hidden_dim_warns_at_the_callers_line_and_sets_ffn_dim() -> None:
+    with pytest.warns(DeprecationWarning, match=r"TransformerConfig\(hidden_dim=\.\.\.\)") as w:
+        cfg = TransformerConfig(40, 32, 2, 4, hidden_dim=96)
+    assert cfg == TransformerConfig(40, 32, 2, 4, ffn_dim=96)
+    assert [r.filename for r in w] == [__file__]
+    with pytest.warns(DeprecationWarning, match=r"key 'hidden_dim'") as w:
+        loaded = TransformerConfig.from_dict(SMALL.to_dict() | {"ffn_dim": None, "hidden_dim": 96})
+    assert loaded == SMALL.replace(ffn_dim=96)
+    assert [r.filename for r in w] == [__file__]
+    for cls in (TransformerLM, TransformerEncoder):
+        with pytest.warns(DeprecationWarning, match=rf"{cls.__name__}\(hidden_dim=") as w:
+            model = cls(40, 32, 2, 4, hidden_dim=96)
+        assert model.config.ffn_dim == 96
+        assert [r.filename for r in w] == [__file__]
+
+
+def test_deprecated_hidden_dim_must_agree_with_ffn_dim() -> None:
+    with pytest.raises(ValueError, match=r"ffn_dim=64 and its deprecated alias hidden_dim=96"):
+        TransformerConfig(40, 32, 2, 4, ffn_dim=64, hidden_dim=96)
+    with pytest.raises(ValueError, match=r"ffn_dim=64 and its deprecated alias hidden_dim=96"):
+        TransformerLM(40, 32, 2, 4, ffn_dim=64, hidden_dim=96)
+    with pytest.raises(ValueError, match=r"ffn_dim=64 and its deprecated alias hidden_dim=96"):
+        TransformerConfig.from_dict(SMALL.to_dict() | {"ffn_dim": 64, "hidden_dim": 96})
+
+
 @pytest.mark.parametrize(
     ("changes", "error", "match"),
     [
@@ -135,7 +160,7 @@ def test_lab_model_is_built_from_its_config() -> None:
     model = build_model(lab)
     torch.manual_seed(0)
     explicit = TransformerEncoder(
-        12, 64, 2, 4, hidden_dim=128, max_seq_len=64, position="sinusoidal", num_outputs=12
+        12, 64, 2, 4, ffn_dim=128, max_seq_len=64, position="sinusoidal", num_outputs=12
     )
     ids = torch.randint(0, 12, (3, 16))
     assert torch.equal(model(ids), explicit(ids))

@@ -343,6 +343,17 @@ def test_report_embeds_every_figure_it_promises(tiny_run) -> None:
     assert "Length generalization" in page
 
 
+def test_report_figure_is_a_deprecated_name_of_figure_spec() -> None:
+    from attnkit.lab import report
+
+    with pytest.warns(DeprecationWarning, match=r"Figure is now FigureSpec") as w:
+        old = report.Figure
+    assert old is report.FigureSpec
+    assert [r.filename for r in w] == [__file__]
+    with pytest.raises(AttributeError, match=r"no attribute 'Figures'"):
+        report.Figures  # noqa: B018
+
+
 @pytest.mark.slow
 def test_report_attention_pictures_depend_on_the_model(tiny_run, tmp_path: Path) -> None:
     out, _ = tiny_run

@@ -321,7 +321,7 @@ def _copy_hf_weights(hf: torch.nn.Module, lm: TransformerLM) -> None:
 def test_llama_family_options_equal_transformers(kind: str, options: dict[str, object]) -> None:
     llama_like: dict[str, object] = {
         "num_kv_heads": 2,
-        "hidden_dim": 40,
+        "ffn_dim": 40,
         "max_seq_len": 256,
         "norm": "rmsnorm",
         "activation": "swiglu",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,15 @@ def test_ruff_check_and_format_are_clean():
 def test_mypy_is_clean():
     res = _run(_tool("mypy"))
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_deprecation_raised_from_attnkit_or_the_tests_fails_the_test():
+    """pyproject.toml's filterwarnings turn the project's deprecations into errors, by the module
+    a warning is attributed to; other modules' warnings stay warnings."""
+    code = compile("import warnings\nwarnings.warn('old API', DeprecationWarning)", "<m>", "exec")
+    for module in ("attnkit.models", "tests.test_models"):
+        with pytest.raises(DeprecationWarning, match="old API"):
+            exec(code, {"__name__": module})
+    with warnings.catch_warnings(record=True) as seen:  # keeps the filters in force
+        exec(code, {"__name__": "some_dependency"})
+    assert [str(w.message) for w in seen] == ["old API"]

@@ -331,6 +331,20 @@ class TransformerConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown TransformerConfig fields {unknown}")
+        if "hidden_dim" in data:  # the warning points at the caller's line, not this one
+            data = dict(data)
+            hidden_dim = data.pop("hidden_dim")
+            if data.get("ffn_dim") not in (None, hidden_dim):
+                raise ValueError(
+                    f"got ffn_dim={data['ffn_dim']} and its deprecated alias "
+                    f"hidden_dim={hidden_dim}"
+                )
+            warnings.warn(
+                "TransformerConfig.from_dict: the key 'hidden_dim' is deprecated; use 'ffn_dim'",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            data["ffn_dim"] = hidden_dim
         return cls(**data)
 
     def replace(self, **changes: Any) -> TransformerConfig:

@@ -381,8 +381,7 @@ def _stream(
 SPLIT_PREFILL_PADDING = 0.25
 #: Real tokens up to which neighbouring prompts fill in together (see _prefill_groups): a
 #: forward of a few dozen rows costs about a read of every weight, while GEMMs of a few hundred
-#: rows run near their peak (MKL's fp32 GEMM on an AMX Xeon: 170-180 GFLOP/s for 32 rows, 260-310
-#: for 128, 320-330 for 640), so past that, padding only adds work.
+#: rows already run near the machine's matrix-multiply peak, so past that, padding only adds work.
 PREFILL_RUN_TOKENS = 256
 
 
@@ -392,8 +391,8 @@ def _left_padding(mask: Tensor | None) -> list[int] | None:
     positions); otherwise ``None``. (``mask`` is left-padding, each row ending in a real token:
     checked by ``_check_inputs``.)
 
-    Padded positions cost a padded batch's prefill as much compute as real ones: 8 prompts of
-    32-128 tokens are 37.5% padding, which transformers computes too.
+    Padded positions cost a padded batch's prefill as much compute as real ones, so a batch of
+    prompts of unequal lengths pays for its padding unless it is filled in by parts.
     """
     if mask is None or mask.shape[0] < 2:
         return None
@@ -410,11 +409,10 @@ def _prefill_groups(starts: list[int], width: int) -> list[tuple[int, int, int]]
     while their real tokens stay within :data:`PREFILL_RUN_TOKENS` and their padding below
     :data:`SPLIT_PREFILL_PADDING` of their positions.
 
-    Each forward reads every weight once, so short prompts cost less a few at a time: 8 prompts
-    of 32-128 tokens through the 100M Llama shape prefilled in 0.83-0.86x the time in runs of
-    2-3 as one at a time. Longer prompts gain nothing from it (8 of 128-512 tokens through the
-    3M shape took 1.35x the time with padding up to a quarter and no token limit;
-    ``benchmarks/RESULTS.md``).
+    Each forward reads every weight once, so short prompts cost less a few at a time than one
+    at a time: the read is shared while the rows are still too few to keep the matrix products
+    busy. Longer prompts keep them busy on their own, so grouping them only adds padded work;
+    :data:`PREFILL_RUN_TOKENS` ends a run there.
     """
     groups: list[tuple[int, int, int]] = []
     first = 0

@@ -23,6 +23,7 @@ Hugging Face decoder folders (:mod:`attnkit.interop.hf`).
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -85,6 +86,19 @@ def _make_config(
     missing = [k for k, v in sizes.items() if v is None]
     if missing:
         raise TypeError(f"{cls_name} needs a TransformerConfig or the sizes {missing}")
+    if "hidden_dim" in options:  # 0.2's name of ffn_dim: the warning points at the caller's line
+        options = dict(options)
+        hidden_dim = options.pop("hidden_dim")
+        if options.get("ffn_dim") not in (None, hidden_dim):
+            raise ValueError(
+                f"got ffn_dim={options['ffn_dim']} and its deprecated alias hidden_dim={hidden_dim}"
+            )
+        warnings.warn(
+            f"{cls_name}(hidden_dim=...) is deprecated; use ffn_dim",
+            DeprecationWarning,
+            stacklevel=3,  # _make_config <- the model's __init__ <- the caller
+        )
+        options["ffn_dim"] = hidden_dim
     return TransformerConfig(config, **sizes, **(defaults | options))  # type: ignore[arg-type]
 
 
@@ -216,7 +230,7 @@ class TransformerEncoder(_TransformerStack):
         num_outputs: Size of an output head; ``None`` returns hidden states.
         pool: ``"none"``, ``"mean"`` or ``"first"`` (applied before the head).
         **options: Keyword form: any other :class:`attnkit.TransformerConfig` field
-            (``hidden_dim``, ``num_kv_heads``, ``position``, ``causal``, ``norm_first``, ``norm``,
+            (``ffn_dim``, ``num_kv_heads``, ``position``, ``causal``, ``norm_first``, ``norm``,
             ``activation``, ``eps``, ``dropout``, ``bias``, ``window``, ``rope_base``, ...).
 
     Raises:
@@ -303,7 +317,7 @@ class TransformerLM(_TransformerStack):
         num_layers: Number of blocks (keyword form).
         num_heads: Query heads per block (keyword form).
         **options: Keyword form: any other :class:`attnkit.TransformerConfig` field
-            (``num_kv_heads``, ``head_dim``, ``hidden_dim``, ``max_seq_len``, ``position``,
+            (``num_kv_heads``, ``head_dim``, ``ffn_dim``, ``max_seq_len``, ``position``,
             ``norm_first``, ``norm``, ``activation``, ``eps``, ``dropout``, ``bias``,
             ``qkv_bias``, ``out_bias``, ``mlp_bias``, ``window``, ``rope_base``,
             ``rope_interleaved``, ``rope_scaling``, ``tie_embeddings``).

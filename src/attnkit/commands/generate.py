@@ -13,7 +13,7 @@ with ``--compile`` the speed leaves out the first compiled step, whose time is g
 ``--quantize int8|int4`` quantizes the linear weights after loading
 (:func:`attnkit.quantize.quantize`); ``--compile`` decodes through the model's forward compiled
 for one-token steps (:func:`attnkit.decoding.compiled_step`: the first call compiles, the steps
-after ran 1.5-2.1x faster on the 135M Llama shape).
+after reuse the compiled graph).
 
 ``--attention OUT`` also writes the attention of the whole text (prompt and continuation): one map
 per chosen ``--layer``/``--head``, a grid of the chosen layers' heads and, when
@@ -76,8 +76,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="decode through a torch.compile'd step: the first call compiles (a minute for a "
-        "135M model; cached after), each step after is faster (see docs/guide/decoding.md)",
+        help="decode through a torch.compile'd step: the first call compiles (slow once; "
+        "cached after), each step after is faster (see docs/guide/decoding.md)",
     )
     parser.add_argument(
         "--quiet",
