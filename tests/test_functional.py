@@ -14,6 +14,7 @@ from attnkit import functional, native
 from attnkit import masks as M
 from attnkit.functional import block_sparse_attention
 from attnkit.functional import scaled_dot_product_attention as sdpa
+from attnkit.kernels import policy
 from tests.reference import bottom_right_causal, reference_attention
 
 
@@ -136,7 +137,7 @@ def test_plain_causal_dispatches_to_is_causal(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(functional, "_one_query_kernel", lambda *args: False)  # (torch's path)
+    monkeypatch.setattr(policy, "one_query_kernel", lambda call: False)  # (torch's path)
     q, k, v = _qkv(L=6, S=6)
     sdpa(q, k, v, causal=True)
     assert calls[-1] == (None, True)
@@ -158,7 +159,7 @@ def test_one_query_matches_float64_reference(heads, window, padded, kernel, monk
     if kernel and not native.kernels_available():
         pytest.skip(f"no attnkit kernels: {native.kernels_unavailable()}")
     if not kernel:
-        monkeypatch.setattr(functional, "_one_query_kernel", lambda *args: False)
+        monkeypatch.setattr(policy, "one_query_kernel", lambda call: False)
     H, K = heads
     q, k, v = _qkv(B=3, H=H, K=K, L=1, S=9, Ev=6)
     mask = None
