@@ -783,3 +783,42 @@ def test_a_compiled_decoding_step_calls_the_one_query_kernel() -> None:
     assert any(event.name == "attnkit::one_query_attention" for event in prof.events())
     want, _ = reference_attention(q, k, v, mask)
     assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "L, kw",
+    [
+        (4, {}),  # torch's fused kernel
+        (4, {"causal": True}),
+        (4, {"return_weights": True}),  # the explicit math
+        (4, {"softcap": 5.0}),
+        (1, {}),  # a decoding step
+        (128, {"causal": True, "window": 16}),  # attnkit's flash kernels (float32)
+        (128, {"causal": True, "segment_ids": torch.tensor([[0] * 50 + [1] * 78])}),
+    ],
+)
+def test_a_non_finite_value_reaches_only_its_column(L, kw, value):
+    # As in the math (and torch's kernels where every key may be attended): v[j, c] reaches
+    # output column c of the rows that may attend key j, and nothing else.
+    g = torch.Generator().manual_seed(0)
+    S, j, c = max(L, 16), 1, 5
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (L, S, S))
+    v[0, 1, j, c] = value
+    got = sdpa(q, k, v, **kw)
+    out = got[0] if kw.get("return_weights") else got
+    structure = {n: kw[n] for n in ("causal", "window", "segment_ids") if n in kw}
+    allowed = M.structured_mask(L, S, **structure)  # (1, 1, L, S)
+    want = torch.zeros(out.shape, dtype=torch.bool)
+    want[0, 1, :, c] = allowed[0, 0, :, j]
+    assert want.any()
+    assert torch.equal(torch.isnan(out), want)
+    if not structure:  # torch's own kernel: non-finite exactly there (inf stays inf there)
+        plain = F.scaled_dot_product_attention(q, k, v)
+        assert torch.equal(~torch.isfinite(plain), want)
+    clean = v.clone()
+    clean[0, 1, j, c] = 0.0
+    ref, _ = reference_attention(q, k, clean, allowed, softcap=kw.get("softcap"))
+    assert_close(out[~want].double(), ref[~want], atol=1e-5, rtol=1e-5)
+    if kw.get("return_weights"):
+        assert torch.isfinite(got[1]).all()  # a value leaves the weights finite
