@@ -822,3 +822,55 @@ def test_a_non_finite_value_reaches_only_its_column(L, kw, value):
     assert_close(out[~want].double(), ref[~want], atol=1e-5, rtol=1e-5)
     if kw.get("return_weights"):
         assert torch.isfinite(got[1]).all()  # a value leaves the weights finite
+
+
+# The layers of the attention path, top-down (as in pyproject.toml's layers contract).
+_RANK = {"functional": 0, "sparse": 1, "softcap": 1, "blockwise": 2, "masks": 3, "native": 3}
+
+
+def _calls_between_modules(fn):
+    """``(caller module, called module, function)`` of every call from one attnkit module into
+    another while ``fn`` runs."""
+    import sys
+
+    seen = []
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_back is None:
+            return
+        callee = frame.f_globals.get("__name__", "")
+        caller = frame.f_back.f_globals.get("__name__", "")
+        if callee.startswith("attnkit.") and caller.startswith("attnkit.") and callee != caller:
+            seen.append((caller[8:], callee[8:], frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"causal": True, "window": 32},
+        {"causal": True, "softcap": 20.0},
+        {"causal": True, "segment_ids": torch.tensor([[0] * 100 + [1] * 156])},
+        {"causal": True, "return_weights": True},
+        {},
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_call_goes_down_once(kw, dtype):
+    # API -> checks -> policy -> kernel: the policy answers once, from the API, and no module of
+    # the path calls a module above it (no callbacks up).
+    q, k, v = (torch.randn(1, 4, 256, 16, dtype=dtype) for _ in range(3))
+    with torch.no_grad():
+        sdpa(q, k, v, **kw)  # (builds the kernels, decides measured choices)
+        calls = _calls_between_modules(lambda: sdpa(q, k, v, **kw))
+    asked = [(a, f) for a, b, f in calls if b == "kernels.policy" and f == "attention_plan"]
+    assert asked == [("functional", "attention_plan")]
+    up = [(a, b, f) for a, b, f in calls if _RANK.get(b, 9) < _RANK.get(a, 9)]
+    assert not up, up
+    assert all(b != "functional" for _, b, _ in calls)

@@ -9,9 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit import sparse
-from attnkit.kernels import policy
 from attnkit.functional import block_sparse_attention
+from attnkit.kernels import policy
 from attnkit.sparse import should_use_block_sparse, structured_mask
 from tests.reference import loop_mask, reference_attention
 

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit import masks as M
 from attnkit import native, sparse
@@ -168,85 +167,63 @@ def attend(
         out = one_query(q, k, v, mask, scale, structure, softcap=softcap)
         if out is not None:
             return out, None
-    rules = _structure(structure, q, L, S)
-    if mask is not None and mask.dtype != torch.bool:
-        mask = M.as_additive(mask, q.dtype)
-    call = _call(q, k, v, rules, mask, return_weights, dropout_p, softcap)
-    path = policy.attention_path(call)
-    if path == "capped":
+    rules, mask, batched = _checked(structure, q, k, mask)
+    plan = policy.attention_plan(
+        dtype=q.dtype,
+        device=q.device.type,
+        L=L,
+        S=S,
+        causal=rules.causal,
+        window=rules.window,
+        batched=batched,
+        masked=mask is not None,
+        weights=return_weights,
+        dropout=dropout_p > 0.0,
+        softcap=softcap is not None,
+        grads=_grads(q, k, v),
+        eager=(eager := native.eager_cpu(q)),
+        ready=eager and native.flash_available(),
+    )
+    if plan.path == "capped":
         assert softcap is not None
-        kernel = policy.capped_kernel(call)
-        out, weights = _attend_capped(q, k, v, mask, rules, scale, dropout_p, softcap, kernel,
-                                      return_weights)  # fmt: skip
-        return out, weights
+        return _attend_capped(q, k, v, mask, rules, scale, dropout_p, softcap, plan.capped,
+                              return_weights)  # fmt: skip
     B = math.prod(q.shape[:-3])
-    if path == "flash":
-        whole = sparse.tile_plan(L, S, rules, B, q.device, None)
-        kernels = policy.tile_kernels(call)
-        return attend_tiles(q, k, v, whole, scale=scale, dropout_p=dropout_p, kernels=kernels), None
-    if path == "tiles":
-        rows = policy.tile_rows(L, rules.window, q.dtype)
-        plan = sparse.tile_plan(L, S, rules, B, q.device, rows)
-        if policy.block_sparse(L, S, covered=plan.covered, batch=B, backward=call.grads):
-            kernels = policy.tile_kernels(call)
-            out = attend_tiles(q, k, v, plan, scale=scale, dropout_p=dropout_p, kernels=kernels)
-            return out, None
-    return _attend_dense(q, k, v, mask, rules, scale, dropout_p, explicit=path == "explicit",
+    tiles = None
+    if plan.path == "flash":
+        tiles = sparse.tile_plan(L, S, rules, B, q.device, plan.rows)
+    elif plan.path == "tiles":  # (None where the dense kernel wins)
+        tiles = sparse.sparse_plan(L, S, rules, B, q.device, plan.rows, backward=plan.call.grads)
+    if tiles is not None:
+        out = attend_tiles(q, k, v, tiles, scale=scale, dropout_p=dropout_p, kernels=plan.tiles)
+        return out, None
+    return _attend_dense(q, k, v, mask, rules, scale, dropout_p, explicit=plan.path == "explicit",
                          return_weights=return_weights)  # fmt: skip
 
 
-def _structure(structure: Any, q: Tensor, L: int, S: int) -> M.Structure:
-    """The checked :class:`~attnkit.masks.Structure` of ``structure`` for queries ``q``."""
-    try:
-        rules = M.Structure(**structure)
-    except TypeError:
-        unknown = sorted(set(structure) - M.StructureArgs.__optional_keys__)
+def _checked(
+    structure: Any, q: Tensor, k: Tensor, mask: Tensor | None
+) -> tuple[M.Structure, Tensor | None, bool]:
+    """The checked :class:`~attnkit.masks.Structure` of ``structure`` for queries ``q``,
+    ``mask`` in the one float-mask rule (:func:`attnkit.masks.checked`), and whether documents
+    or lengths are given."""
+    unknown = sorted(set(structure) - M.StructureArgs.__optional_keys__)
+    if unknown:
         known = sorted(Options.__optional_keys__ | {"return_weights"})
-        raise TypeError(f"unknown attention options {unknown}; known: {known}") from None
-    if rules.batched and q.dim() != 4:
+        raise TypeError(f"unknown attention options {unknown}; known: {known}")
+    batched = any(structure.get(n) is not None for n in ("segment_ids", "key_lengths"))
+    if batched and q.dim() != 4:
         raise ValueError(
             f"segment_ids/key_lengths need q with batch and head dims (B, H, L, E), got "
             f"{tuple(q.shape)}"
         )
-    rules.check(L, S, batch=q.shape[0] if rules.batched else None)
-    return rules
+    L, S = q.shape[-2], k.shape[-2]
+    rules, mask = M.checked(structure, L, S, batch=q.shape[0] if batched else None, mask=mask,
+                            dtype=q.dtype)  # fmt: skip
+    return rules, mask, batched
 
 
-def _call(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    rules: M.Structure,
-    mask: Tensor | None,
-    weights: bool,
-    dropout_p: float,
-    softcap: float | None,
-) -> policy.AttentionCall:
-    """What :mod:`attnkit.kernels.policy` reads of a checked call."""
-    eager = native.eager_cpu(q)
-    ready = eager and native.flash_available()
-    return policy.AttentionCall(
-        dtype=q.dtype,
-        device=q.device.type,
-        L=q.shape[-2],
-        S=k.shape[-2],
-        heads=math.prod(q.shape[:-2]),
-        causal=rules.causal,
-        window=rules.window,
-        batched=rules.batched,
-        masked=mask is not None,
-        weights=weights,
-        dropout=dropout_p > 0.0,
-        softcap=softcap is not None,
-        grads=_grads(q, k, v),
-        eager=eager,
-        ready=ready,
-        dispatch_mode=is_in_torch_dispatch_mode(),
-    )
-
-
-def _grads(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether gradients will flow from the attention's output."""
+def _grads(q: Tensor, k: Tensor, v: Tensor) -> bool:  # (will gradients flow from the output?)
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
@@ -306,19 +283,17 @@ def one_query(
     One query sits after every key (bottom-right alignment), so causality masks nothing and a
     window keeps the last ``window`` keys: a slice, not a mask. The ``H`` query heads are viewed
     as ``K`` groups of ``H / K`` rows of one key/value head each, so grouped-query attention
-    needs no expanded keys, and the fused kernel runs on the slice. The general path's
-    non-finite rules are kept by checking the output: every row must be finite and not all
-    zero (the fused kernel's answer for a NaN query or an all-NaN row); otherwise the general
-    path recomputes the step. Only plain inputs come here: heads
-    ``(B, H, 1, E)``, a bool key-padding mask ``(B, 1, 1, S)`` at most, no documents or
-    lengths, nothing empty, not under ``torch.compile``.
+    needs no expanded keys; the kernel is the policy's
+    (:func:`~attnkit.kernels.policy.one_query_kernel`). The general path's non-finite rules are
+    kept by checking the output (attnkit's kernel flags it; torch's output rows must be finite
+    and not all zero); otherwise the general path recomputes the step. Only plain inputs come
+    here: heads ``(B, H, 1, E)``, a bool key-padding mask ``(B, 1, 1, S)`` at most, no documents
+    or lengths, nothing empty, not under ``torch.compile``.
 
     With a ``softcap`` (checked by the caller) the kernel caps the scores (an infinite one makes
     its row NaN, which is flagged); where it cannot run, the step is
-    :func:`attnkit.softcap.decode_step` (no mask, float32/float64, no gradients): it turns an
-    infinite score into NaN and its softmax never hides a NaN, so any non-finite input it reads
-    shows in the output's sum (one read, a third of the row check's cost; a sum that overflows
-    from finite rows only costs the general path).
+    :func:`attnkit.softcap.decode_step` (no mask, float32/float64, no gradients), which turns an
+    infinite score into NaN, so any non-finite input it reads shows in the output's sum.
 
     Shape:
         q ``(B, H, 1, E)``, k/v ``(B, K, S, E)`` -> ``(B, H, 1, Ev)``.
@@ -345,7 +320,7 @@ def one_query(
         if window is not None and window < S:
             mask = mask[..., S - window :]
     grads = _grads(q, k, v)
-    if policy.one_query_kernel(_step_call(q, k, grads)) and native.kernels_available():
+    if policy.one_query_kernel(q.dtype, q.device.type, grads) and native.kernels_available():
         # attnkit's kernel: a query with no key, or a non-finite output, is flagged, and the
         # general path recomputes the step with its rules.
         out, flags = native.one_query_attention(q, k, v, mask, scale, softcap=softcap)
@@ -364,18 +339,6 @@ def one_query(
     if M.may_hide_non_finite(out, None):
         return None
     return out.view(B, H, 1, v.shape[-1])
-
-
-def _step_call(q: Tensor, k: Tensor, grads: bool) -> policy.AttentionCall:
-    """What the policy reads of a decoding step's attention (one query per sequence)."""
-    return policy.AttentionCall(
-        dtype=q.dtype,
-        device=q.device.type,
-        L=1,
-        S=k.shape[-2],
-        grads=grads,
-        dispatch_mode=is_in_torch_dispatch_mode(),
-    )
 
 
 def block_sparse_attention(
@@ -423,15 +386,23 @@ def block_sparse_attention(
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     B = math.prod(q.shape[:-3])
-    rules = M.Structure(**structure)
-    rules.check(L, S, batch=B)
-    call = _call(q, k, v, rules, None, False, dropout_p, None)
-    if block_size is None:
-        block_size = policy.tile_rows(L, rules.window, q.dtype)
-    plan = sparse.tile_plan(L, S, rules, B, q.device, block_size)
-    kernels = policy.tile_kernels(call)
+    rules, _ = M.checked(structure, L, S, batch=B, mask=None, dtype=q.dtype)
+    plan = policy.attention_plan(
+        dtype=q.dtype,
+        device=q.device.type,
+        L=L,
+        S=S,
+        causal=rules.causal,
+        window=rules.window,
+        batched=rules.batched,
+        dropout=dropout_p > 0.0,
+        grads=_grads(q, k, v),
+        eager=(eager := native.eager_cpu(q)),
+        ready=eager and native.flash_available(),
+    )
+    tiles = sparse.tile_plan(L, S, rules, B, q.device, block_size or plan.rows)
     scale = resolve_scale(scale, E)
-    return attend_tiles(q, k, v, plan, scale=scale, dropout_p=dropout_p, kernels=kernels)
+    return attend_tiles(q, k, v, tiles, scale=scale, dropout_p=dropout_p, kernels=plan.tiles)
 
 
 def attend_tiles(
@@ -444,20 +415,11 @@ def attend_tiles(
     dropout_p: float,
     kernels: policy.TileKernels,
 ) -> Tensor:
-    """:func:`attnkit.sparse.tiled_attention`, with non-finite inputs reaching only the queries
-    that may attend them (see :func:`_without_leaks`).
+    """:func:`attnkit.sparse.tiled_attention` (arguments as its own, checked), with non-finite
+    inputs reaching only the queries that may attend them (see :func:`_without_leaks`).
 
-    Args:
-        q: Queries, validated by :func:`check_inputs`.
-        k: Keys.
-        v: Values.
-        plan: The tile plan for these inputs.
-        scale: Multiplier of the scores.
-        dropout_p: Dropout probability on the attention weights.
-        kernels: The policy's :func:`~attnkit.kernels.policy.tile_kernels`.
-
-    Returns:
-        The attention output ``(..., H, L, Ev)``.
+    Shape:
+        q ``(..., H, L, E)``, k ``(..., K, S, E)``, v ``(..., K, S, Ev)`` -> ``(..., H, L, Ev)``.
     """
 
     def allowed() -> Tensor:
@@ -541,7 +503,7 @@ def _without_leaks(
         if not M.may_hide_non_finite(out, weights):
             return out, weights
         found = M.NonFinite.search(k, v)
-    if not found.found:
+    if found.bad_k is None and found.bad_v is None:
         return run(k, v, None) if grads or search_first else (out, weights)
     mask = allowed()
     poisoned, drop = found.key_scores(q, k, mask, scale=scale, softcap=softcap)
@@ -549,8 +511,7 @@ def _without_leaks(
     return found.propagate(out, weights, q, poisoned, mask)
 
 
-def _no_data_branches(t: Tensor) -> bool:
-    """Whether branching on tensor values is impossible: meta tensors, or torch.compile."""
+def _no_data_branches(t: Tensor) -> bool:  # (meta tensors, torch.compile: no value branches)
     return t.device.type == "meta" or torch.compiler.is_compiling()
 
 
@@ -569,11 +530,6 @@ def resolve_scale(scale: float | None, E: int) -> float:
     if scale is not None:
         return float(scale)
     return 1.0 / math.sqrt(E) if E else 1.0
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half precision (as torch's CPU math), else ``dtype``."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _fused_attention(
@@ -612,7 +568,7 @@ def _fused_attention(
             torch.compiler.is_compiling()
             and q.dim() == 4
             and (mask is None or mask.dtype == torch.bool)
-            and policy.one_query_kernel(_step_call(q, k, _grads(q, k, v)))
+            and policy.one_query_kernel(q.dtype, q.device.type, _grads(q, k, v))
             and native.kernels_loaded()  # (built before the trace: a build is not traced)
         ):
             # attnkit's kernel as one op of the graph: it reads only the keys the mask allows
@@ -712,7 +668,8 @@ def _explicit_attention(
     ``tanh(s / softcap) * softcap`` before the mask (Gemma 2's attention-logit soft-capping).
     """
     dtype = q.dtype
-    q, k, v = (t.to(_compute_dtype(dtype)) for t in (q, k, v))  # no copy for float32/float64
+    wide = torch.promote_types(dtype, torch.float32)  # float32 for half precision, as torch's
+    q, k, v = (t.to(wide) for t in (q, k, v))  # no copy for float32/float64
     if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
         groups = q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(groups, dim=-3)  # (..., H, S, E)

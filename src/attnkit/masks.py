@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
@@ -37,6 +38,7 @@ __all__ = [
     "allowed",
     "as_additive",
     "causal_mask",
+    "checked",
     "combine_masks",
     "document_mask",
     "is_finite",
@@ -499,6 +501,29 @@ def token_mask(
     return None
 
 
+def checked(
+    structure: Mapping[str, Any],
+    L: int,
+    S: int,
+    *,
+    batch: int | None,
+    mask: Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[Structure, Tensor | None]:
+    """The checked :class:`Structure` of ``structure`` (see :meth:`Structure.check`), and
+    ``mask`` with a float mask in the one float-mask rule (:func:`as_additive` for ``dtype``).
+
+    Raises:
+        TypeError: Unknown structure fields, non-integer ``key_lengths``.
+        ValueError: As :meth:`Structure.check`.
+    """
+    rules = Structure(**structure)
+    rules.check(L, S, batch=batch)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = as_additive(mask, dtype)
+    return rules, mask
+
+
 def as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A float mask as ``dtype`` whose masked entries are exactly ``-inf``.
 
@@ -610,11 +635,6 @@ class NonFinite:
     v: Tensor
     bad_k: Tensor | None
     bad_v: Tensor | None
-
-    @property
-    def found(self) -> bool:
-        """Whether any key or value entry is non-finite."""
-        return self.bad_k is not None or self.bad_v is not None
 
     @classmethod
     def search(cls, k: Tensor, v: Tensor) -> NonFinite:

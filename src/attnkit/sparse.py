@@ -47,7 +47,13 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
-__all__ = ["should_use_block_sparse", "structured_mask", "tile_plan", "window_tiles"]
+__all__ = [
+    "should_use_block_sparse",
+    "sparse_plan",
+    "structured_mask",
+    "tile_plan",
+    "window_tiles",
+]
 
 
 @dataclass(frozen=True)
@@ -115,8 +121,24 @@ def should_use_block_sparse(
     if S < policy.SPARSE_MIN_KEYS or not (rules.sparse or rules.causal):  # (no plan needed)
         return False
     device = next((t.device for t in (rules.segment_ids, rules.key_lengths) if t is not None), None)
-    plan = tile_plan(L, S, rules, B, device, block_size)
-    return policy.block_sparse(L, S, covered=plan.covered, batch=B, backward=backward)
+    return sparse_plan(L, S, rules, B, device, block_size, backward=backward) is not None
+
+
+def sparse_plan(
+    L: int,
+    S: int,
+    structure: Structure,
+    B: int,
+    device: torch.device | str | None,
+    block_size: int | None,
+    *,
+    backward: bool,
+) -> TilePlan | None:
+    """:func:`tile_plan`, or None where the policy's
+    :func:`~attnkit.kernels.policy.block_sparse` says the dense kernel wins."""
+    plan = tile_plan(L, S, structure, B, device, block_size)
+    worth = policy.block_sparse(L, S, covered=plan.covered, batch=B, backward=backward)
+    return plan if worth else None
 
 
 def tile_plan(

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit.kernels.probe import Capabilities, cache_dir, capabilities
 
@@ -292,7 +293,6 @@ class AttentionCall:
         device: The inputs' device type (``"cpu"``, ``"cuda"``, ``"meta"``, ...).
         L: Query length.
         S: Key length.
-        heads: Batch times query heads (the leading dims of ``q``).
         causal: Causal masking.
         window: The sliding window, or None.
         batched: Documents (``segment_ids``) or ``key_lengths`` are given.
@@ -312,7 +312,6 @@ class AttentionCall:
     device: str
     L: int
     S: int
-    heads: int = 1
     causal: bool = False
     window: int | None = None
     batched: bool = False
@@ -329,6 +328,53 @@ class AttentionCall:
     def structured(self) -> bool:
         """Whether a structure narrows the keys a query may attend."""
         return self.causal or self.window is not None or self.batched
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Every attention choice for one call (:func:`attention_plan`).
+
+    Attributes:
+        call: What the policy read of the call.
+        path: :func:`attention_path`.
+        capped: :func:`capped_kernel` (soft-capped calls).
+        tiles: :func:`tile_kernels` (the ``flash`` and ``tiles`` paths).
+        rows: :func:`tile_rows` (the ``tiles`` path; None for the ``flash`` path).
+    """
+
+    call: AttentionCall
+    path: str
+    capped: str
+    tiles: TileKernels
+    rows: int | None
+
+
+def attention_plan(
+    *,
+    dtype: torch.dtype,
+    device: str,
+    L: int,
+    S: int,
+    causal: bool = False,
+    window: int | None = None,
+    batched: bool = False,
+    masked: bool = False,
+    weights: bool = False,
+    dropout: bool = False,
+    softcap: bool = False,
+    grads: bool = False,
+    eager: bool = False,
+    ready: bool = False,
+) -> AttentionPlan:
+    """Every choice for a checked attention call with more than one query, in one answer (the
+    arguments are the fields of :class:`AttentionCall`)."""
+    call = AttentionCall(
+        dtype, device, L, S, causal, window, batched, masked, weights, dropout, softcap, grads,
+        eager, eager and ready, is_in_torch_dispatch_mode(),
+    )  # fmt: skip
+    path = attention_path(call)
+    rows = None if path == "flash" else tile_rows(L, window, dtype)
+    return AttentionPlan(call, path, capped_kernel(call), tile_kernels(call), rows)
 
 
 def attention_path(call: AttentionCall) -> str:
@@ -561,7 +607,7 @@ def capped_chunk_rows(heads: int, width: int, L: int, window: int | None = None)
     return max(1, min(rows, L))
 
 
-def one_query_kernel(call: AttentionCall) -> bool:
+def one_query_kernel(dtype: torch.dtype, device: str, grads: bool) -> bool:
     """Whether attnkit's one-query kernel computes a decoding step (one query per sequence over
     a cache) rather than torch's fused kernel: float32 or bfloat16 on the CPU, no gradients,
     outside torch dispatch modes (the caller checks that the kernels load; under
@@ -569,10 +615,10 @@ def one_query_kernel(call: AttentionCall) -> bool:
     query heads that share it, and skips the slots a static cache's mask leaves out, which
     torch's kernel reads."""
     return (
-        call.dtype in (torch.float32, torch.bfloat16)
-        and call.device == "cpu"
-        and not call.grads
-        and not call.dispatch_mode
+        dtype in (torch.float32, torch.bfloat16)
+        and device == "cpu"
+        and not grads
+        and not is_in_torch_dispatch_mode()
     )
 
 
