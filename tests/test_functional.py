@@ -137,7 +137,7 @@ def test_plain_causal_dispatches_to_is_causal(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(policy, "one_query_kernel", lambda call: False)  # (torch's path)
+    monkeypatch.setattr(policy, "one_query_kernel", lambda *facts: False)  # (torch's path)
     q, k, v = _qkv(L=6, S=6)
     sdpa(q, k, v, causal=True)
     assert calls[-1] == (None, True)
@@ -159,7 +159,7 @@ def test_one_query_matches_float64_reference(heads, window, padded, kernel, monk
     if kernel and not native.kernels_available():
         pytest.skip(f"no attnkit kernels: {native.kernels_unavailable()}")
     if not kernel:
-        monkeypatch.setattr(policy, "one_query_kernel", lambda call: False)
+        monkeypatch.setattr(policy, "one_query_kernel", lambda *facts: False)
     H, K = heads
     q, k, v = _qkv(B=3, H=H, K=K, L=1, S=9, Ev=6)
     mask = None

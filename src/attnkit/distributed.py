@@ -244,8 +244,8 @@ def _pieces(
 #: Keys per travelling piece: a block crosses the ring in pieces this long, each one computed and
 #: passed on before the next, so a rank holds a few pieces of key/value (and gradient) blocks
 #: instead of whole blocks; kernel calls take at most twice as many query rows, which bounds
-#: their gradient buffers. 512 keeps the per-rank peak of 2 ranks near half of one process's
-#: at N=16384 (``benchmarks/bench_ring.py``).
+#: their gradient buffers, so a rank's peak memory stays a fraction of one process's
+#: (``benchmarks/bench_ring.py`` measures it).
 CHUNK = 512
 
 

@@ -387,7 +387,8 @@ def block_sparse_attention(
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     B = math.prod(q.shape[:-3])
     rules, _ = M.checked(structure, L, S, batch=B, mask=None, dtype=q.dtype)
-    plan = policy.attention_plan(
+    eager = native.eager_cpu(q)
+    call = policy.AttentionCall(
         dtype=q.dtype,
         device=q.device.type,
         L=L,
@@ -397,12 +398,14 @@ def block_sparse_attention(
         batched=rules.batched,
         dropout=dropout_p > 0.0,
         grads=_grads(q, k, v),
-        eager=(eager := native.eager_cpu(q)),
+        eager=eager,
         ready=eager and native.flash_available(),
     )
-    tiles = sparse.tile_plan(L, S, rules, B, q.device, block_size or plan.rows)
+    kernels = policy.tile_kernels(call)
+    rows = block_size or policy.tile_rows(L, rules.window, q.dtype)
+    tiles = sparse.tile_plan(L, S, rules, B, q.device, rows)
     scale = resolve_scale(scale, E)
-    return attend_tiles(q, k, v, tiles, scale=scale, dropout_p=dropout_p, kernels=plan.tiles)
+    return attend_tiles(q, k, v, tiles, scale=scale, dropout_p=dropout_p, kernels=kernels)
 
 
 def attend_tiles(

@@ -337,9 +337,9 @@ class AttentionPlan:
     Attributes:
         call: What the policy read of the call.
         path: :func:`attention_path`.
-        capped: :func:`capped_kernel` (soft-capped calls).
-        tiles: :func:`tile_kernels` (the ``flash`` and ``tiles`` paths).
-        rows: :func:`tile_rows` (the ``tiles`` path; None for the ``flash`` path).
+        capped: :func:`capped_kernel` on the ``capped`` path.
+        tiles: :func:`tile_kernels` on the ``flash`` and ``tiles`` paths.
+        rows: :func:`tile_rows` on the ``tiles`` path, else None.
     """
 
     call: AttentionCall
@@ -373,8 +373,14 @@ def attention_plan(
         eager, eager and ready, is_in_torch_dispatch_mode(),
     )  # fmt: skip
     path = attention_path(call)
-    rows = None if path == "flash" else tile_rows(L, window, dtype)
-    return AttentionPlan(call, path, capped_kernel(call), tile_kernels(call), rows)
+    tiled = path in ("flash", "tiles")  # (only these ask the measured choices)
+    return AttentionPlan(
+        call,
+        path,
+        capped_kernel(call) if path == "capped" else "chunks",
+        tile_kernels(call) if tiled else TileKernels(False),
+        tile_rows(L, window, dtype) if path == "tiles" else None,
+    )
 
 
 def attention_path(call: AttentionCall) -> str:
@@ -514,6 +520,8 @@ def _bf16_structured_candidates() -> dict[str, Callable[[], Any]]:
     q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
     calls: dict[str, Callable[[], Any]] = {}
     flash, tiles = _ATTENTION_KERNELS.get("flash"), _ATTENTION_KERNELS.get("tiles")
+    if tiles is None:  # (not measured, nor cached, before attnkit.sparse is imported)
+        raise LookupError("the attention kernels are not imported: import attnkit.functional")
     if flash is not None:
         calls["flash"] = lambda: flash(q, k, v, scale=0.125, causal=True, window=256)
     if tiles is not None:
