@@ -7,6 +7,7 @@ inputs are involved: keeping them from the queries that may not attend them is
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,26 +17,46 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnkit import native
-from attnkit.blockwise import (
-    TileRun,
-    attend_positional,
-    attend_runs,
-    attnkit_flash,
-    native_low_precision,
-    plan_runs,
-    tile_rows,
-)
+from attnkit.blockwise import TileRun, attend_runs, plan_runs
 from attnkit.functional import block_sparse_attention
+from attnkit.kernels import policy
+from attnkit.kernels.probe import capabilities
 from attnkit.masks import Structure
 from tests.reference import loop_mask, reference_attention
 
 
+def call_of(q, *, causal=True, window=None):
+    """What the policy reads of a causal/window call on ``q``."""
+    eager = native.eager_cpu(q)
+    return policy.AttentionCall(
+        dtype=q.dtype,
+        device=q.device.type,
+        L=q.shape[-2],
+        S=q.shape[-2],
+        causal=causal,
+        window=window,
+        grads=torch.is_grad_enabled() and q.requires_grad,
+        eager=eager,
+        ready=eager and native.flash_available(),
+    )
+
+
+def native_low_precision(dtype, *, backward=True):
+    return policy.torch_low_precision(dtype, backward=backward)
+
+
+def attnkit_flash(q):
+    """The policy's choice between attnkit's flash kernels and torch's for ``q``."""
+    return policy.flash_kernel(call_of(q))
+
+
 def blockwise_attention(q, k, v, *, rows=None, scale=None, dropout_p=0.0, **structure):
-    """The kernel on ``(B, H, L, E)`` inputs: plan, then run."""
+    """The kernel on ``(B, H, L, E)`` inputs: plan, then run, on the kernels the policy picks."""
     B, _, L, E = q.shape
     runs = plan_runs(B, L, k.shape[2], Structure(**structure), rows=rows)
     scale = 1 / math.sqrt(E) if scale is None else scale
-    return attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
+    kernels = policy.tile_kernels(call_of(q))
+    return attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p, kernels=kernels)
 
 
 def documents(B, S, gen, max_docs=4, scramble=False):
@@ -148,22 +169,14 @@ def test_positional_structures_in_float32_are_one_call_of_attnkits_kernel(monkey
     ref, _ = reference_attention(q, k, v, loop_mask(300, 300, causal=True, window=20))
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
     assert [(c["causal"], c["window"]) for c in calls] == [(True, 20)]
-    # float64, and documents, keep the tile runs on torch's kernel (documents' causal squares:
-    # attnkit's kernel per run, no window)
-    assert (
-        attend_positional(
-            q.double(), k.double(), v.double(), Structure(window=4), scale=1.0, dropout_p=0.0
-        )
-        is None
-    )
-    assert attend_positional(q, k, v, Structure(causal=True), scale=1.0, dropout_p=0.1) is None
+    # float64, dropout and documents keep the tile runs on torch's kernel (documents' causal
+    # squares: attnkit's kernel per run, no window)
+    assert not attnkit_flash(q.double())
+    whole = call_of(q, window=20)
+    assert policy.attention_path(whole) == "flash"
+    assert policy.attention_path(dataclasses.replace(whole, dropout=True)) != "flash"
+    assert policy.attention_path(dataclasses.replace(whole, batched=True)) != "flash"
     seg = (torch.arange(300) // 100).expand(2, 300)
-    assert (
-        attend_positional(
-            q, k, v, Structure(causal=True, segment_ids=seg), scale=1.0, dropout_p=0.0
-        )
-        is None
-    )
     calls.clear()
     block_sparse_attention(q, k, v, causal=True, segment_ids=seg)
     assert calls and all(c["first"] == 0 and c.get("window") is None for c in calls)
@@ -327,8 +340,13 @@ def test_nan_in_masked_out_keys_does_not_leak(where, Ev):
         t[0, 0, 4, 0] = float("nan")  # attended by queries 4-9 only
         t[0, 0, 19, 0] = float("nan")  # padding: attended by nobody
     out = block_sparse_attention(q, k, v, block_size=16, **kw)  # one tile spans both documents
-    assert torch.isnan(out[0, :, 4:10]).all(-1).all()
+    reached = torch.isnan(out[0, :, 4:10])
     ref, _ = reference_attention(q, k.nan_to_num(), v.nan_to_num(), loop_mask(20, 20, **kw))
+    if where == "k":  # a NaN score: the whole row
+        assert reached.all()
+    else:  # a NaN value: its own column only
+        assert reached[..., 0].all() and not reached[..., 1:].any()
+        torch.testing.assert_close(out[0, :, 4:10, 1:], ref[0, :, 4:10, 1:], atol=1e-10, rtol=1e-7)
     clean = torch.ones(20, dtype=torch.bool)
     clean[4:10] = False
     torch.testing.assert_close(out[0, :, clean], ref[0, :, clean], atol=1e-10, rtol=1e-7)
@@ -430,20 +448,41 @@ def test_tiles_never_straddle_documents():
 
 
 def test_tile_rows_rule():
-    assert tile_rows(8192, 256) == 64 and tile_rows(8192, 4096) == 128
-    assert tile_rows(8192, None) == 1024 and tile_rows(10, None) == 10
+    assert policy.tile_rows(8192, 256) == 64 and policy.tile_rows(8192, 4096) == 128
+    assert policy.tile_rows(8192, None) == 1024 and policy.tile_rows(10, None) == 10
     assert isinstance(plan_runs(1, 5, 5, Structure(causal=True))[0], TileRun)
 
 
-def test_bf16_runs_attnkit_kernel_for_a_forward_alone_except_with_amx(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.mark.parametrize("option", ["flash", "tiles-64", "tiles-128", "tiles-256"])
+def test_bf16_forward_takes_the_policys_kernel(monkeypatch, option):
+    # The bf16 structured choice is measured per machine; an environment override pins it.
     if not native.flash_available():
         pytest.skip(f"attnkit's flash kernel does not run here: {native.kernels_unavailable()}")
+    monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_STRUCTURED", option)
     q = torch.randn(1, 2, 64, 16, dtype=torch.bfloat16)
-    for amx in (False, True):
-        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
-        assert attnkit_flash(q) is not amx  # no gradients: attnkit's unless torch has AMX
-        wants = q.clone().requires_grad_()
-        assert attnkit_flash(wants) is not native_low_precision(torch.bfloat16)
+    assert attnkit_flash(q) is (option == "flash")  # no gradients: the measured choice
+    rows = 64 if option == "flash" else int(option.split("-")[1])
+    assert policy.tile_rows(4096, 256, torch.bfloat16) == rows
+    wants = q.clone().requires_grad_()  # gradients: attnkit's where the CPU has no bf16 units
+    assert attnkit_flash(wants) is not native_low_precision(torch.bfloat16)
     assert attnkit_flash(q.float())
+
+
+def test_bf16_structured_rule_and_candidates():
+    choice = policy.choices()["attention.bf16_structured"]
+    caps = capabilities()
+    tiles = dataclasses.replace(caps, flags=caps.flags | {"amx_tile"})
+    assert choice.rule(tiles) == "tiles-64"
+    assert choice.candidates is not None
+    calls = choice.candidates()
+    if native.flash_available():
+        assert set(calls) == set(choice.options)
+    for call in calls.values():  # each candidate computes the window it is timed on
+        out = call()
+        assert out[0].shape if isinstance(out, tuple) else out.shape
+    g = torch.Generator().manual_seed(0)  # (the candidates' inputs)
+    q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
+    with torch.no_grad():
+        ref, _ = reference_attention(q, k, v, loop_mask(1024, 1024, causal=True, window=256))
+        out = calls["tiles-128"]()
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)

@@ -14,6 +14,7 @@ from attnkit import functional, native
 from attnkit import masks as M
 from attnkit.functional import block_sparse_attention
 from attnkit.functional import scaled_dot_product_attention as sdpa
+from attnkit.kernels import policy
 from tests.reference import bottom_right_causal, reference_attention
 
 
@@ -136,7 +137,7 @@ def test_plain_causal_dispatches_to_is_causal(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(functional, "_one_query_kernel", lambda *args: False)  # (torch's path)
+    monkeypatch.setattr(policy, "one_query_kernel", lambda *facts: False)  # (torch's path)
     q, k, v = _qkv(L=6, S=6)
     sdpa(q, k, v, causal=True)
     assert calls[-1] == (None, True)
@@ -158,7 +159,7 @@ def test_one_query_matches_float64_reference(heads, window, padded, kernel, monk
     if kernel and not native.kernels_available():
         pytest.skip(f"no attnkit kernels: {native.kernels_unavailable()}")
     if not kernel:
-        monkeypatch.setattr(functional, "_one_query_kernel", lambda *args: False)
+        monkeypatch.setattr(policy, "one_query_kernel", lambda *facts: False)
     H, K = heads
     q, k, v = _qkv(B=3, H=H, K=K, L=1, S=9, Ev=6)
     mask = None
@@ -782,3 +783,94 @@ def test_a_compiled_decoding_step_calls_the_one_query_kernel() -> None:
     assert any(event.name == "attnkit::one_query_attention" for event in prof.events())
     want, _ = reference_attention(q, k, v, mask)
     assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "L, kw",
+    [
+        (4, {}),  # torch's fused kernel
+        (4, {"causal": True}),
+        (4, {"return_weights": True}),  # the explicit math
+        (4, {"softcap": 5.0}),
+        (1, {}),  # a decoding step
+        (128, {"causal": True, "window": 16}),  # attnkit's flash kernels (float32)
+        (128, {"causal": True, "segment_ids": torch.tensor([[0] * 50 + [1] * 78])}),
+    ],
+)
+def test_a_non_finite_value_reaches_only_its_column(L, kw, value):
+    # As in the math (and torch's kernels where every key may be attended): v[j, c] reaches
+    # output column c of the rows that may attend key j, and nothing else.
+    g = torch.Generator().manual_seed(0)
+    S, j, c = max(L, 16), 1, 5
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (L, S, S))
+    v[0, 1, j, c] = value
+    got = sdpa(q, k, v, **kw)
+    out = got[0] if kw.get("return_weights") else got
+    structure = {n: kw[n] for n in ("causal", "window", "segment_ids") if n in kw}
+    allowed = M.structured_mask(L, S, **structure)  # (1, 1, L, S)
+    want = torch.zeros(out.shape, dtype=torch.bool)
+    want[0, 1, :, c] = allowed[0, 0, :, j]
+    assert want.any()
+    assert torch.equal(torch.isnan(out), want)
+    if not structure:  # torch's own kernel: non-finite exactly there (inf stays inf there)
+        plain = F.scaled_dot_product_attention(q, k, v)
+        assert torch.equal(~torch.isfinite(plain), want)
+    clean = v.clone()
+    clean[0, 1, j, c] = 0.0
+    ref, _ = reference_attention(q, k, clean, allowed, softcap=kw.get("softcap"))
+    assert_close(out[~want].double(), ref[~want], atol=1e-5, rtol=1e-5)
+    if kw.get("return_weights"):
+        assert torch.isfinite(got[1]).all()  # a value leaves the weights finite
+
+
+# The layers of the attention path, top-down (as in pyproject.toml's layers contract).
+_RANK = {"functional": 0, "sparse": 1, "softcap": 1, "blockwise": 2, "masks": 3, "native": 3}
+
+
+def _calls_between_modules(fn):
+    """``(caller module, called module, function)`` of every call from one attnkit module into
+    another while ``fn`` runs."""
+    import sys
+
+    seen = []
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_back is None:
+            return
+        callee = frame.f_globals.get("__name__", "")
+        caller = frame.f_back.f_globals.get("__name__", "")
+        if callee.startswith("attnkit.") and caller.startswith("attnkit.") and callee != caller:
+            seen.append((caller[8:], callee[8:], frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"causal": True, "window": 32},
+        {"causal": True, "softcap": 20.0},
+        {"causal": True, "segment_ids": torch.tensor([[0] * 100 + [1] * 156])},
+        {"causal": True, "return_weights": True},
+        {},
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_call_goes_down_once(kw, dtype):
+    # API -> checks -> policy -> kernel: the policy answers once, from the API, and no module of
+    # the path calls a module above it (no callbacks up).
+    q, k, v = (torch.randn(1, 4, 256, 16, dtype=dtype) for _ in range(3))
+    with torch.no_grad():
+        sdpa(q, k, v, **kw)  # (builds the kernels, decides measured choices)
+        calls = _calls_between_modules(lambda: sdpa(q, k, v, **kw))
+    asked = [(a, f) for a, b, f in calls if b == "kernels.policy" and f == "attention_plan"]
+    assert asked == [("functional", "attention_plan")]
+    up = [(a, b, f) for a, b, f in calls if _RANK.get(b, 9) < _RANK.get(a, 9)]
+    assert not up, up
+    assert all(b != "functional" for _, b, _ in calls)

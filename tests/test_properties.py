@@ -177,8 +177,9 @@ def test_a_non_finite_key_or_value_reaches_the_rows_the_math_says(
     case: Case, where: str, value: float, at: tuple[int, int, int]
 ) -> None:
     # One non-finite element at key j of head h: as in the math, a row becomes NaN iff it may
-    # attend key j and (for a key) its score is NaN or +inf, (for a value) always; a -inf
-    # score gives key j weight 0 there; no other row changes.
+    # attend key j and its score is NaN or +inf (a key), or that element's output column does
+    # iff the row may attend key j (a value); a -inf score gives key j weight 0 there; nothing
+    # else changes.
     B, K, S = case.k.shape[:3]
     if K == 0 or S == 0 or case.q.shape[-2] == 0:
         return
@@ -188,7 +189,7 @@ def test_a_non_finite_key_or_value_reaches_the_rows_the_math_says(
     bad = t.clone()
     bad[b, h, j, e] = value
     q, k, v = case.q, (bad if where == "k" else case.k), (bad if where == "v" else case.v)
-    # (without a softcap: a capped infinite score is finite, see functional._bad_key_scores)
+    # (without a softcap: a capped infinite score is finite, see masks.NonFinite.key_scores)
     bad_case = Case(q, k, v, case.mask, case.structure, case.allowed, case.bias, case.path)
     out = bad_case.run(check_weights=False)
 
@@ -203,8 +204,12 @@ def test_a_non_finite_key_or_value_reaches_the_rows_the_math_says(
         reach = reach & ~(scores == -float("inf"))
     nan_rows = torch.zeros(out.shape[:-1], dtype=torch.bool)
     nan_rows[b] = reach
-    assert torch.equal(torch.isnan(out).any(-1), nan_rows)
-    assert torch.isnan(out[nan_rows]).all()
+    if where == "k":  # a NaN or +inf score: the whole row
+        nan = nan_rows.unsqueeze(-1).expand_as(out)
+    else:  # a value reaches only its own output column, as in the math
+        nan = torch.zeros(out.shape, dtype=torch.bool)
+        nan[..., e] = nan_rows
+    assert torch.equal(torch.isnan(out), nan)
     # The other rows: the clean math with key j masked where its score was -inf.
     allowed = allowed.expand(B, q.shape[1], *allowed.shape[-2:]).clone()
     allowed[b, :, :, j] &= ~dropped
@@ -212,7 +217,7 @@ def test_a_non_finite_key_or_value_reaches_the_rows_the_math_says(
     clean_v = v.clone() if where == "v" else v
     (clean_k if where == "k" else clean_v)[b, h, j, e] = 0.0
     ref, _ = reference_attention(q, clean_k, clean_v, allowed, bias=case.bias)
-    assert_close(out[~nan_rows].double(), ref[~nan_rows], atol=2e-5, rtol=1e-4)
+    assert_close(out[~nan].double(), ref[~nan], atol=2e-5, rtol=1e-4)
 
 
 def test_the_strategy_reaches_every_path_and_option() -> None:

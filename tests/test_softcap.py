@@ -21,9 +21,34 @@ from attnkit import masks as M
 from attnkit import native
 from attnkit.functional import attend
 from attnkit.functional import scaled_dot_product_attention as sdpa
-from attnkit.softcap import CHUNK_SCORES, MAX_ROWS, capped_attention, chunk_rows
+from attnkit.kernels import policy
+from attnkit.kernels.policy import CAPPED_CHUNK_SCORES, CAPPED_MAX_ROWS
+from attnkit.kernels.policy import capped_chunk_rows as chunk_rows
+from attnkit.softcap import capped_attention
 from tests.reference import loop_mask, reference_attention
 from tests.test_properties import PROFILE, TOL, Case, cases
+
+
+def capped(q, k, v, mask, rules, **kw):
+    """capped_attention on the kernel the policy picks for these inputs."""
+    eager = native.eager_cpu(q)
+    call = policy.AttentionCall(
+        dtype=q.dtype,
+        device=q.device.type,
+        L=q.shape[-2],
+        S=k.shape[-2],
+        causal=rules.causal,
+        window=rules.window,
+        batched=rules.batched,
+        masked=mask is not None,
+        weights=kw.get("return_weights", False),
+        dropout=kw.get("dropout_p", 0.0) > 0.0,
+        softcap=True,
+        grads=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+        eager=eager,
+        ready=eager and native.flash_available(),
+    )
+    return capped_attention(q, k, v, mask, rules, kernel=policy.capped_kernel(call), **kw)
 
 
 @pytest.fixture(params=["kernel", "chunks"])
@@ -58,7 +83,7 @@ def test_chunks_equal_the_float64_reference(case: Case, rows: int, cap: float, g
     rules.check(L, S, batch=B)
     scale = 1 / math.sqrt(q.shape[-1])
     with torch.set_grad_enabled(grad):  # without: the in-place path on one buffer
-        out, weights = capped_attention(
+        out, weights = capped(
             q, k, v, case.mask, rules, softcap=cap, scale=scale, return_weights=True, rows=rows
         )
     ref, ref_w = reference_attention(q, k, v, case.allowed, bias=case.bias, softcap=cap)
@@ -121,7 +146,7 @@ def test_masks_broadcast_over_queries_or_keys_cover_every_chunk(shape, grad):
     mask = torch.rand(shape, generator=g) > 0.3
     mask[..., :1, :1] = True
     rules = M.Structure(causal=True, window=6)
-    out, _ = capped_attention(q, k, v, mask, rules, softcap=2.0, scale=8**-0.5, rows=16)
+    out, _ = capped(q, k, v, mask, rules, softcap=2.0, scale=8**-0.5, rows=16)
     allowed = loop_mask(40, 40, causal=True, window=6) & mask
     ref, _ = reference_attention(q, k, v, allowed, softcap=2.0)
     assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
@@ -186,10 +211,10 @@ def test_non_finite_keys_follow_the_rules_of_functional(value, grad):
 
 
 def test_chunk_rows_bounds_the_buffer():
-    assert chunk_rows(8, 1024, 4096) == MAX_ROWS
+    assert chunk_rows(8, 1024, 4096) == CAPPED_MAX_ROWS
     assert chunk_rows(8, 32768, 4096) == 16  # 8 * 16 * 32768 scores: the floor
     assert chunk_rows(1, 10, 5) == 5  # never more than the queries
-    assert chunk_rows(64, 2048, 4096) * 64 * 2048 <= CHUNK_SCORES
+    assert chunk_rows(64, 2048, 4096) * 64 * 2048 <= CAPPED_CHUNK_SCORES
     assert chunk_rows(8, 512, 4096, window=256) == 64  # a quarter of the window
     assert chunk_rows(8, 512, 4096, window=16) == 16  # never below the floor
 
@@ -228,13 +253,13 @@ def test_known_finite_inputs_skip_only_the_nan_pass(structure, path):
     ref, _ = reference_attention(q, k, v, allowed, softcap=3.0)
     with torch.no_grad():
         for finite in (False, True):
-            out, _ = capped_attention(q, k, v, None, rules, softcap=3.0, scale=0.25, finite=finite)
+            out, _ = capped(q, k, v, None, rules, softcap=3.0, scale=0.25, finite=finite)
             assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
         assert path is None or path
         big = q.clone()
         big[1, 2, 100] = 3e38  # finite, but most of its scores overflow float32
-        out, _ = capped_attention(big, k, v, None, rules, softcap=3.0, scale=1.0, finite=True)
-        guarded, _ = capped_attention(big, k, v, None, rules, softcap=3.0, scale=1.0)
+        out, _ = capped(big, k, v, None, rules, softcap=3.0, scale=1.0, finite=True)
+        guarded, _ = capped(big, k, v, None, rules, softcap=3.0, scale=1.0)
     assert torch.isnan(guarded[1, 2, 100]).all()
     # The overflowing row is a finite average of the values (which scores saturate depends on
     # float32 partial sums, so no float64 reference); every other row is the math's.

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit import sparse
 from attnkit.functional import block_sparse_attention
+from attnkit.kernels import policy
 from attnkit.sparse import should_use_block_sparse, structured_mask
 from tests.reference import loop_mask, reference_attention
 
@@ -146,7 +146,7 @@ def test_fallback_decision():
     assert should_use_block_sparse(8192, 8192, key_lengths=torch.tensor([1000]))
     assert should_use_block_sparse(8192, 8192, key_lengths=torch.tensor([4096]))  # long: half
     assert not should_use_block_sparse(2048, 2048, key_lengths=torch.tensor([1024]))  # short: no
-    assert sparse.MIN_KEYS > 256
+    assert policy.SPARSE_MIN_KEYS > 256
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,12 @@
 """Structured attention as a few batched calls of a flash kernel on strided tiles.
 
-In float32 on the CPU, causal and sliding-window structures need no tiles: attnkit's own flash
-kernels (:func:`attnkit.native.flash_attention` and its backward) take the rules themselves and
-compute, per block of 64-128 queries, only the keys that block may reach
-(:func:`attend_positional`). Everything below is for documents, padding and the other dtypes;
-its unmasked runs (documents' causal squares, whole spans) also run attnkit's kernels in
-float32, its masked runs torch's.
+Where the policy picks attnkit's flash kernels (:func:`attnkit.kernels.policy.flash_kernel`),
+causal and sliding-window structures need no tiles: the kernels
+(:func:`attnkit.native.flash_attention` and its backward) take the rules themselves and compute,
+per block of queries, only the keys that block may reach (:func:`attend_positional`).
+Everything below is for documents, padding and the calls the policy gives torch's kernel; its
+unmasked runs (documents' causal squares, whole spans) also run attnkit's kernels where the
+policy picks them, its masked runs torch's.
 
 For causal, sliding-window, packed-document (``segment_ids``) and padding (``key_lengths``)
 constraints, every query tile of ``rows`` consecutive queries may attend keys in one contiguous
@@ -25,9 +26,9 @@ key/value gradients of overlapping spans; memory stays linear in the sequence le
 Why one span per tile and not several pieces merged by log-sum-exp (FlashAttention's split-KV,
 ring attention): torch's CPU kernel costs the same per score with or without an additive mask,
 and ``is_causal`` saves nothing at these tile sizes, so splitting a tile into an unmasked and a
-masked piece computes the same number of scores and adds the merge (measured 1.6x slower with
-``benchmarks/bench_blockwise.py --variants``). What pays is a small tile height: the band
-computed per query is ``rows + window`` wide. The numbers: ``benchmarks/RESULTS.md``.
+masked piece computes the same number of scores and adds the merge
+(``benchmarks/bench_blockwise.py --variants``). What pays is a small tile height: the band
+computed per query is ``rows + window`` wide.
 
 Semantics are those of :class:`attnkit.masks.Structure`: query ``i`` sits at key position
 ``p = i + (S - L)`` (bottom-right alignment) and may attend key ``j`` iff every given constraint
@@ -52,17 +53,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import native
-from attnkit.masks import Structure
+from attnkit.kernels import policy
+from attnkit.masks import Structure, offset_mask
 
 __all__ = [
-    "FLASH_MIN_SCORES",
     "TileRun",
     "attend_positional",
     "attend_runs",
-    "attnkit_flash",
-    "native_low_precision",
     "plan_runs",
-    "tile_rows",
 ]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -92,8 +90,8 @@ class TileRun:
             every pair is allowed.
         causal: ``allowed`` is exactly top-left causal on square tiles, which the kernel's
             ``is_causal`` computes without a mask and skipping the blocks above the diagonal.
-        shared: Arguments of :func:`_offset_mask` when ``allowed`` is shared by every tile
-            (positional constraints only), so the additive mask comes from a cache.
+        shared: Arguments of :func:`attnkit.masks.offset_mask` when ``allowed`` is shared by
+            every tile (positional constraints only), so the additive mask comes from a cache.
         empty: Bool ``(count or 1, 1, rows, 1)``: queries that may attend no key of the span
             (their output is set to zero, which the kernel gives only for finite queries), or
             ``None`` when every query has a key.
@@ -112,28 +110,6 @@ class TileRun:
     causal: bool = False
     shared: tuple[int, int, int, bool, int | None, Any] | None = None
     empty: Tensor | None = None
-
-
-def tile_rows(L: int, window: int | None) -> int:
-    """Queries per tile: 64 for a window (128 past 2048), else 1024.
-
-    With a window the band computed per query is ``rows + window`` keys wide, so small tiles
-    waste less; 64 rows beat 32, 128 and 256 on CPU at W=256 (``bench_blockwise.py --rows``).
-    Past W=2048 (not measured) 128 rows halve the number of calls and of overlapping key
-    gradients at a cost of 3% more scores. Without one
-    (documents, padding, plain causal) a span is a whole document or prefix: large tiles mean
-    fewer, larger kernel calls, smaller key-gradient buffers in the backward, and from 768 rows
-    on the kernel's ``is_causal`` skips the blocks above the diagonal; 1024 beat 64-256.
-
-    Args:
-        L: Query length.
-        window: The sliding window, if any.
-
-    Returns:
-        The tile height, at most ``L`` and at least 1.
-    """
-    rows = 1024 if window is None else 64 if window <= 2048 else 128
-    return max(1, min(rows, L))
 
 
 def plan_runs(
@@ -158,7 +134,7 @@ def plan_runs(
         L: Query length.
         S: Key length.
         structure: The checked constraints (ids and lengths of batch ``B`` or 1).
-        rows: Queries per tile; defaults to :func:`tile_rows`.
+        rows: Queries per tile; defaults to :func:`attnkit.kernels.policy.tile_rows`.
         device: Where the inputs (and so the masks) live; defaults to that of ``segment_ids``
             or ``key_lengths``, else the CPU.
 
@@ -174,7 +150,7 @@ def plan_runs(
     rules = structure.to(B, S, device)  # ids (B, S), lengths (B,): long, on device
     causal, window = rules.causal, rules.window
     seg, lengths = rules.segment_ids, rules.key_lengths
-    R = tile_rows(L, window) if rows is None else max(1, min(rows, L))
+    R = policy.tile_rows(L, window) if rows is None else max(1, min(rows, L))
 
     idx = torch.arange(L, device=device).expand(B, L)
     if seg is None:
@@ -236,7 +212,8 @@ def plan_runs(
                 allowed = _tile_masks(L, S, tile, rules)
             else:
                 shared = (h, w, off, causal, window, device)
-                allowed = _offset_mask(*shared)
+                band = offset_mask(*shared)
+                allowed = None if band is None else band.unsqueeze(0)
             square = causal and off == 0 and h == w and (window is None or window >= h)
             empty = None
             if allowed is not None and not square:
@@ -247,7 +224,14 @@ def plan_runs(
 
 
 def attend_runs(
-    q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], *, scale: float, dropout_p: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    runs: list[TileRun],
+    *,
+    scale: float,
+    dropout_p: float,
+    kernels: policy.TileKernels,
 ) -> Tensor:
     """Run a plan of :func:`plan_runs` on inputs validated by :mod:`attnkit.functional`.
 
@@ -256,12 +240,10 @@ def attend_runs(
     a span (``0 * NaN``).
 
     A flash kernel on strided views with a custom backward where it applies (CPU, no dropout,
-    ``Ev == E``, a dtype it takes): attnkit's for unmasked runs in float32, and in bfloat16 on
-    CPUs without bf16 units (see :func:`attnkit_flash`), torch's otherwise; else
-    ``torch.nn.functional.scaled_dot_product_attention`` on gathered tiles with autograd.
-    bfloat16/float16 inputs torch's kernel would run slowly (see :func:`native_low_precision`:
-    with gradients, on a CPU without native units for them) are computed in float32 and the
-    result rounded, unless every run takes attnkit's kernel.
+    ``Ev == E``, a dtype it takes): attnkit's for unmasked runs where ``kernels.flash``, torch's
+    otherwise; else ``torch.nn.functional.scaled_dot_product_attention`` on gathered tiles with
+    autograd. bfloat16/float16 inputs are computed in float32 and the result rounded where
+    ``kernels.widen``, unless every run takes attnkit's kernel.
 
     Args:
         q: Queries.
@@ -270,6 +252,7 @@ def attend_runs(
         runs: The plan for these inputs' ``B``, ``L`` and ``S``.
         scale: Multiplier of the scores.
         dropout_p: Dropout on the attention weights.
+        kernels: The policy's :func:`~attnkit.kernels.policy.tile_kernels`.
 
     Returns:
         The attention output; rows with no allowed key are exactly zero.
@@ -278,106 +261,32 @@ def attend_runs(
         q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
     """
     E, Ev = q.shape[3], v.shape[3]
-    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if (
         q.device.type == "cpu"
-        and q.dtype in _LOW
-        and not native_low_precision(q.dtype, backward=grads)
-        and not (attnkit_flash(q) and all(r.causal or r.allowed is None for r in runs))
+        and kernels.widen
+        and not (kernels.flash and all(r.causal or r.allowed is None for r in runs))
     ):
-        # Without bf16/fp16 matrix units the kernel converts every block it multiplies; in
-        # float32 it runs several times faster, and rounds once at the end.
-        wide = attend_runs(q.float(), k.float(), v.float(), runs, scale=scale, dropout_p=dropout_p)
-        return wide.to(q.dtype)
+        wide = policy.TileKernels(kernels.flash_wide)
+        out = attend_runs(
+            q.float(), k.float(), v.float(), runs, scale=scale, dropout_p=dropout_p, kernels=wide
+        )
+        return out.to(q.dtype)
     if dropout_p == 0.0 and Ev == E and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
-        out: Tensor = _FlashRuns.apply(q, k, v, runs, scale)
-        return out
+        flashed: Tensor = _FlashRuns.apply(q, k, v, runs, scale, kernels.flash)
+        return flashed
     return _sdpa_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
-
-
-_LOW = (torch.bfloat16, torch.float16)
-
-
-@functools.cache
-def native_low_precision(dtype: torch.dtype, *, backward: bool = True) -> bool:
-    """Whether torch's CPU flash kernel should run ``dtype`` (bfloat16 or float16) itself rather
-    than on float32 copies (``True`` where torch cannot tell).
-
-    With a backward, only where this CPU multiplies ``dtype`` natively: AVX512-BF16 or AMX tiles for
-    bfloat16, AMX-FP16 for float16. Without them (AVX2 only) torch's bf16 kernel ran its
-    forward+backward 7-9x slower than its float32 one, so :func:`attend_runs` computes in float32
-    and rounds (where attnkit's own kernels cannot take the call: they widen bf16 blocks themselves,
-    see :func:`attnkit_flash`). A bfloat16 forward alone runs torch's bf16 kernel on every CPU: it
-    is the kernel torch's own bf16 ``scaled_dot_product_attention`` runs. On the AVX2 CPU its
-    forward took 1.03-1.25x the float32 kernel's time, while float32 copies of the inputs (three
-    fresh allocations, paged in on every call) added ~0.3x; converting two documents at a time lost
-    at 2 threads (0.69 vs 0.91 of the float32 speed, one conversion per chunk and input). float16's
-    forward kernel took 3x the float32 one there, so it keeps the float32 copies
-    (``benchmarks/bench_blockwise.py --bf16``).
-
-    Args:
-        dtype: ``torch.bfloat16`` or ``torch.float16``.
-        backward: Whether gradients will flow through the call.
-    """
-    if dtype == torch.bfloat16 and not backward:
-        return True
-    cpu: Any = getattr(torch, "cpu", None)
-    try:
-        if dtype == torch.bfloat16:
-            return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
-        return bool(cpu._is_amx_fp16_supported())
-    except AttributeError:  # an older torch: trust its kernel
-        return True
 
 
 # --------------------------------------------------------------------------------------------
 # executors
 
 
-#: Scores per head below which a causal/window call stays on torch's kernels: there the
-#: BLAS calls' set-up outweighs the skipped keys (L = S = 16: a forward+backward took 1.17x
-#: torch's time; 64: 0.92x; 256: 0.64x).
-FLASH_MIN_SCORES = 64 * 64
-
-
-def attnkit_flash(q: Tensor) -> bool:
-    """Whether attnkit's flash kernels (:func:`attnkit.native.flash_attention` and its backward)
-    should run attention on ``q`` instead of torch's: float32 on the CPU, or bfloat16 where
-    :func:`_bf16_flash` says (widened block by block, so a bf16 call costs about a float32 one;
-    torch's bf16 kernel converts every block, and its backward ran 6-9x its float32 time on a
-    CPU without bf16 units), outside
-    ``torch.compile``, ``torch.jit.trace`` and torch dispatch modes. They skip finer blocks than
-    torch's kernel (a block of 64-128 causal queries computes the keys up to its last query; torch's
-    256 x 512 blocks compute 75% of a 1024-document's scores against 53%) and measured faster per
-    score (``benchmarks/RESULTS.md``)."""
-    return (
-        (q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _bf16_flash(q)))
-        and native.eager_cpu(q)
-        and native.flash_available()
-    )
-
-
-def _bf16_flash(q: Tensor) -> bool:
-    """Whether attnkit's kernels should run a bfloat16 call (see :func:`attnkit_flash`).
-
-    Queries that want gradients: where the CPU has no bf16 units (torch's bf16 backward is the
-    slow one there). A forward alone (inference, a prompt's prefill): on every CPU without AMX
-    tiles, where torch's bf16 kernel was the slower one: 33.4 against 39.8 ms for 2048 causal
-    queries of 9 heads over 3 key/value heads on a 2-core AVX512-BF16 AMD EPYC
-    (``benchmarks/RESULTS.md``). With AMX, torch's kernel multiplies in bf16 tiles.
-    """
-    if q.requires_grad:
-        return not native_low_precision(torch.bfloat16)
-    return not native._amx()
-
-
 def _run_forward(
-    r: TileRun, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+    r: TileRun, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, flash: bool
 ) -> tuple[Tensor, Tensor, bool]:
     """One run's ``(out, lse, attnkit's kernel ran)``: attnkit's flash kernel for a run without
-    an additive mask (square causal tiles or whole spans) where :func:`attnkit_flash`, else
-    torch's."""
-    if mask is None and attnkit_flash(q):
+    an additive mask (square causal tiles or whole spans) where ``flash``, else torch's."""
+    if mask is None and flash:
         o, lse = native.flash_attention(*_views(r, q, k, v), scale=scale, causal=r.causal, first=0)
         return o, lse, True
     o, lse = _flash(*_views(r, q, k, v), 0.0, r.causal, attn_mask=mask, scale=scale)
@@ -409,20 +318,18 @@ def _run_backward(
 
 
 def attend_positional(
-    q: Tensor, k: Tensor, v: Tensor, structure: Structure, *, scale: float, dropout_p: float
-) -> Tensor | None:
-    """Causal and sliding-window attention as one call of attnkit's flash kernels, or None
-    where they do not apply (see :func:`attnkit_flash`; no documents, lengths or dropout).
+    q: Tensor, k: Tensor, v: Tensor, structure: Structure, *, scale: float
+) -> Tensor:
+    """Causal and sliding-window attention as one call of attnkit's flash kernels (no
+    documents, lengths or dropout; where the policy's
+    :func:`~attnkit.kernels.policy.flash_kernel` says).
 
     The kernels take the rules themselves (a block of queries computes only the keys it may
-    reach), so the sequence needs no tiles: a window's forward+backward took half the time of
-    the tile runs on torch's kernel (``benchmarks/RESULTS.md``).
+    reach), so the sequence needs no tiles.
 
     Shape:
         q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
     """
-    if structure.batched or dropout_p > 0.0 or not attnkit_flash(q):
-        return None
     out: Tensor = _PositionalFlash.apply(q, k, v, structure.causal, structure.window, scale)
     return out
 
@@ -458,7 +365,7 @@ class _FlashRuns(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], scale: float
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], scale: float, flash: bool
     ) -> Tensor:
         B, H, L, _ = q.shape
         S, Ev = k.shape[2], v.shape[3]
@@ -466,7 +373,7 @@ class _FlashRuns(torch.autograd.Function):
         if len(runs) == 1 and runs[0].empty is None and _in_order(runs[0], B, L, rows=True):
             r = runs[0]
             mask = _kernel_mask(r, q.dtype)
-            o, lse, own = _run_forward(r, q, k, v, mask, scale)
+            o, lse, own = _run_forward(r, q, k, v, mask, scale, flash)
             ctx.natives = [own]
             out = _whole(o, B, L)
             ctx.save_for_backward(q, k, v, out)
@@ -479,7 +386,7 @@ class _FlashRuns(torch.autograd.Function):
         masks, outs, lses, natives = [], [], [], []
         for r in runs:
             mask = _kernel_mask(r, q.dtype)
-            o, lse, own = _run_forward(r, q, k, v, mask, scale)
+            o, lse, own = _run_forward(r, q, k, v, mask, scale, flash)
             # o (count, H, rows, Ev), lse (count, H, rows)
             if r.empty is not None:
                 o = o.masked_fill(r.empty, 0.0)
@@ -514,13 +421,13 @@ class _FlashRuns(torch.autograd.Function):
             )
             dq = _whole(gq, B, L)
             if ctx.keys_in_order:
-                return dq, _whole(gk, B, S), _whole(gv, B, S), None, None
+                return dq, _whole(gk, B, S), _whole(gv, B, S), None, None, None
             acc = torch.promote_types(q.dtype, torch.float32)
             dk = torch.zeros_like(k, dtype=acc)
             dv = torch.zeros_like(v, dtype=acc)
             _add_spans(dk, gk, r)
             _add_spans(dv, gv, r)
-            return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+            return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
         q, k, v = ctx.saved_tensors
         # Overlapping spans add into dk/dv; accumulate low precision in float32.
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -535,7 +442,7 @@ class _FlashRuns(torch.autograd.Function):
             _q_view(dq, r).copy_(gq)
             _add_spans(dk, gk, r)
             _add_spans(dv, gv, r)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _in_order(r: TileRun, B: int, n: int, *, rows: bool) -> bool:
@@ -625,23 +532,6 @@ def _tile_masks(L: int, S: int, tile: TileRun, rules: Structure) -> Tensor | Non
 
 
 @functools.lru_cache(maxsize=256)
-def _offset_mask(
-    rows: int, width: int, offset: int, causal: bool, window: int | None, device: Any
-) -> Tensor | None:
-    """Bool ``(1, rows, width)`` of the positional constraints for a span starting ``offset``
-    keys after the tile's first query, or ``None`` if they allow every pair (cached: the same
-    few offsets recur in every call with the same structure)."""
-    d = torch.arange(rows, device=device).view(rows, 1) - offset  # query - key position
-    d = d - torch.arange(width, device=device).view(1, width)
-    ok = torch.ones(rows, width, dtype=torch.bool, device=device)
-    if causal:
-        ok &= d >= 0
-    if window is not None:
-        ok &= d.abs() < window
-    return None if bool(ok.all()) else ok.unsqueeze(0)
-
-
-@functools.lru_cache(maxsize=256)
 def _offset_additive(
     rows: int,
     width: int,
@@ -651,8 +541,9 @@ def _offset_additive(
     device: Any,
     dtype: torch.dtype,
 ) -> Tensor | None:
-    """:func:`_offset_mask` as the kernel's additive mask in ``dtype`` (cached)."""
-    return _additive(_offset_mask(rows, width, offset, causal, window, device), dtype)
+    """:func:`attnkit.masks.offset_mask` as the kernel's additive mask in ``dtype`` (cached)."""
+    band = offset_mask(rows, width, offset, causal, window, device)
+    return None if band is None else _additive(band.unsqueeze(0), dtype)
 
 
 def _tile_index(
@@ -717,3 +608,6 @@ def _add_spans(acc: Tensor, grad: Tensor, r: TileRun) -> None:
     for start in range(0, r.width, step):
         w = min(step, r.width - start)
         _k_view(acc, r, start, w).add_(grad[:, :, start : start + w])
+
+
+policy.provide_attention_kernel("flash", native.flash_attention)

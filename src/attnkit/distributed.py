@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnkit import native
-from attnkit.blockwise import attnkit_flash
+from attnkit.kernels import policy
 
 __all__ = [
     "LAYOUTS",
@@ -49,7 +49,6 @@ LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,13 +130,31 @@ def unshard(shards: list[Tensor], dim: int, *, layout: Layout = "contiguous") ->
 # blocks
 
 
+def _block_kernel(q: Tensor, k: Tensor, causal: bool) -> str:
+    """The policy's kernel for one block (the same for its forward and its backward)."""
+    eager = native.eager_cpu(q)
+    call = policy.AttentionCall(
+        dtype=q.dtype,
+        device=q.device.type,
+        L=q.shape[2],
+        S=k.shape[2],
+        causal=causal,
+        grads=q.requires_grad,
+        eager=eager,
+        ready=eager and native.flash_available(),
+    )
+    return policy.ring_block_kernel(call)
+
+
 def _block_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """Attention of one block and its log-sum-exp ``(B, H, L)`` (top-left causal if asked)."""
-    if attnkit_flash(q):
+    """Attention of one block and its log-sum-exp ``(B, H, L)`` (top-left causal if asked), on
+    the policy's :func:`~attnkit.kernels.policy.ring_block_kernel`."""
+    kernel = _block_kernel(q, k, causal)
+    if kernel == "flash":
         return native.flash_attention(q, k, v, scale=scale, causal=causal, first=0)
-    if q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
+    if kernel == "torch-flash":
         out, lse = _flash(q, k, v, 0.0, causal, scale=scale)
         return out, lse
     s = _scores(q, k, scale, causal)
@@ -160,12 +177,13 @@ def _block_backward(
     full ``dq`` contribution of these keys and the full ``dk``/``dv`` from these queries), added
     to ``into`` (``dq``, ``dk``, ``dv`` slices of the running sums, float32 or wider); attnkit's
     kernel adds them itself, without a buffer per block."""
-    if attnkit_flash(q):  # (float32 or bf16 inputs: the sums are float32)
+    kernel = _block_kernel(q, k, causal)  # (the forward's: the same call)
+    if kernel == "flash":  # (float32 or bf16 inputs: the sums are float32)
         native.flash_attention_backward(
             g, q, k, v, out, lse, scale=scale, causal=causal, first=0, into=into
         )
         return
-    if q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
+    if kernel == "torch-flash":
         grads = _flash_backward(g, q, k, v, out, lse, 0.0, causal, scale=scale)
     else:
         H, K = q.shape[1], k.shape[1]
@@ -226,8 +244,8 @@ def _pieces(
 #: Keys per travelling piece: a block crosses the ring in pieces this long, each one computed and
 #: passed on before the next, so a rank holds a few pieces of key/value (and gradient) blocks
 #: instead of whole blocks; kernel calls take at most twice as many query rows, which bounds
-#: their gradient buffers. 512 keeps the per-rank peak of 2 ranks near half of one process's
-#: at N=16384 (``benchmarks/bench_ring.py``).
+#: their gradient buffers, so a rank's peak memory stays a fraction of one process's
+#: (``benchmarks/bench_ring.py`` measures it).
 CHUNK = 512
 
 

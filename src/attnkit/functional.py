@@ -5,29 +5,31 @@ Shape legend (used across the package):
     D model dim, E head dim.
 
 Every module in attnkit computes ``softmax(Q K^T * scale + mask) V`` by calling
-:func:`scaled_dot_product_attention`; dispatch between kernels lives here and only here:
+:func:`scaled_dot_product_attention`. A call goes down once: this module checks the inputs,
+asks :mod:`attnkit.kernels.policy` which path serves them
+(:func:`~attnkit.kernels.policy.attention_path`; the table is in ``docs/guide/core.md``, "How a
+call finds its kernel"), and calls it:
 
-* no weights requested   -> torch's fused ``scaled_dot_product_attention`` (``is_causal`` instead
-  of a materialized mask whenever that is equivalent);
-* causal/window attention in float32 (or bf16 on CPUs without bf16 units) on the CPU, from
-  64 x 64 scores per head -> :mod:`attnkit.sparse` on attnkit's own flash kernels
-  (:func:`attnkit.blockwise.attend_positional`), which compute only the keys each block of
+* ``explicit``: weights requested (or no keys): the explicit math below, which is also the
+  reference that the tests check the fused path against;
+* ``capped``: soft-capped scores: :mod:`attnkit.softcap`;
+* ``flash``: causal/window attention on attnkit's flash kernels over the whole sequence
+  (:mod:`attnkit.sparse` -> :mod:`attnkit.blockwise`), computing only the keys each block of
   queries may reach;
-* structured sparsity (``window``, ``segment_ids``, ``key_lengths``) on long sequences
-  -> :mod:`attnkit.sparse`, which skips key blocks that are entirely masked;
-* soft-capped scores (``softcap``) -> :mod:`attnkit.softcap`: without gradients attnkit's flash
-  kernel with the cap, else the same math one chunk of queries at a time, reading only the keys
-  the chunk may attend;
-* weights requested (or no keys at all) -> the explicit math below, which is also the reference
-  that the tests check the fused path against.
+* ``tiles``: structured sparsity (``window``, ``segment_ids``, ``key_lengths``) on long
+  sequences: :mod:`attnkit.sparse`'s tiles, which skip key blocks that are entirely masked;
+* ``fused``: torch's fused ``scaled_dot_product_attention`` (``is_causal`` instead of a
+  materialized mask whenever that is equivalent).
+
+A decoding step (one query per sequence) takes :func:`one_query` first.
 
 A query row that may attend no key at all gives an output row of exactly zero (and zero weights,
 zero gradients) on every path, never NaN. A query's output depends only on the keys and values it
-may attend, as in the math: a NaN value there, or a key whose score is NaN or ``+inf``, makes its
-row NaN (nothing is silently zeroed), a key whose score is ``-inf`` gets weight 0 like a masked
-one, and a NaN or inf anywhere else (e.g. an unwritten KV-cache slot) does not reach it. Float
-masks follow one rule: an entry at or below ``torch.finfo(dtype).min`` counts as masked, exactly
-like ``-inf``.
+may attend, as in the math: a NaN or inf value there makes that value's column of its row NaN, a
+key whose score is NaN or ``+inf`` makes its row NaN (nothing is silently zeroed), a key whose
+score is ``-inf`` gets weight 0 like a masked one, and a NaN or inf anywhere else (e.g. an
+unwritten KV-cache slot) does not reach it. Float masks follow one rule: an entry at or below
+``torch.finfo(dtype).min`` counts as masked, exactly like ``-inf``.
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from attnkit import blockwise, native, sparse
 from attnkit import masks as M
+from attnkit import native, sparse
 from attnkit import softcap as capped
+from attnkit.kernels import policy
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -165,61 +167,90 @@ def attend(
         out = one_query(q, k, v, mask, scale, structure, softcap=softcap)
         if out is not None:
             return out, None
-    gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
-    try:
-        rules = M.Structure(**structure)
-    except TypeError:
-        unknown = sorted(set(structure) - M.StructureArgs.__optional_keys__)
+    rules, mask, batched = _checked(structure, q, k, mask)
+    plan = policy.attention_plan(
+        dtype=q.dtype,
+        device=q.device.type,
+        L=L,
+        S=S,
+        causal=rules.causal,
+        window=rules.window,
+        batched=batched,
+        masked=mask is not None,
+        weights=return_weights,
+        dropout=dropout_p > 0.0,
+        softcap=softcap is not None,
+        grads=_grads(q, k, v),
+        eager=(eager := native.eager_cpu(q)),
+        ready=eager and native.flash_available(),
+    )
+    if plan.path == "capped":
+        assert softcap is not None
+        return _attend_capped(q, k, v, mask, rules, scale, dropout_p, softcap, plan.capped,
+                              return_weights)  # fmt: skip
+    B = math.prod(q.shape[:-3])
+    tiles = None
+    if plan.path == "flash":
+        tiles = sparse.tile_plan(L, S, rules, B, q.device, plan.rows)
+    elif plan.path == "tiles":  # (None where the dense kernel wins)
+        tiles = sparse.sparse_plan(L, S, rules, B, q.device, plan.rows, backward=plan.call.grads)
+    if tiles is not None:
+        out = attend_tiles(q, k, v, tiles, scale=scale, dropout_p=dropout_p, kernels=plan.tiles)
+        return out, None
+    return _attend_dense(q, k, v, mask, rules, scale, dropout_p, explicit=plan.path == "explicit",
+                         return_weights=return_weights)  # fmt: skip
+
+
+def _checked(
+    structure: Any, q: Tensor, k: Tensor, mask: Tensor | None
+) -> tuple[M.Structure, Tensor | None, bool]:
+    """The checked :class:`~attnkit.masks.Structure` of ``structure`` for queries ``q``,
+    ``mask`` in the one float-mask rule (:func:`attnkit.masks.checked`), and whether documents
+    or lengths are given."""
+    unknown = sorted(set(structure) - M.StructureArgs.__optional_keys__)
+    if unknown:
         known = sorted(Options.__optional_keys__ | {"return_weights"})
-        raise TypeError(f"unknown attention options {unknown}; known: {known}") from None
-    if rules.batched and q.dim() != 4:
+        raise TypeError(f"unknown attention options {unknown}; known: {known}")
+    batched = any(structure.get(n) is not None for n in ("segment_ids", "key_lengths"))
+    if batched and q.dim() != 4:
         raise ValueError(
             f"segment_ids/key_lengths need q with batch and head dims (B, H, L, E), got "
             f"{tuple(q.shape)}"
         )
-    rules.check(L, S, batch=q.shape[0] if rules.batched else None)
-    if mask is not None and mask.dtype != torch.bool:
-        mask = _additive(mask, q.dtype)
-    if softcap is not None:  # the fused kernels cannot cap scores
-        return _attend_capped(q, k, v, mask, rules, scale, dropout_p, softcap, return_weights)
+    L, S = q.shape[-2], k.shape[-2]
+    rules, mask = M.checked(structure, L, S, batch=q.shape[0] if batched else None, mask=mask,
+                            dtype=q.dtype)  # fmt: skip
+    return rules, mask, batched
 
-    explicit = return_weights
-    if (
-        (rules.sparse or rules.causal)
-        and not rules.batched
-        and mask is None
-        and not explicit
-        and L * S >= blockwise.FLASH_MIN_SCORES
-        and not dropout_p
-        and blockwise.attnkit_flash(q)
-    ):  # causal/window in attnkit's flash kernels: only the reachable keys, faster than torch's
-        whole = sparse.tile_plan(L, S, rules, math.prod(q.shape[:-3]), q.device, None)
-        return attend_tiles(q, k, v, whole, scale=scale, dropout_p=dropout_p), None
-    if rules.sparse and mask is None and not explicit and S > 0:
-        grads = q.requires_grad or k.requires_grad or v.requires_grad
-        backward = torch.is_grad_enabled() and grads
-        plan = sparse.faster_plan(
-            L, S, rules, batch=math.prod(q.shape[:-3]), device=q.device, backward=backward
-        )
-        if plan is not None:
-            return attend_tiles(q, k, v, plan, scale=scale, dropout_p=dropout_p), None
 
-    # Fold causal/window/documents/padding into one bool constraint, unless plain causal can be
-    # expressed as is_causal (L == S: top-left and bottom-right alignment coincide).
+def _grads(q: Tensor, k: Tensor, v: Tensor) -> bool:  # (will gradients flow from the output?)
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _attend_dense(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    rules: M.Structure,
+    scale: float,
+    dropout_p: float,
+    *,
+    explicit: bool,
+    return_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`attend` on torch's fused kernel, or the explicit math (``explicit``), with the
+    structure folded into one bool constraint; arguments as :func:`attend`'s, checked."""
+    L, S = q.shape[-2], k.shape[-2]
+    gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
+    # Plain causal stays is_causal where L == S (top-left and bottom-right alignment coincide).
     is_causal = rules.causal and not rules.sparse and mask is None and L == S and not explicit
-    constraint = None
-    if rules.sparse:
-        constraint = rules.mask(L, S, device=q.device)  # (B or 1, 1, L, S)
-        if not rules.batched:
-            constraint = constraint[0, 0]  # window only: (L, S) broadcasts against any q
-    elif rules.causal and not is_causal and L > 1:  # a single query at the end sees every key
-        constraint = M.causal_mask(L, S, device=q.device)
-    mask = M.restrict(mask, constraint)
+    mask = M.restrict(mask, None if is_causal else rules.constraint(L, S, device=q.device))
 
     def allowed() -> Tensor | None:
         if is_causal:
             return M.causal_mask(L, S, device=q.device)
-        return None if mask is None else _allowed(mask)
+        return None if mask is None else M.allowed(mask)
 
     def run(k: Tensor, v: Tensor, drop: Tensor | None) -> tuple[Tensor, Tensor | None]:
         this_mask, this_causal = mask, is_causal
@@ -227,15 +258,13 @@ def attend(
             this_mask = M.restrict(mask if mask is not None else allowed(), ~drop)
             this_causal = False
         if explicit or S == 0:
-            return _explicit_attention(
-                q, k, v, this_mask, scale=scale, dropout_p=dropout_p, softcap=softcap
-            )
+            return _explicit_attention(q, k, v, this_mask, scale=scale, dropout_p=dropout_p)
         out = _fused_attention(
             q, k, v, this_mask, is_causal=this_causal, scale=scale, dropout_p=dropout_p, gqa=gqa
         )
         return out, None
 
-    out, weights = _without_leaks(run, q, k, v, allowed, scale=scale, softcap=softcap)
+    out, weights = _without_leaks(run, q, k, v, allowed, scale=scale)
     return out, weights if return_weights else None
 
 
@@ -254,19 +283,17 @@ def one_query(
     One query sits after every key (bottom-right alignment), so causality masks nothing and a
     window keeps the last ``window`` keys: a slice, not a mask. The ``H`` query heads are viewed
     as ``K`` groups of ``H / K`` rows of one key/value head each, so grouped-query attention
-    needs no expanded keys, and the fused kernel runs on the slice. The general path's
-    non-finite rules are kept by checking the output: every row must be finite and not all
-    zero (the fused kernel's answer for a NaN query or an all-NaN row); otherwise the general
-    path recomputes the step. Only plain inputs come here: heads
-    ``(B, H, 1, E)``, a bool key-padding mask ``(B, 1, 1, S)`` at most, no documents or
-    lengths, nothing empty, not under ``torch.compile``.
+    needs no expanded keys; the kernel is the policy's
+    (:func:`~attnkit.kernels.policy.one_query_kernel`). The general path's non-finite rules are
+    kept by checking the output (attnkit's kernel flags it; torch's output rows must be finite
+    and not all zero); otherwise the general path recomputes the step. Only plain inputs come
+    here: heads ``(B, H, 1, E)``, a bool key-padding mask ``(B, 1, 1, S)`` at most, no documents
+    or lengths, nothing empty, not under ``torch.compile``.
 
     With a ``softcap`` (checked by the caller) the kernel caps the scores (an infinite one makes
     its row NaN, which is flagged); where it cannot run, the step is
-    :func:`attnkit.softcap.decode_step` (no mask, float32/float64, no gradients): it turns an
-    infinite score into NaN and its softmax never hides a NaN, so any non-finite input it reads
-    shows in the output's sum (one read, a third of the row check's cost; a sum that overflows
-    from finite rows only costs the general path).
+    :func:`attnkit.softcap.decode_step` (no mask, float32/float64, no gradients), which turns an
+    infinite score into NaN, so any non-finite input it reads shows in the output's sum.
 
     Shape:
         q ``(B, H, 1, E)``, k/v ``(B, K, S, E)`` -> ``(B, H, 1, Ev)``.
@@ -292,13 +319,13 @@ def one_query(
             return None
         if window is not None and window < S:
             mask = mask[..., S - window :]
-    if _one_query_kernel(q, k, v) and native.kernels_available():
+    grads = _grads(q, k, v)
+    if policy.one_query_kernel(q.dtype, q.device.type, grads) and native.kernels_available():
         # attnkit's kernel: a query with no key, or a non-finite output, is flagged, and the
         # general path recomputes the step with its rules.
         out, flags = native.one_query_attention(q, k, v, mask, scale, softcap=softcap)
         return None if flags else out
     if softcap is not None:
-        grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if mask is not None or grads or q.dtype not in (torch.float32, torch.float64):
             return None
         out = capped.decode_step(q, k, v, softcap=softcap, scale=scale)  # (the window's slice)
@@ -309,28 +336,9 @@ def one_query(
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
     # The check also covers the query: a NaN or inf in it makes every score of its row NaN or
     # infinite, whose output row is NaN or all zero.
-    if _may_hide_non_finite(out, None):
+    if M.may_hide_non_finite(out, None):
         return None
     return out.view(B, H, 1, v.shape[-1])
-
-
-def _one_query_kernel(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether :func:`attnkit.native.one_query_attention` may compute this decoding step (where
-    the kernels run): CPU, float32 or bfloat16, 4-dim, no gradients, outside torch dispatch
-    modes (which see torch's ops, not a kernel's: ``FlopCounterMode``, fake tensors). On a
-    2-core AVX2 CPU it takes 0.4-0.8x torch's fused kernel's time for one query over a cache,
-    and 0.3-0.6x over a static cache's masked slots, which it does not read
-    (``benchmarks/RESULTS.md``)."""
-    return (
-        q.dtype in (torch.float32, torch.bfloat16)
-        and k.dtype == v.dtype == q.dtype
-        and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
-        and q.dim() == k.dim() == v.dim() == 4
-        and q.device.type == k.device.type == v.device.type == "cpu"
-        and not (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        )
-    )
 
 
 def block_sparse_attention(
@@ -378,28 +386,43 @@ def block_sparse_attention(
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     B = math.prod(q.shape[:-3])
-    rules = M.Structure(**structure)
-    rules.check(L, S, batch=B)
-    plan = sparse.tile_plan(L, S, rules, B, q.device, block_size)
-    return attend_tiles(q, k, v, plan, scale=resolve_scale(scale, E), dropout_p=dropout_p)
+    rules, _ = M.checked(structure, L, S, batch=B, mask=None, dtype=q.dtype)
+    eager = native.eager_cpu(q)
+    call = policy.AttentionCall(
+        dtype=q.dtype,
+        device=q.device.type,
+        L=L,
+        S=S,
+        causal=rules.causal,
+        window=rules.window,
+        batched=rules.batched,
+        dropout=dropout_p > 0.0,
+        grads=_grads(q, k, v),
+        eager=eager,
+        ready=eager and native.flash_available(),
+    )
+    kernels = policy.tile_kernels(call)
+    rows = block_size or policy.tile_rows(L, rules.window, q.dtype)
+    tiles = sparse.tile_plan(L, S, rules, B, q.device, rows)
+    scale = resolve_scale(scale, E)
+    return attend_tiles(q, k, v, tiles, scale=scale, dropout_p=dropout_p, kernels=kernels)
 
 
 def attend_tiles(
-    q: Tensor, k: Tensor, v: Tensor, plan: sparse.TilePlan, *, scale: float, dropout_p: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: sparse.TilePlan,
+    *,
+    scale: float,
+    dropout_p: float,
+    kernels: policy.TileKernels,
 ) -> Tensor:
-    """:func:`attnkit.sparse.tiled_attention`, with non-finite inputs reaching only the queries
-    that may attend them (see :func:`_without_leaks`).
+    """:func:`attnkit.sparse.tiled_attention` (arguments as its own, checked), with non-finite
+    inputs reaching only the queries that may attend them (see :func:`_without_leaks`).
 
-    Args:
-        q: Queries, validated by :func:`check_inputs`.
-        k: Keys.
-        v: Values.
-        plan: The tile plan for these inputs.
-        scale: Multiplier of the scores.
-        dropout_p: Dropout probability on the attention weights.
-
-    Returns:
-        The attention output ``(..., H, L, Ev)``.
+    Shape:
+        q ``(..., H, L, E)``, k ``(..., K, S, E)``, v ``(..., K, S, Ev)`` -> ``(..., H, L, Ev)``.
     """
 
     def allowed() -> Tensor:
@@ -413,14 +436,17 @@ def attend_tiles(
 
     def run(k: Tensor, v: Tensor, drop: Tensor | None) -> tuple[Tensor, Tensor | None]:
         if drop is None and not empty:
-            return sparse.tiled_attention(q, k, v, plan, scale=scale, dropout_p=dropout_p), None
+            out = sparse.tiled_attention(
+                q, k, v, plan, scale=scale, dropout_p=dropout_p, kernels=kernels
+            )
+            return out, None
         # Dense: empty inputs, or pairs to drop (a -inf score on a non-finite key), which the
         # tiles have no mask for.
         mask = allowed() if drop is None else allowed() & ~drop
         return _explicit_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)[0], None
 
-    # Here L is about S, so reading k and v first (two sums) is cheaper than checking the
-    # output's rows afterwards (a sum and a zero-row scan): 32 vs 96 ms at N=8192, H=8, E=64.
+    # Here L is about S, so reading k and v first (two reductions) is cheaper than checking the
+    # output's rows afterwards.
     return _without_leaks(run, q, k, v, allowed, scale=scale, search_first=True)[0]
 
 
@@ -440,10 +466,12 @@ def _without_leaks(
 
     A NaN or inf at a masked position leaks through the kernels (``0 * NaN``, ``NaN - inf``),
     and torch's fused kernel returns zeros for a row whose every score is NaN. So non-finite
-    key/value rows are zeroed and the rows they reach set to NaN afterwards: a row reaches a
+    key rows and value entries are zeroed and what they reach set to NaN afterwards
+    (:class:`attnkit.masks.NonFinite`): a row reaches a
     non-finite value it may attend, and a non-finite key whose score is NaN or ``+inf``; a
     ``-inf`` score is weight 0 (an inf in one key element gives ``+inf`` scores for some queries
-    and ``-inf`` for others), so such pairs are rerun as masked (``run(k, v, drop)``). Finding them
+    and ``-inf`` for others), so such pairs are rerun as masked (``run(k, v, drop)``). A
+    non-finite value entry reaches only its own output column. Finding them
     reads ``k`` and ``v`` once, which at ``L = 1`` (decoding) costs as much as the attention
     itself, so without gradients the output is checked first (``L`` rows): a leak shows there
     as NaN and a hidden NaN as an all-zero row; only then are ``k`` and ``v`` searched and the
@@ -461,7 +489,7 @@ def _without_leaks(
         allowed: Builds the bool mask (``True`` = may attend) broadcastable to the scores, or
             ``None`` when every key may be attended; called only for non-finite inputs.
         scale: Multiplier of the scores (for the scores of non-finite keys).
-        softcap: The scores' soft cap, if any (see :func:`_bad_key_scores`).
+        softcap: The scores' soft cap, if any (see :meth:`attnkit.masks.NonFinite.key_scores`).
         search_first: Search ``k`` and ``v`` before the kernel even without gradients (when
             ``L`` is not small against ``S``, that is cheaper than checking the output).
 
@@ -470,45 +498,24 @@ def _without_leaks(
     """
     if _no_data_branches(q):
         return run(k, v, None)
-    bad_k = bad_v = None
-    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    given_k = k
+    grads = _grads(q, k, v)
     if grads or search_first:
-        k, v, bad_k, bad_v = _zero_non_finite(k, v)
-    if bad_k is None and bad_v is None:
+        found = M.NonFinite.search(k, v)
+    else:
         out, weights = run(k, v, None)
-        if grads or search_first or not _may_hide_non_finite(out, weights):
+        if not M.may_hide_non_finite(out, weights):
             return out, weights
-        k, v, bad_k, bad_v = _zero_non_finite(k, v)
-        if bad_k is None and bad_v is None:
-            return out, weights
+        found = M.NonFinite.search(k, v)
+    if found.bad_k is None and found.bad_v is None:
+        return run(k, v, None) if grads or search_first else (out, weights)
     mask = allowed()
-    poisoned = drop = None
-    if bad_k is not None:
-        poisoned, drop = _bad_key_scores(q, given_k, bad_k, mask, scale=scale, softcap=softcap)
-    out, weights = run(k, v, drop)
-    return _propagate_non_finite(out, weights, q, poisoned, bad_v, mask)
+    poisoned, drop = found.key_scores(q, k, mask, scale=scale, softcap=softcap)
+    out, weights = run(found.k, found.v, drop)
+    return found.propagate(out, weights, q, poisoned, mask)
 
 
-def _no_data_branches(t: Tensor) -> bool:
-    """Whether branching on tensor values is impossible: meta tensors, or torch.compile."""
+def _no_data_branches(t: Tensor) -> bool:  # (meta tensors, torch.compile: no value branches)
     return t.device.type == "meta" or torch.compiler.is_compiling()
-
-
-def _may_hide_non_finite(out: Tensor, weights: Tensor | None) -> bool:
-    """Whether a non-finite key or value may have leaked into ``out`` or been hidden by it: a
-    row that is not finite, or all zero (no key, or all scores NaN)."""
-    if weights is not None and not _is_finite(weights):
-        return True
-    if out.numel() == 0:  # Ev = 0 or no rows: no values to hide anything in
-        return False
-    # Each row's Euclidean norm must be positive and finite: a NaN or inf entry makes it NaN or
-    # inf, an all-zero row 0 (NaN fails both comparisons). A row whose squares overflow or
-    # underflow takes the careful path too, which is only slower. The 2-norm is one reduction
-    # kernel: on CPU 6x faster than ``abs().amax`` for a bf16 (9, 2048, 64) output (0.07 against
-    # 0.44 ms; float32 0.10 against 0.31), which was itself 6-20x faster than the infinity norm.
-    low, high = torch.aminmax(torch.linalg.vector_norm(out, dim=-1))
-    return not (float(low) > 0 and float(high) < math.inf)
 
 
 def check_softcap(softcap: float | None) -> None:
@@ -528,165 +535,6 @@ def resolve_scale(scale: float | None, E: int) -> float:
     return 1.0 / math.sqrt(E) if E else 1.0
 
 
-def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """A float mask as ``dtype`` whose masked entries are exactly ``-inf``.
-
-    The one rule for float masks: an entry at or below ``torch.finfo(dtype).min`` counts as
-    masked, for the mask's own dtype and for ``dtype`` after the cast (so ``-inf``, Hugging
-    Face's ``finfo.min`` masks, and values that overflow to ``-inf`` in ``dtype`` all mask).
-    """
-    out = mask.to(dtype)
-    masked = out <= torch.finfo(dtype).min
-    if mask.dtype != dtype:
-        masked = masked | (mask <= torch.finfo(mask.dtype).min)
-    return out.masked_fill(masked, float("-inf"))
-
-
-def _allowed(mask: Tensor) -> Tensor:
-    """Bool view of a bool or :func:`_additive` mask: ``True`` = may attend."""
-    return mask if mask.dtype == torch.bool else mask > float("-inf")
-
-
-def _row_ok(mask: Tensor) -> Tensor:
-    """Bool ``(..., L, 1)``: does each query row have at least one allowed key?"""
-    return _allowed(mask).any(dim=-1, keepdim=True)
-
-
-def _zero_non_finite(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """``k`` and ``v`` with their non-finite rows zeroed, and those rows' ``(..., K, S)`` flags.
-
-    The flags are ``None`` (and the tensors untouched) when every entry is finite.
-    """
-    bad_k, bad_v = _non_finite_rows(k), _non_finite_rows(v)
-    if bad_k is not None:
-        k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
-    if bad_v is not None:
-        v = v.masked_fill(bad_v.unsqueeze(-1), 0.0)
-    return k, v, bad_k, bad_v
-
-
-def _non_finite_rows(t: Tensor) -> Tensor | None:
-    """Bool ``t.shape[:-1]``: rows holding a NaN or inf, tested per element; None if none."""
-    if _is_finite(t):
-        return None
-    rows = ~torch.isfinite(t).all(dim=-1)
-    return rows if bool(rows.any()) else None
-
-
-def _is_finite(t: Tensor) -> bool:
-    """Whether every entry of ``t`` is finite."""
-    # Fast exit: a NaN or inf anywhere makes the total NaN or inf. A total that overflows from
-    # finite values only costs the exact per-element test, which alone decides. bfloat16 has
-    # float32's range, so its own sum (accumulated in float) overflows no sooner, without the
-    # float32 copy that ``dtype=`` makes: 5-10x faster on an AVX2 CPU.
-    total = t.sum(dtype=None if t.dtype == torch.bfloat16 else _compute_dtype(t.dtype))
-    return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half precision (as torch's CPU math), else ``dtype``."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _to_query_heads(flags: Tensor, q: Tensor) -> Tensor:
-    """Per key/value head flags ``(..., K, S)`` repeated to the query heads: ``(..., H, S)``."""
-    if q.dim() >= 3 and flags.shape[-2] != q.shape[-3]:
-        return flags.repeat_interleave(q.shape[-3] // flags.shape[-2], dim=-2)
-    return flags
-
-
-def _bad_key_scores(
-    q: Tensor,
-    k: Tensor,
-    bad_k: Tensor,
-    mask: Tensor | None,
-    *,
-    scale: float,
-    softcap: float | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """What the math makes of the non-finite keys: which rows they poison, which pairs they drop.
-
-    Only the scores against the key positions flagged somewhere are computed (in the compute
-    dtype, like the kernels): a NaN or ``+inf`` score makes the softmax of its row NaN, a
-    ``-inf`` score gives its key weight 0 in that row. With ``softcap`` an infinite score is
-    capped to a finite one that the zeroed key cannot reproduce, so every row that may attend a
-    non-finite key is poisoned.
-
-    Args:
-        q: Queries ``(..., H, L, E)``.
-        k: The keys as given, non-finite entries included ``(..., K, S, E)``.
-        bad_k: ``(..., K, S)`` flags of non-finite key rows.
-        mask: Bool ``True`` = may attend, broadcastable to the scores, or None (all may).
-        scale: Multiplier of the scores.
-        softcap: The scores' soft cap, or None.
-
-    Returns:
-        ``(poisoned, drop)``: bool ``(..., H, L, 1)`` rows with a NaN or ``+inf`` score on a key
-        they may attend, and bool ``(..., H, L, S)`` pairs with a ``-inf`` score (None if none).
-    """
-    S = k.shape[-2]
-    cols = bad_k.reshape(-1, S).any(dim=0).nonzero().squeeze(-1)  # (n,) key positions
-    dtype = _compute_dtype(q.dtype)
-    keys = k.index_select(-2, cols).to(dtype)  # (..., K, n, E)
-    if q.dim() >= 3 and keys.shape[-3] != q.shape[-3]:
-        keys = keys.repeat_interleave(q.shape[-3] // keys.shape[-3], dim=-3)
-    scores = (q.to(dtype) @ keys.transpose(-2, -1)) * scale  # (..., H, L, n)
-    bad = _to_query_heads(bad_k, q).index_select(-1, cols).unsqueeze(-2)  # (..., H, 1, n)
-    if mask is not None:
-        bad = bad & (mask if mask.shape[-1] == 1 else mask.index_select(-1, cols))
-    if softcap is not None:
-        return bad.any(dim=-1, keepdim=True).expand(*scores.shape[:-1], 1), None
-    poisoned = (bad & ~(scores < float("inf"))).any(dim=-1, keepdim=True)  # NaN or +inf
-    dropped = bad & (scores == float("-inf"))
-    if not bool(dropped.any()):
-        return poisoned, None
-    drop = torch.zeros((*dropped.shape[:-1], S), dtype=torch.bool, device=q.device)
-    return poisoned, drop.index_copy(-1, cols, dropped)
-
-
-def _propagate_non_finite(
-    out: Tensor,
-    weights: Tensor | None,
-    q: Tensor,
-    poisoned: Tensor | None,
-    bad_v: Tensor | None,
-    mask: Tensor | None,
-) -> tuple[Tensor, Tensor | None]:
-    """Set to NaN the output rows that a non-finite key or value reaches.
-
-    The keys and values were zeroed by :func:`_zero_non_finite`: attnkit propagates non-finite
-    inputs instead of hiding them, but only to the queries that may attend them.
-
-    Args:
-        out: Attention output ``(..., H, L, Ev)``.
-        weights: Attention weights ``(..., H, L, S)``, or None. Rows poisoned by a key become
-            NaN (a non-finite value leaves the weights finite).
-        q: The queries.
-        poisoned: Bool ``(..., H, L, 1)`` rows with a NaN or ``+inf`` score on a key they may
-            attend (see :func:`_bad_key_scores`), or None.
-        bad_v: ``(..., K, S)`` flags of non-finite value rows, or None.
-        mask: The bool mask (``True`` = may attend) broadcastable to the scores, or ``None``
-            when every key may be attended.
-
-    Returns:
-        ``(out, weights)``.
-    """
-    rows = torch.zeros((), dtype=torch.bool, device=q.device)
-    if poisoned is not None:
-        rows = rows | poisoned
-        if weights is not None:
-            weights = _nan_where(weights, poisoned)
-    if bad_v is not None:
-        bad = _to_query_heads(bad_v, q).unsqueeze(-2)  # (..., H, 1, S)
-        rows = rows | (bad if mask is None else mask & bad).any(dim=-1, keepdim=True)
-    return _nan_where(out, rows), weights
-
-
-def _nan_where(x: Tensor, rows: Tensor) -> Tensor:
-    """``x`` with NaN in the rows flagged by ``rows`` (..., 1); the gradient passes untouched."""
-    return x + torch.where(rows, float("nan"), 0.0).to(x.dtype)
-
-
 def _fused_attention(
     q: Tensor,
     k: Tensor,
@@ -700,7 +548,7 @@ def _fused_attention(
 ) -> Tensor:
     row_ok = None
     if mask is not None:
-        row_ok = _row_ok(mask)
+        row_ok = M.row_has_key(mask)
         # Rows without any allowed key would be softmax over all -inf (NaN on some backends):
         # let them attend everywhere, then zero them. Gradients through them are then zero.
         if mask.dtype == torch.bool:
@@ -717,13 +565,14 @@ def _fused_attention(
     ):
         # One query per head (a decoding step): the H / K query heads sharing a key/value head
         # become that head's rows, so each key/value head is read once, not H / K times
-        # (fewer, larger problems for the fused kernel: about 2x faster in a compiled step).
+        # (fewer, larger problems for the fused kernel).
         H, K = q.shape[-3], k.shape[-3]
         if (
             torch.compiler.is_compiling()
-            and native.kernels_loaded()  # (built before the trace: a build is not traced)
-            and _one_query_kernel(q, k, v)
+            and q.dim() == 4
             and (mask is None or mask.dtype == torch.bool)
+            and policy.one_query_kernel(q.dtype, q.device.type, _grads(q, k, v))
+            and native.kernels_loaded()  # (built before the trace: a build is not traced)
         ):
             # attnkit's kernel as one op of the graph: it reads only the keys the mask allows
             # (a static cache's filled slots), where the fused kernel reads every slot. The
@@ -746,23 +595,11 @@ def _fused_attention(
             scale=scale,
             enable_gqa=gqa,
         )
-    if _no_data_branches(q) or not _is_finite(q):  # the add costs ~10% of a forward on CPU
-        out = out + _nan_rows(q)
+    if _no_data_branches(q) or not M.is_finite(q):  # (the add costs a pass over the output)
+        out = out + M.nan_rows(q)
     if row_ok is not None:
         out = torch.where(row_ok, out, 0.0)  # no key to attend: zero, even for a NaN query
     return out
-
-
-def _nan_rows(q: Tensor) -> Tensor:
-    """``(..., L, 1)``: NaN for the query rows holding a NaN or inf, else exactly 0.
-
-    torch's fused CPU kernel treats such a row like a fully-masked one and returns zeros;
-    attnkit propagates non-finite inputs instead of silently hiding them. The test is per
-    element: ``q * 0`` is 0 for a finite entry and NaN otherwise, so the row sums are exactly 0
-    or NaN (no overflow, unlike summing ``q``; and 25x faster than ``isfinite(q).all(-1)`` on
-    CPU). Its gradient with respect to ``q`` is zero.
-    """
-    return q.mul(0).sum(dim=-1, keepdim=True)
 
 
 def _attend_capped(
@@ -774,33 +611,27 @@ def _attend_capped(
     scale: float,
     dropout_p: float,
     softcap: float,
+    kernel: str,
     return_weights: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """:func:`attend` with soft-capped scores: :func:`attnkit.softcap.capped_attention`, which
-    reads only the key span each chunk of queries may attend, under the non-finite rules of
+    """:func:`attend` with soft-capped scores: :func:`attnkit.softcap.capped_attention` on the
+    policy's ``kernel`` (:func:`~attnkit.kernels.policy.capped_kernel`), which reads only the
+    key span each chunk of queries may attend, under the non-finite rules of
     :func:`_without_leaks` (arguments as :func:`attend`'s, checked; ``mask`` bool or
-    :func:`_additive`)."""
+    :func:`attnkit.masks.as_additive`)."""
     L, S = q.shape[-2], k.shape[-2]
-    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    grads = _grads(q, k, v)
 
     def allowed() -> Tensor | None:
-        constraint = None
-        if rules.sparse:
-            constraint = rules.mask(L, S, device=q.device)  # (B or 1, 1, L, S)
-            if not rules.batched:
-                constraint = constraint[0, 0]  # (L, S)
-        elif rules.causal and L > 1:
-            constraint = M.causal_mask(L, S, device=q.device)
-        given = mask if mask is None or mask.dtype == torch.bool else _allowed(mask)
-        return M.restrict(given, constraint)
+        given = mask if mask is None else M.allowed(mask)
+        return M.restrict(given, rules.constraint(L, S, device=q.device))
 
-    # With many queries, searching k and v first (two sums) costs less than checking the output
-    # (an inf-norm per row: ~5 ns per value on CPU against ~0.15 for a sum); the kernel's keys are
-    # then finite (with gradients they are searched anyway), and with a finite q its inf -> NaN
-    # pass over the scores can go.
+    # With many queries, searching k and v first (two reductions) costs less than checking the
+    # output (a norm per row); the kernel's keys are then finite (with gradients they are
+    # searched anyway), and with a finite q its inf -> NaN pass over the scores can go.
     branches = not _no_data_branches(q)
     search_first = branches and 16 * L >= S
-    finite = branches and (search_first or grads) and _is_finite(q)
+    finite = branches and (search_first or grads) and M.is_finite(q)
 
     def run(k: Tensor, v: Tensor, drop: Tensor | None) -> tuple[Tensor, Tensor | None]:
         this_mask = mask if drop is None else M.restrict(mask, ~drop)
@@ -815,6 +646,7 @@ def _attend_capped(
             dropout_p=dropout_p,
             return_weights=return_weights,
             finite=finite,
+            kernel=kernel,
         )
 
     out, weights = _without_leaks(
@@ -839,7 +671,8 @@ def _explicit_attention(
     ``tanh(s / softcap) * softcap`` before the mask (Gemma 2's attention-logit soft-capping).
     """
     dtype = q.dtype
-    q, k, v = (t.to(_compute_dtype(dtype)) for t in (q, k, v))  # no copy for float32/float64
+    wide = torch.promote_types(dtype, torch.float32)  # float32 for half precision, as torch's
+    q, k, v = (t.to(wide) for t in (q, k, v))  # no copy for float32/float64
     if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
         groups = q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(groups, dim=-3)  # (..., H, S, E)
@@ -853,7 +686,7 @@ def _explicit_attention(
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
             scores = scores + mask.to(scores.dtype)
-        row_ok = _row_ok(mask)
+        row_ok = M.row_has_key(mask)
         scores = scores.masked_fill(~row_ok, 0.0)  # finite softmax input, zeroed below
     weights = torch.softmax(scores, dim=-1)
     if row_ok is not None:

@@ -17,8 +17,11 @@ position ``i + S - L``. ``align="top_left"`` puts query ``i`` at position ``i`` 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import torch
 from torch import Tensor
@@ -29,13 +32,21 @@ if TYPE_CHECKING:
 Align = Literal["bottom_right", "top_left"]
 
 __all__ = [
+    "NonFinite",
     "Structure",
     "StructureArgs",
+    "allowed",
+    "as_additive",
     "causal_mask",
+    "checked",
     "combine_masks",
     "document_mask",
+    "is_finite",
+    "may_hide_non_finite",
+    "offset_mask",
     "padding_mask",
     "restrict",
+    "row_has_key",
     "sliding_window_mask",
     "structured_mask",
     "to_additive",
@@ -339,6 +350,20 @@ class Structure:
         ok = self.to(B, S, device).allows(i, j, b, L=L, S=S)
         return ok.expand(B, L, S).unsqueeze(1)  # (B, 1, L, S)
 
+    def constraint(
+        self, L: int, S: int, *, device: torch.device | str | None = None
+    ) -> Tensor | None:
+        """The constraints as the smallest bool mask that broadcasts against the scores:
+        ``(B or 1, 1, L, S)`` with documents or lengths, ``(L, S)`` for a window or causality
+        alone, ``None`` when they allow every pair (nothing, or causality for one query, which
+        sits after every key)."""
+        if self.sparse:
+            mask = self.mask(L, S, device=device)  # (B or 1, 1, L, S)
+            return mask if self.batched else mask[0, 0]
+        if self.causal and L > 1:
+            return causal_mask(L, S, device=device)
+        return None
+
 
 class StructureArgs(TypedDict, total=False):
     """The fields of :class:`Structure` as keyword arguments (``**structure``)."""
@@ -474,3 +499,242 @@ def token_mask(
     if mask is not None and mask.dim() == 2 and mask.dtype == torch.bool:
         return mask
     return None
+
+
+def checked(
+    structure: Mapping[str, Any],
+    L: int,
+    S: int,
+    *,
+    batch: int | None,
+    mask: Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[Structure, Tensor | None]:
+    """The checked :class:`Structure` of ``structure`` (see :meth:`Structure.check`), and
+    ``mask`` with a float mask in the one float-mask rule (:func:`as_additive` for ``dtype``).
+
+    Raises:
+        TypeError: Unknown structure fields, non-integer ``key_lengths``.
+        ValueError: As :meth:`Structure.check`.
+    """
+    rules = Structure(**structure)
+    rules.check(L, S, batch=batch)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = as_additive(mask, dtype)
+    return rules, mask
+
+
+def as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A float mask as ``dtype`` whose masked entries are exactly ``-inf``.
+
+    The one rule for float masks: an entry at or below ``torch.finfo(dtype).min`` counts as
+    masked, for the mask's own dtype and for ``dtype`` after the cast (so ``-inf``, Hugging
+    Face's ``finfo.min`` masks, and values that overflow to ``-inf`` in ``dtype`` all mask).
+    """
+    out = mask.to(dtype)
+    masked = out <= torch.finfo(dtype).min
+    if mask.dtype != dtype:
+        masked = masked | (mask <= torch.finfo(mask.dtype).min)
+    return out.masked_fill(masked, float("-inf"))
+
+
+def allowed(mask: Tensor) -> Tensor:
+    """Bool view of a bool or :func:`as_additive` mask: ``True`` = may attend."""
+    return mask if mask.dtype == torch.bool else mask > float("-inf")
+
+
+def row_has_key(mask: Tensor) -> Tensor:
+    """Bool ``(..., L, 1)``: does each query row have at least one allowed key?"""
+    return allowed(mask).any(dim=-1, keepdim=True)
+
+
+@functools.lru_cache(maxsize=256)
+def offset_mask(
+    rows: int, width: int, offset: int, causal: bool, window: int | None, device: Any
+) -> Tensor | None:
+    """Bool ``(rows, width)`` of the positional constraints (``causal``, ``window``) on a span of
+    keys starting ``offset`` positions after the first of ``rows`` consecutive queries, or
+    ``None`` if they allow every pair (cached: a call repeats the same few spans; never
+    written to)."""
+    if not causal and window is None:
+        return None
+    d = torch.arange(rows, device=device).view(rows, 1) - offset  # query - key position
+    d = d - torch.arange(width, device=device).view(1, width)
+    ok = torch.ones(rows, width, dtype=torch.bool, device=device)
+    if causal:
+        ok &= d >= 0
+    if window is not None:
+        ok &= d.abs() < window
+    return None if bool(ok.all()) else ok
+
+
+# Non-finite inputs reach exactly the queries that may attend them, as in the math: the kernels
+# run on keys and values whose non-finite entries are zeroed, and the outputs they reach are set
+# to NaN afterwards (functional's attention paths do this around every kernel).
+
+
+def is_finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite."""
+    # Fast exit: a NaN or inf anywhere makes the 2-norm NaN or inf (one reduction, also fast in
+    # bfloat16, whose plain sum is not). A norm that overflows from finite values only costs the
+    # exact per-element test, which alone decides.
+    if t.numel() == 0:
+        return True
+    return bool(torch.isfinite(torch.linalg.vector_norm(t))) or bool(torch.isfinite(t).all())
+
+
+def may_hide_non_finite(out: Tensor, weights: Tensor | None) -> bool:
+    """Whether a non-finite key or value may have leaked into ``out`` or been hidden by it: a
+    row that is not finite, or all zero (no key, or all scores NaN)."""
+    if weights is not None and not is_finite(weights):
+        return True
+    if out.numel() == 0:  # Ev = 0 or no rows: no values to hide anything in
+        return False
+    # Each row's 2-norm must be positive and finite: a NaN or inf entry makes it NaN or inf, an
+    # all-zero row 0 (NaN fails both comparisons). A row whose squares overflow or underflow
+    # takes the careful path too, which is only slower; the 2-norm is one reduction kernel.
+    low, high = torch.aminmax(torch.linalg.vector_norm(out, dim=-1))
+    return not (float(low) > 0 and float(high) < math.inf)
+
+
+def nan_rows(q: Tensor) -> Tensor:
+    """``(..., L, 1)``: NaN for the query rows holding a NaN or inf, else exactly 0.
+
+    torch's fused CPU kernel treats such a row like a fully-masked one and returns zeros;
+    attnkit propagates non-finite inputs instead. The test is per element: ``q * 0`` is 0 for a
+    finite entry and NaN otherwise, so the row sums are exactly 0 or NaN (no overflow, unlike
+    summing ``q``). Its gradient with respect to ``q`` is zero.
+    """
+    return q.mul(0).sum(dim=-1, keepdim=True)
+
+
+def _to_query_heads(flags: Tensor, q: Tensor, dim: int) -> Tensor:
+    """Per key/value head flags repeated to the query heads along ``dim``."""
+    if q.dim() >= 3 and flags.shape[dim] != q.shape[-3]:
+        return flags.repeat_interleave(q.shape[-3] // flags.shape[dim], dim=dim)
+    return flags
+
+
+def _nan_where(x: Tensor, where: Tensor) -> Tensor:
+    """``x`` with NaN where ``where`` (broadcast) holds; the gradient passes untouched."""
+    return x + torch.where(where, float("nan"), 0.0).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """The non-finite entries of ``k`` and ``v``, and the inputs with them zeroed.
+
+    Attributes:
+        k: The keys, their non-finite rows zeroed (a key's score needs all its entries).
+        v: The values, their non-finite entries zeroed.
+        bad_k: Bool ``(..., K, S)`` non-finite key rows, or None when there are none.
+        bad_v: Bool ``(..., K, S, Ev)`` non-finite value entries, or None.
+    """
+
+    k: Tensor
+    v: Tensor
+    bad_k: Tensor | None
+    bad_v: Tensor | None
+
+    @classmethod
+    def search(cls, k: Tensor, v: Tensor) -> NonFinite:
+        """Find and zero the non-finite entries of ``k`` and ``v`` (untouched when finite)."""
+        bad_k = bad_v = None
+        if not is_finite(k):
+            rows = ~torch.isfinite(k).all(dim=-1)
+            if bool(rows.any()):
+                bad_k, k = rows, k.masked_fill(rows.unsqueeze(-1), 0.0)
+        if not is_finite(v):
+            bad_v = ~torch.isfinite(v)
+            v = v.masked_fill(bad_v, 0.0)
+        return cls(k, v, bad_k, bad_v)
+
+    def key_scores(
+        self,
+        q: Tensor,
+        k: Tensor,
+        mask: Tensor | None,
+        *,
+        scale: float,
+        softcap: float | None = None,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """What the math makes of the non-finite keys: which rows they poison, which pairs
+        they drop.
+
+        Only the scores against the flagged key positions are computed (in float32 for half
+        precision, like the kernels): a NaN or ``+inf`` score makes the softmax of its row NaN,
+        a ``-inf`` score gives its key weight 0 in that row. With ``softcap`` an infinite score
+        is capped to a finite one that the zeroed key cannot reproduce, so every row that may
+        attend a non-finite key is poisoned.
+
+        Args:
+            q: Queries ``(..., H, L, E)``.
+            k: The keys as given, non-finite entries included ``(..., K, S, E)``.
+            mask: Bool ``True`` = may attend, broadcastable to the scores, or None (all may).
+            scale: Multiplier of the scores.
+            softcap: The scores' soft cap, or None.
+
+        Returns:
+            ``(poisoned, drop)``: bool ``(..., H, L, 1)`` rows with a NaN or ``+inf`` score on
+            a key they may attend (None without non-finite keys), and bool ``(..., H, L, S)``
+            pairs with a ``-inf`` score (None if none).
+        """
+        if self.bad_k is None:
+            return None, None
+        S = k.shape[-2]
+        cols = self.bad_k.reshape(-1, S).any(dim=0).nonzero().squeeze(-1)  # (n,) positions
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        keys = _to_query_heads(k.index_select(-2, cols).to(dtype), q, -3)  # (..., H, n, E)
+        scores = (q.to(dtype) @ keys.transpose(-2, -1)) * scale  # (..., H, L, n)
+        bad = _to_query_heads(self.bad_k, q, -2).index_select(-1, cols).unsqueeze(-2)
+        if mask is not None:  # bad: (..., H, 1, n) -> (..., H, L or 1, n)
+            bad = bad & (mask if mask.shape[-1] == 1 else mask.index_select(-1, cols))
+        if softcap is not None:
+            return bad.any(dim=-1, keepdim=True).expand(*scores.shape[:-1], 1), None
+        poisoned = (bad & ~(scores < float("inf"))).any(dim=-1, keepdim=True)  # NaN or +inf
+        dropped = bad & (scores == float("-inf"))
+        if not bool(dropped.any()):
+            return poisoned, None
+        drop = torch.zeros((*dropped.shape[:-1], S), dtype=torch.bool, device=q.device)
+        return poisoned, drop.index_copy(-1, cols, dropped)
+
+    def propagate(
+        self,
+        out: Tensor,
+        weights: Tensor | None,
+        q: Tensor,
+        poisoned: Tensor | None,
+        mask: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Set to NaN the outputs that a non-finite key or value reaches: the rows
+        ``poisoned`` by a key (see :meth:`key_scores`; their weights too), and in each row that
+        may attend a non-finite value entry, the output column of that entry (as in the math:
+        a value reaches only its own column; the weights stay finite).
+
+        Args:
+            out: Attention output ``(..., H, L, Ev)`` computed on the zeroed inputs.
+            weights: Attention weights ``(..., H, L, S)``, or None.
+            q: The queries.
+            poisoned: Bool ``(..., H, L, 1)`` rows poisoned by a key, or None.
+            mask: The bool mask (``True`` = may attend) broadcastable to the scores, or None
+                when every key may be attended.
+
+        Returns:
+            ``(out, weights)``.
+        """
+        if poisoned is not None:
+            out = _nan_where(out, poisoned)
+            if weights is not None:
+                weights = _nan_where(weights, poisoned)
+        if self.bad_v is not None:
+            S = self.bad_v.shape[-2]
+            cols = self.bad_v.any(dim=-1).reshape(-1, S).any(dim=0).nonzero().squeeze(-1)
+            bad = _to_query_heads(self.bad_v.index_select(-2, cols), q, -3)  # (..., H, n, Ev)
+            if mask is None:
+                reached = bad.any(dim=-2, keepdim=True)  # (..., H, 1, Ev)
+            else:
+                may = mask if mask.shape[-1] == 1 else mask.index_select(-1, cols)
+                may = may.expand(*may.shape[:-1], len(cols)).to(torch.float32)
+                reached = (may @ bad.to(torch.float32)) > 0  # (..., H, L, Ev)
+            out = _nan_where(out, reached)
+        return out, weights

@@ -11,10 +11,10 @@ with the scale folded in, the cap in place, only the masks that cut the span, an
 and one ``bmm`` with the span's values. With gradients the same steps run out of place, so that
 autograd can save what it needs (memory then follows the allowed pairs, like the textbook math).
 
-Without gradients, masks, weights or dropout, on the CPU (a prefill of a causal or sliding-window
-layer), the whole attention is :func:`attnkit.native.capped_attention` instead: FlashAttention's
-loop with the cap, tiles of scores that never leave the caches, one block of queries per thread;
-it measured faster than torch's fused kernel without a cap (``benchmarks/RESULTS.md``).
+Where the policy says (:func:`attnkit.kernels.policy.capped_kernel`: without gradients, masks,
+weights or dropout, on the CPU, as in a prefill of a causal or sliding-window layer), the whole
+attention is :func:`attnkit.native.capped_attention` instead: FlashAttention's loop with the
+cap, tiles of scores that never leave the caches, one block of queries per thread.
 
 Inputs come validated from :mod:`attnkit.functional`, which also keeps non-finite keys and values
 away from the queries that may not attend them. A query that may attend no key gets an output row
@@ -37,42 +37,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import native
-from attnkit.masks import Structure
+from attnkit.kernels import policy
+from attnkit.masks import Structure, offset_mask
 
-__all__ = ["capped_attention", "chunk_rows", "decode_step"]
-
-#: Scores per chunk at most (all heads of the batch together): 2**21 float32 are 8 MiB, which
-#: bounds the buffer's memory for long keys.
-CHUNK_SCORES = 2**21
-#: Most queries per chunk: a causal chunk computes ``rows**2 / 2`` masked scores on its diagonal,
-#: but taller products run faster; with the one-pass softmax 128 beat 64 and 256 at causal
-#: L=S=1024..2048 (``benchmarks/bench_softcap.py --rows``, ``benchmarks/RESULTS.md``).
-MAX_ROWS = 128
-#: Fewest queries per chunk (below this the per-call overhead dominates).
-MIN_ROWS = 16
-
-
-def chunk_rows(heads: int, width: int, L: int, window: int | None = None) -> int:
-    """Queries per chunk: :data:`MAX_ROWS` (a quarter of a ``window``, if that is less), fewer
-    when ``heads * rows * width`` would pass :data:`CHUNK_SCORES` (but at least
-    :data:`MIN_ROWS`).
-
-    A window's chunk computes ``rows * (window + rows)`` scores for ``rows * window`` allowed
-    pairs, so its rows stay small beside the window (64 beat 32 and 128 at window 256).
-
-    Args:
-        heads: Batch times query heads.
-        width: Keys a chunk attends at most (``S``, or ``window + rows`` for a window).
-        L: Query length.
-        window: The sliding window, if any.
-
-    Returns:
-        The chunk height, between 1 and ``L``.
-    """
-    most = MAX_ROWS if window is None else min(MAX_ROWS, window // 4 // MIN_ROWS * MIN_ROWS)
-    rows = CHUNK_SCORES // max(1, heads * width)
-    rows = max(MIN_ROWS, min(most, rows // MIN_ROWS * MIN_ROWS))
-    return max(1, min(rows, L))
+__all__ = ["capped_attention", "decode_step"]
 
 
 def capped_attention(
@@ -88,6 +56,7 @@ def capped_attention(
     return_weights: bool = False,
     rows: int | None = None,
     finite: bool = False,
+    kernel: str = "chunks",
 ) -> tuple[Tensor, Tensor | None]:
     """``softmax(c * tanh(q k^T * scale / c) + mask) v`` over the keys each query may attend.
 
@@ -105,11 +74,17 @@ def capped_attention(
         dropout_p: Dropout probability on the attention weights.
         return_weights: Also return the weights ``(..., H, L, S)`` (zero outside each chunk's
             span).
-        rows: Queries per chunk; defaults to :func:`chunk_rows`.
+        rows: Queries per chunk; defaults to :func:`attnkit.kernels.policy.capped_chunk_rows`
+            (or :func:`~attnkit.kernels.policy.capped_flash_rows` for the flash kernel).
         finite: ``q`` and ``k`` are known to hold no NaN or inf. Without it every score takes
             one more pass that turns an infinite raw score into NaN (see below); with it an
             infinite raw score (finite inputs whose product overflows) is capped to ``c``, as
             ``tanh`` does.
+        kernel: The policy's :func:`~attnkit.kernels.policy.capped_kernel`: ``"flash"``
+            (attnkit's flash loop with the cap; no gradients, mask, documents, lengths,
+            weights or dropout), ``"one-pass"`` (chunks whose cap, causal/window masks and
+            softmax are one pass of attnkit's row kernel; no gradients, mask, documents or
+            lengths) or ``"chunks"``.
 
     Returns:
         ``(out, weights or None)`` in ``q``'s dtype, computed in float32 for half precision.
@@ -126,17 +101,7 @@ def capped_attention(
     batch_shape, (H, L, E), (K, S, Ev) = q.shape[:-3], q.shape[-3:], v.shape[-3:]
     B, G = math.prod(batch_shape), H // K if K else 0  # H = K = 0: an empty output
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if (
-        not grads
-        and compute == torch.float32
-        and mask is None
-        and not structure.batched
-        and not return_weights
-        and not dropout_p > 0.0
-        and K > 0
-        and native.eager_cpu(q)
-        and native.flash_available()
-    ):  # the whole attention in attnkit's kernel, FlashAttention's loop with the cap
+    if kernel == "flash" and mask is None and K > 0:  # FlashAttention's loop with the cap
         wide = dtype if dtype == torch.bfloat16 else compute  # (the kernel widens bf16 itself)
         out = native.capped_attention(
             q.to(wide).reshape(B, H, L, E),
@@ -147,7 +112,7 @@ def capped_attention(
             causal=structure.causal,
             window=structure.window,
             finite=finite,
-            query_block=rows or (64 if structure.window is not None else 128),
+            query_block=rows or policy.capped_flash_rows(structure.window),
         )
         out = out.view(*batch_shape, H, L, Ev).to(dtype)
         return (out.squeeze(0) if squeeze else out), None
@@ -165,24 +130,17 @@ def capped_attention(
     longest = S if rules.key_lengths is None else int(rules.key_lengths.max())
     if rows is None:
         widest = S if rules.window is None else min(S, 2 * rules.window + 1)
-        rows = chunk_rows(B * H, widest, L, rules.window)
+        rows = policy.capped_chunk_rows(B * H, widest, L, rules.window)
         if rules.window is not None:
-            rows = chunk_rows(B * H, min(S, widest + rows), L, rules.window)
+            rows = policy.capped_chunk_rows(B * H, min(S, widest + rows), L, rules.window)
 
     out = q5.new_empty(B, K, G, L, Ev)
     weights = q5.new_zeros(B, K, G, L, S) if return_weights and not grads else None
     buffer = None if grads else q5.new_empty(B * K * G * rows * min(S, longest))
-    # Causal/window masking only, no gradients, float32: the cap, the masks and the softmax as
-    # one in-place pass of attnkit's kernel over each row (torch needs five).
-    one_pass = (
-        buffer is not None
-        and compute == torch.float32
-        and q.device.type == "cpu"
-        and not rules.batched
-        and bmask is None
-        and fmask is None
-        and native.kernels_available()
-    )
+    # Causal/window masking only: the cap, the masks and the softmax as one in-place pass of
+    # attnkit's kernel over each row (torch needs five).
+    one_pass = buffer is not None and kernel in ("flash", "one-pass") and bmask is None
+    one_pass = one_pass and fmask is None and not rules.batched
     pieces: list[tuple[int, int, int, Tensor, Tensor | None]] = []
     for i0 in range(0, L, rows):
         i1 = min(L, i0 + rows)
@@ -199,7 +157,7 @@ def capped_attention(
         qc = q5[:, :, :, i0:i1].reshape(B * K, G * r, E)  # a view unless G > 1 and r < L
         kc = k3[:, lo:hi].transpose(1, 2)  # (B*K, E, w)
         # c * tanh(x / c) = 2c * sigmoid(2x / c) - c; softmax ignores the shift by c, and
-        # torch's CPU sigmoid is ~6x faster than its tanh.
+        # torch's CPU sigmoid is faster than its tanh.
         alpha = 2 * scale / softcap
         if buffer is None:
             s = torch.baddbmm(qc.new_empty(()), qc, kc, beta=0.0, alpha=alpha)
@@ -332,13 +290,13 @@ def decode_step(
     if window is not None and window < S:
         k, v = k[:, :, S - window :], v[:, :, S - window :]
         S = window
-    # q @ k^T (k read transposed) with the scale folded in: ~2x faster on CPU than k @ q^T, and
-    # the scores come out as (B*K, G, S) rows for the softmax along the last dim.
+    # q @ k^T (k read transposed) with the scale folded in: faster on CPU than k @ q^T, and the
+    # scores come out as (B*K, G, S) rows for the softmax along the last dim.
     s = q.new_empty(B * K, H // K, S)
     kt = k.reshape(B * K, S, E).transpose(1, 2)
     torch.baddbmm(s, q.reshape(B * K, H // K, E), kt, beta=0.0, alpha=2 * scale / softcap, out=s)
     # inf -> NaN first (s + 0 * s * s, exact for finite s), as capped_attention; a 0-dim tensor
-    # factor costs a third of a Python float's in mul_ (~3.5 vs ~10 us per call on CPU).
+    # factor costs less than a Python float in mul_ (no scalar wrapped per call).
     s.addcmul_(s, s, value=0).sigmoid_().mul_(_scalar(2 * softcap, s.dtype, s.device))
     p = torch.softmax(s, dim=-1, out=s)
     return torch.bmm(p, v.reshape(B * K, S, Ev)).view(B, H, 1, Ev)
@@ -414,7 +372,7 @@ class _Band:
         ok: Bool ``(rows, width)`` (``True`` = may attend), or None when every pair may.
         cuts: ``(c0, c1, bias)`` for the column ranges ``c0:c1`` where some pair is masked:
             ``bias`` is ``(rows, c1 - c0)``, 0 where allowed and ``-inf`` where masked (adding
-            it in place is ~6x faster on CPU than ``masked_fill_``).
+            it in place is faster on CPU than ``masked_fill_``).
         empty: Bool ``(rows, 1)`` of the queries without any key, or None when there is none.
     """
 
@@ -435,18 +393,10 @@ def _positional(
 ) -> _Band:
     """The :class:`_Band` of a span starting ``offset`` keys after the chunk's first query
     position (cached: a prefill repeats the same few shapes)."""
-    if not causal and window is None:
+    ok = offset_mask(rows, width, offset, causal, window, device)
+    if ok is None:
         return _Band(None, (), None)
-    d = torch.arange(rows, device=device).view(rows, 1) - offset  # query - key position
-    d = d - torch.arange(width, device=device).view(1, width)
-    ok = torch.ones(rows, width, dtype=torch.bool, device=device)
-    if causal:
-        ok &= d >= 0
-    if window is not None:
-        ok &= d.abs() < window
     cut_columns = (~ok).any(dim=0).tolist()
-    if not any(cut_columns):
-        return _Band(None, (), None)
     cuts, c = [], 0
     while c < width:  # maximal runs of columns with a masked pair
         if cut_columns[c]:

@@ -13,18 +13,18 @@ position ``p = i + (S - L)`` (bottom-right alignment) and may attend key ``j`` i
 constraint holds (``causal``: ``j <= p``; ``window``: ``|p - j| < window``; ``segment_ids``: same
 document; ``key_lengths``: ``j < key_lengths[b]``).
 
-Two steps: :func:`faster_plan` cuts the tiles and groups them into runs (:class:`TilePlan`),
-and :func:`tiled_attention` runs a plan on inputs that :mod:`attnkit.functional` has validated.
-:func:`should_use_block_sparse` and :func:`faster_plan` decide when a plan beats the dense
-kernel. The public entry, :func:`attnkit.functional.block_sparse_attention`, validates its
-inputs and runs a plan.
+Two steps: :func:`tile_plan` cuts the tiles and groups them into runs (:class:`TilePlan`), and
+:func:`tiled_attention` runs a plan on inputs that :mod:`attnkit.functional` has validated.
+When a plan beats the dense kernel is the policy's rule
+(:func:`attnkit.kernels.policy.block_sparse`; :func:`should_use_block_sparse` asks it). The
+public entry, :func:`attnkit.functional.block_sparse_attention`, validates its inputs and runs
+a plan.
 
 A query that may attend no key gets an output row of exactly zero with zero gradients.
 
 FlexAttention (``torch.nn.attention.flex_attention`` + ``create_block_mask``, compiled) is the
 alternative a user would pick; ``attnkit bench --vs`` and ``benchmarks/bench_blockwise.py
---flex`` time it side by side (its first call compiles for tens of seconds per shape and mask,
-and torch 2.13 has no FlexAttention backward on CPU; see ``benchmarks/RESULTS.md``).
+--flex`` time it side by side (its first call compiles per shape and mask).
 
 Shape legend: B batch, H query heads, K key/value heads, L query length, S key length,
 E head dim.
@@ -40,29 +40,20 @@ import torch
 from torch import Tensor
 
 from attnkit.blockwise import TileRun, attend_positional, attend_runs, plan_runs
+from attnkit.kernels import policy
 from attnkit.masks import Structure, StructureArgs, structured_mask
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
-__all__ = ["should_use_block_sparse", "structured_mask", "tile_plan"]
-
-# The rule below comes from ``benchmarks/bench_sparse.py --crossover``; the measured ratios are
-# in ``benchmarks/RESULTS.md`` ("When the block-sparse kernel runs").
-
-#: Below this many keys the dense fused kernel wins: planning and per-call overhead outweigh the
-#: skipped work (at N=1024 the forward+backward lost even at 12% of the scores).
-MIN_KEYS = 2048
-#: Use the block-sparse path only when it computes at most this fraction of the dense scores.
-MAX_DENSITY = 0.25
-#: From this many keys on, the forward wins up to about half the scores (1.5x at 0.52).
-LONG_KEYS = 4096
-#: The density bound for ``S >= LONG_KEYS`` without a backward.
-LONG_MAX_DENSITY = 0.5
-#: ... and with one: the flash kernel's backward costs ~3x its forward, the dense one less
-#: (fwd+bwd 1.24x at 0.27 of the scores, 0.53x at 0.52).
-LONG_BACKWARD_MAX_DENSITY = 0.35
+__all__ = [
+    "should_use_block_sparse",
+    "sparse_plan",
+    "structured_mask",
+    "tile_plan",
+    "window_tiles",
+]
 
 
 @dataclass(frozen=True)
@@ -76,7 +67,7 @@ class TilePlan:
         S: Key length.
         B: Batch size (the product of the inputs' leading dims).
         device: Where the inputs live.
-        rows: Query rows per tile, or None for :func:`attnkit.blockwise.tile_rows`.
+        rows: Query rows per tile, or None for :func:`attnkit.kernels.policy.tile_rows`.
     """
 
     structure: Structure
@@ -107,13 +98,8 @@ def should_use_block_sparse(
     backward: bool = False,
     **structure: Unpack[StructureArgs],
 ) -> bool:
-    """Whether :func:`attnkit.functional.block_sparse_attention` should beat the dense fused kernel.
-
-    The rule is measured, not derived: on CPU the tiled path wins once there are at least
-    ``MIN_KEYS`` keys and the tiles cover at most ``MAX_DENSITY`` of the ``L * S`` scores
-    (from ``LONG_KEYS`` keys on: ``LONG_MAX_DENSITY``, or ``LONG_BACKWARD_MAX_DENSITY`` when a
-    backward follows); the numbers are in this module's source, from
-    ``benchmarks/bench_sparse.py --crossover``.
+    """Whether :func:`attnkit.functional.block_sparse_attention` should beat the dense fused kernel:
+    the policy's rule (:func:`attnkit.kernels.policy.block_sparse`) on this structure's tiles.
 
     Args:
         L: Query length.
@@ -132,44 +118,27 @@ def should_use_block_sparse(
     """
     rules = Structure(**structure)
     B = rules.check(L, S)
+    if S < policy.SPARSE_MIN_KEYS or not (rules.sparse or rules.causal):  # (no plan needed)
+        return False
     device = next((t.device for t in (rules.segment_ids, rules.key_lengths) if t is not None), None)
-    plan = faster_plan(
-        L, S, rules, batch=B, device=device, block_size=block_size, backward=backward
-    )
-    return plan is not None
+    return sparse_plan(L, S, rules, B, device, block_size, backward=backward) is not None
 
 
-def faster_plan(
+def sparse_plan(
     L: int,
     S: int,
     structure: Structure,
-    *,
-    batch: int,
+    B: int,
     device: torch.device | str | None,
-    block_size: int | None = None,
-    backward: bool = False,
+    block_size: int | None,
+    *,
+    backward: bool,
 ) -> TilePlan | None:
-    """The tile plan when it should beat the dense kernel (see :func:`should_use_block_sparse`).
-
-    Args:
-        L: Query length.
-        S: Key length.
-        structure: Constraints already validated by :meth:`~attnkit.masks.Structure.check`.
-        batch: Batch size, the product of the inputs' leading dims.
-        device: Device of the inputs.
-        block_size: Query rows per tile; defaults to :func:`attnkit.blockwise.tile_rows`.
-        backward: Whether gradients will be computed.
-
-    Returns:
-        The plan, or ``None`` when the dense kernel should be used.
-    """
-    if S < MIN_KEYS or L < 1 or not (structure.sparse or structure.causal):
-        return None
-    plan = tile_plan(L, S, structure, batch, device, block_size)
-    max_density = MAX_DENSITY
-    if S >= LONG_KEYS:
-        max_density = LONG_BACKWARD_MAX_DENSITY if backward else LONG_MAX_DENSITY
-    return plan if plan.covered <= max_density * batch * L * S else None
+    """:func:`tile_plan`, or None where the policy's
+    :func:`~attnkit.kernels.policy.block_sparse` says the dense kernel wins."""
+    plan = tile_plan(L, S, structure, B, device, block_size)
+    worth = policy.block_sparse(L, S, covered=plan.covered, batch=B, backward=backward)
+    return plan if worth else None
 
 
 def tile_plan(
@@ -185,7 +154,14 @@ def tile_plan(
 
 
 def tiled_attention(
-    q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, *, scale: float, dropout_p: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: TilePlan,
+    *,
+    scale: float,
+    dropout_p: float,
+    kernels: policy.TileKernels,
 ) -> Tensor:
     """Run a :class:`TilePlan` on validated inputs.
 
@@ -198,6 +174,8 @@ def tiled_attention(
         plan: The tile plan for these inputs' ``L``, ``S`` and batch.
         scale: Multiplier of the scores.
         dropout_p: Dropout probability on the attention weights.
+        kernels: The policy's :func:`~attnkit.kernels.policy.tile_kernels`: with
+            ``kernels.flash`` a causal/window structure is one call of attnkit's flash kernels.
 
     Returns:
         The attention output; rows with no allowed key are exactly zero.
@@ -211,8 +189,24 @@ def tiled_attention(
     batch_shape, (H, L, E), (K, S, Ev) = q.shape[:-3], q.shape[-3:], v.shape[-3:]
     B = plan.B
     q, k, v = q.reshape(B, H, L, E), k.reshape(B, K, S, E), v.reshape(B, K, S, Ev)
-    out = attend_positional(q, k, v, plan.structure, scale=scale, dropout_p=dropout_p)
-    if out is None:
-        out = attend_runs(q, k, v, plan.runs, scale=scale, dropout_p=dropout_p)  # (B, H, L, Ev)
-    out = out.reshape(*batch_shape, H, L, Ev)
+    rules = plan.structure
+    if kernels.flash and not rules.batched and dropout_p == 0.0:
+        out = attend_positional(q, k, v, rules, scale=scale)
+    else:
+        runs = plan.runs
+        out = attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p, kernels=kernels)
+    out = out.reshape(*batch_shape, H, L, Ev)  # (..., H, L, Ev)
     return out.squeeze(0) if squeeze else out
+
+
+def window_tiles(q: Tensor, k: Tensor, v: Tensor, *, rows: int, window: int) -> Tensor:
+    """A causal sliding-window forward on torch's flash kernel in tiles of ``rows`` queries
+    (finite inputs ``(B, H, L, E)``, no gradients): what the policy times against attnkit's
+    flash kernel (:func:`attnkit.kernels.policy.bf16_structured`)."""
+    B, _, L, E = q.shape
+    plan = tile_plan(L, k.shape[2], Structure(causal=True, window=window), B, q.device, rows)
+    torch_tiles = policy.TileKernels(flash=False)
+    return attend_runs(q, k, v, plan.runs, scale=E**-0.5, dropout_p=0.0, kernels=torch_tiles)
+
+
+policy.provide_attention_kernel("tiles", window_tiles)
