@@ -580,6 +580,7 @@ def is_finite(t: Tensor) -> bool:
     # exact per-element test, which alone decides.
     if t.numel() == 0:
         return True
+    t = t.detach()  # (a check, not part of any graph)
     return bool(torch.isfinite(torch.linalg.vector_norm(t))) or bool(torch.isfinite(t).all())
 
 
@@ -593,7 +594,7 @@ def may_hide_non_finite(out: Tensor, weights: Tensor | None) -> bool:
     # Each row's 2-norm must be positive and finite: a NaN or inf entry makes it NaN or inf, an
     # all-zero row 0 (NaN fails both comparisons). A row whose squares overflow or underflow
     # takes the careful path too, which is only slower; the 2-norm is one reduction kernel.
-    low, high = torch.aminmax(torch.linalg.vector_norm(out, dim=-1))
+    low, high = torch.aminmax(torch.linalg.vector_norm(out.detach(), dim=-1))
     return not (float(low) > 0 and float(high) < math.inf)
 
 
