@@ -31,18 +31,37 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from attnkit.kernels import build, linear, rows
 from attnkit.kernels.probe import Capabilities, cache_dir, capabilities
 
 __all__ = [
+    "INT8_KERNELS",
+    "INT8_KERNEL_ROWS",
+    "PROMPT_ROWS",
     "Choice",
     "Decision",
+    "LinearPlan",
+    "bf16_prompt_upcast",
     "choices",
     "choose",
+    "compiled_row_kernel",
     "decision",
+    "fp32_prompt_onednn",
+    "int4_kernel",
+    "int8_kernel",
+    "int8_kernel_name",
+    "int8_kernel_rows",
+    "int8pack_takes",
+    "linear_plan",
+    "norm_row_kernel",
     "register",
+    "reset",
     "retune",
+    "stream_rows",
     "tune_file",
+    "weight_layout",
 ]
 
 #: Version of the tune file's layout; a file of another version is measured again.
@@ -62,6 +81,9 @@ class Choice:
             measuring is impossible, e.g. while tracing, and the fallback of a failed timing).
         candidates: For a measured choice, a function returning one zero-argument callable per
             option to time (options it leaves out are not eligible on this machine), or None.
+        margin: How many times faster another candidate must run than the rule's option to be
+            chosen instead (1.0: the fastest wins; more keeps the rule's option where the two
+            are close, through timing noise).
     """
 
     name: str
@@ -69,6 +91,7 @@ class Choice:
     doc: str
     rule: Callable[[Capabilities], str]
     candidates: Callable[[], Mapping[str, Callable[[], Any]]] | None = None
+    margin: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -181,6 +204,9 @@ def _measure(choice: Choice) -> Decision | None:
     except Exception:
         return None
     best = min(seconds, key=seconds.__getitem__)
+    ruled = choice.rule(capabilities())
+    if ruled in seconds and seconds[ruled] <= choice.margin * seconds[best]:
+        best = ruled
     return Decision(choice.name, best, "measured", seconds)
 
 
@@ -229,13 +255,444 @@ def choose(name: str) -> str:
     return decision(name).option
 
 
+def reset() -> None:
+    """Forget this process's decisions (the cache file stays): the next question decides again,
+    reading the environment and the cache."""
+    global _PLAN
+    with _LOCK:
+        _DECIDED.clear()
+        _PLAN = None
+
+
 def retune(names: list[str] | None = None) -> list[Decision]:
     """Measure the measured choices again (all, or ``names``) and rewrite the cache."""
+    global _PLAN
     targets = [n for n in (names or list(_CHOICES)) if _CHOICES[n].candidates is not None]
     with _LOCK:
+        _PLAN = None
         tuned = _read_tuned()
         for name in targets:
             _DECIDED.pop(name, None)
             tuned.pop(name, None)
         _write_tuned(tuned)
     return [decision(name) for name in targets]
+
+
+# Linear products and row kernels
+#
+# Decoding multiplies a weight by a few rows (one per sequence), so it reads every weight once per
+# token: the kernel that streams a weight nearest the memory bandwidth wins. A prompt multiplies it
+# by many rows, where a blocked GEMM wins. Which library streams best, which GEMM is faster, and
+# whether a compiled graph's single row is better served by attnkit's kernel (an op call) or by
+# inductor's own reduction differ from CPU to CPU: those choices are measured on small shapes of
+# the kind a small model's decoding step multiplies, the rest follow from the capabilities.
+
+#: Rows from which a product is a prompt's (a blocked GEMM), below which a decoding step's
+#: (attnkit's streaming kernel); also where bf16 GEMMs may run in float32
+#: (:func:`bf16_prompt_upcast`): a few rows' bf16 products stay bf16 either way.
+PROMPT_ROWS = 16
+#: Rows up to which an int8 product runs attnkit's kernel with its narrow dots; more rows (a
+#: prompt) multiply the dequantized weight by the activations rounded as the kernel rounds them,
+#: where the narrow dots fall behind a blocked GEMM. With the wide dots four rows share each
+#: block of codes, and the kernel takes every product outside compiled graphs.
+INT8_KERNEL_ROWS = 256
+#: The int8 kernels :func:`int8_kernel` chooses between (``"dequantize"``: the float product with
+#: the dequantized weight, which always runs).
+INT8_KERNELS = ("attnkit", "fbgemm", "int8pack", "dequantize")
+#: Former names of int8 kernels, still accepted.
+_INT8_ALIASES = {"avx2": "attnkit"}
+
+
+def _compiled_row_choice(dtype: torch.dtype) -> str:
+    return f"linear.compiled_row.{str(dtype).removeprefix('torch.')}"
+
+
+def _kernels() -> bool:
+    """Whether attnkit's C kernels run here (builds them the first time; never while tracing)."""
+    if torch.compiler.is_compiling():
+        return build.kernels_loaded()
+    return build.kernels_available()
+
+
+def _copies(make: Callable[[], torch.Tensor], total: int = 32 << 20) -> list[torch.Tensor]:
+    """Enough copies of ``make()`` to fill ``total`` bytes (at least two): each timed call walks
+    them all, one after another, as a decoding step walks its layers' weights."""
+    first = make()
+    count = max(2, total // max(first.numel() * first.element_size(), 1))
+    return [first] + [first.clone() for _ in range(count - 1)]
+
+
+def _walk(call: Callable[[torch.Tensor], Any], weights: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for w in weights:
+            call(w)
+
+    return run
+
+
+def _fp32_row_candidates() -> dict[str, Callable[[], Any]]:
+    """One float32 row times row-major weights through attnkit's stream, and times column-major
+    ones through ``F.linear`` (MKL reads those as one stream too)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 576, generator=gen)
+    rowmajor = _copies(lambda: torch.randn(1536, 576, generator=gen))
+    calls: dict[str, Callable[[], Any]] = {
+        "transposed": _walk(lambda w: F.linear(x, w), [w.t().contiguous().t() for w in rowmajor])
+    }
+    if _kernels():
+        calls["stream"] = _walk(lambda w: linear.float_dot_linear(x, w), rowmajor)
+    return calls
+
+
+def _compiled_row_candidates(dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+    """One row of ``dtype`` times weights in a compiled graph: the kernel's op against inductor's
+    streaming reduction (what :func:`attnkit.decoding.linear` compiles for either)."""
+    if not (_kernels() and build.load_ops()):
+        return {}
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 576, generator=gen).to(dtype)
+    weights = _copies(lambda: torch.randn(1536, 576, generator=gen).to(dtype))
+
+    def kernel(x: torch.Tensor, ws: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.ops.attnkit.float_dot_linear(x, w, None) for w in ws]
+
+    def reduction(x: torch.Tensor, ws: list[torch.Tensor]) -> list[torch.Tensor]:
+        row = x.reshape(1, -1).float()
+        row = torch.as_strided(row, row.shape, row.stride())  # (stored, as decoding stores it)
+        return [(row.unsqueeze(1) * w).sum(-1, dtype=torch.float32).to(x.dtype) for w in ws]
+
+    compiled = {
+        name: torch.compile(fn, fullgraph=True, dynamic=False)
+        for name, fn in (("kernel", kernel), ("reduction", reduction))
+    }
+    return {name: (lambda fn=fn: fn(x, weights)) for name, fn in compiled.items()}
+
+
+def _fp32_prompt_candidates() -> dict[str, Callable[[], Any]]:
+    """A prompt's float32 GEMM through ``F.linear`` (MKL) and through oneDNN's
+    ``mkldnn._linear_pointwise`` (the kernel inductor's CPU linears call)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(128, 768, generator=gen), torch.randn(1024, 768, generator=gen)
+    calls: dict[str, Callable[[], Any]] = {"mkl": lambda: F.linear(x, w)}
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is not None and torch.backends.mkldnn.is_available():
+        calls["onednn"] = lambda: op(x, w, None, "none", [], "")
+    return calls
+
+
+def _bf16_prompt_candidates() -> dict[str, Callable[[], Any]]:
+    """A prompt's bf16 GEMM as it is, and in float32 (weight and rows widened, the result rounded
+    back): the second wins on CPUs whose bf16 GEMM is emulated."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 576, generator=gen).bfloat16()
+    w = torch.randn(1536, 576, generator=gen).bfloat16()
+    return {
+        "bf16": lambda: F.linear(x, w),
+        "upcast": lambda: F.linear(x.float(), w.float()).bfloat16(),
+    }
+
+
+def _int8_candidates() -> dict[str, Callable[[], Any]]:
+    """One row times int8 weights through each int8 kernel that runs here."""
+    gen = torch.Generator().manual_seed(0)
+    n = out = 1536
+    codes = _copies(
+        lambda: torch.randint(-127, 128, (out, n), dtype=torch.int8, generator=gen), 16 << 20
+    )
+    scale = torch.rand(out, generator=gen) / 127
+    x = torch.randn(1, n, generator=gen)
+    calls: dict[str, Callable[[], Any]] = {}
+    if _kernels():
+        grouped = [linear.group_codes(c) for c in codes]
+        calls["attnkit"] = _walk(lambda c: linear.int8_product(x, c, scale), grouped)
+    if linear.fbgemm_engine():
+        packed = [[linear.fbgemm_pack(c, scale)] for c in codes]
+        empty = torch.empty(out, 0, dtype=torch.int8)
+        scale_bf16 = scale.bfloat16()
+
+        def fbgemm() -> None:
+            for p in packed:
+                linear.fbgemm_product(x, p, empty, scale, scale_bf16, int8pack_tail=False)
+
+        calls["fbgemm"] = fbgemm
+    if int8pack_takes(n):
+        xb, scale_bf16 = x.bfloat16(), scale.bfloat16()
+        calls["int8pack"] = _walk(lambda c: torch._weight_int8pack_mm(xb, c, scale_bf16), codes)
+    return calls
+
+
+def _norm_row_candidates() -> dict[str, Callable[[], Any]]:
+    """One float32 row's RMSNorm as three torch calls, and through attnkit's row kernel."""
+    gen = torch.Generator().manual_seed(0)
+    x, weight, zero = (
+        torch.randn(1, 576, generator=gen),
+        torch.rand(576, generator=gen),
+        torch.zeros(()),
+    )
+
+    def torch_row() -> torch.Tensor:
+        norm = float(torch.linalg.vector_norm(x))
+        return torch.addcmul(zero, x, weight, value=1.0 / (norm * norm / 576 + 1e-6) ** 0.5)
+
+    calls: dict[str, Callable[[], Any]] = {"torch": lambda: [torch_row() for _ in range(64)]}
+    if _kernels():
+        calls["kernel"] = lambda: [rows.rms_norm(x, weight, 1e-6) for _ in range(64)]
+    return calls
+
+
+register(
+    Choice(
+        "linear.float_dots",
+        ("wide", "narrow"),
+        "attnkit's float products: eight rows share each weight vector with the wide dots (where "
+        "the CPU has 512-bit vectors), two with the narrow ones.",
+        lambda caps: "wide" if caps.wide_vectors else "narrow",
+    )
+)
+register(
+    Choice(
+        "linear.int8_dots",
+        ("wide", "narrow"),
+        "attnkit's int8 and int4 products: the wide integer dots take twice the codes per "
+        "instruction, with the same bits, where the CPU has them.",
+        lambda caps: "wide" if caps.int8_dot else "narrow",
+    )
+)
+register(
+    Choice(
+        "linear.fp32_row",
+        ("stream", "transposed"),
+        "An eager float32 product of one row: attnkit's stream over the row-major weight, or "
+        "F.linear (MKL) over a column-major one; which reads a weight faster depends on the CPU.",
+        lambda caps: "transposed" if caps.matrix_tiles else "stream",
+        _fp32_row_candidates,
+    )
+)
+for _dtype, _rule in ((torch.float32, False), (torch.bfloat16, True)):
+    register(
+        Choice(
+            _compiled_row_choice(_dtype),
+            ("kernel", "reduction"),
+            f"A compiled step's product of one {_dtype} row: attnkit's kernel as an op, or "
+            "inductor's streaming reduction (no op call); measured when compiled decoding "
+            "first runs, as it compiles.",
+            (lambda caps: "kernel" if caps.wide_vectors else "reduction")
+            if _rule
+            else (lambda caps: "reduction"),
+            lambda dtype=_dtype: _compiled_row_candidates(dtype),
+        )
+    )
+register(
+    Choice(
+        "linear.fp32_prompt",
+        ("mkl", "onednn"),
+        "A prompt's float32 GEMM (eager, no gradients): F.linear's MKL, or oneDNN's GEMM, which "
+        "some CPUs run much faster (MKL takes a narrower path on them).",
+        lambda caps: "mkl",
+        _fp32_prompt_candidates,
+        margin=1.15,
+    )
+)
+register(
+    Choice(
+        "linear.bf16_prompt",
+        ("bf16", "upcast"),
+        "A prompt's bf16 GEMM: as it is, or in float32 and rounded back, which wins where the "
+        "CPU has no bf16 dot products (torch emulates them).",
+        lambda caps: "bf16" if caps.bf16_dot else "upcast",
+        _bf16_prompt_candidates,
+    )
+)
+register(
+    Choice(
+        "linear.int8",
+        INT8_KERNELS[:3],
+        "The int8 kernel of quantized linears: attnkit's (streams the codes), fbgemm's dynamic "
+        "linear, or torch's int8pack product (bf16 activations).",
+        lambda caps: (
+            "attnkit"
+            if build.kernels_available()
+            else "int8pack"
+            if caps.matrix_tiles or not linear.fbgemm_engine()
+            else "fbgemm"
+        ),
+        _int8_candidates,
+    )
+)
+register(
+    Choice(
+        "linear.int4",
+        ("attnkit", "dequantize"),
+        "The int4 kernel of quantized linears: attnkit's (packed nibbles, integer dots), or the "
+        "float product with the dequantized weight where it cannot run.",
+        lambda caps: "attnkit" if build.kernels_available() else "dequantize",
+    )
+)
+register(
+    Choice(
+        "rows.norm_row",
+        ("torch", "kernel"),
+        "An eager RMSNorm of one float32 row (a decoding step): three torch calls, or attnkit's "
+        "row kernel, whose call can cost more than the row.",
+        lambda caps: "torch",
+        _norm_row_candidates,
+    )
+)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """The linear and row choices, decided together once (:func:`linear_plan`): compiled graphs
+    read this record, which they cannot decide themselves.
+
+    Attributes:
+        kernels: attnkit's C kernels run here.
+        int8_wide: Their int8 and int4 products run the wide dots (``linear.int8_dots``).
+        fp32_row: ``"stream"`` or ``"transposed"`` (choice ``linear.fp32_row``).
+        with_compiled: The compiled-row choices were decided (``linear_plan(compiled=True)``).
+        compiled_row: Weight dtypes whose single row in a compiled step runs the kernel's op
+            (choices ``linear.compiled_row.*``).
+        fp32_prompt_onednn: Prompts' float32 GEMMs run oneDNN's (``linear.fp32_prompt``).
+        bf16_upcast: Prompts' bf16 GEMMs run in float32 (``linear.bf16_prompt``).
+        norm_row_kernel: One float32 row's RMSNorm runs the kernel (``rows.norm_row``).
+    """
+
+    kernels: bool
+    int8_wide: bool = False
+    fp32_row: str = "stream"
+    with_compiled: bool = False
+    compiled_row: frozenset[torch.dtype] = frozenset()
+    fp32_prompt_onednn: bool = False
+    bf16_upcast: bool = False
+    norm_row_kernel: bool = False
+
+
+_PLAN: LinearPlan | None = None
+#: The plan while tracing before any was decided: torch's kernels only.
+_TRACED = LinearPlan(kernels=False)
+
+
+def linear_plan(*, compiled: bool = False) -> LinearPlan:
+    """The linear and row choices of this process, decided at the first call (measured choices
+    at their first use on this machine, then read from the cache), and the kernels' wide dots
+    switched as chosen. ``compiled`` also decides the compiled-row choices (compiled decoding
+    asks so before it traces). While tracing it returns what was decided before."""
+    global _PLAN
+    plan = _PLAN
+    if torch.compiler.is_compiling():
+        return _TRACED if plan is None else plan
+    if plan is not None and (plan.with_compiled or not compiled):
+        return plan
+    with _LOCK:
+        compiled = compiled or (plan is not None and plan.with_compiled)
+        kernels = build.kernels_available()
+        int8_wide = kernels and choose("linear.int8_dots") == "wide"
+        if kernels:
+            linear.float_wide_dots(choose("linear.float_dots") == "wide")
+            linear.int8_wide_dots(int8_wide)
+        compiled_row = frozenset(
+            dtype
+            for dtype in (torch.float32, torch.bfloat16)
+            if compiled and kernels and choose(_compiled_row_choice(dtype)) == "kernel"
+        )
+        plan = LinearPlan(
+            kernels=kernels,
+            int8_wide=int8_wide,
+            fp32_row=choose("linear.fp32_row") if kernels else "transposed",
+            with_compiled=compiled,
+            compiled_row=compiled_row,
+            fp32_prompt_onednn=choose("linear.fp32_prompt") == "onednn",
+            bf16_upcast=choose("linear.bf16_prompt") == "upcast",
+            norm_row_kernel=kernels and choose("rows.norm_row") == "kernel",
+        )
+        _PLAN = plan
+        return plan
+
+
+def stream_rows(dtype: torch.dtype, rows: int, *, compiled: bool = False) -> bool:
+    """Whether a product of ``rows`` rows (fewer than :data:`PROMPT_ROWS`) with ``dtype``
+    weights runs attnkit's streaming kernel: bf16 and float32 where the kernels run, except an
+    eager float32 row where ``linear.fp32_row`` chose MKL, and a compiled single row of a dtype
+    ``linear.compiled_row.*`` left to inductor's reduction."""
+    plan = linear_plan()
+    if not plan.kernels or dtype not in (torch.bfloat16, torch.float32) or rows >= PROMPT_ROWS:
+        return False
+    if rows >= 2:
+        return True
+    if compiled:
+        return dtype in plan.compiled_row
+    return not (dtype == torch.float32 and plan.fp32_row == "transposed")
+
+
+def weight_layout(dtype: torch.dtype, *, cpu: bool, compiled: bool, batch: int) -> str:
+    """How a linear's weight is stored for decoding steps of ``batch`` sequences:
+    ``"stream"`` (row-major, attnkit's kernel reads it) where CPU steps stream (a compiled step
+    of one row may still run inductor's reduction over it), ``"transposed"`` (column-major,
+    MKL's one-row product reads it as one stream) for other eager float32 CPU steps, else
+    ``"linear"`` (as it is)."""
+    rows = max(2, batch) if compiled else batch  # (a compiled single row reads row-major)
+    if cpu and stream_rows(dtype, rows):
+        return "stream"
+    if cpu and not compiled and dtype == torch.float32:
+        return "transposed"
+    return "linear"
+
+
+def compiled_row_kernel(dtype: torch.dtype) -> bool:
+    """Whether one row of ``dtype`` in a compiled graph runs the kernel's op (else inductor's
+    reduction): the ``linear.compiled_row.*`` choices, read from the plan decided before the
+    trace."""
+    return dtype in linear_plan().compiled_row
+
+
+def fp32_prompt_onednn() -> bool:
+    """Whether a prompt's float32 GEMM runs oneDNN's (choice ``linear.fp32_prompt``)."""
+    return linear_plan().fp32_prompt_onednn
+
+
+def bf16_prompt_upcast() -> bool:
+    """Whether a prompt's bf16 GEMM runs in float32 (choice ``linear.bf16_prompt``)."""
+    return linear_plan().bf16_upcast
+
+
+def norm_row_kernel() -> bool:
+    """Whether one eager float32 row's RMSNorm runs the row kernel (choice ``rows.norm_row``)."""
+    return linear_plan().norm_row_kernel
+
+
+def int8pack_takes(in_features: int) -> bool:
+    """Whether ``torch._weight_int8pack_mm`` takes ``in_features`` inputs: multiples of 8 (it
+    reads out of bounds otherwise), and of 16 on CPUs with matrix tiles, where its tile kernel
+    crashed the process on bf16 activations of several rows otherwise."""
+    return in_features % (16 if capabilities().matrix_tiles else 8) == 0
+
+
+def int8_kernel_name(name: str) -> str:
+    """``name`` of an int8 kernel, a former name mapped to today's."""
+    return _INT8_ALIASES.get(name, name)
+
+
+def int8_kernel(usable: tuple[str, ...] | list[str]) -> str:
+    """The int8 kernel a quantized linear runs, of the ``usable`` ones (those that take its
+    shape): the ``linear.int8`` choice where it is usable, else the first usable of the rule's
+    order (attnkit, fbgemm where the CPU has no matrix tiles, int8pack), else ``"dequantize"``."""
+    chosen = choose("linear.int8")
+    if chosen in usable:
+        return chosen
+    order = ("attnkit",) if capabilities().matrix_tiles else ("attnkit", "fbgemm")
+    for kernel in (*order, "int8pack"):
+        if kernel in usable:
+            return kernel
+    return "dequantize"
+
+
+def int8_kernel_rows(rows: int, *, compiling: bool) -> bool:
+    """Whether an int8 product of ``rows`` rows runs attnkit's kernel (else the dequantized
+    GEMM): up to :data:`INT8_KERNEL_ROWS` rows, and every row outside compiled graphs where the
+    wide dots run."""
+    return rows <= INT8_KERNEL_ROWS or (not compiling and linear_plan().int8_wide)
+
+
+def int4_kernel() -> str:
+    """The int4 kernel of quantized linears: ``"attnkit"`` or ``"dequantize"``."""
+    return choose("linear.int4")

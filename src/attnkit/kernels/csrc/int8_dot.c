@@ -136,13 +136,13 @@ static VNNI void dots4_vnni(const int8_t *xq, const float *xs, int64_t blocks, c
   group_dots_vnni(xq, xs, blocks, 4, w, n, dots);
 }
 
-/* Whether group dots run with AVX512-VNNI: -1 until asked, then 0 or 1 (see attnkit_int8_vnni). */
+/* Whether group dots run with AVX512-VNNI: -1 until asked, then 0 or 1 (see attnkit_int8_wide). */
 static int vnni = -1;
 
 /* Ask for the VNNI group dots (wanted 1) or the AVX2 ones (0), -1 to leave the choice; returns
  * whether VNNI runs from now on: 1 only where the CPU has AVX512-VNNI and AVX512-BW. By default
  * it does where it can. */
-int attnkit_int8_vnni(int wanted) {
+int attnkit_int8_wide(int wanted) {
   if (wanted < 0 && vnni >= 0) return vnni; /* (every product asks: the CPU is probed once) */
   __builtin_cpu_init();
   const int able = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
@@ -175,7 +175,7 @@ int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w
   }
   for (int64_t r = 0; r < rows; r++) quantize_blocks(x + r * n, n, xq + r * n, xs + r * blocks);
   const int64_t groups = out / GROUP;
-  const int wide = attnkit_int8_vnni(-1);
+  const int wide = attnkit_int8_wide(-1);
   const int most = wide ? 4 : 2; /* activation rows a pass */
   (void)threads; /* (unused where built without OpenMP) */
   /* (small products stay on one thread: a parallel region costs more than they do) */
