@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -38,6 +37,7 @@ from attnkit.kernels.probe import Capabilities, cache_dir, capabilities
 
 __all__ = [
     "INT8_KERNELS",
+    "INT8_KERNEL_ALIASES",
     "INT8_KERNEL_ROWS",
     "PROMPT_ROWS",
     "Choice",
@@ -48,6 +48,7 @@ __all__ = [
     "choose",
     "compiled_row_kernel",
     "decision",
+    "env_var",
     "fp32_prompt_onednn",
     "int4_kernel",
     "int8_kernel",
@@ -101,7 +102,9 @@ class Decision:
     Attributes:
         name: The choice's name.
         option: The option chosen.
-        source: ``"environment"``, ``"measured"``, ``"cached"`` or ``"rule"``.
+        source: ``"environment"``, ``"measured"``, ``"cached"`` or ``"rule"``; ``"pending"``
+            for a measured choice asked with ``measure=False`` before it was measured (the
+            option is the rule's until then).
         seconds: For a measured choice, the median seconds of each candidate timed.
     """
 
@@ -131,7 +134,8 @@ def choices() -> dict[str, Choice]:
     return dict(_CHOICES)
 
 
-def _env_name(name: str) -> str:
+def env_var(name: str) -> str:
+    """The environment variable that overrides the choice ``name``."""
     return "ATTNKIT_KERNEL_" + name.upper().replace(".", "_").replace("-", "_")
 
 
@@ -174,9 +178,11 @@ def _write_tuned(tuned: Mapping[str, Any]) -> None:
         pass
 
 
-def _time(calls: Mapping[str, Callable[[], Any]], rounds: int = 5) -> dict[str, float]:
-    """Median seconds per call of each candidate: one warm-up each, then interleaved rounds
-    (neighbours in time share the machine's load, so their ratio is fair on a busy machine)."""
+def _time(calls: Mapping[str, Callable[[], Any]], rounds: int = 7) -> dict[str, float]:
+    """The fastest of a few timed calls of each candidate, in seconds: one warm-up each, then
+    interleaved rounds (neighbours in time share the machine's load). The minimum, not the
+    median: another process's work only ever adds time, and on a busy machine a thread pool
+    that waits for a descheduled thread can add more than the call itself takes."""
     with torch.no_grad():
         for call in calls.values():
             call()
@@ -186,7 +192,7 @@ def _time(calls: Mapping[str, Callable[[], Any]], rounds: int = 5) -> dict[str, 
                 start = time.perf_counter()
                 call()
                 samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return {name: min(times) for name, times in samples.items()}
 
 
 def _measure(choice: Choice) -> Decision | None:
@@ -199,29 +205,38 @@ def _measure(choice: Choice) -> Decision | None:
     if len(calls) < 2:
         only = next(iter(calls), None)
         return None if only is None else Decision(choice.name, only, "measured")
+    ruled = choice.rule(capabilities())
+
+    def best(seconds: dict[str, float]) -> str:
+        fastest = min(seconds, key=seconds.__getitem__)
+        if ruled in seconds and seconds[ruled] <= choice.margin * seconds[fastest]:
+            return ruled
+        return fastest
+
     try:
         seconds = _time(calls)
-    except Exception:
+        if best(seconds) != ruled:  # (confirmed by a second timing before the rule is left)
+            again = _time(calls)
+            seconds = {name: min(t, again[name]) for name, t in seconds.items()}
+    except Exception:  # (a candidate that fails here is not eligible: the rule stands)
         return None
-    best = min(seconds, key=seconds.__getitem__)
-    ruled = choice.rule(capabilities())
-    if ruled in seconds and seconds[ruled] <= choice.margin * seconds[best]:
-        best = ruled
-    return Decision(choice.name, best, "measured", seconds)
+    return Decision(choice.name, best(seconds), "measured", seconds)
 
 
-def decision(name: str) -> Decision:
-    """How the choice ``name`` is answered here (deciding it now if it was not yet)."""
+def decision(name: str, *, measure: bool = True) -> Decision:
+    """How the choice ``name`` is answered here (deciding it now if it was not yet; with
+    ``measure=False`` a measured choice neither measured nor cached is not measured: its
+    decision is the rule's, with source ``"pending"``)."""
     try:
         choice = _CHOICES[name]
     except KeyError:
         known = ", ".join(sorted(_CHOICES))
         raise ValueError(f"unknown kernel choice {name!r} (known: {known})") from None
-    forced = os.environ.get(_env_name(name))
+    forced = os.environ.get(env_var(name))
     if forced:
         if forced not in choice.options:
             raise ValueError(
-                f"{_env_name(name)}={forced!r} is not an option of {name!r} "
+                f"{env_var(name)}={forced!r} is not an option of {name!r} "
                 f"(options: {', '.join(choice.options)})"
             )
         return Decision(name, forced, "environment")
@@ -240,6 +255,8 @@ def decision(name: str) -> Decision:
         cached = _read_tuned().get(name)
         if isinstance(cached, dict) and cached.get("option") in choice.options:
             made = Decision(name, cached["option"], "cached", dict(cached.get("seconds", {})))
+        elif not measure:
+            return Decision(name, choice.rule(capabilities()), "pending")
         else:
             made = _measure(choice) or Decision(name, choice.rule(capabilities()), "rule")
             if made.source == "measured":
@@ -300,7 +317,7 @@ INT8_KERNEL_ROWS = 256
 #: the dequantized weight, which always runs).
 INT8_KERNELS = ("attnkit", "fbgemm", "int8pack", "dequantize")
 #: Former names of int8 kernels, still accepted.
-_INT8_ALIASES = {"avx2": "attnkit"}
+INT8_KERNEL_ALIASES = {"avx2": "attnkit"}
 
 
 def _compiled_row_choice(dtype: torch.dtype) -> str:
@@ -466,6 +483,7 @@ register(
         "F.linear (MKL) over a column-major one; which reads a weight faster depends on the CPU.",
         lambda caps: "transposed" if caps.matrix_tiles else "stream",
         _fp32_row_candidates,
+        margin=1.05,
     )
 )
 for _dtype, _rule in ((torch.float32, False), (torch.bfloat16, True)):
@@ -480,6 +498,7 @@ for _dtype, _rule in ((torch.float32, False), (torch.bfloat16, True)):
             if _rule
             else (lambda caps: "reduction"),
             lambda dtype=_dtype: _compiled_row_candidates(dtype),
+            margin=1.05,
         )
     )
 register(
@@ -517,6 +536,7 @@ register(
             else "fbgemm"
         ),
         _int8_candidates,
+        margin=1.1,
     )
 )
 register(
@@ -669,7 +689,7 @@ def int8pack_takes(in_features: int) -> bool:
 
 def int8_kernel_name(name: str) -> str:
     """``name`` of an int8 kernel, a former name mapped to today's."""
-    return _INT8_ALIASES.get(name, name)
+    return INT8_KERNEL_ALIASES.get(name, name)
 
 
 def int8_kernel(usable: tuple[str, ...] | list[str]) -> str:
