@@ -381,8 +381,7 @@ def _stream(
 SPLIT_PREFILL_PADDING = 0.25
 #: Real tokens up to which neighbouring prompts fill in together (see _prefill_groups): a
 #: forward of a few dozen rows costs about a read of every weight, while GEMMs of a few hundred
-#: rows run near their peak (MKL's fp32 GEMM on an AMX Xeon: 170-180 GFLOP/s for 32 rows, 260-310
-#: for 128, 320-330 for 640), so past that, padding only adds work.
+#: rows run near their peak, so past that, padding only adds work.
 PREFILL_RUN_TOKENS = 256
 
 

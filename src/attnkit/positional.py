@@ -308,8 +308,8 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Te
     Half-precision ``x`` is rotated in float32 and rounded once. Eager CPU inference runs
     attnkit's kernel (:func:`_native_rotation`); otherwise (gradients, compiled graphs, other
     dtypes) the product with ``cos`` makes a new tensor in the compute dtype, each half of the
-    pairs adds its partner's product to it in place (no swapped copy of ``x``: 1.5x faster in
-    float32 than ``roll`` and ``addcmul``), and the result is cast back.
+    pairs adds its partner's product to it in place (no swapped copy of ``x``, as ``roll`` and
+    ``addcmul`` would make), and the result is cast back.
 
     Shape:
         x ``(..., L, E)``, cos/signed_sin broadcastable to it -> like ``x``.
@@ -339,7 +339,7 @@ def _native_rotation(x: Tensor, cos: Tensor, signed_sin: Tensor) -> bool:
     """Whether :func:`attnkit.kernels.rows.rotate` computes this rotation: eager CPU inference on
     float32 or bf16 heads with the rotary module's float32 rows (``(L, E)``, or ``(B, 1, L, E)``
     for per-sequence positions), where attnkit's kernels run. One pass and one new tensor
-    instead of five (a bf16 prefill of 2048 tokens: ``benchmarks/RESULTS.md``)."""
+    instead of five."""
     if (
         x.dtype not in (torch.float32, torch.bfloat16)
         or cos.dtype != torch.float32

@@ -353,8 +353,9 @@ def capped_attention(
         causal: Keys after a query are masked.
         window: Keys ``window`` or more positions away are masked (None: no window).
         finite: ``q`` and ``k`` are known to be finite (skips turning infinite scores into NaN).
-        query_block: Queries a thread works on at a time (64 suits a window: a block computes
-            ``query_block + window`` keys per query; without one 128 measured faster).
+        query_block: Queries a thread works on at a time (small blocks suit a window: a block
+            computes ``query_block + window`` keys per query; without one, larger blocks share
+            each tile of keys among more queries).
         key_block: Most keys of a tile of scores.
 
     Returns:

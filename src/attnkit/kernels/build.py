@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit.kernels import binding
-from attnkit.kernels.probe import c_compiler, cache_dir, capabilities, cxx_compiler
+from attnkit.kernels.probe import KERNEL_TARGET, c_compiler, cache_dir, capabilities, cxx_compiler
 
 __all__ = [
     "CSRC",
@@ -66,7 +66,7 @@ _SOURCES = tuple(
 )
 #: Headers the sources include (hashed into the build's name with them).
 _HEADERS = (CSRC / "simd.h",)
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-Wall")
+_FLAGS = ("-O3", *KERNEL_TARGET, "-fPIC", "-Wall")
 _OPS_SOURCE = CSRC / "ops.cpp"
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "KERNEL_TARGET",
     "Capabilities",
     "c_compiler",
     "cache_dir",
@@ -41,6 +42,12 @@ _FLAGS_OF_INTEREST = (
     "amx_bf16",
     "amx_int8",
 )
+
+
+#: The compiler flags naming the instruction sets attnkit's C kernels are built for (what
+#: :attr:`Capabilities.simd` checks; their wider paths are compiled per function and chosen at
+#: run time).
+KERNEL_TARGET = ("-mavx2", "-mfma")
 
 
 def _cpuinfo() -> tuple[str, frozenset[str]]:

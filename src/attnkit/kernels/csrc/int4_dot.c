@@ -166,8 +166,8 @@ static inline VNNI __attribute__((always_inline)) void group_dots_vnni(
 }
 
 /* Activation rows through a group of weight rows, each path compiled per row count: two at a
- * time with AVX2 (its 16 registers hold two rows' sums), four with AVX512 (measured on the 135M
- * shape's matrices, 4 rows: 1.6x one row a pass, 1.25x two; benchmarks/RESULTS.md). */
+ * time with AVX2 (its 16 registers hold two rows' sums), four with AVX512 (its 32 hold four):
+ * the rows of a pass share each load and unpacking of the codes. */
 static void dots1(const Rows *x, const uint8_t *w, const uint16_t *sm, int64_t g, float *d) {
   group_dots(x, 1, w, sm, g, d);
 }
