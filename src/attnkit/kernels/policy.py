@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from attnkit.kernels import build, linear, rows
+from attnkit.kernels import build, linear, timing
 from attnkit.kernels.probe import Capabilities, cache_dir, capabilities
 
 __all__ = [
@@ -324,139 +323,6 @@ def _compiled_row_choice(dtype: torch.dtype) -> str:
     return f"linear.compiled_row.{str(dtype).removeprefix('torch.')}"
 
 
-def _kernels() -> bool:
-    """Whether attnkit's C kernels run here (builds them the first time; never while tracing)."""
-    if torch.compiler.is_compiling():
-        return build.kernels_loaded()
-    return build.kernels_available()
-
-
-def _copies(make: Callable[[], torch.Tensor], total: int = 32 << 20) -> list[torch.Tensor]:
-    """Enough copies of ``make()`` to fill ``total`` bytes (at least two): each timed call walks
-    them all, one after another, as a decoding step walks its layers' weights."""
-    first = make()
-    count = max(2, total // max(first.numel() * first.element_size(), 1))
-    return [first] + [first.clone() for _ in range(count - 1)]
-
-
-def _walk(call: Callable[[torch.Tensor], Any], weights: list[torch.Tensor]) -> Callable[[], None]:
-    def run() -> None:
-        for w in weights:
-            call(w)
-
-    return run
-
-
-def _fp32_row_candidates() -> dict[str, Callable[[], Any]]:
-    """One float32 row times row-major weights through attnkit's stream, and times column-major
-    ones through ``F.linear`` (MKL reads those as one stream too)."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 576, generator=gen)
-    rowmajor = _copies(lambda: torch.randn(1536, 576, generator=gen))
-    calls: dict[str, Callable[[], Any]] = {
-        "transposed": _walk(lambda w: F.linear(x, w), [w.t().contiguous().t() for w in rowmajor])
-    }
-    if _kernels():
-        calls["stream"] = _walk(lambda w: linear.float_dot_linear(x, w), rowmajor)
-    return calls
-
-
-def _compiled_row_candidates(dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
-    """One row of ``dtype`` times weights in a compiled graph: the kernel's op against inductor's
-    streaming reduction (what :func:`attnkit.decoding.linear` compiles for either)."""
-    if not (_kernels() and build.load_ops()):
-        return {}
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 576, generator=gen).to(dtype)
-    weights = _copies(lambda: torch.randn(1536, 576, generator=gen).to(dtype))
-
-    def kernel(x: torch.Tensor, ws: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [torch.ops.attnkit.float_dot_linear(x, w, None) for w in ws]
-
-    def reduction(x: torch.Tensor, ws: list[torch.Tensor]) -> list[torch.Tensor]:
-        row = x.reshape(1, -1).float()
-        row = torch.as_strided(row, row.shape, row.stride())  # (stored, as decoding stores it)
-        return [(row.unsqueeze(1) * w).sum(-1, dtype=torch.float32).to(x.dtype) for w in ws]
-
-    compiled = {
-        name: torch.compile(fn, fullgraph=True, dynamic=False)
-        for name, fn in (("kernel", kernel), ("reduction", reduction))
-    }
-    return {name: (lambda fn=fn: fn(x, weights)) for name, fn in compiled.items()}
-
-
-def _fp32_prompt_candidates() -> dict[str, Callable[[], Any]]:
-    """A prompt's float32 GEMM through ``F.linear`` (MKL) and through oneDNN's
-    ``mkldnn._linear_pointwise`` (the kernel inductor's CPU linears call)."""
-    gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(128, 768, generator=gen), torch.randn(1024, 768, generator=gen)
-    calls: dict[str, Callable[[], Any]] = {"mkl": lambda: F.linear(x, w)}
-    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-    if op is not None and torch.backends.mkldnn.is_available():
-        calls["onednn"] = lambda: op(x, w, None, "none", [], "")
-    return calls
-
-
-def _bf16_prompt_candidates() -> dict[str, Callable[[], Any]]:
-    """A prompt's bf16 GEMM as it is, and in float32 (weight and rows widened, the result rounded
-    back): the second wins on CPUs whose bf16 GEMM is emulated."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 576, generator=gen).bfloat16()
-    w = torch.randn(1536, 576, generator=gen).bfloat16()
-    return {
-        "bf16": lambda: F.linear(x, w),
-        "upcast": lambda: F.linear(x.float(), w.float()).bfloat16(),
-    }
-
-
-def _int8_candidates() -> dict[str, Callable[[], Any]]:
-    """One row times int8 weights through each int8 kernel that runs here."""
-    gen = torch.Generator().manual_seed(0)
-    n = out = 1536
-    codes = _copies(
-        lambda: torch.randint(-127, 128, (out, n), dtype=torch.int8, generator=gen), 16 << 20
-    )
-    scale = torch.rand(out, generator=gen) / 127
-    x = torch.randn(1, n, generator=gen)
-    calls: dict[str, Callable[[], Any]] = {}
-    if _kernels():
-        grouped = [linear.group_codes(c) for c in codes]
-        calls["attnkit"] = _walk(lambda c: linear.int8_product(x, c, scale), grouped)
-    if linear.fbgemm_engine():
-        packed = [[linear.fbgemm_pack(c, scale)] for c in codes]
-        empty = torch.empty(out, 0, dtype=torch.int8)
-        scale_bf16 = scale.bfloat16()
-
-        def fbgemm() -> None:
-            for p in packed:
-                linear.fbgemm_product(x, p, empty, scale, scale_bf16, int8pack_tail=False)
-
-        calls["fbgemm"] = fbgemm
-    if int8pack_takes(n):
-        xb, scale_bf16 = x.bfloat16(), scale.bfloat16()
-        calls["int8pack"] = _walk(lambda c: torch._weight_int8pack_mm(xb, c, scale_bf16), codes)
-    return calls
-
-
-def _norm_row_candidates() -> dict[str, Callable[[], Any]]:
-    """One float32 row's RMSNorm as three torch calls, and through attnkit's row kernel."""
-    gen = torch.Generator().manual_seed(0)
-    x, weight, zero = (
-        torch.randn(1, 576, generator=gen),
-        torch.rand(576, generator=gen),
-        torch.zeros(()),
-    )
-
-    def torch_row() -> torch.Tensor:
-        norm = float(torch.linalg.vector_norm(x))
-        return torch.addcmul(zero, x, weight, value=1.0 / (norm * norm / 576 + 1e-6) ** 0.5)
-
-    calls: dict[str, Callable[[], Any]] = {"torch": lambda: [torch_row() for _ in range(64)]}
-    if _kernels():
-        calls["kernel"] = lambda: [rows.rms_norm(x, weight, 1e-6) for _ in range(64)]
-    return calls
-
-
 register(
     Choice(
         "linear.float_dots",
@@ -482,7 +348,7 @@ register(
         "An eager float32 product of one row: attnkit's stream over the row-major weight, or "
         "F.linear (MKL) over a column-major one; which reads a weight faster depends on the CPU.",
         lambda caps: "transposed" if caps.matrix_tiles else "stream",
-        _fp32_row_candidates,
+        timing.fp32_row,
         margin=1.05,
     )
 )
@@ -497,7 +363,7 @@ for _dtype, _rule in ((torch.float32, False), (torch.bfloat16, True)):
             (lambda caps: "kernel" if caps.wide_vectors else "reduction")
             if _rule
             else (lambda caps: "reduction"),
-            lambda dtype=_dtype: _compiled_row_candidates(dtype),
+            lambda dtype=_dtype: timing.compiled_row(dtype),
             margin=1.05,
         )
     )
@@ -508,7 +374,7 @@ register(
         "A prompt's float32 GEMM (eager, no gradients): F.linear's MKL, or oneDNN's GEMM, which "
         "some CPUs run much faster (MKL takes a narrower path on them).",
         lambda caps: "mkl",
-        _fp32_prompt_candidates,
+        timing.fp32_prompt,
         margin=1.15,
     )
 )
@@ -519,7 +385,7 @@ register(
         "A prompt's bf16 GEMM: as it is, or in float32 and rounded back, which wins where the "
         "CPU has no bf16 dot products (torch emulates them).",
         lambda caps: "bf16" if caps.bf16_dot else "upcast",
-        _bf16_prompt_candidates,
+        timing.bf16_prompt,
     )
 )
 register(
@@ -535,7 +401,7 @@ register(
             if caps.matrix_tiles or not linear.fbgemm_engine()
             else "fbgemm"
         ),
-        _int8_candidates,
+        lambda: timing.int8(int8pack_takes),
         margin=1.1,
     )
 )
@@ -555,7 +421,7 @@ register(
         "An eager RMSNorm of one float32 row (a decoding step): three torch calls, or attnkit's "
         "row kernel, whose call can cost more than the row.",
         lambda caps: "torch",
-        _norm_row_candidates,
+        timing.norm_row,
     )
 )
 
