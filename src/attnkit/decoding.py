@@ -138,8 +138,8 @@ class PreparedRMSNorm(nn.RMSNorm):
     CPU rows without gradients run :func:`attnkit.kernels.rows.rms_norm` where attnkit's kernels
     are built: one pass through the rows instead of torch's composite ``rms_norm`` (about ten
     kernels, each writing a fresh tensor). A single float32 row (a one-token decoding step) runs
-    the kernel or, where the policy measured it faster (``rows.norm_row``: the kernel's call can
-    cost more than the row), has its norm read once and the scale
+    the kernel too, unless the policy measured three torch calls faster (``rows.norm_row``: the
+    kernel's call can cost more than the row): the row's norm read once and the scale
     ``1 / sqrt(||x||^2 / D + eps)`` applied in one multiply with the weight. Every other input
     runs ``nn.RMSNorm``'s own forward; they all differ by float rounding only.
     """
