@@ -104,7 +104,7 @@ class Decision:
         source: ``"environment"``, ``"measured"``, ``"cached"`` or ``"rule"``; ``"pending"``
             for a measured choice asked with ``measure=False`` before it was measured (the
             option is the rule's until then).
-        seconds: For a measured choice, the median seconds of each candidate timed.
+        seconds: For a measured choice, the seconds of each candidate timed (the fastest call).
     """
 
     name: str
@@ -465,10 +465,10 @@ def linear_plan(*, compiled: bool = False) -> LinearPlan:
     asks so before it traces). While tracing it returns what was decided before."""
     global _PLAN
     plan = _PLAN
-    if torch.compiler.is_compiling():
-        return _TRACED if plan is None else plan
     if plan is not None and (plan.with_compiled or not compiled):
         return plan
+    if torch.compiler.is_compiling():
+        return _TRACED if plan is None else plan
     with _LOCK:
         compiled = compiled or (plan is not None and plan.with_compiled)
         kernels = build.kernels_available()
