@@ -546,11 +546,17 @@ def norm_row_kernel() -> bool:
     return linear_plan().norm_row_kernel
 
 
+@torch.compiler.assume_constant_result
+def _matrix_tiles() -> bool:
+    """The probe's answer, a constant to compiled graphs (which cannot trace the probe)."""
+    return capabilities().matrix_tiles
+
+
 def int8pack_takes(in_features: int) -> bool:
     """Whether ``torch._weight_int8pack_mm`` takes ``in_features`` inputs: multiples of 8 (it
     reads out of bounds otherwise), and of 16 on CPUs with matrix tiles, where its tile kernel
     crashed the process on bf16 activations of several rows otherwise."""
-    return in_features % (16 if capabilities().matrix_tiles else 8) == 0
+    return in_features % (16 if _matrix_tiles() else 8) == 0
 
 
 def int8_kernel_name(name: str) -> str:
