@@ -24,14 +24,10 @@ gives the same layers); ``int8_kernel="auto"`` instead times the candidates per 
   activations rounded the same way (:func:`attnkit.kernels.linear.round_activations`), so the
   result does not depend on the row count beyond float32 summation order. Compiled graphs call it
   as one op (``attnkit::int8_dot_linear``).
-* ``"fbgemm"``: torch's dynamic quantized linear (``torch.ops.quantized.linear_dynamic`` on
-  fbgemm's prepacked weight): each call quantizes the activations to 7-bit integers (one
-  asymmetric scale per row) and multiplies integers. The prepacked weight is the only copy of the
-  codes (the state dict unpacks them); fbgemm pads its inputs to whole blocks of 512, so a weight
-  with more inputs than that and not a multiple packs the leading multiple and keeps the rest's
-  codes beside it (multiplied by ``"int8pack"``'s kernel where it takes them): the layer holds one
-  byte a weight, like the others. Inside a compiled graph the call is one opaque op
-  (``attnkit::int8_fbgemm_linear``), the same products as in eager mode.
+* ``"fbgemm"``: torch's dynamic quantized linear on fbgemm's prepacked weight (the only copy
+  of the codes; see :class:`Int8Linear`): each call quantizes the activations to 7-bit integers
+  (one asymmetric scale per row). Compiled graphs call it as one opaque op
+  (``attnkit::int8_fbgemm_linear``).
 * ``"int8pack"``: ``torch._weight_int8pack_mm`` with bf16 activations (input sizes it takes,
   :func:`attnkit.kernels.policy.int8pack_takes`). Where the CPU has no bf16 units it converts as
   it goes. One row inside a compiled graph is a streaming float32 reduction over the int8 bytes
@@ -71,11 +67,14 @@ from attnkit.kernels.linear import (
     int4_product,
     int8_dot_linear,
     int8_product,
+    int8_round_rows,
+    int8_scales,
     pack_int4,
     pack_int4_scales,
     register_packed,
     release_packed,
     round_activations,
+    rows_per_block,
     ungroup_codes,
     unpack_int4,
     unpack_int4_scales,
@@ -207,20 +206,20 @@ class Int8Linear(nn.Module):
                 f"{weight.device}; usable: {usable}"
             )
         weight = weight.detach()
-        scale = _scales(weight)
+        scale = int8_scales(weight)
         if kernel == "fbgemm":  # (packed a block of rows at a time: no whole int8 copy)
             new = cls._empty(in_features, out_features, scale, bias, kernel)
-            new._set_packed(functools.partial(_round_rows, weight, scale))
+            new._set_packed(functools.partial(int8_round_rows, weight, scale))
             return new
         if kernel == "attnkit":  # (rounded and put in the kernel's order a block of rows at a time)
             new = cls._empty(in_features, out_features, scale, bias, kernel)
             new.weight_int8 = _frozen(torch.empty(out_features, in_features, dtype=torch.int8))
-            step = max(4, _rows_per_block(in_features) // 4 * 4)  # (whole groups of four)
+            step = max(4, rows_per_block(in_features) // 4 * 4)  # (whole groups of four)
             for start in range(0, out_features, step):
-                codes = _round_rows(weight, scale, start, start + step)
+                codes = int8_round_rows(weight, scale, start, start + step)
                 new.weight_int8[start : start + step] = group_codes(codes)
             return new
-        codes = _round_rows(weight, scale, 0, out_features)
+        codes = int8_round_rows(weight, scale, 0, out_features)
         return cls.from_codes(codes, scale, bias, kernel=kernel)  # type: ignore[arg-type]
 
     @classmethod
@@ -440,27 +439,6 @@ _FINALIZERS: weakref.WeakKeyDictionary[Int8Linear, weakref.finalize[Any, Any]] =
 _fbgemm_pack = fbgemm_pack
 
 
-def _scales(weight: Tensor) -> Tensor:
-    """Per-row scales ``max|row| / 127`` of a float ``weight`` ``(out, in)``, float32."""
-    step = _rows_per_block(weight.shape[1])
-    blocks = (weight[start : start + step] for start in range(0, len(weight), step))
-    tiny = torch.finfo(torch.float32).tiny
-    return torch.cat([(w.float().abs().amax(dim=1) / 127).clamp(min=tiny) for w in blocks])
-
-
-def _round_rows(weight: Tensor, scale: Tensor, start: int, stop: int) -> Tensor:
-    """The int8 codes of rows ``start:stop`` of ``weight`` with their ``scale``."""
-    rows = weight[start:stop]
-    codes = torch.empty(rows.shape, dtype=torch.int8, device=weight.device)
-    step = _rows_per_block(weight.shape[1])
-    # Blocks of rows keep the float temporaries small (loading stays near the final size).
-    for i in range(0, len(rows), step):
-        w = rows[i : i + step].to(torch.float32, copy=True)
-        s = scale[start + i : start + i + len(w), None]
-        codes[i : i + len(w)] = w.div_(s).round_().clamp_(-127, 127)
-    return codes
-
-
 def _pack_rows(inputs: int) -> int:
     """Rows of an fbgemm weight with ``inputs`` packed inputs per prepacked block: about
     8 MiB, a multiple of 96 (fbgemm's column blocks are 8, 32 or 48 by CPU)."""
@@ -643,7 +621,7 @@ class Int4Linear(nn.Module):
         packed = torch.empty(-(-out_features // 4) * 4, in_features // 2, dtype=torch.uint8)
         # A block of rows (whole groups of four) at a time: the float temporaries and the
         # unpacked codes stay small.
-        step = max(4, _rows_per_block(in_features) // 4 * 4)
+        step = max(4, rows_per_block(in_features) // 4 * 4)
         for start in range(0, out_features, step):
             rows = slice(start, start + step)
             groups = weight[rows].to(torch.float32, copy=True).reshape(-1, n_groups, group_size)
@@ -714,11 +692,6 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return _describe(self, f"int4 group_size={self.group_size}")
-
-
-def _rows_per_block(in_features: int) -> int:
-    """Rows of a weight quantized at a time: about 4 MiB of float32."""
-    return max(1, (1 << 20) // in_features)
 
 
 def _group_for(in_features: int, group_size: int) -> int | None:

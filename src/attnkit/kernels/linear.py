@@ -47,12 +47,15 @@ __all__ = [
     "int4_product",
     "int8_dot_linear",
     "int8_product",
+    "int8_round_rows",
+    "int8_scales",
     "int8_wide_dots",
     "pack_int4",
     "pack_int4_scales",
     "register_packed",
     "release_packed",
     "round_activations",
+    "rows_per_block",
     "ungroup_codes",
     "unpack_int4",
     "unpack_int4_scales",
@@ -424,6 +427,35 @@ def float_dot_linear(
 
 
 _FLOAT_CALLS = {torch.bfloat16: "attnkit_bf16_linear", torch.float32: "attnkit_float_linear"}
+
+
+# Rounding float weights to int8 codes, a block of rows at a time.
+
+
+def rows_per_block(in_features: int) -> int:
+    """Rows of a weight quantized at a time: about 4 MiB of float32."""
+    return max(1, (1 << 20) // in_features)
+
+
+def int8_scales(weight: Tensor) -> Tensor:
+    """Per-row scales ``max|row| / 127`` of a float ``weight`` ``(out, in)``, float32."""
+    step = rows_per_block(weight.shape[1])
+    blocks = (weight[start : start + step] for start in range(0, len(weight), step))
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.cat([(w.float().abs().amax(dim=1) / 127).clamp(min=tiny) for w in blocks])
+
+
+def int8_round_rows(weight: Tensor, scale: Tensor, start: int, stop: int) -> Tensor:
+    """The int8 codes of rows ``start:stop`` of ``weight`` with their ``scale``."""
+    rows = weight[start:stop]
+    codes = torch.empty(rows.shape, dtype=torch.int8, device=weight.device)
+    step = rows_per_block(weight.shape[1])
+    # Blocks of rows keep the float temporaries small (loading stays near the final size).
+    for i in range(0, len(rows), step):
+        w = rows[i : i + step].to(torch.float32, copy=True)
+        s = scale[start + i : start + i + len(w), None]
+        codes[i : i + len(w)] = w.div_(s).round_().clamp_(-127, 127)
+    return codes
 
 
 # fbgemm's dynamic quantized linear, over its prepacked copies of a weight's codes.
