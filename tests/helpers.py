@@ -178,7 +178,7 @@ def hf_greedy(
 
 
 def int8_dot_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The float64 product of the rows of ``x`` as the ``"avx2"`` kernel rounds them (int8 per
+    """The float64 product of the rows of ``x`` as the ``"attnkit"`` kernel rounds them (int8 per
     block of 32 inputs, the block's largest magnitude to 127, in float32 as the kernel does) and
     the weight ``codes * scale``: the integer sums are exact."""
     blocks = x.float().unflatten(-1, (-1, 32))

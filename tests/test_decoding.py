@@ -4,6 +4,7 @@ and swapped modules (a LoRA-style linear) that generate must run, not bypass."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from typing import Any
 
@@ -13,9 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from attnkit import decoding, native
+from attnkit import decoding
 from attnkit.config import TransformerConfig
 from attnkit.decoding import PreparedLinear
+from attnkit.kernels import build, linear, policy, rows
 from attnkit.models import TransformerLM
 from tests.helpers import LLAMA_OPTIONS as LLAMA
 
@@ -23,9 +25,20 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 #: attnkit's kernels (where they do not build, the tests of their rules skip with the reason)
 needs_kernels = pytest.mark.skipif(
-    not decoding.native.kernels_available(),
-    reason=f"attnkit's kernels do not build here: {decoding.native.kernels_unavailable()}",
+    not build.kernels_available(),
+    reason=f"attnkit's kernels do not build here: {build.kernels_unavailable()}",
 )
+
+
+def _plan(monkeypatch: pytest.MonkeyPatch, **fields: Any) -> policy.LinearPlan:
+    """The policy's linear plan for the test: the kernels where they build, attnkit's stream for
+    a step's rows, inductor's reduction for a compiled single row, torch's prompt GEMMs as they
+    are; ``fields`` change it."""
+    base = policy.LinearPlan(kernels=build.kernels_available(), with_compiled=True)
+    plan = dataclasses.replace(base, **fields)
+    monkeypatch.setattr(policy, "_PLAN", plan)
+    return plan
+
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": LLAMA,
@@ -117,7 +130,7 @@ def test_prepare_swaps_plain_linears_and_keeps_outputs(name: str, compiled: bool
     assert_close(lm(ids[:, :1]), want_step, **TOL)
     layout = lm.blocks[0].attention.qkv_proj.layout
     without = "linear" if compiled else "transposed"
-    streamed = decoding._streamed(torch.float32, 2 if compiled else 1) and decoding._kernels_ready()
+    streamed = policy.stream_rows(torch.float32, 2 if compiled else 1)
     assert layout == ("stream" if streamed else without)
     w = lm.blocks[0].attention.qkv_proj.weight
     # Eager fp32 without attnkit's kernels: column-major storage, same values.
@@ -138,7 +151,7 @@ def test_prepared_rmsnorm_equals_torch_and_keeps_gradients(eps: float | None) ->
     ref = ref * norm.weight.double()
     with torch.inference_mode():
         # several rows: attnkit's kernel where it runs, else torch's own forward
-        exact = {} if decoding._kernels_ready() else {"atol": 0, "rtol": 0}
+        exact = {} if policy.linear_plan().kernels else {"atol": 0, "rtol": 0}
         assert_close(fast(x), norm(x), **exact)
         assert_close(fast(x).double(), ref, atol=1e-7, rtol=2e-6)
         for i, j in itertools.product(range(3), range(5)):
@@ -173,8 +186,8 @@ def test_prepared_rmsnorm_equals_torch_and_keeps_gradients(eps: float | None) ->
 def test_prepared_rmsnorm_runs_the_kernel_on_eager_rows(
     dtype: torch.dtype, eps: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not decoding._kernels_ready():
-        pytest.skip(f"attnkit's kernels do not run here: {native.kernels_unavailable()}")
+    if not policy.linear_plan().kernels:
+        pytest.skip(f"attnkit's kernels do not run here: {build.kernels_unavailable()}")
     norm = nn.RMSNorm(576, eps=eps).to(dtype)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -183,8 +196,8 @@ def test_prepared_rmsnorm_runs_the_kernel_on_eager_rows(
     # bf16 rows: torch's rule) to matter
     x = (torch.randn(2, 37, 600) * 1e-3).to(dtype)[..., 3:579]
     calls: list[tuple[int, ...]] = []
-    kernel = native.rms_norm
-    monkeypatch.setattr(native, "rms_norm", lambda x, *a: calls.append(x.shape) or kernel(x, *a))
+    kernel = rows.rms_norm
+    monkeypatch.setattr(rows, "rms_norm", lambda x, *a: calls.append(x.shape) or kernel(x, *a))
     with torch.no_grad():
         got = fast(x)
         assert calls == [x.shape] and got.dtype == dtype and got.is_contiguous()
@@ -196,22 +209,21 @@ def test_prepared_rmsnorm_runs_the_kernel_on_eager_rows(
         tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {}
         assert_close(got.double(), ref if dtype == torch.float32 else ref.to(dtype).double(), **tol)
         assert_close(got, norm(x), **tol)
-        monkeypatch.setattr(decoding, "_kernels", False)  # not built: torch's own forward
+        _plan(monkeypatch, kernels=False)  # not built: torch's own forward
         assert_close(fast(x), norm(x), atol=0, rtol=0)
     assert len(calls) == 1
     unscaled = kernel(x, None, 1e-5)  # no weight; an empty batch
     assert_close(unscaled, F.rms_norm(x, (576,), None, 1e-5), **tol)
     assert kernel(x[:0], norm.weight, 1e-5).shape == (0, 37, 576)
     with pytest.raises(TypeError, match="float32 or bfloat16 tensors of one dtype"):
-        native.rms_norm(x.float(), norm.weight.half(), 1e-5)
+        rows.rms_norm(x.float(), norm.weight.half(), 1e-5)
     with pytest.raises(ValueError, match=r"weight \(D,\)"):
-        native.rms_norm(x, norm.weight[:5], 1e-5)
+        rows.rms_norm(x, norm.weight[:5], 1e-5)
 
 
 @pytest.mark.parametrize("kernels", [False, True])
 def test_layouts_follow_the_measured_rule(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(decoding, "_kernels", kernels)
-    monkeypatch.setattr(decoding, "_AMX", False)  # (with AMX: the rule's test below)
+    _plan(monkeypatch, kernels=kernels)  # (one fp32 row through MKL: the test below)
     full, half = torch.zeros(4, 4), torch.zeros(4, 4, dtype=torch.bfloat16)
     assert decoding.layout_for(full) == ("stream" if kernels else "transposed")
     assert decoding.layout_for(half) == ("stream" if kernels else "linear")
@@ -291,10 +303,10 @@ def test_bf16_weights_follow_the_float64_model() -> None:
 def test_bf16_products_run_in_float32_where_bf16_is_emulated(
     native: bool, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prefill's bf16 products run upcast on CPUs without bf16 dot products, and stay bf16
-    for a single row or where the CPU has them; every way rounds the float64 product to bf16."""
-    monkeypatch.setattr(decoding, "_BF16_NATIVE", native)
-    monkeypatch.setattr(decoding, "_kernels", False)  # (its own rule: the test below)
+    """A prefill's bf16 products run upcast where the policy found bf16 GEMMs slower (CPUs
+    without bf16 dot products), and stay bf16 for a single row or where the CPU has them; every
+    way rounds the float64 product to bf16."""
+    _plan(monkeypatch, kernels=False, bf16_upcast=not native)  # (the kernel: the test below)
     seen: list[torch.dtype] = []
     real = torch.nn.functional.linear
 
@@ -318,17 +330,17 @@ def test_bf16_products_run_in_float32_where_bf16_is_emulated(
 def test_bf16_steps_stream_through_attnkits_kernel(
     compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prepared bf16 linear runs native.float_dot_linear for a few rows without gradients (as
-    the op in compiled graphs) and F.linear otherwise, with the same results."""
-    monkeypatch.setattr(decoding, "_kernels", True)
+    """A prepared bf16 linear runs the float_dot_linear kernel for a few rows without gradients
+    (as the op in compiled graphs) and F.linear otherwise, with the same results."""
+    _plan(monkeypatch)
     calls: list[int] = []
-    real = decoding.native.float_dot_linear
+    real = linear.float_dot_linear
 
     def spy(x: Tensor, *args: Any) -> Tensor:
         calls.append(x.numel() // x.shape[-1])
         return real(x, *args)
 
-    monkeypatch.setattr(decoding.native, "float_dot_linear", spy)
+    monkeypatch.setattr(decoding, "float_dot_linear", spy)
     torch.manual_seed(0)
     plain = nn.Linear(40, 24).bfloat16()
     layer = PreparedLinear.from_linear(copy.deepcopy(plain), compiled=compiled)
@@ -351,17 +363,17 @@ def test_bf16_steps_stream_through_attnkits_kernel(
     assert calls == ([] if compiled else [2])
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_the_kernels_rule_is_by_cpu_feature(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """attnkit's kernels take a step's products wherever they build, but a single fp32 row on
-    CPUs with AMX (whose measured choice is MKL over a column-major weight, the eager layout for
-    one sequence; a batch's eager layout streams); whether they build is asked once."""
-    monkeypatch.setattr(decoding, "_kernels", None)
-    monkeypatch.setattr(decoding, "_AMX", amx)
-    built = decoding.native.kernels_available()
-    assert decoding._kernels_ready() is built and decoding._kernels is built
+@pytest.mark.parametrize("mkl_row", [False, True])
+def test_the_kernels_take_a_steps_products_as_the_policy_says(
+    mkl_row: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """attnkit's kernels take a step's products wherever they build, but a single fp32 row where
+    the policy measured MKL over a column-major weight faster (the eager layout for one
+    sequence; a batch's eager layout streams)."""
+    built = build.kernels_available()
+    _plan(monkeypatch, kernels=built, fp32_row="transposed" if mkl_row else "stream")
     w = torch.randn(24, 40)
-    fp32 = built and not amx
+    fp32 = built and not mkl_row
     assert decoding.layout_for(w) == ("stream" if fp32 else "transposed")
     assert decoding.layout_for(w, batch=8) == ("stream" if built else "transposed")
     assert decoding.layout_for(w, compiled=True) == ("stream" if built else "linear")
@@ -369,20 +381,21 @@ def test_the_kernels_rule_is_by_cpu_feature(amx: bool, monkeypatch: pytest.Monke
     assert decoding.layout_for(w.bfloat16(), compiled=True) == ("stream" if built else "linear")
     x = torch.randn(2, 40)
     with torch.no_grad():
-        assert decoding._streams(x, w, None) is built  # (two rows)
-        assert decoding._streams(x[:1], w, None) is fp32
-        assert decoding._streams(x.bfloat16(), w.bfloat16(), None) is built
+        assert decoding._streams(x, w, None, False) is built  # (two rows)
+        assert decoding._streams(x[:1], w, None, False) is fp32
+        assert decoding._streams(x.bfloat16(), w.bfloat16(), None, False) is built
 
 
 def test_prepare_lays_a_batch_out_for_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With AMX an eager fp32 model prepared for several sequences streams through the kernel
-    (row-major), for one through MKL (column-major); both decode the same."""
-    monkeypatch.setattr(decoding, "_AMX", True)
+    """Where the policy gives one fp32 row to MKL, an eager fp32 model prepared for several
+    sequences streams through the kernel (row-major), for one through MKL (column-major); both
+    decode the same."""
+    _plan(monkeypatch, fp32_row="transposed")
     lm = _lm(**LLAMA)
     ids = torch.randint(0, 50, (3, 9))
     one = decoding.prepare(copy.deepcopy(lm))
     many = decoding.prepare(copy.deepcopy(lm), batch=3)
-    want = "stream" if decoding._kernels_ready() else "transposed"
+    want = "stream" if build.kernels_available() else "transposed"
     assert many.blocks[0].attention.qkv_proj.layout == want
     assert one.blocks[0].attention.qkv_proj.layout == "transposed"
     with torch.no_grad():
@@ -394,16 +407,13 @@ def test_prepare_lays_a_batch_out_for_the_kernel(monkeypatch: pytest.MonkeyPatch
 
 @needs_kernels
 @pytest.mark.parametrize("row_kernel", [False, True])
-def test_a_compiled_bf16_row_runs_the_kernel_by_cpu_feature(
+def test_a_compiled_bf16_row_runs_the_kernel_as_the_policy_says(
     row_kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In a compiled graph one bf16 row runs the kernel's op where its AVX512 dots run (the same
+    """In a compiled graph one bf16 row runs the kernel's op where the policy chose it (the same
     bits as the eager kernel, so a row is the same alone or batched); fp32 rows, and bf16 ones
     elsewhere, inductor's reduction."""
-    by_cpu = {torch.bfloat16} if native.wide_cpu() else set()
-    assert set(decoding._ROW_KERNEL) == by_cpu
-    monkeypatch.setattr(decoding, "_kernels", True)
-    monkeypatch.setattr(decoding, "_ROW_KERNEL", frozenset({torch.bfloat16} if row_kernel else ()))
+    _plan(monkeypatch, compiled_row=frozenset({torch.bfloat16} if row_kernel else ()))
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.bfloat16):
@@ -412,7 +422,7 @@ def test_a_compiled_bf16_row_runs_the_kernel_by_cpu_feature(
         b = torch.randn(40, generator=gen).to(dtype)
         with torch.no_grad():
             got = torch.compile(decoding.linear, fullgraph=True)(x, w, b)
-            kernel = decoding.native.float_dot_linear(x, w, b)
+            kernel = linear.float_dot_linear(x, w, b)
         want = x.double() @ w.double().T + b.double()
         step = torch.finfo(dtype).eps * want.abs().max().item()
         assert (got.double() - want).abs().max().item() <= step + 1e-5
@@ -421,16 +431,16 @@ def test_a_compiled_bf16_row_runs_the_kernel_by_cpu_feature(
 
 
 def test_a_compiled_graph_never_traces_the_kernels_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compiling before anything asked whether the kernels run gives F.linear's graph (no build
-    inside the trace, no graph break); the next eager call asks."""
-    monkeypatch.setattr(decoding, "_kernels", None)
+    """Compiling before anything asked the policy gives F.linear's graph (no build or
+    measurement inside the trace, no graph break); the next eager call asks."""
+    monkeypatch.setattr(policy, "_PLAN", None)
     x, w = torch.randn(2, 1, 40).bfloat16(), torch.randn(24, 40).bfloat16()
     with torch.no_grad():
         got = torch.compile(decoding.linear, fullgraph=True)(x, w)
-    assert decoding._kernels is None
+    assert policy._PLAN is None
     assert_close(got, torch.nn.functional.linear(x, w), atol=0, rtol=0)
     decoding.linear(x, w)
-    assert decoding._kernels is not None
+    assert policy._PLAN is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -450,8 +460,9 @@ def test_a_compiled_rows_reduction_is_the_product(dtype: torch.dtype) -> None:
 
 def test_compiled_step_loads_the_ops_before_it_traces(monkeypatch: pytest.MonkeyPatch) -> None:
     """So that the graph's op calls run their C++ implementations where those build."""
+    _plan(monkeypatch)  # (decided: no measurement, which loads them itself)
     calls: list[int] = []
-    monkeypatch.setattr(decoding.native, "load_ops", lambda: calls.append(1) or False)
+    monkeypatch.setattr(build, "load_ops", lambda: calls.append(1) or False)
     lm = _lm(**LLAMA)
     step = decoding.compiled_step(lm)
     assert calls == [1] and decoding.compiled_step(lm) is step and calls == [1]
@@ -549,7 +560,7 @@ def _ops_run(call: Any) -> set[str]:
     return {e.key for e in prof.key_averages()}
 
 
-def test_float32_prompts_run_onednn_where_it_measured_faster(
+def test_float32_prompts_run_onednn_where_the_policy_measured_it_faster(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -559,7 +570,7 @@ def test_float32_prompts_run_onednn_where_it_measured_faster(
     layer = PreparedLinear.from_linear(nn.Linear(48, 40))
     layer.weight.data, layer.bias.data = w.clone(), b.clone()
     for faster in (True, False):
-        monkeypatch.setattr(decoding, "_onednn", faster)
+        _plan(monkeypatch, fp32_prompt_onednn=faster)
         with torch.no_grad():
             assert_close(decoding.linear(x, w, b), want)
             assert_close(layer(x), want)
@@ -567,11 +578,11 @@ def test_float32_prompts_run_onednn_where_it_measured_faster(
                 assert ("mkldnn::_linear_pointwise" in _ops_run(call)) is faster
         # the layer's parameters want gradients: torch's product, whatever was measured
         assert "mkldnn::_linear_pointwise" not in _ops_run(lambda: layer(x))
-    monkeypatch.setattr(decoding, "_onednn", True)
+    _plan(monkeypatch, fp32_prompt_onednn=True)
     # only eager float32 prompts without gradients
     assert decoding._onednn_prompt(x, w, b)
     assert not decoding._onednn_prompt(x[:, :1], w, b)  # a decoding step: the stream kernel's
     assert not decoding._onednn_prompt(x.bfloat16(), w.bfloat16(), None)
     assert not decoding._onednn_prompt(x.requires_grad_(), w, b)
-    monkeypatch.setattr(decoding, "_onednn", None)
-    assert decoding._onednn_faster() is decoding._onednn is not None  # measured once, kept
+    monkeypatch.setattr(policy, "_PLAN", None)
+    assert policy.fp32_prompt_onednn() is (policy.choose("linear.fp32_prompt") == "onednn")

@@ -2,8 +2,9 @@
 
 Where the policy picks attnkit's flash kernels (:func:`attnkit.kernels.policy.flash_kernel`),
 causal and sliding-window structures need no tiles: the kernels
-(:func:`attnkit.native.flash_attention` and its backward) take the rules themselves and compute,
-per block of queries, only the keys that block may reach (:func:`attend_positional`).
+(:func:`attnkit.kernels.attention.flash_attention` and its backward) take the rules themselves
+and compute, per block of queries, only the keys that block may reach
+(:func:`attend_positional`).
 Everything below is for documents, padding and the calls the policy gives torch's kernel; its
 unmasked runs (documents' causal squares, whole spans) also run attnkit's kernels where the
 policy picks them, its masked runs torch's.
@@ -52,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit import native
+from attnkit.kernels import attention as attention_kernels
 from attnkit.kernels import policy
 from attnkit.masks import Structure, offset_mask
 
@@ -287,7 +288,9 @@ def _run_forward(
     """One run's ``(out, lse, attnkit's kernel ran)``: attnkit's flash kernel for a run without
     an additive mask (square causal tiles or whole spans) where ``flash``, else torch's."""
     if mask is None and flash:
-        o, lse = native.flash_attention(*_views(r, q, k, v), scale=scale, causal=r.causal, first=0)
+        o, lse = attention_kernels.flash_attention(
+            *_views(r, q, k, v), scale=scale, causal=r.causal, first=0
+        )
         return o, lse, True
     o, lse = _flash(*_views(r, q, k, v), 0.0, r.causal, attn_mask=mask, scale=scale)
     return o, lse, False
@@ -308,7 +311,7 @@ def _run_backward(
     """One run's ``(dq, dk, dv)`` from the kernel that ran its forward (``attnkit_kernel``, as
     :func:`_run_forward` said); ``grad_out`` and ``o`` are the run's query tiles."""
     if attnkit_kernel:
-        return native.flash_attention_backward(
+        return attention_kernels.flash_attention_backward(
             grad_out, *_views(r, q, k, v), o, lse, scale=scale, causal=r.causal, first=0
         )
     gq, gk, gv = _flash_backward(
@@ -335,13 +338,16 @@ def attend_positional(
 
 
 class _PositionalFlash(torch.autograd.Function):
-    """:func:`attnkit.native.flash_attention` and its backward over the whole sequence."""
+    """:func:`attnkit.kernels.attention.flash_attention` and its backward over the whole
+    sequence."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None, scale: float
     ) -> Tensor:
-        out, lse = native.flash_attention(q, k, v, scale=scale, causal=causal, window=window)
+        out, lse = attention_kernels.flash_attention(
+            q, k, v, scale=scale, causal=causal, window=window
+        )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = {"scale": scale, "causal": causal, "window": window}
         return out
@@ -349,7 +355,9 @@ class _PositionalFlash(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = native.flash_attention_backward(grad_out, q, k, v, out, lse, **ctx.options)
+        dq, dk, dv = attention_kernels.flash_attention_backward(
+            grad_out, q, k, v, out, lse, **ctx.options
+        )
         return dq, dk, dv, None, None, None
 
 
@@ -610,4 +618,4 @@ def _add_spans(acc: Tensor, grad: Tensor, r: TileRun) -> None:
         _k_view(acc, r, start, w).add_(grad[:, :, start : start + w])
 
 
-policy.provide_attention_kernel("flash", native.flash_attention)
+policy.provide_attention_kernel("flash", attention_kernels.flash_attention)

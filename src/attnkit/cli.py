@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "generate": "stream text from a Hugging Face decoder folder (Llama, Mistral, Qwen2, GPT-2) "
     "or a GGUF file",
     "chat": "talk to a chat model (folder or GGUF file): streamed replies, /reset, /exit",
+    "kernels": "the CPU features, compilers and kernels found here, and every kernel choice made",
 }
 
 

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from attnkit import native
-from attnkit.profiling import time_calls
+from attnkit.kernels import build, policy, rows
+from attnkit.kernels.linear import float_dot_linear
 
 __all__ = [
     "UPCAST_ROWS",
@@ -45,58 +45,23 @@ __all__ = [
     "prepare",
 ]
 
-# How a single row reads a weight fastest on CPU (``benchmarks/bench_decode.py --kernels`` prints
-# the measurement; the results are in ``benchmarks/RESULTS.md``):
-#   * fp32 and bf16: attnkit's own streaming kernel over the row-major weight
-#     (:func:`attnkit.native.float_dot_linear`), where it is built (``"stream"``), except for one
-#     fp32 row in a compiled step, and one bf16 row there on CPUs without AVX512 (inductor's
-#     reduction, below);
-#   * eager fp32 otherwise: a column-major weight (``x @ W^T`` over a contiguous ``(in, out)``
-#     matrix, as MKL streams it) beats ``F.linear`` on a row-major one;
-#   * compiled otherwise, fp32 and bf16: ``(W * x).sum(-1)``, which inductor turns into one
-#     streaming reduction over ``W`` (the row widened to float32 first);
+# How a product reads its weight is the policy's choice (:mod:`attnkit.kernels.policy`, section
+# "Linear products and row kernels"; ``attnkit kernels`` shows the choices made here):
+#   * a few rows (a decoding step) of fp32 and bf16 weights: attnkit's own streaming kernel over
+#     the row-major weight (``"stream"``), except where the policy gives one eager fp32 row to
+#     MKL over a column-major weight (``"transposed"``), or a compiled single row to inductor's
+#     streaming reduction;
+#   * other eager fp32 steps: a column-major weight, as MKL streams it;
+#   * prompts: a blocked GEMM (oneDNN's or MKL's, bf16 or upcast to fp32, as the policy chose);
 #   * everything else: ``F.linear`` as is.
 Layout = Literal["linear", "transposed", "stream"]
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
-
-#: Weight dtypes whose products of fewer than :data:`UPCAST_ROWS` rows run attnkit's own
-#: streaming kernel (:func:`attnkit.native.float_dot_linear`) where it is built, but one float32
-#: row on CPUs with AMX (:func:`_streamed`). Measured on the 135M Llama shape
-#: (``benchmarks/RESULTS.md``): eager steps decode 1.2x faster in bf16 and fp32 than through
-#: torch's products on a 2-core AVX2 AMD EPYC, 1.7x (bf16) and 2.5x (fp32) with AVX512-BF16,
-#: where torch's one-row products read the weights at half the bandwidth, and 1.58x in bf16 on
-#: an Intel Xeon with AMX, whose fp32 steps of one sequence ran 1.04-1.09x faster through MKL
-#: over a column-major weight (the ``"transposed"`` layout), and of 8 sequences 1.4x slower.
+#: Weight dtypes attnkit's streaming kernel multiplies
+#: (:func:`attnkit.kernels.linear.float_dot_linear`).
 KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float32})
-
-_kernels: bool | None = None  # native.kernels_available(), asked once (it builds them)
-#: Whether this CPU has AMX tiles (an Intel Xeon): one float32 row keeps MKL's product there.
-_AMX = native._amx()
-#: Weight dtypes whose single row in a compiled step runs the kernel too (the op
-#: ``attnkit::float_dot_linear``) rather than inductor's streaming reduction: bf16 where the
-#: kernel's AVX512 dots run (:func:`attnkit.native.float_wide`). On an Intel Xeon with AMX a
-#: compiled bf16 step of the 135M Llama shape decoded 1.13-1.19x faster so, and a bf16 row's
-#: result is then the same alone or batched; a compiled fp32 step ran 0.92-0.93x as fast, and on
-#: AVX2 CPUs the op call's cost made inductor's reduction faster for both. (Read once here: a
-#: compiled graph cannot trace the CPU probe.)
-_ROW_KERNEL: frozenset[torch.dtype] = frozenset({torch.bfloat16} if native.wide_cpu() else ())
-
-
-def _kernels_ready() -> bool:
-    global _kernels
-    if _kernels is None:
-        if torch.compiler.is_compiling():  # (a build is not traced: asked before, or no kernel)
-            return False
-        _kernels = native.kernels_available()
-    return _kernels
-
-
-def _streamed(dtype: torch.dtype, rows: int) -> bool:
-    """Whether products of ``rows`` rows (fewer than :data:`UPCAST_ROWS`) with ``dtype`` weights
-    run attnkit's kernel where it is built: the :data:`KERNEL_DTYPES`, except a single float32
-    row on CPUs with AMX (an Intel Xeon, where MKL read a column-major weight faster)."""
-    return dtype in KERNEL_DTYPES and not (dtype == torch.float32 and _AMX and rows < 2)
+#: From this many rows on a product is a prompt's (:data:`attnkit.kernels.policy.PROMPT_ROWS`).
+UPCAST_ROWS = policy.PROMPT_ROWS
 
 
 def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
@@ -104,22 +69,13 @@ def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 
 def layout_for(weight: Tensor, *, compiled: bool = False, batch: int = 1) -> Layout:
-    """The storage layout :func:`prepare` gives ``weight`` (see the table above) for steps of
-    ``batch`` sequences.
-
-    CPU steps stream through attnkit's kernel where it is built (``"stream"``, row-major; a
-    compiled step of one row may run inductor's reduction instead, see :data:`_ROW_KERNEL`),
-    except eager fp32 steps of one sequence on CPUs with AMX, where one row reads faster through
-    MKL over a column-major weight. Otherwise compiled steps read row-major weights (the
-    streaming reduction runs along rows) and eager fp32 CPU steps column-major ones.
+    """The storage layout :func:`prepare` gives ``weight`` for steps of ``batch`` sequences
+    (:func:`attnkit.kernels.policy.weight_layout`): ``"stream"`` where CPU steps run attnkit's
+    kernel, ``"transposed"`` (column-major) for other eager fp32 CPU steps, else ``"linear"``.
     """
-    # (A compiled step of one row reduces it itself, over the row-major weight.)
-    rows = max(2, batch) if compiled else batch
-    if weight.device.type == "cpu" and _streamed(weight.dtype, rows) and _kernels_ready():
-        return "stream"
-    if not compiled and weight.device.type == "cpu" and weight.dtype == torch.float32:
-        return "transposed"
-    return "linear"
+    cpu = weight.device.type == "cpu"
+    layout = policy.weight_layout(weight.dtype, cpu=cpu, compiled=compiled, batch=batch)
+    return layout  # type: ignore[return-value]
 
 
 class PreparedLinear(nn.Linear):
@@ -164,7 +120,7 @@ class PreparedLinear(nn.Linear):
         ):
             # A few rows without gradients (a decoding step), eager: the kernel directly (the
             # checks of `linear` cost more than a small product).
-            return native.float_dot_linear(x, self.weight, self.bias)
+            return float_dot_linear(x, self.weight, self.bias)
         if self.layout == "transposed" and not _onednn_prompt(x, self.weight, self.bias):
             # fp32 on CPU: F.linear multiplies by the column-major weight's contiguous transpose
             # in one BLAS call (its transpose is a C++ view, not a Python op per call).
@@ -179,14 +135,13 @@ class PreparedRMSNorm(nn.RMSNorm):
     """An ``nn.RMSNorm`` prepared for decoding and prefill: same parameters, a shorter forward.
 
     Built by :meth:`from_norm`, which shares the original's ``weight``. Eager float32 or bf16
-    CPU rows without gradients run :func:`attnkit.native.rms_norm` where attnkit's kernels are
-    built: one pass through the rows instead of torch's composite ``rms_norm`` (about ten
-    kernels, each writing a fresh tensor; ``benchmarks/RESULTS.md``), except a single float32 row
-    (a one-token decoding step), which has its norm read once and the scale
-    ``1 / sqrt(||x||^2 / D + eps)`` applied in one multiply with the weight: three torch calls,
-    4 us against the kernel's 12 on an Intel Xeon (the call costs more than the row), and 40
-    against 55-66 us as module calls on a 2-core AMD EPYC. Every other input runs
-    ``nn.RMSNorm``'s own forward; they all differ by float rounding only.
+    CPU rows without gradients run :func:`attnkit.kernels.rows.rms_norm` where attnkit's kernels
+    are built: one pass through the rows instead of torch's composite ``rms_norm`` (about ten
+    kernels, each writing a fresh tensor). A single float32 row (a one-token decoding step) runs
+    the kernel too, unless the policy measured three torch calls faster (``rows.norm_row``: the
+    kernel's call can cost more than the row): the row's norm read once and the scale
+    ``1 / sqrt(||x||^2 / D + eps)`` applied in one multiply with the weight. Every other input
+    runs ``nn.RMSNorm``'s own forward; they all differ by float rounding only.
     """
 
     _zero: Tensor
@@ -219,7 +174,8 @@ class PreparedRMSNorm(nn.RMSNorm):
         # (torch's default: the epsilon of the dtype it computes in, float32 for half precision)
         wide = torch.promote_types(x.dtype, torch.float32)
         eps = torch.finfo(wide).eps if self.eps is None else self.eps
-        if x.numel() == D and x.dtype == torch.float32:  # (4 us a call, the kernel's 12)
+        plan = policy.linear_plan()
+        if x.numel() == D and x.dtype == torch.float32 and not plan.norm_row_kernel:
             norm = float(torch.linalg.vector_norm(x))
             scale = 1.0 / math.sqrt(norm * norm / D + eps)
             if weight is None:
@@ -229,60 +185,17 @@ class PreparedRMSNorm(nn.RMSNorm):
             x.dtype in (torch.float32, torch.bfloat16)
             and (weight is None or weight.dtype == x.dtype)
             and self.normalized_shape[0] == D
-            and native.eager_cpu(x)
-            and _kernels_ready()
+            and plan.kernels
+            and build.eager_cpu(x)
         ):
-            return native.rms_norm(x, weight, eps)
+            return rows.rms_norm(x, weight, eps)
         return super().forward(x)
-
-
-#: From this many rows on, a bf16 product on a CPU without bf16 dot-product instructions runs
-#: in float32 (``benchmarks/RESULTS.md``: on AVX2, 512 rows x 576 -> 1536 took 732 ms in bf16
-#: and 130 ms upcast; 16 rows 36 vs 20 ms; a single row 0.25 vs 0.43 ms, so it stays bf16).
-UPCAST_ROWS = 16
-
-
-def _bf16_dot_native() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
-    return native._cpu_has("_is_avx512_bf16_supported") or native._amx()
-
-
-#: bf16 GEMMs of a prompt run natively (the upcast rule of :func:`linear`).
-_BF16_NATIVE = _bf16_dot_native()
-
-
-_onednn: bool | None = None  # _onednn_faster(), measured once
-
-
-def _onednn_faster() -> bool:
-    """Whether oneDNN's float32 GEMM (``torch.ops.mkldnn._linear_pointwise``, the kernel
-    inductor's CPU linears call) multiplies a prompt faster than ``F.linear`` (MKL) on this
-    CPU, by at least 1.15x: measured once, on a 256 x 768 -> 2048 product, medians of
-    interleaved rounds (:func:`attnkit.profiling.time_calls`).
-
-    On a 2-core AMD EPYC with AVX512 oneDNN ran 2.2x MKL's speed (407 vs 184 GFLOP/s at 1024
-    rows, 306 vs 154 at 32; ``benchmarks/RESULTS.md``): MKL takes a narrower path on AMD CPUs.
-    """
-    global _onednn
-    if _onednn is None:
-        op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-        _onednn = False
-        if op is not None and torch.backends.mkldnn.is_available():
-            gen = torch.Generator().manual_seed(0)
-            x, w = torch.randn(256, 768, generator=gen), torch.randn(2048, 768, generator=gen)
-            calls = {
-                "mkl": lambda: F.linear(x, w),
-                "onednn": lambda: op(x, w, None, "none", [], ""),
-            }
-            with torch.no_grad():
-                seconds = time_calls(calls, rounds=5)
-            _onednn = seconds["mkl"] >= 1.15 * seconds["onednn"]
-    return _onednn
 
 
 def _onednn_prompt(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether ``F.linear(x, weight, bias)`` is a float32 CPU prompt product (at least
-    :data:`UPCAST_ROWS` rows, no gradients, eager) on a CPU where oneDNN's GEMM is faster."""
+    :data:`UPCAST_ROWS` rows, no gradients, eager) and the policy gives prompts to oneDNN's GEMM
+    (choice ``linear.fp32_prompt``)."""
     return (
         x.dtype == weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
@@ -293,14 +206,16 @@ def _onednn_prompt(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))
         and not torch.compiler.is_compiling()
         and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
-        and _onednn_faster()
+        and policy.fp32_prompt_onednn()
     )
 
 
-def _streams(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether ``F.linear(x, weight, bias)`` runs attnkit's streaming kernel."""
+def _streams(x: Tensor, weight: Tensor, bias: Tensor | None, compiling: bool) -> bool:
+    """Whether ``F.linear(x, weight, bias)`` runs attnkit's streaming kernel
+    (:func:`attnkit.kernels.policy.stream_rows`)."""
+    rows = x.numel() // max(x.shape[-1], 1)
     return (
-        _streamed(weight.dtype, x.numel() // max(x.shape[-1], 1))
+        policy.stream_rows(weight.dtype, rows, compiled=compiling)
         and x.dtype == weight.dtype
         and (bias is None or bias.dtype == weight.dtype)
         and x.device.type == "cpu"
@@ -310,42 +225,41 @@ def _streams(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and 0 < x.numel() < UPCAST_ROWS * x.shape[-1]
         and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))
         and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
-        and _kernels_ready()
     )
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)``; inside a compiled graph a single row outside attnkit's
-    kernel is computed as ``(W * x).sum(-1)`` in float32, which inductor streams at the memory
-    bandwidth.
+    """``F.linear(x, weight, bias)`` through the kernel the policy chooses
+    (:mod:`attnkit.kernels.policy`, ``attnkit kernels`` shows the choices):
 
-    On a CPU without bf16 dot-product instructions, bf16 products of at least
-    :data:`UPCAST_ROWS` rows (a prompt's prefill) run in float32 and are rounded back to bf16:
-    torch's bf16 GEMM there is emulated and several times slower than converting the weight.
-    Fewer rows of a :data:`KERNEL_DTYPES` weight, without gradients, run
-    :func:`attnkit.native.float_dot_linear` where it is built (in compiled graphs as the op
-    ``attnkit::float_dot_linear``; a single row there only for the :data:`_ROW_KERNEL` dtypes:
-    otherwise inductor's reduction is as fast and costs no op call). float32 products of at least
-    :data:`UPCAST_ROWS` rows without gradients (a prompt) run oneDNN's GEMM where it measured
-    faster than ``F.linear``'s MKL on this CPU (:func:`_onednn_faster`).
+    * fewer than :data:`UPCAST_ROWS` rows of a :data:`KERNEL_DTYPES` weight without gradients:
+      :func:`attnkit.kernels.linear.float_dot_linear` where the policy streams them (in compiled
+      graphs as the op ``attnkit::float_dot_linear``; a single row there only where the policy
+      measured the op faster than inductor's reduction);
+    * a single row otherwise inside a compiled graph: ``(W * x).sum(-1)`` in float32, which
+      inductor streams at the memory bandwidth;
+    * float32 prompts without gradients: oneDNN's GEMM where the policy measured it faster than
+      ``F.linear``'s MKL;
+    * bf16 prompts: in float32, rounded back to bf16, where the policy found bf16 GEMMs slower
+      (CPUs that emulate them);
+    * everything else: ``F.linear``.
 
     Shape: x ``(*, in)``, weight ``(out, in)`` -> ``(*, out)``.
     """
     compiling = torch.compiler.is_compiling()
     if _onednn_prompt(x, weight, bias):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if _streams(x, weight, bias):
+    if _streams(x, weight, bias, compiling):
         if not compiling:
-            return native.float_dot_linear(x, weight, bias)
-        if x.numel() != x.shape[-1] or weight.dtype in _ROW_KERNEL:
-            return torch.ops.attnkit.float_dot_linear(x, weight, bias)
+            return float_dot_linear(x, weight, bias)
+        return torch.ops.attnkit.float_dot_linear(x, weight, bias)
     if (
         weight.dtype == torch.bfloat16
-        and not _BF16_NATIVE
         and not compiling
         and x.device.type == "cpu"
         and x.dtype == torch.bfloat16
         and x.numel() >= UPCAST_ROWS * x.shape[-1] > 0
+        and policy.bf16_prompt_upcast()
     ):
         wide = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), wide).to(torch.bfloat16)
@@ -365,10 +279,8 @@ def _row(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
     The row is stored before the reduction (an identity view makes inductor store it: otherwise
     it inlines the producer, a norm or SwiGLU's silu, into the reduction and recomputes it for
-    every output row), widened to float32 first, so the loop widens only the weight: a compiled
-    bf16 step of the 135M Llama shape decoded 1.19x faster on a 2-core AVX2 AMD EPYC than with the
-    bf16 row widened in the loop, 2.6x faster on an AVX512-BF16 one and 1.19x faster on an Intel
-    Xeon with AMX than partial sums over 16 lanes first (``benchmarks/RESULTS.md``).
+    every output row), widened to float32 first, so the loop widens only the weight (faster than
+    widening the row in the loop, or partial sums over vector lanes first).
     """
     shape, out_features = x.shape, weight.shape[0]
     row = x.reshape(1, -1).float()
@@ -386,9 +298,8 @@ _MADV_HUGEPAGE = 14
 def _huge_page_empty(numel: int, dtype: torch.dtype) -> Tensor:
     """An uninitialised 1-D tensor whose memory asks Linux for transparent huge pages.
 
-    Streaming hundreds of MB of weights per token through 4 KiB pages costs TLB misses (measured
-    in ``benchmarks/RESULTS.md``). ``madvise`` must come before the pages are first touched; it
-    is a no-op where unsupported.
+    Streaming hundreds of MB of weights per token through 4 KiB pages costs TLB misses.
+    ``madvise`` must come before the pages are first touched; it is a no-op where unsupported.
     """
     itemsize = torch.empty(0, dtype=dtype).element_size()
     slack = _HUGE_PAGE // itemsize
@@ -435,9 +346,9 @@ def prepare(model: ModuleT, *, compiled: bool = False, batch: int = 1) -> Module
         compiled: Lay the weights out for compiled steps (``generate(..., compile=True)``)
             rather than eager ones.
         batch: The number of sequences its steps will decode together. It only changes eager
-            fp32 layouts on CPUs with AMX (:func:`layout_for`): for one sequence MKL's product
-            over a column-major weight, for several attnkit's kernel (any batch decodes with
-            either, at those speeds).
+            fp32 layouts where the policy gives one row to MKL (:func:`layout_for`): for one
+            sequence MKL's product over a column-major weight, for several attnkit's kernel (any
+            batch decodes with either, at those speeds).
 
     Every plain ``nn.Linear`` (exactly that type) is replaced by a :class:`PreparedLinear` over
     the same parameters; subclasses (quantized or LoRA linears, a user's own) are kept as they
@@ -487,14 +398,14 @@ def compiled_step(model: Any) -> Callable[..., Any]:
     """
     step = model.__dict__.get("_attnkit_step")
     if step is None:
-        # Asked (and built) before the trace, which reads the answers: the products' rule and
-        # the one-query attention kernel (functional), on every CPU where they build; and the
-        # ops' C++ implementations, which the graph's op calls then run.
-        _kernels_ready()
-        native.load_ops()
+        # Decided (and built) before the trace, which reads the answers: the policy's linear
+        # plan, with its compiled-row choices, and the kernels the graph's ops call, with
+        # their C++ implementations.
+        policy.linear_plan(compiled=True)
+        build.load_ops()
         # Without inductor's checks of every input's size and strides at each call (one Python
-        # call per weight, about 1.05x a compiled int8 step of the 135M shape): dynamo's guards
-        # check the same before a call, the first step of each generate call included.
+        # call per weight): dynamo's guards check the same before a call, the first step of
+        # each generate call included.
         options: dict[str, Any] = {"size_asserts": False}
         step = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
         model.__dict__["_attnkit_step"] = step
@@ -506,9 +417,8 @@ def differentiating_guards_only() -> Iterator[None]:
     """A context in which compiled steps check only the guards that tell their graphs apart.
 
     Before each call of a compiled function, dynamo checks its guards (every parameter's
-    dtype, shape and strides, grad mode, ...): about 2 ms of a 30-ms compiled bf16 step of the
-    135M shape on a 2-core AMD EPYC, whose steps decode 1.05-1.08x faster without it
-    (``benchmarks/RESULTS.md``). :func:`attnkit.generation.generate` enters this for the steps
+    dtype, shape and strides, grad mode, ...), a share of a small model's compiled step worth
+    saving. :func:`attnkit.generation.generate` enters this for the steps
     after a call's first compiled step, which checked them all: between its steps nothing but
     its own loop runs (``stream`` gives control to the caller between steps, so it does not).
     torch's ``set_stance(skip_guard_eval_unsafe=True)`` for the duration; where the stance is

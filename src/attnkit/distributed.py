@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attnkit import native
-from attnkit.kernels import policy
+from attnkit.kernels import attention as attention_kernels
+from attnkit.kernels import build, policy
 
 __all__ = [
     "LAYOUTS",
@@ -132,7 +132,7 @@ def unshard(shards: list[Tensor], dim: int, *, layout: Layout = "contiguous") ->
 
 def _block_kernel(q: Tensor, k: Tensor, causal: bool) -> str:
     """The policy's kernel for one block (the same for its forward and its backward)."""
-    eager = native.eager_cpu(q)
+    eager = build.eager_cpu(q)
     call = policy.AttentionCall(
         dtype=q.dtype,
         device=q.device.type,
@@ -141,7 +141,7 @@ def _block_kernel(q: Tensor, k: Tensor, causal: bool) -> str:
         causal=causal,
         grads=q.requires_grad,
         eager=eager,
-        ready=eager and native.flash_available(),
+        ready=eager and attention_kernels.flash_available(),
     )
     return policy.ring_block_kernel(call)
 
@@ -153,7 +153,7 @@ def _block_forward(
     the policy's :func:`~attnkit.kernels.policy.ring_block_kernel`."""
     kernel = _block_kernel(q, k, causal)
     if kernel == "flash":
-        return native.flash_attention(q, k, v, scale=scale, causal=causal, first=0)
+        return attention_kernels.flash_attention(q, k, v, scale=scale, causal=causal, first=0)
     if kernel == "torch-flash":
         out, lse = _flash(q, k, v, 0.0, causal, scale=scale)
         return out, lse
@@ -179,7 +179,7 @@ def _block_backward(
     kernel adds them itself, without a buffer per block."""
     kernel = _block_kernel(q, k, causal)  # (the forward's: the same call)
     if kernel == "flash":  # (float32 or bf16 inputs: the sums are float32)
-        native.flash_attention_backward(
+        attention_kernels.flash_attention_backward(
             g, q, k, v, out, lse, scale=scale, causal=causal, first=0, into=into
         )
         return

@@ -43,9 +43,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import masks as M
-from attnkit import native, sparse
 from attnkit import softcap as capped
-from attnkit.kernels import policy
+from attnkit import sparse
+from attnkit.kernels import attention as attention_kernels
+from attnkit.kernels import build, policy
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -181,8 +182,8 @@ def attend(
         dropout=dropout_p > 0.0,
         softcap=softcap is not None,
         grads=_grads(q, k, v),
-        eager=(eager := native.eager_cpu(q)),
-        ready=eager and native.flash_available(),
+        eager=(eager := build.eager_cpu(q)),
+        ready=eager and attention_kernels.flash_available(),
     )
     if plan.path == "capped":
         assert softcap is not None
@@ -320,10 +321,10 @@ def one_query(
         if window is not None and window < S:
             mask = mask[..., S - window :]
     grads = _grads(q, k, v)
-    if policy.one_query_kernel(q.dtype, q.device.type, grads) and native.kernels_available():
+    if policy.one_query_kernel(q.dtype, q.device.type, grads) and build.kernels_available():
         # attnkit's kernel: a query with no key, or a non-finite output, is flagged, and the
         # general path recomputes the step with its rules.
-        out, flags = native.one_query_attention(q, k, v, mask, scale, softcap=softcap)
+        out, flags = attention_kernels.one_query_attention(q, k, v, mask, scale, softcap=softcap)
         return None if flags else out
     if softcap is not None:
         if mask is not None or grads or q.dtype not in (torch.float32, torch.float64):
@@ -387,7 +388,7 @@ def block_sparse_attention(
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     B = math.prod(q.shape[:-3])
     rules, _ = M.checked(structure, L, S, batch=B, mask=None, dtype=q.dtype)
-    eager = native.eager_cpu(q)
+    eager = build.eager_cpu(q)
     call = policy.AttentionCall(
         dtype=q.dtype,
         device=q.device.type,
@@ -399,7 +400,7 @@ def block_sparse_attention(
         dropout=dropout_p > 0.0,
         grads=_grads(q, k, v),
         eager=eager,
-        ready=eager and native.flash_available(),
+        ready=eager and attention_kernels.flash_available(),
     )
     kernels = policy.tile_kernels(call)
     rows = block_size or policy.tile_rows(L, rules.window, q.dtype)
@@ -572,7 +573,7 @@ def _fused_attention(
             and q.dim() == 4
             and (mask is None or mask.dtype == torch.bool)
             and policy.one_query_kernel(q.dtype, q.device.type, _grads(q, k, v))
-            and native.kernels_loaded()  # (built before the trace: a build is not traced)
+            and build.kernels_loaded()  # (built before the trace: a build is not traced)
         ):
             # attnkit's kernel as one op of the graph: it reads only the keys the mask allows
             # (a static cache's filled slots), where the fused kernel reads every slot. The

@@ -381,7 +381,7 @@ def _stream(
 SPLIT_PREFILL_PADDING = 0.25
 #: Real tokens up to which neighbouring prompts fill in together (see _prefill_groups): a
 #: forward of a few dozen rows costs about a read of every weight, while GEMMs of a few hundred
-#: rows already run near the machine's matrix-multiply peak, so past that, padding only adds work.
+#: rows run near their peak, so past that, padding only adds work.
 PREFILL_RUN_TOKENS = 256
 
 

@@ -31,9 +31,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from attnkit import native
 from attnkit.attention import MultiHeadAttention
 from attnkit.config import check_rope_scaling
+from attnkit.kernels import build, rows
 
 __all__ = [
     "LearnedPositionalEmbedding",
@@ -308,8 +308,8 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Te
     Half-precision ``x`` is rotated in float32 and rounded once. Eager CPU inference runs
     attnkit's kernel (:func:`_native_rotation`); otherwise (gradients, compiled graphs, other
     dtypes) the product with ``cos`` makes a new tensor in the compute dtype, each half of the
-    pairs adds its partner's product to it in place (no swapped copy of ``x``, which ``roll``
-    would make before an ``addcmul``), and the result is cast back.
+    pairs adds its partner's product to it in place (no swapped copy of ``x``, as ``roll`` and
+    ``addcmul`` would make), and the result is cast back.
 
     Shape:
         x ``(..., L, E)``, cos/signed_sin broadcastable to it -> like ``x``.
@@ -318,7 +318,7 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Te
     if E % 2 or cos.shape[-1] != E:
         raise ValueError(f"rotary tables must have last dim E={E}, got {tuple(cos.shape)}")
     if _native_rotation(x, cos, signed_sin):
-        return native.rotate(x, cos, signed_sin, interleaved=interleaved)
+        return rows.rotate(x, cos, signed_sin, interleaved=interleaved)
     compute = x.dtype if x.dtype in _WIDE else torch.promote_types(x.dtype, torch.float32)
     if cos.dtype != compute:
         cos, signed_sin = cos.to(compute), signed_sin.to(compute)
@@ -336,17 +336,17 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, interleaved: bool) -> Te
 
 
 def _native_rotation(x: Tensor, cos: Tensor, signed_sin: Tensor) -> bool:
-    """Whether :func:`attnkit.native.rotate` computes this rotation: eager CPU inference on
+    """Whether :func:`attnkit.kernels.rows.rotate` computes this rotation: eager CPU inference on
     float32 or bf16 heads with the rotary module's float32 rows (``(L, E)``, or ``(B, 1, L, E)``
-    for per-sequence positions), where attnkit's kernels run: one pass over ``x`` and one new
-    tensor instead of the five of the composed ops."""
+    for per-sequence positions), where attnkit's kernels run. One pass and one new tensor
+    instead of five."""
     if (
         x.dtype not in (torch.float32, torch.bfloat16)
         or cos.dtype != torch.float32
         or signed_sin.dtype != torch.float32
         or not 2 <= x.dim() <= 4
         or x.stride(-1) != 1
-        or not native.eager_cpu(x)
+        or not build.eager_cpu(x)
         or (
             torch.is_grad_enabled()
             and (x.requires_grad or cos.requires_grad or signed_sin.requires_grad)
@@ -355,7 +355,7 @@ def _native_rotation(x: Tensor, cos: Tensor, signed_sin: Tensor) -> bool:
         return False
     L, E = x.shape[-2:]
     fits = cos.shape == (L, E) or (x.dim() == 4 and cos.shape == (x.shape[0], 1, L, E))
-    return fits and signed_sin.shape == cos.shape and native.kernels_available()
+    return fits and signed_sin.shape == cos.shape and build.kernels_available()
 
 
 def _check_head_dim(head_dim: int) -> None:

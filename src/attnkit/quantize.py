@@ -9,53 +9,44 @@ scale and offset per group of input channels); the model's own forward runs them
 quantized). A tied output head gets a quantized copy of the embedding (``lm_head``) while the lookup
 keeps the full-precision table.
 
-Kernels. An :class:`Int8Linear` multiplies with one of four (``int8_kernel=``); the default is a
-rule by CPU features (:func:`default_int8_kernel`), so every load of a model gives the same layers;
-``int8_kernel="auto"`` instead times the candidates per shape (:func:`choose_int8_kernel`):
+Kernels. An :class:`Int8Linear` multiplies with one of four (``int8_kernel=``); the default is
+the policy's choice (:func:`default_int8_kernel`: choice ``linear.int8`` of
+:mod:`attnkit.kernels.policy`, measured once per machine and cached, so every load of a model
+gives the same layers); ``int8_kernel="auto"`` instead times the candidates per shape
+(:func:`choose_int8_kernel`):
 
-* ``"avx2"`` (the default wherever attnkit could build it):
-  :func:`attnkit.native.int8_dot_linear`, attnkit's own kernel of AVX2 integer dot products, for up
-  to :data:`AVX2_MAX_ROWS` rows (decoding), or every row without gradients where its AVX512-VNNI
-  dots run; activations rounded to int8 per block of 32 inputs (as llama.cpp's ``q8_0`` dot);
-  inputs a multiple of 32. It streams the codes at about the read bandwidth, where torch's int8
-  kernels on AVX2-only CPUs reach about a third of it (and decoded 1.2x/1.3x slower,
-  eager/compiled, on an AVX512-BF16 EPYC, 1.33x/1.85x slower on an Intel Xeon with AMX). More rows
-  (a prompt) multiply the dequantized weight by the activations rounded the same way
-  (:func:`attnkit.native.round_activations`), so the result does not depend on the row count beyond
-  float32 summation order. Compiled graphs call it as one op (``attnkit::int8_dot_linear``).
-* ``"fbgemm"`` (the default where ``"avx2"`` cannot run, on CPUs with torch's fbgemm engine and
-  without AMX: 1.6-1.8x faster decoding than ``"int8pack"`` on an AVX2-only CPU,
-  ``benchmarks/RESULTS.md``): torch's dynamic quantized linear
-  (``torch.ops.quantized.linear_dynamic`` on fbgemm's prepacked weight): each call quantizes the
-  activations to 7-bit integers (one asymmetric scale per row; 7 bits because AVX2's 8-bit
-  multiply-add saturates 8-bit ones) and multiplies integers. The prepacked weight is the only copy
-  of the codes (the state dict unpacks them); fbgemm pads its inputs to whole blocks of 512, so a
-  weight with more inputs than that and not a multiple packs the leading multiple and keeps the
-  rest's codes beside it (multiplied by ``"int8pack"``'s kernel): the layer holds one byte a weight,
-  like the others. Inside a compiled graph the call is one opaque op
-  (``attnkit::int8_fbgemm_linear``), the same products as in eager mode.
-* ``"int8pack"``: ``torch._weight_int8pack_mm`` with bf16 activations (input sizes that are
-  multiples of 8, of 16 with AMX; the default where neither of the above runs). Where the CPU has
-  no bf16 units it converts as it goes. One row inside a compiled graph is a streaming float32
-  reduction over the int8 bytes instead.
+* ``"attnkit"`` (its former name is still accepted):
+  :func:`attnkit.kernels.linear.int8_dot_linear`, attnkit's own kernel of integer dot products,
+  for the rows :func:`attnkit.kernels.policy.int8_kernel_rows` gives it (decoding and small
+  batches; every row without gradients where its wide dots run); activations rounded to int8 per
+  block of 32 inputs (as llama.cpp's ``q8_0`` dot); inputs a multiple of 32. It streams the codes
+  at about the read bandwidth. More rows (a prompt) multiply the dequantized weight by the
+  activations rounded the same way (:func:`attnkit.kernels.linear.round_activations`), so the
+  result does not depend on the row count beyond float32 summation order. Compiled graphs call it
+  as one op (``attnkit::int8_dot_linear``).
+* ``"fbgemm"``: torch's dynamic quantized linear on fbgemm's prepacked weight (the only copy
+  of the codes; see :class:`Int8Linear`): each call quantizes the activations to 7-bit integers
+  (one asymmetric scale per row). Compiled graphs call it as one opaque op
+  (``attnkit::int8_fbgemm_linear``).
+* ``"int8pack"``: ``torch._weight_int8pack_mm`` with bf16 activations (input sizes it takes,
+  :func:`attnkit.kernels.policy.int8pack_takes`). Where the CPU has no bf16 units it converts as
+  it goes. One row inside a compiled graph is a streaming float32 reduction over the int8 bytes
+  instead.
 * ``"dequantize"``: the float product with the dequantized weight (other devices, other sizes).
 
-Int4 runs attnkit's own kernel (:func:`attnkit.native.int4_dot_linear`): the codes packed two to a
-byte, multiplied in integers by the activations rounded as for ``"avx2"``; torch's CPU int4 kernel
-(``torch._weight_int4pack_mm_for_cpu``) converts its codes to floats and decoded at 0.83x the int8
-kernel's speed. ``benchmarks/bench_quantize.py`` measures the candidates per matrix of a model and
-the decode steps against fp32 and bf16.
+Int4 runs attnkit's own kernel (:func:`attnkit.kernels.linear.int4_dot_linear`; the policy's
+choice ``linear.int4``): the codes packed two to a byte, multiplied in integers by the activations
+rounded as for ``"attnkit"`` (torch's CPU int4 kernel converts its codes to floats).
+``attnkit bench`` measures the candidates per matrix of a model and the decode steps against fp32
+and bf16.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import itertools
 import warnings
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -63,23 +54,32 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit.decoding import PreparedLinear, linear
-from attnkit.native import (
+from attnkit.kernels import policy
+from attnkit.kernels.build import kernels_available
+from attnkit.kernels.linear import (
     INT8_DOT_BLOCK,
-    _amx,
-    _int4_product,
-    _int8_product,
+    fbgemm_engine,
+    fbgemm_inputs,
+    fbgemm_pack,
+    fbgemm_product,
     group_codes,
     int4_dot_linear,
+    int4_product,
     int8_dot_linear,
-    int8_vnni,
-    kernels_available,
+    int8_product,
+    int8_round_rows,
+    int8_scales,
     pack_int4,
     pack_int4_scales,
+    register_packed,
+    release_packed,
     round_activations,
+    rows_per_block,
     ungroup_codes,
     unpack_int4,
     unpack_int4_scales,
 )
+from attnkit.kernels.probe import last_level_cache_bytes  # (re-exported)
 from attnkit.profiling import time_calls  # (re-exported: quantize.time_calls)
 
 __all__ = [
@@ -102,14 +102,8 @@ Mode = Literal["int8", "int4"]
 MODES: tuple[Mode, ...] = ("int8", "int4")
 GROUP_SIZES = (256, 128, 64, 32)
 #: The ways an :class:`Int8Linear` multiplies (see the module's docstring); ``"auto"`` measures.
-INT8_KERNELS = ("avx2", "fbgemm", "int8pack", "dequantize")
-Int8Kernel = Literal["default", "auto", "avx2", "fbgemm", "int8pack", "dequantize"]
-#: Rows up to which the ``"avx2"`` kernel multiplies (decoding, small batches) on CPUs without
-#: AVX512-VNNI; more rows (a prompt) multiply the dequantized weight (with the activations
-#: rounded as the kernel rounds them), faster from about 256 rows on (measured). Where the
-#: kernel's VNNI dots run (:func:`attnkit.native.int8_vnni`), four rows share each block and the
-#: kernel stays the faster at 2048 rows (1.2-1.6x), so it takes every product without gradients.
-AVX2_MAX_ROWS = 256
+INT8_KERNELS = policy.INT8_KERNELS
+Int8Kernel = Literal["default", "auto", "attnkit", "fbgemm", "int8pack", "dequantize"]
 
 
 def _finish(layer: Any, y: Tensor, x: Tensor, shape: torch.Size) -> Tensor:
@@ -123,9 +117,8 @@ def _finish(layer: Any, y: Tensor, x: Tensor, shape: torch.Size) -> Tensor:
 def _frozen(t: Tensor) -> nn.Parameter:
     """``t`` (not copied) as a parameter without gradients: how quantized layers hold their codes
     and scales. A compiled step checks a parameter's guards only where they tell graphs apart, a
-    buffer's on every call (dynamo's rule): 1.08-1.12x an int8 compiled step of the 135M Llama
-    shape, 1.15-1.20x an int4 one (``benchmarks/RESULTS.md``). torchao's quantized weights are
-    parameters too."""
+    buffer's on every call (dynamo's rule), a share of a small model's step. torchao's quantized
+    weights are parameters too."""
     return nn.Parameter(t, requires_grad=False)
 
 
@@ -143,15 +136,15 @@ class Int8Linear(nn.Module):
     The bias, if any, keeps its dtype. Build it with :meth:`from_linear`; ``kernel`` names how it
     multiplies (:data:`INT8_KERNELS`; see the module's docstring).
 
-    The codes are stored once: in ``weight_int8`` (in the ``"avx2"`` kernel's order
-    with that kernel, :func:`attnkit.native.group_codes`), or, with the ``"fbgemm"`` kernel, in
-    fbgemm's prepacked copy (:meth:`codes` gives them row-major either way). fbgemm pads the
-    inputs of its packed weight to a multiple of 512 (its cache block), so where
-    ``in_features`` is larger and not a multiple, only the leading multiple is packed and
-    ``weight_int8`` keeps the remaining inputs' codes (``(out, in % 512)``, multiplied by
-    ``torch._weight_int8pack_mm``); otherwise it is empty. Either way the state dict holds
-    ``weight_int8`` with all the codes, row-major, so a state dict saved from a layer with one
-    kernel loads into a layer with any other.
+    The codes are stored once: in ``weight_int8`` (in the ``"attnkit"`` kernel's order with that
+    kernel, :func:`attnkit.kernels.linear.group_codes`), or, with the ``"fbgemm"`` kernel, in
+    fbgemm's prepacked copy (:meth:`codes` gives them row-major either way). fbgemm pads the inputs
+    of its packed weight to a multiple of 512 (its cache block), so where ``in_features`` is larger
+    and not a multiple, only the leading multiple is packed and ``weight_int8`` keeps the remaining
+    inputs' codes (``(out, in % 512)``, multiplied by ``torch._weight_int8pack_mm`` where it takes
+    them); otherwise it is empty. Either way the state dict holds ``weight_int8`` with all the
+    codes, row-major, so a state dict saved from a layer with one kernel loads into a layer with any
+    other.
 
     Shape: ``(*, in_features) -> (*, out_features)``, in the input's dtype.
     """
@@ -187,8 +180,9 @@ class Int8Linear(nn.Module):
     ) -> Int8Linear:
         """Quantize ``weight`` ``(out, in)`` (any float dtype) per output channel.
 
-        ``kernel="default"`` is :func:`default_int8_kernel`'s rule for the shape (the same on
-        every run); ``kernel="auto"`` takes :func:`choose_int8_kernel`'s measured choice.
+        ``kernel="default"`` is :func:`default_int8_kernel`'s choice for the shape (the same on
+        every run on a machine); ``kernel="auto"`` takes :func:`choose_int8_kernel`'s measured
+        choice.
 
         Raises:
             ValueError: A weight that is not 2-D float, an unknown ``kernel``, or one that
@@ -201,6 +195,7 @@ class Int8Linear(nn.Module):
             )
         out_features, in_features = weight.shape
         usable = int8_kernels(in_features, weight.device)
+        kernel = policy.int8_kernel_name(kernel)  # type: ignore[assignment]
         if kernel == "default":
             kernel = default_int8_kernel(in_features, weight.device)  # type: ignore[assignment]
         elif kernel == "auto":
@@ -211,20 +206,20 @@ class Int8Linear(nn.Module):
                 f"{weight.device}; usable: {usable}"
             )
         weight = weight.detach()
-        scale = _scales(weight)
+        scale = int8_scales(weight)
         if kernel == "fbgemm":  # (packed a block of rows at a time: no whole int8 copy)
             new = cls._empty(in_features, out_features, scale, bias, kernel)
-            new._set_packed(functools.partial(_round_rows, weight, scale))
+            new._set_packed(functools.partial(int8_round_rows, weight, scale))
             return new
-        if kernel == "avx2":  # (rounded and put in the kernel's order a block of rows at a time)
+        if kernel == "attnkit":  # (rounded and put in the kernel's order a block of rows at a time)
             new = cls._empty(in_features, out_features, scale, bias, kernel)
             new.weight_int8 = _frozen(torch.empty(out_features, in_features, dtype=torch.int8))
-            step = max(4, _rows_per_block(in_features) // 4 * 4)  # (whole groups of four)
+            step = max(4, rows_per_block(in_features) // 4 * 4)  # (whole groups of four)
             for start in range(0, out_features, step):
-                codes = _round_rows(weight, scale, start, start + step)
+                codes = int8_round_rows(weight, scale, start, start + step)
                 new.weight_int8[start : start + step] = group_codes(codes)
             return new
-        codes = _round_rows(weight, scale, 0, out_features)
+        codes = int8_round_rows(weight, scale, 0, out_features)
         return cls.from_codes(codes, scale, bias, kernel=kernel)  # type: ignore[arg-type]
 
     @classmethod
@@ -239,14 +234,16 @@ class Int8Linear(nn.Module):
         """The layer of int8 ``codes`` ``(out, in)`` and float32 ``scale`` ``(out,)``,
         multiplying with ``kernel`` (one of :func:`int8_kernels`). ``codes`` are kept (not
         copied), except with ``"fbgemm"``, which keeps only its prepacked copy of them, and
-        ``"avx2"``, which keeps them in its kernel's order (:func:`attnkit.native.group_codes`)."""
+        ``"attnkit"``, which keeps them in its kernel's order
+        (:func:`attnkit.kernels.linear.group_codes`)."""
+        kernel = policy.int8_kernel_name(kernel)
         if kernel not in INT8_KERNELS:
             raise ValueError(f"kernel must be one of {INT8_KERNELS}, got {kernel!r}")
         out_features, in_features = codes.shape
         new = cls._empty(in_features, out_features, scale, bias, kernel)
         if kernel == "fbgemm":
             new._set_packed(lambda start, stop: codes[start:stop])
-        elif kernel == "avx2":
+        elif kernel == "attnkit":
             new.weight_int8 = _frozen(group_codes(codes))
         else:
             new.weight_int8 = _frozen(codes)
@@ -278,7 +275,7 @@ class Int8Linear(nn.Module):
         Args:
             rows: ``rows(start, stop)`` gives the codes of rows ``start:stop``, ``(rows, in)``.
         """
-        main = _fbgemm_inputs(self.in_features)
+        main = fbgemm_inputs(self.in_features)
         step = _pack_rows(main)
         rest = self.in_features - main
         self.weight_int8 = _frozen(torch.empty(self.out_features, rest, dtype=torch.int8))
@@ -286,7 +283,7 @@ class Int8Linear(nn.Module):
         for start in range(0, self.out_features, step):
             codes = rows(start, start + step)
             packed.append(
-                _fbgemm_pack(codes[:, :main].contiguous(), self.scale[start : start + step])
+                fbgemm_pack(codes[:, :main].contiguous(), self.scale[start : start + step])
             )
             self.weight_int8[start : start + step] = codes[:, main:]
         self._packed = packed
@@ -297,16 +294,19 @@ class Int8Linear(nn.Module):
         previous = _FINALIZERS.pop(self, None)
         if previous is not None:
             previous()
-        handle = next(_HANDLES)
-        _PACKED[handle] = self._packed
-        _FINALIZERS[self] = weakref.finalize(self, _PACKED.pop, handle, None)
+        handle = register_packed(self._packed, int8pack_tail=self._int8pack_tail())
+        _FINALIZERS[self] = weakref.finalize(self, release_packed, handle)
         self.fbgemm_handle = torch.tensor(handle)
+
+    def _int8pack_tail(self) -> bool:
+        """Whether the inputs fbgemm does not pack run ``torch._weight_int8pack_mm``."""
+        return policy.int8pack_takes(self.in_features - fbgemm_inputs(self.in_features))
 
     def codes(self) -> Tensor:
         """The int8 codes, ``(out, in)``, row-major: ``weight_int8``, or (a new tensor) unpacked
         from fbgemm's prepacked copy where that is the only one, or ``weight_int8`` put back
-        in row order from the ``"avx2"`` kernel's order."""
-        if self.kernel == "avx2":
+        in row order from the ``"attnkit"`` kernel's order."""
+        if self.kernel == "attnkit":
             return ungroup_codes(self.weight_int8)
         if self._packed is None:
             return self.weight_int8
@@ -321,7 +321,7 @@ class Int8Linear(nn.Module):
         multiple of 512, so fewer inputs take 512 bytes a row); 0 for other kernels."""
         if self._packed is None:
             return 0
-        return self.out_features * -(-_fbgemm_inputs(self.in_features) // 512) * 512
+        return self.out_features * -(-fbgemm_inputs(self.in_features) // 512) * 512
 
     def dequantize(self) -> Tensor:
         """The float32 weight this module computes with. Shape: ``(out, in)``."""
@@ -329,7 +329,7 @@ class Int8Linear(nn.Module):
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._packed is not None or self.kernel == "avx2":  # (the codes, row-major)
+        if self._packed is not None or self.kernel == "attnkit":  # (the codes, row-major)
             destination[prefix + "weight_int8"] = self.codes()
 
     def _load_from_state_dict(
@@ -345,7 +345,7 @@ class Int8Linear(nn.Module):
         key = prefix + "weight_int8"
         given = state_dict.get(key)
         shape = (self.out_features, self.in_features)
-        if self.kernel == "avx2" and isinstance(given, Tensor) and given.shape == shape:
+        if self.kernel == "attnkit" and isinstance(given, Tensor) and given.shape == shape:
             state_dict = {**state_dict, key: group_codes(given)}  # (in the kernel's order)
         codes = given if self._packed is not None else None
         if codes is not None:  # (the placeholder takes them; the prepacked copy is rebuilt)
@@ -379,17 +379,19 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         compiling = torch.compiler.is_compiling()
         kernel = self.kernel if x2.device.type == "cpu" else "dequantize"
-        # (int8_vnni asks the kernels' library: only where the "avx2" kernel runs)
-        few = x2.shape[0] <= AVX2_MAX_ROWS
-        if kernel == "avx2" and not x2.requires_grad and (few or (not compiling and int8_vnni())):
+        if (
+            kernel == "attnkit"
+            and not x2.requires_grad
+            and policy.int8_kernel_rows(x2.shape[0], compiling=compiling)
+        ):
             xf = x2.float()
             if compiling:  # (one opaque op of the graph)
                 y = torch.ops.attnkit.int8_dot_linear(xf, self.weight_int8, self.scale)
             elif self.scale.dtype == torch.float32:  # (the layer holds the kernel's shapes)
-                y = _int8_product(xf.contiguous(), self.weight_int8, self.scale)
+                y = int8_product(xf.contiguous(), self.weight_int8, self.scale)
             else:  # (a cast scale, e.g. after .half(): the checks name it)
                 y = int8_dot_linear(xf, self.weight_int8, self.scale)
-        elif kernel == "avx2":
+        elif kernel == "attnkit":
             # A prompt, or a product gradients flow through (e.g. to an adapter's input): the
             # float product of the activations rounded as the kernel rounds them, so a row's
             # output does not depend on how many rows came with it.
@@ -403,14 +405,19 @@ class Int8Linear(nn.Module):
                 x2.float(), self.fbgemm_handle, self.weight_int8, self.scale, self.scale_bf16
             )
         elif kernel == "fbgemm":
-            y = _fbgemm_product(
-                x2.float(), self._packed, self.weight_int8, self.scale, self.scale_bf16
+            y = fbgemm_product(
+                x2.float(),
+                self._packed,
+                self.weight_int8,
+                self.scale,
+                self.scale_bf16,
+                int8pack_tail=self._int8pack_tail(),
             )
         elif x2.shape[0] == 1 and compiling:
             # One streaming pass over the int8 bytes; float32 sums.
             y = (self.weight_int8.float() * x2.float()).sum(-1) * self.scale
             y = y.reshape(1, -1)
-        elif kernel == "int8pack" and _int8pack_runs(self.in_features):
+        elif kernel == "int8pack" and policy.int8pack_takes(self.in_features):
             xb = x2.to(torch.bfloat16).contiguous()
             # An identity view that makes inductor store the input: its int8 GEMM lowering
             # takes stored tensors, not fused expressions.
@@ -424,76 +431,12 @@ class Int8Linear(nn.Module):
         return _describe(self, f"int8 per-channel, kernel={self.kernel}")
 
 
-# fbgemm's prepacked weights by handle, for the compiled graphs' calls (an entry goes with its
-# layer).
-_PACKED: dict[int, Any] = {}
-_HANDLES = itertools.count()
+# Each fbgemm layer's finalizer, which forgets its prepacked weight's handle.
 _FINALIZERS: weakref.WeakKeyDictionary[Int8Linear, weakref.finalize[Any, Any]] = (
     weakref.WeakKeyDictionary()
 )
-
-
-def _fbgemm_pack(codes: Tensor, scale: Tensor) -> Any:
-    """fbgemm's prepacked copy of int8 ``codes`` ``(out, in)`` with per-row ``scale``.
-
-    Packed by fbgemm itself where it is available (the ``x86`` engine would hand CPUs with VNNI
-    to oneDNN, whose packed weight keeps a second copy of the codes).
-    """
-    zeros = torch.zeros(len(scale), dtype=torch.long)
-    engines = torch.backends.quantized.supported_engines
-    engine = "fbgemm" if "fbgemm" in engines else torch.backends.quantized.engine
-    before = torch.backends.quantized.engine
-    with warnings.catch_warnings():  # (torch.ao's deprecation notice for its quantized tensors)
-        warnings.simplefilter("ignore")
-        q = torch._make_per_channel_quantized_tensor(codes, scale.double(), zeros, 0)
-        try:
-            torch.backends.quantized.engine = engine
-            return torch.ops.quantized.linear_prepack(q, None)
-        finally:
-            torch.backends.quantized.engine = before
-
-
-def _fbgemm_rows(x: Tensor, packed: list[Any]) -> Tensor:
-    """``x @ W^T`` through fbgemm's dynamic quantized linear, one activation scale per row.
-
-    fbgemm quantizes the whole input with one scale; rows of other sizes are divided by their
-    largest magnitude first (and the products multiplied back), so each row keeps its own
-    resolution. 7-bit activations (``reduce_range``): AVX2's multiply-add of unsigned 8-bit
-    activations and signed 8-bit weights saturates 16-bit pair sums.
-
-    Shape: ``(rows, in) -> (rows, out)``, float32.
-    """
-    if x.shape[0] == 1:
-        return _fbgemm_call(x, packed)
-    size = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
-    return _fbgemm_call(x / size, packed).mul_(size)
-
-
-def _fbgemm_call(x: Tensor, packed: list[Any]) -> Tensor:
-    """fbgemm's dynamic linear on each prepacked block of rows of a weight, side by side."""
-    parts = [torch.ops.quantized.linear_dynamic(x, p, True) for p in packed]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-
-
-def _scales(weight: Tensor) -> Tensor:
-    """Per-row scales ``max|row| / 127`` of a float ``weight`` ``(out, in)``, float32."""
-    step = _rows_per_block(weight.shape[1])
-    blocks = (weight[start : start + step] for start in range(0, len(weight), step))
-    tiny = torch.finfo(torch.float32).tiny
-    return torch.cat([(w.float().abs().amax(dim=1) / 127).clamp(min=tiny) for w in blocks])
-
-
-def _round_rows(weight: Tensor, scale: Tensor, start: int, stop: int) -> Tensor:
-    """The int8 codes of rows ``start:stop`` of ``weight`` with their ``scale``."""
-    rows = weight[start:stop]
-    codes = torch.empty(rows.shape, dtype=torch.int8, device=weight.device)
-    step = _rows_per_block(weight.shape[1])
-    # Blocks of rows keep the float temporaries small (loading stays near the final size).
-    for i in range(0, len(rows), step):
-        w = rows[i : i + step].to(torch.float32, copy=True)
-        s = scale[start + i : start + i + len(w), None]
-        codes[i : i + len(w)] = w.div_(s).round_().clamp_(-127, 127)
-    return codes
+#: fbgemm's packing under its former name (:func:`attnkit.kernels.linear.fbgemm_pack`).
+_fbgemm_pack = fbgemm_pack
 
 
 def _pack_rows(inputs: int) -> int:
@@ -502,54 +445,8 @@ def _pack_rows(inputs: int) -> int:
     return max(96, (8 << 20) // max(inputs, 1) // 96 * 96)
 
 
-def _fbgemm_inputs(in_features: int) -> int:
-    """How many leading inputs of a weight fbgemm packs: all where they fill whole blocks of
-    512 or are fewer than 512, else the largest multiple of 512 (the rest would be padded)."""
-    return in_features if in_features <= 512 else in_features // 512 * 512
-
-
-def _fbgemm_product(
-    x: Tensor, packed: list[Any], tail: Tensor, scale: Tensor, scale_bf16: Tensor
-) -> Tensor:
-    """``x @ W^T`` of an fbgemm layer: the prepacked blocks of rows of the leading inputs
-    (:func:`_fbgemm_rows`) and the ``tail`` codes ``(out, rest)`` of the remaining ones.
-
-    Shape: ``(rows, in) -> (rows, out)``, float32.
-    """
-    main = x.shape[1] - tail.shape[1]
-    y = _fbgemm_rows(x[:, :main].contiguous() if tail.shape[1] else x, packed)
-    if not tail.shape[1]:
-        return y
-    rest = x[:, main:]
-    if _int8pack_runs(tail.shape[1]):
-        return y.add_(torch._weight_int8pack_mm(rest.bfloat16().contiguous(), tail, scale_bf16))
-    return torch.addmm(y, rest, (tail.float() * scale[:, None]).T)
-
-
-def _fbgemm_linear(
-    x: Tensor, handle: Tensor, tail: Tensor, scale: Tensor, scale_bf16: Tensor
-) -> Tensor:
-    """:func:`_fbgemm_product` with the prepacked weight of ``handle``: the op compiled graphs
-    call (``attnkit::int8_fbgemm_linear``). Shape: ``(rows, in) -> (rows, out)``, float32."""
-    return _fbgemm_product(x.contiguous(), _PACKED[int(handle)], tail, scale, scale_bf16)
-
-
-# (registered as attnkit.native registers its op: torch.library's plain registration)
-_OPS = torch.library.Library("attnkit", "FRAGMENT")
-_OPS.define(
-    "int8_fbgemm_linear(Tensor x, Tensor handle, Tensor tail, Tensor scale, Tensor scale_bf16)"
-    " -> Tensor"
-)
-_OPS.impl("int8_fbgemm_linear", _fbgemm_linear, "CPU")
-
-
-@torch.library.register_fake("attnkit::int8_fbgemm_linear", lib=_OPS)
-def _(x: Tensor, handle: Tensor, tail: Tensor, scale: Tensor, scale_bf16: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], scale_bf16.shape[0])
-
-
 def _dequantized_product(x: Tensor, grouped: Tensor, scale: Tensor) -> Tensor:
-    """``x @ (codes * scale[:, None]).T`` for the codes in the ``"avx2"`` kernel's order, a
+    """``x @ (codes * scale[:, None]).T`` for the codes in the ``"attnkit"`` kernel's order, a
     block of output rows at a time: each block's float weight (about 1 MiB) is made and
     multiplied while it is in cache (by :func:`attnkit.decoding.linear`: oneDNN's GEMM where it
     is the faster), and the scales go on the product's columns.
@@ -576,61 +473,30 @@ def _by_row_blocks(x: Tensor, out: int, n: int, block: Callable[[int, int], Tens
     return y
 
 
-def _has_fbgemm() -> bool:
-    return any(e in torch.backends.quantized.supported_engines for e in ("fbgemm", "x86"))
-
-
-#: Whether this CPU has AMX tiles (asked once: compiled graphs read it as a constant).
-_AMX = _amx()
-
-
-def _int8pack_runs(in_features: int) -> bool:
-    """Whether ``torch._weight_int8pack_mm`` takes ``in_features`` inputs: multiples of 8 (it
-    reads out of bounds otherwise), and of 16 on CPUs with AMX, where torch 2.13's kernel crashed
-    the process on bf16 activations of several rows otherwise."""
-    return in_features % (16 if _AMX else 8) == 0
-
-
 def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[str, ...]:
     """The :data:`INT8_KERNELS` that can run a weight with ``in_features`` inputs on ``device``
-    (``"dequantize"`` always can; ``"int8pack"`` where :func:`_int8pack_runs`)."""
+    (``"dequantize"`` always can; ``"int8pack"`` where
+    :func:`attnkit.kernels.policy.int8pack_takes`)."""
     if torch.device(device).type != "cpu":
         return ("dequantize",)
-    usable = ["avx2"] if in_features % INT8_DOT_BLOCK == 0 and kernels_available() else []
-    if _has_fbgemm():
+    usable = ["attnkit"] if in_features % INT8_DOT_BLOCK == 0 and kernels_available() else []
+    if fbgemm_engine():
         usable.append("fbgemm")
-    if _int8pack_runs(in_features):
+    if policy.int8pack_takes(in_features):
         usable.append("int8pack")
     return (*usable, "dequantize")
 
 
 def default_int8_kernel(in_features: int, device: torch.device | str = "cpu") -> str:
-    """The kernel ``int8_kernel="default"`` takes: a rule by CPU features, the same on every run.
-
-    ``"avx2"`` where it runs the shape (inputs a multiple of 32, a C compiler); otherwise
-    ``"fbgemm"`` on CPUs without AMX, else ``"int8pack"`` where it runs the shape, else
-    ``"dequantize"``. On an AVX2-only EPYC ``"avx2"`` decodes 1.4x faster than ``"fbgemm"``, and
-    ``"fbgemm"`` 1.6-1.8x faster than ``"int8pack"``; on an AVX512-BF16 one ``"avx2"`` decodes
-    1.2-1.3x faster than ``"int8pack"``, and on an Intel Xeon with AMX 1.33x (eager) and 1.85x
-    (compiled) faster (``benchmarks/RESULTS.md``).
-    ``int8_kernel="auto"`` measures instead (:func:`choose_int8_kernel`).
+    """The kernel ``int8_kernel="default"`` takes: the policy's choice ``linear.int8`` where it
+    runs the shape, else the first of its rule's order that does
+    (:func:`attnkit.kernels.policy.int8_kernel`); ``"dequantize"`` on other devices.
+    ``int8_kernel="auto"`` measures per shape instead (:func:`choose_int8_kernel`).
     """
     usable = int8_kernels(in_features, device)
-    for kernel in ("avx2",) if _AMX else ("avx2", "fbgemm"):
-        if kernel in usable:
-            return kernel
-    return "int8pack" if "int8pack" in usable else "dequantize"
-
-
-def last_level_cache_bytes() -> int:
-    """The CPU's last-level cache size from ``/sys`` (Linux), or 32 MiB where it cannot be read."""
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = index.read_text().strip().upper()
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        with contextlib.suppress(ValueError):
-            sizes.append(int(text.rstrip("KMG")) * unit)
-    return max(sizes, default=32 << 20)
+    if usable == ("dequantize",):
+        return "dequantize"
+    return policy.int8_kernel(usable)
 
 
 @functools.cache
@@ -690,18 +556,17 @@ def choose_int8_kernel(
 class Int4Linear(nn.Module):
     """A linear whose weight is int4, with a bf16 scale and offset per group of input channels.
 
-    Within each group of ``group_size`` inputs of a row, ``weight ≈ q * scale + offset`` with
-    ``q`` in ``0..15`` (asymmetric: ``offset`` the group's smallest weight, ``scale = (max -
-    min) / 15``, both rounded to bf16 before ``q`` is chosen). The codes are packed two to a
-    byte in the order attnkit's int4 kernel reads them (``codes``, :func:`attnkit.native.pack_int4`;
-    the rows rounded up to a multiple of four), the scales and offsets beside
-    (``scales``, :func:`attnkit.native.pack_int4_scales`). Build it with :meth:`from_linear`;
-    CPU only.
+    Within each group of ``group_size`` inputs of a row, ``weight ≈ q * scale + offset`` with ``q``
+    in ``0..15`` (asymmetric: ``offset`` the group's smallest weight, ``scale = (max - min) / 15``,
+    both rounded to bf16 before ``q`` is chosen). The codes are packed two to a byte in the order
+    attnkit's int4 kernel reads them (``codes``, :func:`attnkit.kernels.linear.pack_int4`; the rows
+    rounded up to a multiple of four), the scales and offsets beside (``scales``,
+    :func:`attnkit.kernels.linear.pack_int4_scales`). Build it with :meth:`from_linear`; CPU only.
 
     Products without gradients (decoding steps and prompts) multiply through
-    :func:`attnkit.native.int4_dot_linear` (activations rounded to int8 per block of 32 inputs,
-    as the int8 kernel rounds them): even at 1024 rows it took half to two thirds the time of
-    dequantizing the weight and multiplying (measured on an AVX512 EPYC). Products gradients
+    :func:`attnkit.kernels.linear.int4_dot_linear` (activations rounded to int8 per block of 32
+    inputs, as the int8 kernel rounds them), prompts too: it reads the packed codes once, where
+    dequantizing makes a float copy of the weight. Products gradients
     flow through multiply the dequantized weight by the activations rounded the same way (the
     gradient passes straight through the rounding), a block of rows at a time. Where attnkit's
     kernels cannot run, every product is the float one with the dequantized weight.
@@ -731,7 +596,7 @@ class Int4Linear(nn.Module):
         groups = in_features // group_size
         self.scales = _frozen(torch.zeros(rows // 4, groups * 8, dtype=torch.bfloat16))
         self.bias: nn.Parameter | None = None
-        self.kernel = "int4" if kernels_available() else "dequantize"
+        self.kernel = "int4" if policy.int4_kernel() == "attnkit" else "dequantize"
 
     @classmethod
     @torch.no_grad()
@@ -756,7 +621,7 @@ class Int4Linear(nn.Module):
         packed = torch.empty(-(-out_features // 4) * 4, in_features // 2, dtype=torch.uint8)
         # A block of rows (whole groups of four) at a time: the float temporaries and the
         # unpacked codes stay small.
-        step = max(4, _rows_per_block(in_features) // 4 * 4)
+        step = max(4, rows_per_block(in_features) // 4 * 4)
         for start in range(0, out_features, step):
             rows = slice(start, start + step)
             groups = weight[rows].to(torch.float32, copy=True).reshape(-1, n_groups, group_size)
@@ -811,7 +676,7 @@ class Int4Linear(nn.Module):
                     xf, self.codes, self.scales, self.out_features
                 )
             elif self.scales.dtype == torch.bfloat16:  # (the layer holds the kernel's shapes)
-                y = _int4_product(xf.contiguous(), self.codes, self.scales, self.out_features)
+                y = int4_product(xf.contiguous(), self.codes, self.scales, self.out_features)
             else:  # (cast scales, e.g. after .half(): the checks name them)
                 y = int4_dot_linear(xf, self.codes, self.scales, self.out_features)
         elif self.kernel == "int4":
@@ -827,11 +692,6 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return _describe(self, f"int4 group_size={self.group_size}")
-
-
-def _rows_per_block(in_features: int) -> int:
-    """Rows of a weight quantized at a time: about 4 MiB of float32."""
-    return max(1, (1 << 20) // in_features)
 
 
 def _group_for(in_features: int, group_size: int) -> int | None:
@@ -906,7 +766,7 @@ def quantize(
             size no group size of at most ``group_size`` divides gets int8).
         group_size: int4 group size: 32, 64, 128 or 256.
         int8_kernel: The CPU kernel of int8 linears: ``"default"`` (the rule of
-            :func:`default_int8_kernel`), ``"avx2"``, ``"fbgemm"``, ``"int8pack"``,
+            :func:`default_int8_kernel`), ``"attnkit"``, ``"fbgemm"``, ``"int8pack"``,
             ``"dequantize"``, or ``"auto"`` (the fastest measured per shape).
         head: Also quantize a tied output head: a model with an ``embedding`` and an
             ``lm_head`` of ``None`` (a tied :class:`attnkit.TransformerLM`) gets an ``lm_head``

@@ -13,8 +13,8 @@ autograd can save what it needs (memory then follows the allowed pairs, like the
 
 Where the policy says (:func:`attnkit.kernels.policy.capped_kernel`: without gradients, masks,
 weights or dropout, on the CPU, as in a prefill of a causal or sliding-window layer), the whole
-attention is :func:`attnkit.native.capped_attention` instead: FlashAttention's loop with the
-cap, tiles of scores that never leave the caches, one block of queries per thread.
+attention is :func:`attnkit.kernels.attention.capped_attention` instead: FlashAttention's loop
+with the cap, tiles of scores that never leave the caches, one block of queries per thread.
 
 Inputs come validated from :mod:`attnkit.functional`, which also keeps non-finite keys and values
 away from the queries that may not attend them. A query that may attend no key gets an output row
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit import native
+from attnkit.kernels import attention as attention_kernels
 from attnkit.kernels import policy
 from attnkit.masks import Structure, offset_mask
 
@@ -103,7 +103,7 @@ def capped_attention(
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if kernel == "flash" and mask is None and K > 0:  # FlashAttention's loop with the cap
         wide = dtype if dtype == torch.bfloat16 else compute  # (the kernel widens bf16 itself)
-        out = native.capped_attention(
+        out = attention_kernels.capped_attention(
             q.to(wide).reshape(B, H, L, E),
             k.to(wide).reshape(B, K, S, E),
             v.to(wide).reshape(B, K, S, Ev),
@@ -168,7 +168,7 @@ def capped_attention(
             s = buffer[: B * K * G * r * w].view(B * K, G * r, w)
             torch.baddbmm(s, qc, kc, beta=0.0, alpha=alpha, out=s)
             if one_pass:
-                native.capped_softmax_(
+                attention_kernels.capped_softmax_(
                     s,
                     softcap,
                     first=p0 - lo,

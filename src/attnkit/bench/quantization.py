@@ -540,10 +540,10 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
     q = Int8Linear.from_weight(weight, kernel="dequantize")
     deq = q.dequantize().double()
     usable = int8_kernels(in_features)
-    if "avx2" in usable:
+    if "attnkit" in usable:
         ref = round_activations(x).double() @ deq.T
         grouped = (group_codes(q.weight_int8), q.scale)
-        out[_LABELS["avx2"]] = (int8_dot_linear, x, grouped, ref)
+        out[_LABELS["attnkit"]] = (int8_dot_linear, x, grouped, ref)
     if "fbgemm" in usable:
         scale, zero = torch._choose_qparams_per_tensor(x, True)
         xq = ((x64 / scale).round() + zero).clamp(0, 127)
@@ -617,7 +617,7 @@ def _run_copies(call: Callable[..., Tensor], row: Tensor, copies: list[tuple[Any
 
 # The kernel_rows label of each Int8Linear kernel.
 _LABELS = {
-    "avx2": "int8 avx2 (int8 activations per 32)",
+    "attnkit": "int8 attnkit (int8 activations per 32)",
     "fbgemm": "int8 fbgemm (7-bit activations)",
     "int8pack": "int8 int8pack, bf16 activations",
     "dequantize": "int8 dequantize into a buffer + F.linear",

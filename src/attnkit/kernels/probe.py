@@ -6,6 +6,7 @@ choice between kernels, :mod:`attnkit.kernels.policy`; no other module names an 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -16,7 +17,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Capabilities", "c_compiler", "cache_dir", "capabilities", "cxx_compiler"]
+__all__ = [
+    "KERNEL_TARGET",
+    "Capabilities",
+    "c_compiler",
+    "cache_dir",
+    "capabilities",
+    "cxx_compiler",
+    "last_level_cache_bytes",
+]
 
 #: The CPU flags (``/proc/cpuinfo``) the kernels and the policy look at.
 _FLAGS_OF_INTEREST = (
@@ -33,6 +42,12 @@ _FLAGS_OF_INTEREST = (
     "amx_bf16",
     "amx_int8",
 )
+
+
+#: The compiler flags naming the instruction sets attnkit's C kernels are built for (what
+#: :attr:`Capabilities.simd` checks; their wider paths are compiled per function and chosen at
+#: run time).
+KERNEL_TARGET = ("-mavx2", "-mfma")
 
 
 def _cpuinfo() -> tuple[str, frozenset[str]]:
@@ -75,6 +90,17 @@ def c_compiler() -> str | None:
 def cxx_compiler() -> str | None:
     """The C++ compiler the ``torch.library`` ops are built with: ``$CXX``, else ``c++``/``g++``."""
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def last_level_cache_bytes() -> int:
+    """The CPU's last-level cache size from ``/sys`` (Linux), or 32 MiB where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = index.read_text().strip().upper()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        with contextlib.suppress(ValueError):
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=32 << 20)
 
 
 @dataclass(frozen=True)

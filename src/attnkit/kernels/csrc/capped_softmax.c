@@ -35,9 +35,8 @@ static void row_softmax(float *s, int64_t width, int64_t a, int64_t b, float cap
   if (b <= a) return;
   float *row = s + a;
   const int64_t n = b - a;
-  /* 1: capped scores and their maximum. Three short passes over a row in L1 measured faster
-   * than one long one (each value's chain of two exponentials is longer than the out-of-order
-   * window can overlap). */
+  /* 1: capped scores and their maximum. Three short passes over a row in L1, not one long one:
+   * each value's chain of two exponentials is longer than the out-of-order window can overlap. */
   const float m = capped_row(row, n, cap, finite);
   /* 2: exponentials and their sum. */
   const float sum = exp_shifted(row, n, m);

@@ -12,8 +12,9 @@
  * stream: output rows in groups of four, each group's codes block by block, the four rows' 32
  * codes of a block side by side ((out / 4, n / 32, 4, 32); the out % 4 rows after the last group
  * stay row-major at their row-major offsets). One activation block load serves four dots, the
- * loop prefetches 32 blocks (4 KiB) ahead (measured: 1.4-1.7x the row-major order's bandwidth;
- * 4 KiB 1.04-1.18x 1 KiB on an AVX512 EPYC), and OpenMP threads take whole groups.
+ * loop prefetches 32 blocks (4 KiB) ahead (far enough to hide the memory's latency at the
+ * stream's rate), and OpenMP threads take whole groups: one stream per thread, where the
+ * row-major order would read four.
  *
  * Where the CPU has AVX512-VNNI, a group's dots run two rows to a 512-bit register: the two rows'
  * 32 codes of a block lie side by side, one vpdpbusd sums them against the block's activations
@@ -84,7 +85,8 @@ static void dots2(const int8_t *xq, const float *xs, int64_t blocks, const int8_
 /* group_dots with AVX512-VNNI (see the top) for R activation rows (1, 2 or 4; rows n codes and
  * blocks scales apart), into dots[4 r + k]: rows 0-1 of the group in acc[r][0], rows 2-3 in
  * acc[r][1], each row's eight lanes as the AVX2 path's. The codes' magnitudes and signs are taken
- * once for the R rows (4 rows: 1.3x one a pass), each row's sums in the same order whatever R. */
+ * once for the R rows (shared work a pass of one row would repeat), each row's sums in the same
+ * order whatever R. */
 static inline VNNI __attribute__((always_inline)) void group_dots_vnni(
     const int8_t *xq, const float *xs, int64_t blocks, int R, const int8_t *w, int64_t n,
     float *dots) {
@@ -93,7 +95,7 @@ static inline VNNI __attribute__((always_inline)) void group_dots_vnni(
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t b = 0; b < n / BLOCK; b++) {
     const int8_t *codes = w + b * GROUP * BLOCK;
-    /* (into L2 only: 1.10x into L1 through the 135M Llama shape's int8 layers, AMX Xeon) */
+    /* (into L2 only: L1 keeps the activation codes, read for every group) */
     _mm_prefetch((const char *)(codes + PREFETCH), _MM_HINT_T1);
     _mm_prefetch((const char *)(codes + PREFETCH + 64), _MM_HINT_T1);
     __m512i size[2];
@@ -136,13 +138,13 @@ static VNNI void dots4_vnni(const int8_t *xq, const float *xs, int64_t blocks, c
   group_dots_vnni(xq, xs, blocks, 4, w, n, dots);
 }
 
-/* Whether group dots run with AVX512-VNNI: -1 until asked, then 0 or 1 (see attnkit_int8_vnni). */
+/* Whether group dots run with AVX512-VNNI: -1 until asked, then 0 or 1 (see attnkit_int8_wide). */
 static int vnni = -1;
 
 /* Ask for the VNNI group dots (wanted 1) or the AVX2 ones (0), -1 to leave the choice; returns
  * whether VNNI runs from now on: 1 only where the CPU has AVX512-VNNI and AVX512-BW. By default
  * it does where it can. */
-int attnkit_int8_vnni(int wanted) {
+int attnkit_int8_wide(int wanted) {
   if (wanted < 0 && vnni >= 0) return vnni; /* (every product asks: the CPU is probed once) */
   __builtin_cpu_init();
   const int able = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
@@ -175,7 +177,7 @@ int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w
   }
   for (int64_t r = 0; r < rows; r++) quantize_blocks(x + r * n, n, xq + r * n, xs + r * blocks);
   const int64_t groups = out / GROUP;
-  const int wide = attnkit_int8_vnni(-1);
+  const int wide = attnkit_int8_wide(-1);
   const int most = wide ? 4 : 2; /* activation rows a pass */
   (void)threads; /* (unused where built without OpenMP) */
   /* (small products stay on one thread: a parallel region costs more than they do) */

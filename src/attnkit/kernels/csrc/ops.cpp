@@ -1,13 +1,13 @@
 /* The CPU implementations of attnkit's decoding ops, registered with torch's dispatcher.
  *
  * A decoding step of a compiled graph calls these ops a hundred times or more (one per weight
- * matrix with int8 weights, one attention per layer). Registered from Python, each call went
- * through the interpreter: checks, an output allocation and a ctypes call, 15-25 us beside a
- * product of 20-150 us. Here the dispatcher calls C++ directly, which checks the arguments and
+ * matrix with int8 weights, one attention per layer). Registered from Python, each call goes
+ * through the interpreter: checks, an output allocation and a ctypes call, a cost of the order
+ * of a small product. Here the dispatcher calls C++ directly, which checks the arguments and
  * calls the C kernels of this package (built into the library this one is linked to).
  *
- * The ops are defined (their schemas) by attnkit.native, which loads this library when it
- * builds and registers its Python implementations otherwise.
+ * The ops are defined (their schemas) by attnkit.kernels.ops; attnkit.kernels.build loads this
+ * library where it builds, and the Python implementations run otherwise.
  */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

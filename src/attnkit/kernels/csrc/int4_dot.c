@@ -35,7 +35,7 @@
 #define PREFETCH 4096                   /* bytes ahead */
 #define PARALLEL_MIN (1 << 17)          /* products (codes x rows) worth a second thread */
 
-int attnkit_int8_vnni(int wanted); /* (int8_dot.c) */
+int attnkit_int8_wide(int wanted); /* (int8_dot.c) */
 
 /* Four bf16 values as float32 lanes 0-3. */
 static inline __m128 widen4(const uint16_t *h) {
@@ -166,8 +166,8 @@ static inline VNNI __attribute__((always_inline)) void group_dots_vnni(
 }
 
 /* Activation rows through a group of weight rows, each path compiled per row count: two at a
- * time with AVX2 (its 16 registers hold two rows' sums), four with AVX512 (measured on the 135M
- * shape's matrices, 4 rows: 1.6x one row a pass, 1.25x two; benchmarks/RESULTS.md). */
+ * time with AVX2 (its 16 registers hold two rows' sums), four with AVX512 (its 32 hold four):
+ * the rows of a pass share each load and unpacking of the codes. */
 static void dots1(const Rows *x, const uint8_t *w, const uint16_t *sm, int64_t g, float *d) {
   group_dots(x, 1, w, sm, g, d);
 }
@@ -190,7 +190,7 @@ static VNNI void dots4_vnni(const Rows *x, const uint8_t *w, const uint16_t *sm,
 /* y (rows, out) = x (rows, n) @ W.T for the int4 weight W of codes w and scales/offsets sm in
  * the order above (ceil(out / 4) groups of rows), on `threads` threads; 0 on success, 1 when
  * the activations' scratch cannot be allocated. n and group are multiples of 32, group divides
- * n. The VNNI dots run where int8_dot.c's do (attnkit_int8_vnni). */
+ * n. The VNNI dots run where int8_dot.c's do (attnkit_int8_wide). */
 int attnkit_int4_linear(const float *x, int64_t rows, int64_t n, const uint8_t *w,
                         const uint16_t *sm, int64_t out, int64_t group, float *y, int threads) {
   const int64_t blocks = n / BLOCK, groups = n / group, per = group / BLOCK;
@@ -218,7 +218,7 @@ int attnkit_int4_linear(const float *x, int64_t rows, int64_t n, const uint8_t *
   }
   const int64_t row_groups = (out + GROUP - 1) / GROUP;
   typedef void (*Dots)(const Rows *, const uint8_t *, const uint16_t *, int64_t, float *);
-  const int wide = attnkit_int8_vnni(-1);
+  const int wide = attnkit_int8_wide(-1);
   const Dots one = wide ? dots1_vnni : dots1, two = wide ? dots2_vnni : dots2;
   const int most = wide ? 4 : 2;
   (void)threads; /* (unused where built without OpenMP) */

@@ -5,12 +5,11 @@
  *
  * Decoding reads every weight once, so the speed is the weight's read bandwidth. Each OpenMP
  * thread takes a contiguous range of output rows and reads it as one sequential stream, one
- * output row after the other, prefetching 4 KiB ahead (1.10x 2 KiB on an AVX512 EPYC); the rows
- * of x (a few) are dotted with each weight row while it is in L1, two at a time (row_dot2).
- * Measured on a 2-core AVX2 CPU (benchmarks/RESULTS.md): bf16 read at 1.6x the bandwidth of
- * torch's bf16 F.linear, float32 at MKL's. The AVX512 dots take up to eight rows of x a pass
- * (an AMX Xeon: one fp32 row at 0.92-1.01x MKL's speed, eight through the 100M Llama shape 1.4x
- * faster than two at a time with AVX2).
+ * output row after the other, prefetching 4 KiB ahead (far enough to hide the memory's latency
+ * at the stream's rate); the rows of x (a few) are dotted with each weight row while it is in
+ * L1, two at a time (row_dot2). The AVX512 dots take up to eight rows of x a pass, so a batch's
+ * rows share each weight load. Whether one row runs here or through MKL, and whether a compiled
+ * row runs here or through inductor's reduction, is attnkit's policy's choice, measured.
  *
  * bf16 is float32's upper half, so a bf16 value widens by a 16-bit shift; results are rounded
  * back to bf16 to nearest even (a NaN stays a NaN).
@@ -49,8 +48,8 @@ static inline float row_dot(const float *x, const void *w, int64_t n, int bf16) 
 
 /* Two activation rows' dots with one weight row: each weight vector is loaded (and widened)
  * once for both, and each row's sums run exactly as row_dot's (the same operations in the same
- * order), so a row's result does not depend on the rows beside it. 8 rows through the 100M
- * shape's weights: 1.12x one row per pass (benchmarks/RESULTS.md). */
+ * order), so a row's result does not depend on the rows beside it. Rows share the weight's
+ * loads and widening, the cost a pass pays beside its sums. */
 static inline void row_dot2(const float *x0, const float *x1, const void *w, int64_t n, int bf16,
                             float *s0, float *s1) {
   const char *bytes = (const char *)w;
@@ -109,8 +108,8 @@ static inline WIDE __attribute__((always_inline)) __m512 load16(const void *w, i
  * order as one over all n. With eight
  * rows a pass a step loads 2 weight and 16 activation vectors, where row_dot2's loads 4 and 8 for
  * two rows a pass (8 rows: 48 loads per 32 weights, against 18). The weight is prefetched
- * `ahead` bytes ahead, into L2 only (leaving L1 to the activations: 1.04x into L1 on an AMX
- * Xeon, 1 and 8 rows). */
+ * `ahead` bytes ahead, into L2 only (leaving L1 to the activations, which every weight row
+ * meets again). */
 static inline WIDE __attribute__((always_inline)) void dots_wide(const float *x, int R,
                                                                  const void *w, int64_t n,
                                                                  int64_t i0, int64_t i1,
@@ -197,10 +196,9 @@ static const dots_fn DOTS[WIDE_ROWS + 1] = {NULL,        dots_wide1, dots_wide2,
 
 /* Activation bytes (R rows of n floats) up to which dots_wide runs over all n inputs at once;
  * more would not stay in L1 (48 KiB here) while the weight streams past, so the inputs go in
- * CHUNKs, each over BLOCK output rows while the chunk stays in L1. On an AMX Xeon, 8 rows of the
- * 100M Llama shape's 2048 -> 768 product read the weight at 21 GB/s so, against 15 at once;
- * all the shape's products of a step 1.05x faster than with no chunks, 1.09x than with chunks
- * from 12 KiB on. */
+ * CHUNKs, each over BLOCK output rows while the chunk stays in L1: a wide product of several
+ * rows reads its weight faster so than with its activations spilling to L2, and small chunks
+ * would pay the partial sums' stores more often than they save. */
 #define L1_ROWS_BYTES (40 << 10)
 #define CHUNK 512
 #define BLOCK 8

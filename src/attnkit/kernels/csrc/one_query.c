@@ -5,8 +5,8 @@
  * leaves out are never read (a static cache's empty slots cost one mask byte each). float32 sums;
  * bf16 inputs are widened on load and the output rounded to nearest even.
  *
- * torch's fused CPU kernel costs 45-150 us a call for these sizes on a 2-core AVX2 CPU, most of
- * it set-up: a step of a 30-layer model calls it 30 times (benchmarks/RESULTS.md).
+ * torch's fused CPU kernel spends most of a call this small on set-up, and a step of a model
+ * calls it once a layer.
  *
  * Non-finite inputs follow the textbook math over the keys a query may attend: a NaN score, or
  * a +inf one, makes the row NaN; a -inf score gives that key weight 0. A query with no allowed key
@@ -95,8 +95,8 @@ static inline __attribute__((always_inline)) int one_head(const void *q, int64_t
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     /* The key rows two steps ahead, and the value rows of these keys for the pass over the
-     * values below (into L2): 8 sequences' decoding step of the 100M Llama shape, whose cache
-     * comes from memory after the weights streamed past, 1.03x faster in all. */
+     * values below (into L2): a batch's cache comes from memory after the step's weights
+     * streamed past. */
     for (int64_t a = j; a < j + 4; a++) {
       const char *next = kb + kept[a + 8 < n ? a + 8 : n - 1] * ks * size;
       const char *value = vb + kept[a] * vs * size;
@@ -192,7 +192,7 @@ int attnkit_one_query_attention(const void *q, int64_t B, int64_t K, int64_t G, 
   int flags = 0;
   (void)threads; /* (unused where built without OpenMP) */
   /* (A serial loop outside any parallel region when one thread will do: an OpenMP region, even
-   * of one thread, made the whole call 2x slower.) */
+   * of one thread, costs more than a small call's work.) */
   const int parallel = tasks > 1 && threads > 1 && tasks * S * E >= PARALLEL_MIN;
 #define ONE_TASK(task)                                                                           \
   do {                                                                                           \

@@ -1,0 +1,575 @@
+"""attnkit's attention kernels: FlashAttention's loop, the soft-capped softmax and forward, and a
+decoding step's one-query attention.
+
+* :func:`flash_attention` and :func:`flash_attention_backward` (``csrc/flash.c``,
+  FlashAttention-2's order): tiles of scores from the BLAS ``sgemm`` torch links, folded into an
+  online softmax while they sit in cache, each block of queries computing only the keys its
+  causal/window rules let it reach (torch's CPU kernel computes whole blocks);
+  :func:`capped_attention` is the forward with Gemma 2's soft cap, which torch's fused kernels
+  cannot apply.
+* :func:`capped_softmax_` (``csrc/capped_softmax.c``): the cap, the causal/window masks and the
+  softmax of rows of scores in one pass from memory, where torch makes five.
+* :func:`one_query_attention` (``csrc/one_query.c``): one query per head over a key/value cache,
+  the query heads sharing a key/value head computed together, masked slots of a static cache
+  never read (torch's fused kernel spends most of such a call on set-up, and reads every slot).
+  Compiled graphs call it as the op ``attnkit::one_query_attention``
+  (:mod:`attnkit.kernels.ops`).
+
+Which of them serves an attention call is the policy's choice (:mod:`attnkit.kernels.policy`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from attnkit.kernels.binding import view as _view
+from attnkit.kernels.build import library, load_library
+
+__all__ = [
+    "NON_FINITE",
+    "NO_KEY",
+    "capped_attention",
+    "capped_softmax_",
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_available",
+    "one_query_attention",
+]
+
+#: The float dtypes of the one-query kernel.
+_ONE_QUERY_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _sgemm_address() -> int | None:
+    """The address of the Fortran BLAS ``sgemm_`` torch links (MKL in torch's x86 wheels)."""
+    torch_cpu = Path(torch.__file__).with_name("lib") / "libtorch_cpu.so"
+    for path in (str(torch_cpu), None):  # (then anything loaded globally)
+        if path is not None and not torch_cpu.is_file():
+            continue
+        try:
+            address = ctypes.cast(ctypes.CDLL(path).sgemm_, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+        if address:
+            return address
+    return None
+
+
+#: Input dtypes of the flash kernels (bfloat16 widened to float32 block by block).
+_FLASH_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t``, or a contiguous copy where its rows are not contiguous vectors BLAS can take."""
+    rows, dim = t.shape[2], t.shape[3]
+    if (t.stride(3) == 1 or dim <= 1) and (rows <= 1 or t.stride(2) >= max(dim, 1)):
+        return t
+    return t.contiguous()
+
+
+@functools.cache
+def _flash_sgemm() -> int | None:
+    """``sgemm_``'s address for the flash kernels, once a small call through it equals torch's
+    math (which also proves its calling convention), or None."""
+    if load_library()[0] is None:
+        return None
+    address = _sgemm_address()
+    if address is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 5, 3, generator=g) for n in (2, 1, 1))
+    got, _ = _forward(q, k, v, 0.5, 2.0, True, None, 0, False, (4, 3), address, 1, False)
+    allowed = torch.ones(5, 5, dtype=torch.bool).tril()
+    capped = 2.0 * torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 2.0)
+    want = torch.softmax(capped.masked_fill(~allowed, -math.inf), dim=-1) @ v
+    return address if torch.allclose(got, want, atol=1e-5) else None
+
+
+def flash_available() -> bool:
+    """Whether :func:`flash_attention`, :func:`flash_attention_backward` and
+    :func:`capped_attention` run here: the kernels build and torch's BLAS ``sgemm`` is found
+    (and checked)."""
+    return _flash_sgemm() is not None
+
+
+def _check_flash(
+    name: str, q: Tensor, k: Tensor, v: Tensor, window: int | None, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"{name} takes q, k and v all of one dtype of {[str(d) for d in dtypes]}, got "
+            f"{q.dtype}, {k.dtype} and {v.dtype}"
+        )
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not (
+        q.dim() == k.dim() == v.dim() == 4
+        and q.is_cpu
+        and k.is_cpu
+        and v.is_cpu
+        and ks[1] > 0
+        and qs[1] % ks[1] == 0
+        and qs[0] == ks[0] == vs[0]
+        and qs[3] == ks[3]
+        and ks[1:3] == vs[1:3]
+    ):
+        raise ValueError(
+            f"{name} needs CPU q (B, H, L, E), k (B, K, S, E) and v (B, K, S, Ev) with "
+            f"H % K == 0, got {tuple(qs)}, {tuple(ks)} and {tuple(vs)} on {q.device}, "
+            f"{k.device} and {v.device}"
+        )
+    if window is not None and window < 1:
+        raise ValueError(f"{name} needs window >= 1 or None, got window={window}")
+    if _flash_sgemm() is None:
+        why = load_library()[1] or "torch's BLAS sgemm was not found"
+        raise RuntimeError(f"{name} cannot run here: {why}")
+
+
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    cap: float,
+    causal: bool,
+    window: int | None,
+    first: int,
+    finite: bool,
+    blocks: tuple[int, int],
+    sgemm: int,
+    threads: int,
+    with_lse: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """csrc/flash.c's forward on checked inputs: ``(out, lse or None)``, ``out`` laid out
+    ``(B, L, H, Ev)`` in memory (as torch's flash kernel lays out its output)."""
+    lib = library()
+    B, H, L, _ = q.shape
+    K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    out = q.new_empty(B, L, H, Ev).transpose(1, 2)
+    lse = q.new_empty(B, H, L, dtype=torch.float32) if with_lse else None
+    if out.numel() == 0:
+        return out, lse
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    dims = (ctypes.c_int64 * 7)(B, H, K, L, S, q.shape[3], Ev)
+    failed = lib.attnkit_flash_forward(
+        _view(q), _view(k), _view(v), _view(out),
+        None if lse is None else lse.data_ptr(), H * L, L,
+        dims, first, int(causal), window or 0, scale, cap, int(finite), *blocks,
+        q.dtype == torch.bfloat16, sgemm, threads,
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"the flash forward could not allocate its buffers ({threads} threads)")
+    return out, lse
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    first: int | None = None,
+    blocks: tuple[int, int] = (128, 512),
+) -> tuple[Tensor, Tensor]:
+    """Attention in FlashAttention's loop on the CPU, with the log-sum-exp the backward needs.
+
+    Each thread takes ``blocks[0]`` queries of one head at a time and walks the blocks of at most
+    ``blocks[1]`` keys they may attend, each tile only as wide as the block's reach (a causal
+    block of queries computes the keys up to its last query): a tile of scores from torch's BLAS
+    ``sgemm``, folded into a running maximum and sum per query, multiplied with the block's
+    values, all while it stays in the CPU's caches. Query ``i`` sits at key position
+    ``first + i`` (default ``S - L``: bottom-right aligned, as :class:`attnkit.masks.Structure`);
+    a query that may attend no key gets a zero row and log-sum-exp ``-inf``. Inputs must be
+    finite (a NaN score makes its row NaN).
+
+    Args:
+        q: Queries ``(B, H, L, E)``, float32 or bfloat16 (widened to float32 a block at a
+            time, for CPUs without bf16 units; each thread keeps a float32 copy of the keys
+            and values of the head it works on) on the CPU, any strides (rows are copied where
+            their last dim is not contiguous).
+        k: Keys ``(B, K, S, E)`` with ``H % K == 0`` (grouped-query attention).
+        v: Values ``(B, K, S, Ev)``.
+        scale: Multiplier of the scores.
+        causal: Keys after a query are masked.
+        window: Keys ``window`` or more positions away are masked (None: no window).
+        first: Key position of the first query.
+        blocks: Queries per block and most keys per tile.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``(B, H, L, Ev)`` in ``q``'s dtype (laid out ``(B, L, H, Ev)``
+        in memory), ``lse`` ``(B, H, L)`` float32, the log-sum-exp of each query's scaled
+        scores.
+
+    Raises:
+        TypeError: For other or mixed dtypes.
+        ValueError: For shapes that do not fit, tensors not on the CPU, or a bad argument.
+        RuntimeError: Where it cannot run here (:func:`flash_available`).
+    """
+    _check_flash("flash_attention", q, k, v, window, _FLASH_DTYPES)
+    first = k.shape[2] - q.shape[2] if first is None else first
+    sgemm = _flash_sgemm()
+    assert sgemm is not None
+    out, lse = _forward(
+        q, k, v, scale, 0.0, causal, window, first, True, blocks, sgemm, torch.get_num_threads(),
+        True,
+    )  # fmt: skip
+    assert lse is not None
+    return out, lse
+
+
+def flash_attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    first: int | None = None,
+    blocks: tuple[int, int] = (64, 512),
+    into: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of :func:`flash_attention` in FlashAttention-2's loop order.
+
+    Each thread takes one key/value head and the query heads that share it; for each block of
+    ``blocks[1]`` keys, every block of ``blocks[0]`` queries that reaches it recomputes its
+    scores (only as wide as its reach), takes the probabilities from ``lse`` and makes the five
+    products of the backward; the key and value gradients of the block accumulate in cache and
+    are written once, the query gradients accumulate over the key blocks.
+
+    Args:
+        grad_out: The gradient of ``out``, ``(B, H, L, Ev)``.
+        q: Queries, as given to :func:`flash_attention` (with ``k``, ``v`` and the options).
+        k: Keys.
+        v: Values.
+        out: :func:`flash_attention`'s output.
+        lse: :func:`flash_attention`'s log-sum-exp.
+        scale: Multiplier of the scores.
+        causal: Keys after a query are masked.
+        window: Keys ``window`` or more positions away are masked (None: no window).
+        first: Key position of the first query (default ``S - L``).
+        blocks: Queries per block and keys per block.
+        into: float32 ``(dq, dk, dv)`` to add the gradients to (views are fine, with contiguous
+            rows), instead of new tensors: ring attention sums its blocks' gradients without a
+            buffer per block.
+
+    Returns:
+        ``(dq, dk, dv)`` in ``q``'s dtype (accumulated in float32), laid out
+        ``(B, L or S, heads, dim)`` in memory; or ``into``.
+
+    Raises:
+        TypeError: For other or mixed dtypes.
+        ValueError: For shapes that do not fit, or tensors not on the CPU.
+        RuntimeError: Where it cannot run here (:func:`flash_available`).
+    """
+    _check_flash("flash_attention_backward", q, k, v, window, _FLASH_DTYPES)
+    B, H, L, E = q.shape
+    K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    if grad_out.shape != (B, H, L, Ev) or out.shape != (B, H, L, Ev) or lse.shape != (B, H, L):
+        raise ValueError(
+            f"flash_attention_backward needs grad_out and out {(B, H, L, Ev)} and lse "
+            f"{(B, H, L)}, got {tuple(grad_out.shape)}, {tuple(out.shape)} and "
+            f"{tuple(lse.shape)}"
+        )
+    lib, sgemm = library(), _flash_sgemm()
+    assert sgemm is not None
+    first = S - L if first is None else first
+    dtype = q.dtype
+    if into is not None:
+        dq, dk, dv = into
+        shapes = ((B, H, L, E), (B, K, S, E), (B, K, S, Ev))
+        if any(
+            t.dtype != torch.float32 or t.shape != shape or not t.is_cpu or _rows(t) is not t
+            for t, shape in zip(into, shapes, strict=True)
+        ):
+            raise ValueError(
+                f"flash_attention_backward's into needs float32 CPU tensors {shapes} with "
+                f"contiguous rows, got {[(t.dtype, tuple(t.shape), t.stride()) for t in into]}"
+            )
+    else:
+        dq = q.new_empty(B, L, H, E, dtype=torch.float32).transpose(1, 2)
+        dk = k.new_empty(B, S, K, E, dtype=torch.float32).transpose(1, 2)
+        dv = v.new_empty(B, S, K, Ev, dtype=torch.float32).transpose(1, 2)
+    if min(B * H, L, S) == 0:  # no (query, key) pair: nothing to add, or zero gradients
+        if into is not None:
+            return into
+        return dq.zero_().to(dtype), dk.zero_().to(dtype), dv.zero_().to(dtype)
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    grad_out, out = _rows(grad_out.to(dtype)), _rows(out.to(dtype))
+    lse = lse.float().contiguous()
+    dims = (ctypes.c_int64 * 7)(B, H, K, L, S, E, Ev)
+    threads = torch.get_num_threads()
+    failed = lib.attnkit_flash_backward(
+        _view(q), _view(k), _view(v), _view(out), _view(grad_out), lse.data_ptr(), H * L, L,
+        _view(dq), _view(dk), _view(dv), dims, first, int(causal), window or 0, scale, *blocks,
+        dtype == torch.bfloat16, into is not None, sgemm, threads,
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"the flash backward could not allocate its buffers ({threads} threads)")
+    if into is not None:
+        return into
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
+def capped_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    softcap: float,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    finite: bool = False,
+    query_block: int = 64,
+    key_block: int = 512,
+) -> Tensor:
+    """Soft-capped attention without gradients, ``softmax(c * tanh(q k^T * scale / c)) v`` over
+    the keys each query may attend: :func:`flash_attention`'s loop with the cap applied to each
+    tile of scores (Gemma 2's attention-logit soft-capping, which torch's fused kernels cannot
+    do).
+
+    Query ``i`` sits at key position ``S - L + i``; a query that may attend no key gets a zero
+    row. A NaN score makes its row NaN; unless ``finite``, so does an infinite one (capped it
+    would look finite).
+
+    Args:
+        q: Queries ``(B, H, L, E)``, float32 or bfloat16 (widened as in
+            :func:`flash_attention`) on the CPU.
+        k: Keys ``(B, K, S, E)`` with ``H % K == 0`` (grouped-query attention).
+        v: Values ``(B, K, S, Ev)``.
+        softcap: The cap ``c > 0``.
+        scale: Multiplier of the scores.
+        causal: Keys after a query are masked.
+        window: Keys ``window`` or more positions away are masked (None: no window).
+        finite: ``q`` and ``k`` are known to be finite (skips turning infinite scores into NaN).
+        query_block: Queries a thread works on at a time (small blocks suit a window: a block
+            computes ``query_block + window`` keys per query; without one, larger blocks share
+            each tile of keys among more queries).
+        key_block: Most keys of a tile of scores.
+
+    Returns:
+        ``out`` ``(B, H, L, Ev)`` in ``q``'s dtype.
+
+    Raises:
+        TypeError: For other or mixed dtypes.
+        ValueError: For shapes that do not fit, tensors not on the CPU, or a bad argument.
+        RuntimeError: Where it cannot run here (:func:`flash_available`).
+    """
+    if not (softcap > 0 and math.isfinite(softcap)) or query_block < 1 or key_block < 1:
+        raise ValueError(
+            f"capped_attention needs a finite softcap > 0 and blocks >= 1, got "
+            f"softcap={softcap}, query_block={query_block}, key_block={key_block}"
+        )
+    _check_flash("capped_attention", q, k, v, window, _FLASH_DTYPES)
+    sgemm = _flash_sgemm()
+    assert sgemm is not None
+    first = k.shape[2] - q.shape[2]
+    out, _ = _forward(
+        q, k, v, scale, softcap, causal, window, first, finite, (query_block, key_block), sgemm,
+        torch.get_num_threads(), False,
+    )  # fmt: skip
+    return out
+
+
+def capped_softmax_(
+    scores: Tensor,
+    softcap: float,
+    *,
+    first: int = 0,
+    period: int | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    finite: bool = False,
+) -> Tensor:
+    """The softmax of soft-capped scores along the last dim, in place, in one pass from memory.
+
+    ``scores`` holds ``t = 2 x / c`` for raw scores ``x`` and cap ``c = softcap`` (fold the
+    factor into the product that makes them); each row becomes
+    ``softmax(c * tanh(x / c))`` over the keys it may attend, and 0 elsewhere (a row that may
+    attend no key is all 0). Row ``k`` (over all leading dims) is the query at position
+    ``first + k % period`` counted from the row's first key: ``causal`` keeps the keys at or
+    before it, ``window`` the keys less than ``window`` away (:class:`attnkit.masks.Structure`'s
+    rules). A NaN makes its row NaN; unless ``finite``, so does an infinite ``t``.
+
+    Args:
+        scores: Float32, contiguous, on the CPU, at least one dim.
+        softcap: The cap ``c > 0``.
+        first: Position of the first row's query, relative to the first key.
+        period: Rows per run of query positions (default: all rows, one position each).
+        causal: Keys after the query are masked.
+        window: Keys ``window`` or more positions away are masked (None: no window).
+        finite: The raw scores are known to be finite (skips a pass that turns inf into NaN).
+
+    Returns:
+        ``scores``.
+
+    Raises:
+        TypeError: For a dtype other than float32.
+        ValueError: For a tensor that is not contiguous or not on the CPU, or a bad argument.
+        RuntimeError: Where the kernels are not available (:func:`kernels_unavailable`).
+    """
+    if scores.dtype != torch.float32:
+        raise TypeError(f"capped_softmax_ takes float32 scores, got {scores.dtype}")
+    if scores.device.type != "cpu" or not scores.is_contiguous() or scores.dim() < 1:
+        raise ValueError(
+            f"capped_softmax_ needs contiguous CPU scores with at least one dim, got shape "
+            f"{tuple(scores.shape)} strides {scores.stride()} on {scores.device}"
+        )
+    rows = math.prod(scores.shape[:-1])
+    period = max(rows, 1) if period is None else period
+    if not softcap > 0 or period < 1 or (window is not None and window < 1):
+        raise ValueError(
+            f"capped_softmax_ needs softcap > 0, period >= 1 and window >= 1 or None, got "
+            f"softcap={softcap}, period={period}, window={window}"
+        )
+    lib = library()
+    width = scores.shape[-1]
+    if rows and width:
+        lib.attnkit_capped_softmax(
+            scores.data_ptr(),
+            rows,
+            width,
+            width,
+            period,
+            first,
+            int(causal),
+            window or 0,
+            softcap,
+            int(finite),
+            torch.get_num_threads(),
+        )
+    return scores
+
+
+#: Flags of :func:`one_query_attention` (or-ed).
+NO_KEY = 1  #: some query may attend no key: its row is zero
+NON_FINITE = 2  #: some output value is NaN or infinite
+_NO_MEMORY = 4  # a buffer could not be allocated: nothing was written (csrc/one_query.c)
+
+
+def one_query_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    *,
+    softcap: float | None = None,
+) -> tuple[Tensor, int]:
+    """Attention of one query per sequence and head over a key/value cache: a decoding step.
+
+    The ``H / K`` query heads sharing a key/value head are computed together, each key and value
+    row read once; keys the mask leaves out are never read. Over the keys a query may attend the
+    result is the textbook softmax (a NaN or ``+inf`` score makes the row NaN, a ``-inf`` score
+    weighs 0); a query with no allowed key gets a zero row. The flags say where either happened,
+    so that a caller with stricter rules can recompute those steps. With a ``softcap`` ``c`` the
+    scores are capped to ``c * tanh(s / c)`` first (Gemma 2), and an infinite score makes its row
+    NaN.
+
+    Args:
+        q: Queries ``(B, H, 1, E)``.
+        k: Keys ``(B, K, S, E)`` with ``H % K == 0`` (rows may be strided: a cache's slice).
+        v: Values ``(B, K, S, Ev)``.
+        mask: Bool ``(B or 1, 1, 1, S)``, ``True`` where a key may be attended, or None.
+        scale: Multiplier of the scores.
+        softcap: The scores' soft cap ``c > 0``, or None.
+
+    Returns:
+        ``(out, flags)``: ``out`` ``(B, H, 1, Ev)`` in the inputs' dtype (all bfloat16 or all
+        float32), ``flags`` an or of :data:`NO_KEY` and :data:`NON_FINITE` (0: neither).
+
+    Raises:
+        TypeError: For other or mixed dtypes, or a mask that is not bool.
+        ValueError: For shapes that do not fit, or tensors not on the CPU.
+        RuntimeError: Where the kernels are not available (:func:`kernels_unavailable`).
+    """
+    # (Checks written for speed: a decoding step calls this once a layer, and each microsecond
+    # here is a few percent of a small model's step.)
+    dtype = q.dtype
+    if dtype not in _ONE_QUERY_DTYPES or k.dtype != dtype or v.dtype != dtype:
+        raise TypeError(
+            f"one_query_attention takes q, k and v all bfloat16 or all float32, got {q.dtype}, "
+            f"{k.dtype} and {v.dtype}"
+        )
+    if mask is not None and mask.dtype != torch.bool:
+        raise TypeError(f"one_query_attention takes a bool mask, got {mask.dtype}")
+    qs, ks, vs = q.shape, k.shape, v.shape
+    fits = len(qs) == len(ks) == len(vs) == 4 and q.is_cpu and k.is_cpu and v.is_cpu
+    if fits:
+        B, H, L, E = qs
+        K, S, Ev = ks[1], ks[2], vs[3]
+        fits = (
+            L == 1
+            and K > 0
+            and H % K == 0
+            and ks[0] == vs[0] == B
+            and ks[3] == E
+            and vs[1] == K
+            and vs[2] == S
+            and (
+                mask is None
+                or (
+                    mask.dim() == 4
+                    and mask.is_cpu
+                    and mask.shape[1] == mask.shape[2] == 1
+                    and mask.shape[3] == S
+                    and mask.shape[0] in (1, B)
+                )
+            )
+        )
+    if not fits:
+        raise ValueError(
+            f"one_query_attention needs CPU q (B, H, 1, E), k (B, K, S, E), v (B, K, S, Ev) "
+            f"with H % K == 0 and a mask (B or 1, 1, 1, S) or None, got {tuple(qs)}, "
+            f"{tuple(ks)}, {tuple(vs)} and {None if mask is None else tuple(mask.shape)} on "
+            f"{q.device}, {k.device}, {v.device}"
+        )
+    lib = library()
+    q = q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    out = q.new_empty(B, H, 1, Ev)
+    if out.numel() == 0:
+        return out, 0
+    k0, k1, k2, _ = k.stride()
+    v0, v1, v2, _ = v.stride()
+    m0, _, _, m3 = (0, 0, 0, 0) if mask is None else mask.stride()
+    flags = lib.attnkit_one_query_attention(
+        q.data_ptr(),
+        B,
+        K,
+        H // K,
+        E,
+        k.data_ptr(),
+        k0,
+        k1,
+        k2,
+        v.data_ptr(),
+        v0,
+        v1,
+        v2,
+        Ev,
+        S,
+        None if mask is None else mask.data_ptr(),
+        m0 if mask is not None and mask.shape[0] > 1 else 0,  # (0: one mask row for all)
+        m3,
+        scale,
+        softcap or 0.0,
+        out.data_ptr(),
+        dtype == torch.bfloat16,
+        torch.get_num_threads(),
+    )
+    if flags & _NO_MEMORY:
+        raise MemoryError(f"one_query_attention could not allocate its buffers ({S} keys)")
+    return out, flags

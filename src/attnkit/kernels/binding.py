@@ -1,0 +1,64 @@
+"""The ``ctypes`` signatures of the kernels' C functions (``csrc/*.c``), declared once when the
+library loads (:func:`attnkit.kernels.build.load_library`)."""
+
+from __future__ import annotations
+
+import ctypes
+
+from torch import Tensor
+
+__all__ = ["View", "declare", "view"]
+
+
+class View(ctypes.Structure):
+    """csrc/flash.c's ``view``: a ``(count, heads, rows, dim)`` tensor's data and strides."""
+
+    _fields_ = (
+        ("data", ctypes.c_void_p),
+        ("item", ctypes.c_int64),
+        ("head", ctypes.c_int64),
+        ("row", ctypes.c_int64),
+    )
+
+
+def view(t: Tensor) -> View:
+    """``t`` ``(count, heads, rows, dim)`` with a contiguous last dim as a :class:`View`."""
+    rows, dim = t.shape[2], t.shape[3]
+    row = t.stride(2) if rows > 1 else max(dim, 1)
+    return View(t.data_ptr(), t.stride(0), t.stride(1), row)
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """Set the argument and result types of every function of the kernels' library ``lib``."""
+    int64, pointer, floats, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    for call in (lib.attnkit_int8_linear, lib.attnkit_bf16_linear, lib.attnkit_float_linear):
+        call.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, flag]
+        call.restype = flag
+    # The switches between each product's narrow and wide dots (-1 asks, 0/1 sets).
+    for call in (lib.attnkit_int8_wide, lib.attnkit_float_wide):
+        call.argtypes, call.restype = [flag], flag
+    call = lib.attnkit_int4_linear
+    call.argtypes = [pointer, int64, int64, pointer, pointer, int64, int64, pointer, flag]
+    call.restype = flag
+    call = lib.attnkit_capped_softmax
+    call.argtypes = [pointer, *[int64] * 5, flag, int64, floats, flag, flag]
+    call.restype = flag
+    call = lib.attnkit_flash_forward
+    call.argtypes = [View] * 4 + [pointer, int64, int64, pointer, int64, flag, int64]
+    call.argtypes += [floats, floats, flag, int64, int64, flag, pointer, flag]
+    call.restype = flag
+    call = lib.attnkit_flash_backward
+    call.argtypes = [View, View, View, View, View, pointer, int64, int64, View, View, View]
+    call.argtypes += [pointer, int64, flag, int64, floats, int64, int64, flag, flag, pointer]
+    call.argtypes += [flag]
+    call.restype = flag
+    call = lib.attnkit_one_query_attention
+    call.argtypes = [pointer, *[int64] * 4, pointer, *[int64] * 3, pointer, *[int64] * 5]
+    call.argtypes += [pointer, int64, int64, floats, floats, pointer, flag, flag]
+    call.restype = flag
+    call = lib.attnkit_rms_norm
+    call.argtypes = [pointer, int64, int64, int64, pointer, pointer, floats, flag, flag]
+    call.restype = flag
+    call = lib.attnkit_rotate
+    call.argtypes = [pointer, *[int64] * 7, pointer, pointer, int64, pointer, flag, flag, flag]
+    call.restype = flag

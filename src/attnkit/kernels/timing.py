@@ -1,0 +1,187 @@
+"""The candidates the policy times (:mod:`attnkit.kernels.policy`): for each measured choice, one
+zero-argument call per option that runs here, on small shapes of the kind a small model's decoding
+step multiplies (a 576-wide model's projections), each call walking enough copies of its weight
+that they are read one after another, as a step's layers read theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from attnkit.kernels import build, linear, rows
+
+__all__ = [
+    "bf16_prompt",
+    "bf16_structured",
+    "compiled_row",
+    "fp32_prompt",
+    "fp32_row",
+    "int8",
+    "norm_row",
+    "provide_attention_kernel",
+]
+
+
+def _kernels() -> bool:
+    """Whether attnkit's C kernels run here (builds them the first time; never while tracing)."""
+    if torch.compiler.is_compiling():
+        return build.kernels_loaded()
+    return build.kernels_available()
+
+
+def _copies(make: Callable[[], torch.Tensor], total: int = 32 << 20) -> list[torch.Tensor]:
+    """Enough copies of ``make()`` to fill ``total`` bytes (at least two): each timed call walks
+    them all, one after another, as a decoding step walks its layers' weights."""
+    first = make()
+    count = max(2, total // max(first.numel() * first.element_size(), 1))
+    return [first] + [first.clone() for _ in range(count - 1)]
+
+
+def _walk(call: Callable[[torch.Tensor], Any], weights: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for w in weights:
+            call(w)
+
+    return run
+
+
+def fp32_row() -> dict[str, Callable[[], Any]]:
+    """One float32 row times row-major weights through attnkit's stream, and times column-major
+    ones through ``F.linear`` (MKL reads those as one stream too)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 576, generator=gen)
+    rowmajor = _copies(lambda: torch.randn(1536, 576, generator=gen))
+    calls: dict[str, Callable[[], Any]] = {
+        "transposed": _walk(lambda w: F.linear(x, w), [w.t().contiguous().t() for w in rowmajor])
+    }
+    if _kernels():
+        calls["stream"] = _walk(lambda w: linear.float_dot_linear(x, w), rowmajor)
+    return calls
+
+
+def compiled_row(dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+    """One row of ``dtype`` times weights in a compiled graph: the kernel's op against inductor's
+    streaming reduction (what :func:`attnkit.decoding.linear` compiles for either)."""
+    if not (_kernels() and build.load_ops()):
+        return {}
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 576, generator=gen).to(dtype)
+    weights = _copies(lambda: torch.randn(1536, 576, generator=gen).to(dtype))
+
+    def kernel(x: torch.Tensor, ws: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.ops.attnkit.float_dot_linear(x, w, None) for w in ws]
+
+    def reduction(x: torch.Tensor, ws: list[torch.Tensor]) -> list[torch.Tensor]:
+        row = x.reshape(1, -1).float()
+        row = torch.as_strided(row, row.shape, row.stride())  # (stored, as decoding stores it)
+        return [(row.unsqueeze(1) * w).sum(-1, dtype=torch.float32).to(x.dtype) for w in ws]
+
+    compiled = {
+        name: torch.compile(fn, fullgraph=True, dynamic=False)
+        for name, fn in (("kernel", kernel), ("reduction", reduction))
+    }
+    return {name: (lambda fn=fn: fn(x, weights)) for name, fn in compiled.items()}
+
+
+def fp32_prompt() -> dict[str, Callable[[], Any]]:
+    """A prompt's float32 GEMM through ``F.linear`` (MKL) and through oneDNN's
+    ``mkldnn._linear_pointwise`` (the kernel inductor's CPU linears call)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(128, 768, generator=gen), torch.randn(1024, 768, generator=gen)
+    calls: dict[str, Callable[[], Any]] = {"mkl": lambda: F.linear(x, w)}
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is not None and torch.backends.mkldnn.is_available():
+        calls["onednn"] = lambda: op(x, w, None, "none", [], "")
+    return calls
+
+
+def bf16_prompt() -> dict[str, Callable[[], Any]]:
+    """A prompt's bf16 GEMM as it is, and in float32 (weight and rows widened, the result rounded
+    back): the second wins on CPUs whose bf16 GEMM is emulated."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 576, generator=gen).bfloat16()
+    w = torch.randn(1536, 576, generator=gen).bfloat16()
+    return {
+        "bf16": lambda: F.linear(x, w),
+        "upcast": lambda: F.linear(x.float(), w.float()).bfloat16(),
+    }
+
+
+def int8(int8pack: Callable[[int], bool]) -> dict[str, Callable[[], Any]]:
+    """One row times int8 weights through each int8 kernel that runs here (``int8pack``: whether
+    torch's int8pack kernel takes a number of inputs)."""
+    gen = torch.Generator().manual_seed(0)
+    n = out = 1536
+    codes = _copies(
+        lambda: torch.randint(-127, 128, (out, n), dtype=torch.int8, generator=gen), 16 << 20
+    )
+    scale = torch.rand(out, generator=gen) / 127
+    x = torch.randn(1, n, generator=gen)
+    calls: dict[str, Callable[[], Any]] = {}
+    if _kernels():
+        grouped = [linear.group_codes(c) for c in codes]
+        calls["attnkit"] = _walk(lambda c: linear.int8_product(x, c, scale), grouped)
+    if linear.fbgemm_engine():
+        packed = [[linear.fbgemm_pack(c, scale)] for c in codes]
+        empty = torch.empty(out, 0, dtype=torch.int8)
+        scale_bf16 = scale.bfloat16()
+
+        def fbgemm() -> None:
+            for p in packed:
+                linear.fbgemm_product(x, p, empty, scale, scale_bf16, int8pack_tail=False)
+
+        calls["fbgemm"] = fbgemm
+    if int8pack(n):
+        xb, scale_bf16 = x.bfloat16(), scale.bfloat16()
+        calls["int8pack"] = _walk(lambda c: torch._weight_int8pack_mm(xb, c, scale_bf16), codes)
+    return calls
+
+
+def norm_row() -> dict[str, Callable[[], Any]]:
+    """One float32 row's RMSNorm as three torch calls, and through attnkit's row kernel."""
+    gen = torch.Generator().manual_seed(0)
+    x, weight, zero = (
+        torch.randn(1, 576, generator=gen),
+        torch.rand(576, generator=gen),
+        torch.zeros(()),
+    )
+
+    def torch_row() -> torch.Tensor:
+        norm = float(torch.linalg.vector_norm(x))
+        return torch.addcmul(zero, x, weight, value=1.0 / (norm * norm / 576 + 1e-6) ** 0.5)
+
+    calls: dict[str, Callable[[], Any]] = {"torch": lambda: [torch_row() for _ in range(64)]}
+    if _kernels():
+        calls["kernel"] = lambda: [rows.rms_norm(x, weight, 1e-6) for _ in range(64)]
+    return calls
+
+
+_ATTENTION_KERNELS: dict[str, Callable[..., Any]] = {}
+
+
+def provide_attention_kernel(name: str, kernel: Callable[..., Any]) -> None:
+    """Hand the policy an attention kernel to time (``"flash"``: attnkit's flash forward, the
+    signature of :func:`attnkit.native.flash_attention`; ``"tiles"``: a causal window forward on
+    torch's flash kernel in tiles, :func:`attnkit.sparse.window_tiles`)."""
+    _ATTENTION_KERNELS[name] = kernel
+
+
+def bf16_structured() -> dict[str, Callable[[], Any]]:
+    """A bfloat16 sliding-window forward (window 256 over 1024 queries, 4 heads of 64) on
+    attnkit's flash kernel and on torch's kernel in tiles of 64, 128 and 256 queries."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
+    calls: dict[str, Callable[[], Any]] = {}
+    flash, tiles = _ATTENTION_KERNELS.get("flash"), _ATTENTION_KERNELS.get("tiles")
+    if tiles is None:  # (not measured, nor cached, before attnkit.sparse is imported)
+        raise LookupError("the attention kernels are not imported: import attnkit.functional")
+    if flash is not None:
+        calls["flash"] = lambda: flash(q, k, v, scale=0.125, causal=True, window=256)
+    if tiles is not None:
+        for rows in (64, 128, 256):
+            calls[f"tiles-{rows}"] = lambda rows=rows: tiles(q, k, v, rows=rows, window=256)
+    return calls

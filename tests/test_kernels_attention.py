@@ -1,0 +1,433 @@
+"""attnkit's attention kernels (``attnkit.kernels.attention``): the soft-capped softmax and
+attention, the flash forward and backward, and the one-query attention against float64, with their
+errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+from torch.testing import assert_close
+
+from attnkit.kernels import attention, build
+
+needs_kernel = pytest.mark.skipif(
+    not build.kernels_available(), reason=f"no attnkit kernels: {build.kernels_unavailable()}"
+)
+
+
+def _capped_reference(
+    t: Tensor, cap: float, first: int, period: int, causal: bool, window: int | None
+) -> Tensor:
+    """float64 softmax of ``cap * tanh(x / cap)`` with ``t = 2 x / cap``, masked by position."""
+    rows, width = t.shape
+    x = t.double() * cap / 2
+    at = first + torch.arange(rows) % period  # each row's query position
+    j = torch.arange(width)
+    ok = torch.ones(rows, width, dtype=torch.bool)
+    if causal:
+        ok &= j[None, :] <= at[:, None]
+    if window is not None:
+        ok &= (at[:, None] - j[None, :]).abs() < window
+    p = torch.softmax((cap * torch.tanh(x / cap)).masked_fill(~ok, -torch.inf), dim=-1)
+    return p.nan_to_num(nan=0.0)  # (a row without keys: all zero)
+
+
+@needs_kernel
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 1, 5, 300])
+@pytest.mark.parametrize("first", [-12, 0, 7, 40])
+def test_capped_softmax_follows_float64(causal: bool, window: int | None, first: int) -> None:
+    gen = torch.Generator().manual_seed(first + 3 * (window or 0) + causal)
+    rows, width, period, cap = 3 * 13, 37, 13, 3.0  # widths off the vector length, tails
+    t = 2 / cap * 8 * torch.randn(rows, width, generator=gen)  # raw scores of size ~8
+    got = attention.capped_softmax_(
+        t.clone().view(3, period, width),
+        cap,
+        first=first,
+        period=period,
+        causal=causal,
+        window=window,
+        finite=True,
+    )
+    want = _capped_reference(t, cap, first, period, causal, window)
+    assert_close(got.view(rows, width).double(), want, atol=2e-6, rtol=2e-5)
+    # Not vacuous: the cap changes the weights far beyond the tolerance.
+    plain = torch.softmax(t.double() * cap / 2, -1)
+    assert (plain - want).abs().max() > 1e-2
+    if causal and first < 0:  # rows before the first key attend nothing: exact zeros
+        assert torch.equal(got.view(rows, width)[:-first], torch.zeros(-first, width))
+
+
+@needs_kernel
+def test_capped_softmax_keeps_non_finite_values_in_their_row_only() -> None:
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(6, 40, generator=gen)
+    t[0, 3], t[1, 39], t[2, 17] = torch.nan, torch.inf, -torch.inf
+    got = attention.capped_softmax_(t.clone(), 5.0)
+    assert torch.isnan(got[:3]).all()  # NaN, and inf unless `finite`
+    assert torch.isfinite(got[3:]).all()
+    assert_close(
+        got[3:].double(), _capped_reference(t[3:], 5.0, 0, 3, False, None), atol=2e-6, rtol=2e-5
+    )
+    # With `finite` the caller vouches for the inputs: an overflowed score is capped like tanh.
+    capped = attention.capped_softmax_(t[1:3].clone(), 5.0, finite=True)
+    assert_close(
+        capped.double(),
+        _capped_reference(t[1:3].clamp(-1e30, 1e30), 5.0, 0, 2, False, None),
+        atol=2e-6,
+        rtol=2e-5,
+    )
+    # A NaN the masks leave out is never read.
+    masked = torch.zeros(2, 8)
+    masked[:, 5] = torch.nan
+    out = attention.capped_softmax_(masked, 5.0, causal=True, period=2)  # rows at positions 0, 1
+    assert torch.isfinite(out).all()
+    assert_close(out[1, :2], torch.full((2,), 0.5))
+
+
+@needs_kernel
+def test_capped_softmax_ignores_threads_and_gets_clear_errors() -> None:
+    gen = torch.Generator().manual_seed(1)
+    t = torch.randn(64, 1500, generator=gen)  # over the threading threshold
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attention.capped_softmax_(t.clone(), 50.0, causal=True, first=700)
+        torch.set_num_threads(2)
+        two = attention.capped_softmax_(t.clone(), 50.0, causal=True, first=700)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    assert attention.capped_softmax_(torch.empty(0, 5), 1.0).shape == (0, 5)
+    with pytest.raises(TypeError, match="float32"):
+        attention.capped_softmax_(t.double(), 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        attention.capped_softmax_(t.t(), 1.0)
+    with pytest.raises(ValueError, match="softcap=0"):
+        attention.capped_softmax_(t.clone(), 0.0)
+    with pytest.raises(ValueError, match="window=0"):
+        attention.capped_softmax_(t.clone(), 1.0, window=0)
+
+
+def _capped_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, cap: float, scale: float, causal: bool, window: int | None
+) -> Tensor:
+    """float64 soft-capped attention, bottom-right aligned queries; rows without keys zero."""
+    L, S = q.shape[-2], k.shape[-2]
+    groups = q.shape[1] // k.shape[1]
+    kk, vv = (t.double().repeat_interleave(groups, 1) for t in (k, v))
+    scores = cap * torch.tanh(q.double() @ kk.transpose(-1, -2) * scale / cap)
+    at, j = torch.arange(L)[:, None] + S - L, torch.arange(S)[None, :]
+    ok = torch.ones(L, S, dtype=torch.bool)
+    if causal:
+        ok &= j <= at
+    if window is not None:
+        ok &= (at - j).abs() < window
+    return torch.softmax(scores.masked_fill(~ok, -torch.inf), -1).nan_to_num(nan=0.0) @ vv
+
+
+needs_capped = pytest.mark.skipif(
+    not attention.flash_available(),
+    reason=f"capped_attention cannot run here: {build.kernels_unavailable() or 'no sgemm'}",
+)
+
+
+def test_capped_attention_runs_wherever_the_kernels_build() -> None:
+    """torch's x86 builds link a BLAS whose ``sgemm_`` the kernel finds (CI holds it to that)."""
+    if not build.kernels_available():
+        pytest.skip(f"no attnkit kernels: {build.kernels_unavailable()}")
+    assert attention.flash_available()
+
+
+@needs_capped
+@pytest.mark.parametrize(
+    ("L", "S", "causal", "window"),
+    [
+        (37, 37, True, None),  # blocks and tiles with tails
+        (37, 37, False, None),
+        (20, 45, True, None),  # queries bottom-right aligned
+        (45, 20, True, None),  # the first queries attend no key: zero rows
+        (50, 50, True, 6),  # key tiles skipped on both sides
+        (33, 41, False, 9),  # a two-sided window
+        (1, 40, True, None),  # one query
+    ],
+)
+def test_capped_attention_follows_float64(L: int, S: int, causal: bool, window: int | None) -> None:
+    gen = torch.Generator().manual_seed(L * S + (window or 0))
+    q = 3 * torch.randn(2, 4, L, 16, generator=gen)  # scores of size ~10: the cap matters
+    k = 3 * torch.randn(2, 2, S, 16, generator=gen)  # grouped-query heads
+    v = torch.randn(2, 2, S, 12, generator=gen)
+    want = _capped_attention_reference(q, k, v, 4.0, 0.25, causal, window)
+    for blocks in ((8, 16), (5, 7), (64, 512)):  # key tiles of one query's reach and more
+        got = attention.capped_attention(
+            q, k, v, softcap=4.0, scale=0.25, causal=causal, window=window,
+            query_block=blocks[0], key_block=blocks[1], finite=True,
+        )  # fmt: skip
+        assert got.shape == (2, 4, L, 12)
+        assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
+    # Not vacuous: the cap changes the output far beyond the tolerance.
+    plain = _capped_attention_reference(q, k, v, 1e9, 0.25, causal, window)
+    assert (plain - want).abs().max() > 1e-2
+    if L > S and causal:  # rows before the first key: exact zeros
+        assert torch.equal(got[:, :, : L - S], torch.zeros(2, 4, L - S, 12))
+
+
+@needs_capped
+def test_capped_attention_takes_strided_inputs_and_any_thread_count() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 70, 4, 8, generator=gen).transpose(1, 2)  # (B, L, H, E) storage
+    k = torch.randn(3, 70, 2, 8, generator=gen).transpose(1, 2)
+    v = torch.randn(3, 2, 70, 16, generator=gen)[..., ::2]  # a strided last dim: copied
+    want = _capped_attention_reference(q, k, v, 2.0, 0.4, True, None)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(
+                attention.capped_attention(
+                    q, k, v, softcap=2.0, scale=0.4, causal=True, key_block=9
+                )
+            )
+    finally:
+        torch.set_num_threads(before)
+    for got in outs:
+        assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
+        assert torch.equal(got, outs[0])  # (each block is computed by one thread, in order)
+
+
+@needs_capped
+def test_capped_attention_keeps_non_finite_scores_in_their_row_and_gets_clear_errors() -> None:
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 30, 8, generator=gen) for _ in range(3))
+    q[0, 0, 4, 1], q[0, 1, 9, 2], k[0, 1, 25, 0] = torch.nan, torch.inf, torch.inf
+    got = attention.capped_attention(q, k, v, softcap=3.0, scale=0.3, causal=True, key_block=8)
+    bad = torch.zeros(1, 2, 30, dtype=torch.bool)
+    bad[0, 0, 4] = bad[0, 1, 9] = True  # a NaN query, an infinite one
+    bad[0, 1, 25:] = True  # the queries that may attend the infinite key (causal)
+    assert torch.equal(torch.isnan(got).any(-1), bad)
+    assert torch.isnan(got[bad]).all()
+    clean = q.clone()
+    clean[bad] = 0.0
+    ks = k.clone()
+    ks[0, 1, 25] = 0.0
+    want = _capped_attention_reference(clean, ks, v, 3.0, 0.3, True, None)
+    assert_close(got[~bad].double(), want[~bad], atol=2e-6, rtol=2e-5)
+    assert attention.capped_attention(q[:, :, :0], k, v, softcap=1.0, scale=1.0).shape == (
+        1, 2, 0, 8,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="float32"):
+        attention.capped_attention(q.double(), k, v, softcap=1.0, scale=1.0)
+    with pytest.raises(ValueError, match=r"H % K"):
+        attention.capped_attention(q, k[:, :, :, :4], v, softcap=1.0, scale=1.0)
+    with pytest.raises(ValueError, match="softcap=0"):
+        attention.capped_attention(q, k, v, softcap=0.0, scale=1.0)
+    with pytest.raises(ValueError, match="window=0"):
+        attention.capped_attention(q, k, v, softcap=1.0, scale=1.0, window=0)
+
+
+@needs_capped
+@pytest.mark.parametrize(
+    ("L", "S", "causal", "window", "first"),
+    [
+        (37, 37, True, None, 0),  # a document's causal square, blocks with tails
+        (37, 37, False, None, 0),
+        (20, 45, True, None, None),  # bottom-right aligned queries
+        (45, 20, True, None, None),  # the first queries attend no key: zero rows and gradients
+        (50, 60, True, 6, 10),  # a window: key blocks skipped on both sides
+        (33, 41, False, 9, None),  # a two-sided window
+    ],
+)
+def test_flash_attention_and_its_backward_follow_float64(
+    L: int, S: int, causal: bool, window: int | None, first: int | None
+) -> None:
+    gen = torch.Generator().manual_seed(L * S + (window or 0))
+    q = (2 * torch.randn(2, 4, L, 16, generator=gen)).requires_grad_()
+    k = (2 * torch.randn(2, 2, S, 16, generator=gen)).requires_grad_()  # grouped-query heads
+    v = torch.randn(2, 2, S, 12, generator=gen).requires_grad_()
+    grad_out = torch.randn(2, 4, L, 12, generator=gen)
+    at = torch.arange(L)[:, None] + (S - L if first is None else first)
+    j = torch.arange(S)[None, :]
+    ok = torch.ones(L, S, dtype=torch.bool)
+    if causal:
+        ok &= j <= at
+    if window is not None:
+        ok &= (at - j).abs() < window
+    kk, vv = (t.double().repeat_interleave(2, 1) for t in (k, v))
+    scores = (q.double() @ kk.transpose(-1, -2) * 0.3).masked_fill(~ok, -torch.inf)
+    want = torch.softmax(scores, -1).nan_to_num(nan=0.0) @ vv
+    grads = torch.autograd.grad((want * grad_out.double()).sum(), (q, k, v))
+    rows = ok.any(-1)
+    want_lse = torch.logsumexp(scores, -1)
+    for blocks in ((8, 16), (5, 7), (64, 512)):
+        options = {"scale": 0.3, "causal": causal, "window": window, "first": first}
+        with torch.no_grad():
+            out, lse = attention.flash_attention(q, k, v, blocks=blocks, **options)
+            got = attention.flash_attention_backward(grad_out, q, k, v, out, lse, **options)
+        assert_close(out.double(), want, atol=2e-6, rtol=2e-5)
+        assert_close(lse[..., rows].double(), want_lse[..., rows], atol=2e-6, rtol=2e-5)
+        assert (lse[..., ~rows] == -torch.inf).all()
+        for name, g, w in zip("qkv", got, grads, strict=True):
+            assert_close(g.double(), w.double(), atol=2e-5, rtol=2e-5, msg=name)
+    if not rows.all():  # rows without keys: exact zeros
+        assert torch.equal(out[:, :, ~rows], torch.zeros_like(out[:, :, ~rows]))
+        assert torch.equal(got[0][:, :, ~rows], torch.zeros_like(got[0][:, :, ~rows]))
+
+
+@needs_capped
+def test_flash_attention_widens_bf16_blocks() -> None:
+    # bf16 inputs (for CPUs without bf16 units): the float32 math on the widened values, the
+    # output rounded once; gradients in bf16 from float32 sums.
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, grad_out = (torch.randn(2, 4, 70, 16, generator=gen).bfloat16() for _ in range(4))
+    k, v = k[:, :2], v[:, :2]
+    out, lse = attention.flash_attention(q, k, v, scale=0.25, causal=True, window=30)
+    wide = [t.float() for t in (q, k, v)]
+    out32, lse32 = attention.flash_attention(*wide, scale=0.25, causal=True, window=30)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert_close(out, out32.bfloat16(), atol=8e-3, rtol=8e-3)
+    assert_close(lse, lse32, atol=1e-6, rtol=1e-6)
+    got = attention.flash_attention_backward(
+        grad_out, q, k, v, out, lse, scale=0.25, causal=True, window=30
+    )
+    want = attention.flash_attention_backward(
+        grad_out.float(), *wide, out.float(), lse, scale=0.25, causal=True, window=30
+    )
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16
+        assert_close(g, w.bfloat16(), atol=8e-3, rtol=8e-3)
+    # ... and with Gemma 2's cap
+    capped = attention.capped_attention(q, k, v, softcap=2.0, scale=0.25, causal=True)
+    capped32 = attention.capped_attention(*wide, softcap=2.0, scale=0.25, causal=True)
+    assert capped.dtype == torch.bfloat16
+    assert_close(capped, capped32.bfloat16(), atol=8e-3, rtol=8e-3)
+
+
+@needs_capped
+def test_flash_attention_takes_strided_views_and_gets_clear_errors() -> None:
+    gen = torch.Generator().manual_seed(4)
+    # (documents, L, H, E) storage seen as (documents, H, L, E), as attnkit.blockwise's tiles
+    q, k, v, grad_out = (torch.randn(3, 40, 2, 8, generator=gen).transpose(1, 2) for _ in range(4))
+    out, lse = attention.flash_attention(q, k, v, scale=0.5, causal=True, blocks=(16, 16))
+    got = attention.flash_attention_backward(grad_out, q, k, v, out, lse, scale=0.5, causal=True)
+    qc, kc, vc = (t.contiguous().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=0.5)
+    assert_close(out, ref, atol=2e-6, rtol=2e-5)
+    want = torch.autograd.grad((ref * grad_out).sum(), (qc, kc, vc))
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, atol=2e-5, rtol=2e-5)
+    # into=: the gradients added to running sums (views with contiguous rows), as ring
+    # attention's blocks add theirs.
+    sums = [torch.randn(3, 40, 2, 8, generator=gen).transpose(1, 2) for _ in range(3)]
+    before = [t.clone() for t in sums]
+    back = attention.flash_attention_backward(
+        grad_out, q, k, v, out, lse, scale=0.5, causal=True, into=tuple(sums)
+    )
+    assert all(a is b for a, b in zip(back, sums, strict=True))
+    for total, start, g in zip(sums, before, got, strict=True):
+        assert_close(total, start + g, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="into"):
+        attention.flash_attention_backward(
+            grad_out, q, k, v, out, lse, scale=0.5, into=(sums[0].double(), *sums[1:])
+        )
+    with pytest.raises(TypeError, match="float32"):
+        attention.flash_attention(q.double(), k, v, scale=1.0)
+    with pytest.raises(ValueError, match=r"H % K"):
+        attention.flash_attention(q, k[:, :, :, :4], v, scale=1.0)
+    with pytest.raises(ValueError, match="lse"):
+        attention.flash_attention_backward(grad_out, q, k, v, out, lse[:, :1], scale=0.5)
+
+
+def _one_query_reference(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cap: float | None = None
+) -> Tensor:
+    """float64 attention of each query head over its key/value head (scores soft-capped to
+    ``cap``, if given); rows without keys zero."""
+    groups = q.shape[1] // k.shape[1]
+    kk, vv = (t.double().repeat_interleave(groups, 1) for t in (k, v))
+    scores = q.double() @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -torch.inf)
+    return torch.softmax(scores, -1).nan_to_num(nan=0.0) @ vv
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("B", "H", "K", "S", "E", "Ev"),
+    [(1, 9, 3, 136, 64, 64), (2, 8, 2, 37, 33, 17), (3, 4, 4, 1, 8, 8), (2, 2, 1, 300, 128, 96)],
+)
+def test_one_query_attention_follows_float64(dtype, B, H, K, S, E, Ev) -> None:
+    gen = torch.Generator().manual_seed(S + E)
+    q = torch.randn(B, H, 1, E, generator=gen).to(dtype)
+    cache = torch.randn(B, K, S + 5, E, generator=gen).to(dtype)  # a cache's slice: strided
+    k, v = cache[:, :, :S], torch.randn(B, K, S, Ev, generator=gen).to(dtype)
+    padded = torch.rand(B, 1, 1, S, generator=gen) > 0.3
+    padded[..., 0] = True
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for mask in (None, padded, padded[:1]):
+        for cap in (None, 2.0):  # (and soft-capped scores, Gemma 2's)
+            out, flags = attention.one_query_attention(q, k, v, mask, E**-0.5, softcap=cap)
+            assert flags == 0 and out.dtype == dtype and out.shape == (B, H, 1, Ev)
+            assert_close(out.double(), _one_query_reference(q, k, v, mask, cap), **tol)
+    if S > 1:  # not vacuous: the cap changes the output beyond the tolerance
+        plain, capped = (
+            _one_query_reference(q, k, v, None),
+            _one_query_reference(q, k, v, None, 2.0),
+        )
+        assert (plain - capped).abs().max() > 0.05
+
+
+@needs_kernel
+def test_one_query_attention_flags_empty_and_non_finite_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 8, generator=gen)
+    k, v = (torch.randn(2, 2, 10, 8, generator=gen) for _ in range(2))  # two key/value heads
+    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    mask[1] = False  # the second sequence may attend nothing: zero rows
+    out, flags = attention.one_query_attention(q, k, v, mask, 8**-0.5)
+    assert flags == attention.NO_KEY and torch.equal(out[1], torch.zeros(4, 1, 8))
+    assert_close(out[0].double(), _one_query_reference(q, k, v, mask)[0], atol=1e-5, rtol=1e-5)
+    # A NaN key the mask leaves out is never read; one it allows makes its head's rows NaN.
+    mask[1] = True
+    mask[:, ..., 3] = False
+    k[0, 1, 3, 0] = torch.nan
+    out, flags = attention.one_query_attention(q, k, v, mask, 8**-0.5)
+    assert flags == 0 and torch.isfinite(out).all()
+    k[0, 1, 4, 0] = torch.nan
+    out, flags = attention.one_query_attention(q, k, v, mask, 8**-0.5)
+    assert flags == attention.NON_FINITE
+    assert torch.isnan(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
+    assert torch.isfinite(out[1]).all()
+    # With a cap an infinite score is flagged too (capped it would look finite).
+    k[0, 1, 4, 0] = 0.0
+    k[1, 0, 2, 0] = -torch.inf
+    out, flags = attention.one_query_attention(q, k, v, mask, 8**-0.5, softcap=3.0)
+    assert flags == attention.NON_FINITE
+    assert torch.isnan(out[1, :2]).all() and torch.isfinite(out[0]).all()
+
+
+@needs_kernel
+def test_one_query_attention_ignores_threads_and_gets_clear_errors() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(4, 8, 1, 64, generator=gen), *torch.randn(2, 4, 2, 700, 64, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attention.one_query_attention(q, k, v, None, 0.125)[0]
+        torch.set_num_threads(2)
+        two = attention.one_query_attention(q, k, v, None, 0.125)[0]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    with pytest.raises(TypeError, match="bfloat16 or all float32"):
+        attention.one_query_attention(q.double(), k, v, None, 1.0)
+    with pytest.raises(TypeError, match="bool mask"):
+        attention.one_query_attention(q, k, v, torch.zeros(4, 1, 1, 700), 1.0)
+    with pytest.raises(ValueError, match="H % K == 0"):
+        attention.one_query_attention(q[:, :3], k, v, None, 1.0)
+    with pytest.raises(ValueError, match="mask"):
+        attention.one_query_attention(q, k, v, torch.ones(4, 1, 1, 5, dtype=torch.bool), 1.0)
