@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit import native
 from attnkit.blockwise import TileRun, attend_runs, plan_runs
 from attnkit.functional import block_sparse_attention
-from attnkit.kernels import policy
+from attnkit.kernels import attention as attention_kernels
+from attnkit.kernels import build, policy
 from attnkit.kernels.probe import capabilities
 from attnkit.masks import Structure
 from tests.reference import loop_mask, reference_attention
@@ -27,7 +27,7 @@ from tests.reference import loop_mask, reference_attention
 
 def call_of(q, *, causal=True, window=None):
     """What the policy reads of a causal/window call on ``q``."""
-    eager = native.eager_cpu(q)
+    eager = build.eager_cpu(q)
     return policy.AttentionCall(
         dtype=q.dtype,
         device=q.device.type,
@@ -37,7 +37,7 @@ def call_of(q, *, causal=True, window=None):
         window=window,
         grads=torch.is_grad_enabled() and q.requires_grad,
         eager=eager,
-        ready=eager and native.flash_available(),
+        ready=eager and attention_kernels.flash_available(),
     )
 
 
@@ -157,12 +157,12 @@ def test_float32_on_attnkits_flash_kernels_matches_float64(
 
 
 def test_positional_structures_in_float32_are_one_call_of_attnkits_kernel(monkeypatch):
-    if not native.flash_available():
+    if not attention_kernels.flash_available():
         pytest.skip("attnkit's flash kernels cannot run here")
     calls = []
-    kernel = native.flash_attention
+    kernel = attention_kernels.flash_attention
     monkeypatch.setattr(
-        native, "flash_attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw)
+        attention_kernels, "flash_attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw)
     )
     q, k, v = (t.detach().float() for t in qkv(2, 4, 2, 300, 300, E=16))
     out = block_sparse_attention(q, k, v, causal=True, window=20)
@@ -229,7 +229,7 @@ def test_low_precision_without_native_units_is_float32_rounded(dtype):
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
     if native_low_precision(dtype):  # the kernel's own low-precision path: close, not equal
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
-    elif dtype == torch.bfloat16 and native.flash_available():
+    elif dtype == torch.bfloat16 and attention_kernels.flash_available():
         # attnkit's kernels widen bf16 blocks in place of the float32 copies: the same float32
         # math (its products may round differently), rounded once: within one bf16 step. The
         # backward reads the bf16 output (the forward's result), not a float32 one.
@@ -279,9 +279,9 @@ def test_bf16_forward_of_equal_documents_is_one_kernel_call():
             per_doc = [F.scaled_dot_product_attention(*doc, is_causal=True) for doc in docs]
         else:
             per_doc = [
-                native.flash_attention(*(t.contiguous() for t in doc), scale=32**-0.5, causal=True)[
-                    0
-                ]
+                attention_kernels.flash_attention(
+                    *(t.contiguous() for t in doc), scale=32**-0.5, causal=True
+                )[0]
                 for doc in docs
             ]
     assert torch.equal(out, torch.cat(per_doc, dim=2))
@@ -456,8 +456,8 @@ def test_tile_rows_rule():
 @pytest.mark.parametrize("option", ["flash", "tiles-64", "tiles-128", "tiles-256"])
 def test_bf16_forward_takes_the_policys_kernel(monkeypatch, option):
     # The bf16 structured choice is measured per machine; an environment override pins it.
-    if not native.flash_available():
-        pytest.skip(f"attnkit's flash kernel does not run here: {native.kernels_unavailable()}")
+    if not attention_kernels.flash_available():
+        pytest.skip(f"attnkit's flash kernel does not run here: {build.kernels_unavailable()}")
     monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_STRUCTURED", option)
     q = torch.randn(1, 2, 64, 16, dtype=torch.bfloat16)
     assert attnkit_flash(q) is (option == "flash")  # no gradients: the measured choice
@@ -475,7 +475,7 @@ def test_bf16_structured_rule_and_candidates():
     assert choice.rule(tiles) == "tiles-64"
     assert choice.candidates is not None
     calls = choice.candidates()
-    if native.flash_available():
+    if attention_kernels.flash_available():
         assert set(calls) == set(choice.options)
     for call in calls.values():  # each candidate computes the window it is timed on
         out = call()

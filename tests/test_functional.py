@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import attnkit
-from attnkit import functional, native
+from attnkit import functional
 from attnkit import masks as M
 from attnkit.functional import block_sparse_attention
 from attnkit.functional import scaled_dot_product_attention as sdpa
-from attnkit.kernels import policy
+from attnkit.kernels import attention as attention_kernels
+from attnkit.kernels import build, policy
 from tests.reference import bottom_right_causal, reference_attention
 
 
@@ -156,8 +157,8 @@ def test_one_query_matches_float64_reference(heads, window, padded, kernel, monk
     """The decoding step (one query) takes its own fast path: grouped heads, the window as a
     slice, attnkit's kernel where it builds (else torch's fused kernel); equal to the float64
     math with every option it takes."""
-    if kernel and not native.kernels_available():
-        pytest.skip(f"no attnkit kernels: {native.kernels_unavailable()}")
+    if kernel and not build.kernels_available():
+        pytest.skip(f"no attnkit kernels: {build.kernels_unavailable()}")
     if not kernel:
         monkeypatch.setattr(policy, "one_query_kernel", lambda *facts: False)
     H, K = heads
@@ -177,14 +178,14 @@ def test_one_query_matches_float64_reference(heads, window, padded, kernel, monk
         shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
         return real(*args, **kwargs)
 
-    real_kernel = native.one_query_attention
+    real_kernel = attention_kernels.one_query_attention
 
     def spy_kernel(*args, **kwargs):
         shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
         return real_kernel(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(native, "one_query_attention", spy_kernel)
+    monkeypatch.setattr(attention_kernels, "one_query_attention", spy_kernel)
     out = sdpa(q, k, v, mask, causal=True, window=window)
     ref, _ = reference_attention(q, k, v, allowed)
     assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
@@ -412,12 +413,12 @@ def test_float32_causal_attention_runs_attnkits_flash_kernel(L, S, window, monke
     # flash kernels (blockwise.attend_positional): equal to the float64 math, gradients too,
     # with grouped-query heads and Ev != E; a non-finite key still poisons exactly the rows that
     # may attend it.
-    if not native.flash_available():
+    if not attention_kernels.flash_available():
         pytest.skip("attnkit's flash kernels cannot run here")
     calls = []
-    kernel = native.flash_attention
+    kernel = attention_kernels.flash_attention
     monkeypatch.setattr(
-        native, "flash_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
+        attention_kernels, "flash_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
     )
     q, k, v = _qkv(B=2, H=4, K=2, L=L, S=S, E=16, Ev=12, grad=True)
     out = sdpa(q, k, v, causal=True, window=window)
@@ -461,7 +462,7 @@ def test_long_window_takes_block_sparse_path_and_matches_dense(monkeypatch):
     sdpa(*(t.double() for t in short), causal=True, window=48)
     assert len(calls) == 1  # short sequences stay on the dense kernel...
     sdpa(*short, causal=True, window=48)  # ... unless attnkit's flash kernels take float32
-    assert len(calls) == (2 if native.flash_available() else 1)
+    assert len(calls) == (2 if attention_kernels.flash_available() else 1)
 
 
 # ---------------------------------------------------------------- correct on every path
@@ -767,7 +768,7 @@ def test_softcap_caps_scores_on_every_path(return_weights, structure):
         sdpa(q, k, v, softcap=-1.0)
 
 
-@pytest.mark.skipif(not native.kernels_available(), reason="attnkit's kernels do not build here")
+@pytest.mark.skipif(not build.kernels_available(), reason="attnkit's kernels do not build here")
 def test_a_compiled_decoding_step_calls_the_one_query_kernel() -> None:
     """Inside a compiled graph one query per head over a padded (static) cache is the op
     ``attnkit::one_query_attention``, equal to the float64 math (and to torch's fused kernel)."""

@@ -16,7 +16,7 @@ import pytest
 
 from attnkit import cli
 from attnkit.commands import kernels as command
-from attnkit.kernels import build, policy
+from attnkit.kernels import build, policy, tuning
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def _choice(
         return {k: (lambda t=t: _sleep(t)) for k, t in slow.items()}
 
     choice = policy.Choice(name, ("a", "b"), "a test choice", lambda caps: "a", candidates)
-    monkeypatch.setitem(policy._CHOICES, name, choice)
+    monkeypatch.setitem(tuning._CHOICES, name, choice)
     return choice
 
 
@@ -138,7 +138,7 @@ def test_the_rule_answers_where_a_candidate_fails_or_while_compiling(
     # a rule close to the fastest keeps its option (the margin)
     choice = _choice(monkeypatch, calls, name="test.close")
     monkeypatch.setitem(
-        policy._CHOICES, "test.close", policy.Choice(**{**choice.__dict__, "margin": 1e9})
+        tuning._CHOICES, "test.close", policy.Choice(**{**choice.__dict__, "margin": 1e9})
     )
     assert policy.decision("test.close").option == "a"
 

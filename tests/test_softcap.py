@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from attnkit import masks as M
-from attnkit import native
 from attnkit.functional import attend
 from attnkit.functional import scaled_dot_product_attention as sdpa
-from attnkit.kernels import policy
+from attnkit.kernels import attention as attention_kernels
+from attnkit.kernels import build, policy
 from attnkit.kernels.policy import CAPPED_CHUNK_SCORES, CAPPED_MAX_ROWS
 from attnkit.kernels.policy import capped_chunk_rows as chunk_rows
 from attnkit.softcap import capped_attention
@@ -31,7 +31,7 @@ from tests.test_properties import PROFILE, TOL, Case, cases
 
 def capped(q, k, v, mask, rules, **kw):
     """capped_attention on the kernel the policy picks for these inputs."""
-    eager = native.eager_cpu(q)
+    eager = build.eager_cpu(q)
     call = policy.AttentionCall(
         dtype=q.dtype,
         device=q.device.type,
@@ -46,7 +46,7 @@ def capped(q, k, v, mask, rules, **kw):
         softcap=True,
         grads=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
         eager=eager,
-        ready=eager and native.flash_available(),
+        ready=eager and attention_kernels.flash_available(),
     )
     return capped_attention(q, k, v, mask, rules, kernel=policy.capped_kernel(call), **kw)
 
@@ -56,14 +56,14 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> lis
     """Without gradients: attnkit's whole-attention kernel (returns the list its calls append
     to), or the chunked torch path that runs where it cannot (returns None)."""
     if request.param == "chunks":
-        monkeypatch.setattr(native, "flash_available", lambda: False)
+        monkeypatch.setattr(attention_kernels, "flash_available", lambda: False)
         return None
-    if not native.flash_available():
+    if not attention_kernels.flash_available():
         pytest.skip("capped_attention cannot run here")
     calls: list[int] = []
-    kernel = native.capped_attention
+    kernel = attention_kernels.capped_attention
     monkeypatch.setattr(
-        native, "capped_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
+        attention_kernels, "capped_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
     )
     return calls
 
@@ -169,7 +169,7 @@ def test_a_window_never_reads_the_keys_outside_its_span(kernel, monkeypatch):
     # chunk that read them (the kernel itself does not guard against non-finite inputs;
     # functional does).
     if not kernel:
-        monkeypatch.setattr(native, "flash_available", lambda: False)
+        monkeypatch.setattr(attention_kernels, "flash_available", lambda: False)
     g = torch.Generator().manual_seed(0)
     L, window = 384, 16
     rows = chunk_rows(2, 2 * window + 16, L, window)  # the chunked path's default here
