@@ -588,3 +588,59 @@ def int8_kernel_rows(rows: int, *, compiling: bool) -> bool:
 def int4_kernel() -> str:
     """The int4 kernel of quantized linears: ``"attnkit"`` or ``"dequantize"``."""
     return choose("linear.int4")
+
+
+# Attention: the bf16 flash forward's tile products
+#
+# A bf16 forward of attnkit's flash kernel multiplies its tiles either in float32 (bf16 blocks
+# widened for the BLAS sgemm: the rule where the CPU has no bf16 dot products, which would only
+# emulate bf16 products) or in bf16 with float32 sums through MKL's bf16 GEMM, which CPUs with
+# bf16 dot products or matrix tiles run at bf16's speed. Whether MKL's bf16 GEMM pays on small
+# tiles also depends on the vendor (MKL takes generic paths on some CPUs): measured on a causal
+# prefill's shape.
+
+__all__ += ["flash_bf16_products"]
+
+
+def _flash_bf16_rule(caps: Capabilities) -> str:
+    from attnkit.kernels import attention
+
+    usable = attention.flash_bf16_products_available()
+    return "bf16" if caps.bf16_dot and usable else "widened"
+
+
+def _flash_bf16_candidates() -> dict[str, Callable[[], Any]]:
+    """One bf16 causal forward of attnkit's flash kernel per product it can run here."""
+    from attnkit.kernels import attention
+
+    if not attention.flash_available():
+        return {}
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
+    usable = attention.FLASH_PRODUCTS
+    if not attention.flash_bf16_products_available():
+        usable = tuple(p for p in usable if p != "bf16")
+    return {
+        p: lambda p=p: attention.flash_attention(q, k, v, scale=0.125, causal=True, products=p)
+        for p in usable
+    }
+
+
+register(
+    Choice(
+        "attention.flash_bf16_products",
+        ("bf16", "widened"),
+        "A bf16 flash forward's tile products: bf16 operands with float32 sums (MKL's bf16 GEMM), "
+        "or widened to float32 for sgemm, which wins where the CPU has no bf16 dot products.",
+        _flash_bf16_rule,
+        _flash_bf16_candidates,
+        margin=1.05,
+    )
+)
+
+
+def flash_bf16_products() -> str:
+    """How a bf16 flash forward multiplies its tiles (choice ``attention.flash_bf16_products``):
+    the ``products`` argument of :func:`attnkit.kernels.attention.flash_attention` and
+    :func:`attnkit.kernels.attention.capped_attention`."""
+    return choose("attention.flash_bf16_products")
