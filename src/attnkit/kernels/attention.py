@@ -261,10 +261,9 @@ def flash_attention(
     finite (a NaN score makes its row NaN).
 
     Args:
-        q: Queries ``(B, H, L, E)``, float32 or bfloat16 (widened to float32 a block at a
-            time, for CPUs without bf16 units; each thread keeps a float32 copy of the keys
-            and values of the head it works on) on the CPU, any strides (rows are copied where
-            their last dim is not contiguous).
+        q: Queries ``(B, H, L, E)``, float32 or bfloat16 (see ``products``; widened, each
+            thread keeps a float32 copy of the keys and values of the head it works on) on the
+            CPU, any strides (rows are copied where their last dim is not contiguous).
         k: Keys ``(B, K, S, E)`` with ``H % K == 0`` (grouped-query attention).
         v: Values ``(B, K, S, Ev)``.
         scale: Multiplier of the scores.
