@@ -158,10 +158,10 @@ static inline float exp_bf16(const float *src, uint16_t *dst, int64_t n, float s
 
 #define WIDE __attribute__((target("avx512f")))
 
-/* exp8's polynomial for sixteen floats (the same bits lane for lane). */
+/* exp8's polynomial for sixteen x <= 0 (or NaN, which stays NaN): the power of two applied by
+ * scalef, so that no clamp above is needed; below -87.3 (where exp8 gives 0) the result is
+ * exp(-87.3), near float32's smallest normal. */
 WIDE static inline __m512 exp16(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
   x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -174,12 +174,11 @@ WIDE static inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps((__mmask16)~tiny, p, _mm512_castsi512_ps(e));
+  return _mm512_scalef_ps(p, n);
 }
 
-/* exp_bf16 with 512-bit vectors (where the CPU has them). */
+/* exp_bf16 with 512-bit vectors (where the CPU has them; src[j] <= shift, as exp_bf16's
+ * callers give them). */
 WIDE static float exp_bf16_wide(const float *src, uint16_t *dst, int64_t n, float shift) {
   const __m512 by = _mm512_set1_ps(shift);
   const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
