@@ -304,6 +304,155 @@ def test_flash_attention_widens_bf16_blocks() -> None:
     assert_close(capped, capped32.bfloat16(), atol=8e-3, rtol=8e-3)
 
 
+def _bf16_case(
+    L: int, S: int, E: int, Ev: int, causal: bool, window: int | None, first: int | None, seed: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """bf16 ``q, k, v`` (grouped-query heads), the float64 attention of their values and its
+    log-sum-exp, and which queries have keys."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (2 * torch.randn(2, 4, L, E, generator=gen)).bfloat16()
+    k = (2 * torch.randn(2, 2, S, E, generator=gen)).bfloat16()
+    v = torch.randn(2, 2, S, Ev, generator=gen).bfloat16()
+    at = torch.arange(L)[:, None] + (S - L if first is None else first)
+    j = torch.arange(S)[None, :]
+    ok = torch.ones(L, S, dtype=torch.bool)
+    if causal:
+        ok &= j <= at
+    if window is not None:
+        ok &= (at - j).abs() < window
+    kk, vv = (t.double().repeat_interleave(2, 1) for t in (k, v))
+    scores = (q.double() @ kk.transpose(-1, -2) * 0.3).masked_fill(~ok, -torch.inf)
+    want = torch.softmax(scores, -1).nan_to_num(nan=0.0) @ vv
+    return q, k, v, want, torch.logsumexp(scores, -1), ok.any(-1)
+
+
+def test_flash_bf16_products_are_found_where_torch_links_them() -> None:
+    """Where torch links MKL's bf16 GEMM, the kernel's check of it passes (its calling
+    convention and semantics are what csrc/flash.c assumes)."""
+    if not attention.flash_available():
+        pytest.skip("the flash kernels cannot run here")
+    found = attention._gemm_bf16_address() is not None
+    assert attention.flash_bf16_products_available() is found
+    assert attention._gemm_bf16_address("attnkit_no_such_symbol") is None
+
+
+@needs_capped
+@pytest.mark.parametrize("products", attention.FLASH_PRODUCTS)
+@pytest.mark.parametrize(
+    ("L", "S", "E", "Ev", "causal", "window", "first"),
+    [
+        (37, 37, 24, 20, True, None, 0),  # blocks and tiles with tails
+        (20, 45, 64, 64, True, None, None),  # bottom-right aligned queries, a model's head size
+        (45, 20, 16, 12, True, None, None),  # the first queries attend no key: zero rows
+        (130, 150, 24, 20, True, 40, 20),  # a causal window: key tiles skipped on both sides
+        (70, 70, 16, 12, False, 9, None),  # a two-sided window
+        (70, 70, 16, 12, False, None, None),
+    ],
+)
+def test_flash_attention_bf16_follows_float64(
+    products: str,
+    L: int,
+    S: int,
+    E: int,
+    Ev: int,
+    causal: bool,
+    window: int | None,
+    first: int | None,
+) -> None:
+    # Either product: the scores and their softmax in float32, the output rounded to bf16 once
+    # (with bf16 products the probabilities are rounded to bf16 too): bf16's tolerance.
+    q, k, v, want, want_lse, rows = _bf16_case(L, S, E, Ev, causal, window, first, L * S + E)
+    options = {"scale": 0.3, "causal": causal, "window": window, "first": first}
+    for blocks in ((8, 16), (5, 7), (128, 512)):
+        out, lse = attention.flash_attention(q, k, v, blocks=blocks, products=products, **options)
+        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        assert_close(out.double(), want, atol=8e-3, rtol=8e-3)
+        assert_close(lse[..., rows].double(), want_lse[..., rows], atol=2e-5, rtol=2e-5)
+        assert (lse[..., ~rows] == -torch.inf).all()
+        if not rows.all():  # rows without keys: exact zeros
+            assert torch.equal(out[:, :, ~rows], torch.zeros_like(out[:, :, ~rows]))
+    # Not vacuous: the masks change the output far beyond the tolerance.
+    if not rows.all() or window is not None or causal:
+        full = attention.flash_attention(q, k, v, scale=0.3, products=products)[0]
+        assert (full.double() - want).abs().max() > 5e-2
+
+
+@needs_capped
+def test_flash_attention_bf16_products_are_another_path() -> None:
+    # Where they run, bf16 products round the probabilities (the widened path does not): some
+    # outputs differ from the widened ones, within bf16's tolerance of float64.
+    if not attention.flash_bf16_products_available():
+        pytest.skip("no bf16 GEMM linked here")
+    q, k, v, want, _, _ = _bf16_case(300, 300, 64, 64, True, None, None, 7)
+    bf16 = attention.flash_attention(q, k, v, scale=0.3, causal=True, products="bf16")[0]
+    widened = attention.flash_attention(q, k, v, scale=0.3, causal=True, products="widened")[0]
+    assert not torch.equal(bf16, widened)
+    assert_close(bf16.double(), want, atol=8e-3, rtol=8e-3)
+    # ... and with Gemma 2's cap, any thread count, a NaN query's row NaN and no other
+    want_capped = _capped_attention_reference(q, k, v, 2.0, 0.3, True, None)
+    q[0, 1, 100, 3] = torch.nan
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(
+                attention.capped_attention(
+                    q, k, v, softcap=2.0, scale=0.3, causal=True, products="bf16"
+                )
+            )
+    finally:
+        torch.set_num_threads(before)
+    bad = torch.zeros(2, 4, 300, dtype=torch.bool)
+    bad[0, 1, 100] = True
+    for got in outs:
+        assert torch.equal(torch.isnan(got).any(-1), bad) and torch.isnan(got[bad]).all()
+        assert_close(got[~bad].double(), want_capped[~bad], atol=8e-3, rtol=8e-3)
+        assert_close(got, outs[0], atol=0, rtol=0, equal_nan=True)  # (one thread per block)
+
+
+@needs_capped
+def test_flash_bf16_products_fall_back_where_the_gemm_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from attnkit.kernels import policy
+
+    q, k, v, want, _, _ = _bf16_case(70, 90, 16, 12, True, 30, None, 11)
+    widened, _ = attention.flash_attention(q, k, v, scale=0.3, causal=True, window=30)
+    monkeypatch.setattr(attention, "_gemm_bf16_address", lambda name="": None)
+    attention._flash_gemm_bf16.cache_clear()
+    try:
+        assert not attention.flash_bf16_products_available()
+        out, _ = attention.flash_attention(
+            q, k, v, scale=0.3, causal=True, window=30, products="bf16"
+        )
+        assert torch.equal(out, widened)  # the widened path, bit for bit
+        choice = policy.choices()["attention.flash_bf16_products"]
+        assert choice.rule(policy.capabilities()) == "widened"
+        assert set(choice.candidates()) == {"widened"}  # type: ignore[misc]
+    finally:
+        monkeypatch.undo()
+        attention._flash_gemm_bf16.cache_clear()
+    assert_close(widened.double(), want, atol=8e-3, rtol=8e-3)
+
+
+def test_flash_bf16_products_choice_rule_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnkit.kernels import policy
+
+    name = "attention.flash_bf16_products"
+    choice = policy.choices()[name]
+    caps = policy.capabilities()
+    assert choice.doc and set(choice.options) == set(attention.FLASH_PRODUCTS)
+    usable = caps.bf16_dot and attention.flash_bf16_products_available()
+    assert choice.rule(caps) == ("bf16" if usable else "widened")
+    for option in choice.options:
+        monkeypatch.setenv(policy.env_var(name), option)
+        assert policy.flash_bf16_products() == option
+    monkeypatch.setenv(policy.env_var(name), "fp8")
+    with pytest.raises(ValueError, match="fp8"):
+        policy.flash_bf16_products()
+
+
 @needs_capped
 def test_flash_attention_takes_strided_views_and_gets_clear_errors() -> None:
     gen = torch.Generator().manual_seed(4)
@@ -337,6 +486,8 @@ def test_flash_attention_takes_strided_views_and_gets_clear_errors() -> None:
         attention.flash_attention(q, k[:, :, :, :4], v, scale=1.0)
     with pytest.raises(ValueError, match="lse"):
         attention.flash_attention_backward(grad_out, q, k, v, out, lse[:, :1], scale=0.5)
+    with pytest.raises(ValueError, match="products='fp16'"):
+        attention.flash_attention(q, k, v, scale=0.5, products="fp16")
 
 
 def _one_query_reference(

@@ -321,19 +321,28 @@ def _run_backward(
 
 
 def attend_positional(
-    q: Tensor, k: Tensor, v: Tensor, structure: Structure, *, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    structure: Structure,
+    *,
+    scale: float,
+    products: str = "widened",
 ) -> Tensor:
     """Causal and sliding-window attention as one call of attnkit's flash kernels (no
     documents, lengths or dropout; where the policy's
     :func:`~attnkit.kernels.policy.flash_kernel` says).
 
     The kernels take the rules themselves (a block of queries computes only the keys it may
-    reach), so the sequence needs no tiles.
+    reach), so the sequence needs no tiles. ``products`` says how a bf16 forward multiplies its
+    tiles (:func:`attnkit.kernels.policy.flash_bf16_products`).
 
     Shape:
         q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
     """
-    out: Tensor = _PositionalFlash.apply(q, k, v, structure.causal, structure.window, scale)
+    out: Tensor = _PositionalFlash.apply(
+        q, k, v, structure.causal, structure.window, scale, products
+    )
     return out
 
 
@@ -343,10 +352,17 @@ class _PositionalFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None, scale: float
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        window: int | None,
+        scale: float,
+        products: str,
     ) -> Tensor:
         out, lse = attention_kernels.flash_attention(
-            q, k, v, scale=scale, causal=causal, window=window
+            q, k, v, scale=scale, causal=causal, window=window, products=products
         )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = {"scale": scale, "causal": causal, "window": window}
@@ -358,7 +374,7 @@ class _PositionalFlash(torch.autograd.Function):
         dq, dk, dv = attention_kernels.flash_attention_backward(
             grad_out, q, k, v, out, lse, **ctx.options
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 class _FlashRuns(torch.autograd.Function):
@@ -618,4 +634,10 @@ def _add_spans(acc: Tensor, grad: Tensor, r: TileRun) -> None:
         _k_view(acc, r, start, w).add_(grad[:, :, start : start + w])
 
 
-policy.provide_attention_kernel("flash", attention_kernels.flash_attention)
+def _timed_flash(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """attnkit's flash forward as the policy times it for bf16 structured attention: with the
+    tile products a bf16 forward would use."""
+    return attention_kernels.flash_attention(*args, products=policy.flash_bf16_products(), **kwargs)
+
+
+policy.provide_attention_kernel("flash", _timed_flash)

@@ -191,7 +191,7 @@ def tiled_attention(
     q, k, v = q.reshape(B, H, L, E), k.reshape(B, K, S, E), v.reshape(B, K, S, Ev)
     rules = plan.structure
     if kernels.flash and not rules.batched and dropout_p == 0.0:
-        out = attend_positional(q, k, v, rules, scale=scale)
+        out = attend_positional(q, k, v, rules, scale=scale, products=kernels.products)
     else:
         runs = plan.runs
         out = attend_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p, kernels=kernels)

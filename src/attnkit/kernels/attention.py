@@ -2,7 +2,8 @@
 decoding step's one-query attention.
 
 * :func:`flash_attention` and :func:`flash_attention_backward` (``csrc/flash.c``,
-  FlashAttention-2's order): tiles of scores from the BLAS ``sgemm`` torch links, folded into an
+  FlashAttention-2's order): tiles of scores from the BLAS ``sgemm`` torch links (or, for a bf16
+  forward with ``products="bf16"``, MKL's bf16 GEMM with float32 sums), folded into an
   online softmax while they sit in cache, each block of queries computing only the keys its
   causal/window rules let it reach (torch's CPU kernel computes whole blocks);
   :func:`capped_attention` is the forward with Gemma 2's soft cap, which torch's fused kernels
@@ -32,6 +33,7 @@ from attnkit.kernels.binding import view as _view
 from attnkit.kernels.build import library, load_library
 
 __all__ = [
+    "FLASH_PRODUCTS",
     "NON_FINITE",
     "NO_KEY",
     "capped_attention",
@@ -39,6 +41,7 @@ __all__ = [
     "flash_attention",
     "flash_attention_backward",
     "flash_available",
+    "flash_bf16_products_available",
     "one_query_attention",
 ]
 
@@ -61,8 +64,14 @@ def _sgemm_address() -> int | None:
     return None
 
 
-#: Input dtypes of the flash kernels (bfloat16 widened to float32 block by block).
+#: Input dtypes of the flash kernels (bfloat16 widened to float32 block by block, or multiplied
+#: in bf16 by the forward's ``products="bf16"``).
 _FLASH_DTYPES = (torch.float32, torch.bfloat16)
+#: How a bf16 forward multiplies its tiles: ``"widened"`` (float32 copies for ``sgemm``) or
+#: ``"bf16"`` (MKL's ``cblas_gemm_bf16bf16f32``, bf16 operands and float32 sums).
+FLASH_PRODUCTS = ("widened", "bf16")
+#: The bf16 GEMM's name in torch's library (looked up by :func:`_gemm_bf16_address`).
+_GEMM_BF16 = "cblas_gemm_bf16bf16f32"
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -71,6 +80,49 @@ def _rows(t: Tensor) -> Tensor:
     if (t.stride(3) == 1 or dim <= 1) and (rows <= 1 or t.stride(2) >= max(dim, 1)):
         return t
     return t.contiguous()
+
+
+def _gemm_bf16_address(name: str = _GEMM_BF16) -> int | None:
+    """The address of MKL's ``cblas_gemm_bf16bf16f32`` (``name``) where torch links it, as
+    :func:`_sgemm_address` finds ``sgemm_``, or None."""
+    torch_cpu = Path(torch.__file__).with_name("lib") / "libtorch_cpu.so"
+    for path in (str(torch_cpu), None):
+        if path is not None and not torch_cpu.is_file():
+            continue
+        try:
+            address = ctypes.cast(getattr(ctypes.CDLL(path), name), ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+        if address:
+            return address
+    return None
+
+
+@functools.cache
+def _flash_gemm_bf16() -> int | None:
+    """``cblas_gemm_bf16bf16f32``'s address for the bf16 forward, once a small call through it
+    (GQA, causal, a window, several tiles) matches the float64 softmax at bf16's precision
+    (which also proves its calling convention), or None."""
+    sgemm = _flash_sgemm()
+    address = _gemm_bf16_address()
+    if sgemm is None or address is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 37, 24, generator=g).bfloat16() for n in (4, 2, 2))
+    got, _ = _forward(q, k, v, 0.2, 0.0, True, 9, 0, True, (8, 16), sgemm, 1, False, address)
+    q64, k64, v64 = (t.double().repeat_interleave(n, dim=1) for t, n in ((q, 1), (k, 2), (v, 2)))
+    pos = torch.arange(37)
+    allowed = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 9)
+    scores = (q64 @ k64.transpose(-1, -2) * 0.2).masked_fill(~allowed, -math.inf)
+    want = torch.softmax(scores, dim=-1) @ v64
+    return address if torch.allclose(got.double(), want, atol=2e-2, rtol=2e-2) else None
+
+
+def flash_bf16_products_available() -> bool:
+    """Whether a bf16 :func:`flash_attention` or :func:`capped_attention` can multiply its
+    tiles in bf16 (``products="bf16"``): the kernels run here and torch links MKL's
+    ``cblas_gemm_bf16bf16f32`` (checked by a small call)."""
+    return _flash_gemm_bf16() is not None
 
 
 @functools.cache
@@ -99,7 +151,13 @@ def flash_available() -> bool:
 
 
 def _check_flash(
-    name: str, q: Tensor, k: Tensor, v: Tensor, window: int | None, dtypes: tuple[torch.dtype, ...]
+    name: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window: int | None,
+    dtypes: tuple[torch.dtype, ...],
+    products: str = "widened",
 ) -> None:
     if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(
@@ -125,9 +183,19 @@ def _check_flash(
         )
     if window is not None and window < 1:
         raise ValueError(f"{name} needs window >= 1 or None, got window={window}")
+    if products not in FLASH_PRODUCTS:
+        raise ValueError(f"{name} takes products in {FLASH_PRODUCTS}, got products={products!r}")
     if _flash_sgemm() is None:
         why = load_library()[1] or "torch's BLAS sgemm was not found"
         raise RuntimeError(f"{name} cannot run here: {why}")
+
+
+def _gemm_bf16_for(q: Tensor, products: str) -> int | None:
+    """The bf16 GEMM a forward on ``q`` runs with (``products="bf16"`` on bf16 inputs, where
+    :func:`flash_bf16_products_available`), else None: the widened products."""
+    if products != "bf16" or q.dtype != torch.bfloat16:
+        return None
+    return _flash_gemm_bf16()
 
 
 def _forward(
@@ -144,9 +212,11 @@ def _forward(
     sgemm: int,
     threads: int,
     with_lse: bool,
+    gemm_bf16: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """csrc/flash.c's forward on checked inputs: ``(out, lse or None)``, ``out`` laid out
-    ``(B, L, H, Ev)`` in memory (as torch's flash kernel lays out its output)."""
+    ``(B, L, H, Ev)`` in memory (as torch's flash kernel lays out its output). ``gemm_bf16``:
+    the bf16 GEMM a bf16 call multiplies its tiles with, or None (widened for ``sgemm``)."""
     lib = library()
     B, H, L, _ = q.shape
     K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
@@ -160,7 +230,7 @@ def _forward(
         _view(q), _view(k), _view(v), _view(out),
         None if lse is None else lse.data_ptr(), H * L, L,
         dims, first, int(causal), window or 0, scale, cap, int(finite), *blocks,
-        q.dtype == torch.bfloat16, sgemm, threads,
+        q.dtype == torch.bfloat16, sgemm, gemm_bf16, threads,
     )  # fmt: skip
     if failed:
         raise MemoryError(f"the flash forward could not allocate its buffers ({threads} threads)")
@@ -177,6 +247,7 @@ def flash_attention(
     window: int | None = None,
     first: int | None = None,
     blocks: tuple[int, int] = (128, 512),
+    products: str = "widened",
 ) -> tuple[Tensor, Tensor]:
     """Attention in FlashAttention's loop on the CPU, with the log-sum-exp the backward needs.
 
@@ -190,10 +261,9 @@ def flash_attention(
     finite (a NaN score makes its row NaN).
 
     Args:
-        q: Queries ``(B, H, L, E)``, float32 or bfloat16 (widened to float32 a block at a
-            time, for CPUs without bf16 units; each thread keeps a float32 copy of the keys
-            and values of the head it works on) on the CPU, any strides (rows are copied where
-            their last dim is not contiguous).
+        q: Queries ``(B, H, L, E)``, float32 or bfloat16 (see ``products``; widened, each
+            thread keeps a float32 copy of the keys and values of the head it works on) on the
+            CPU, any strides (rows are copied where their last dim is not contiguous).
         k: Keys ``(B, K, S, E)`` with ``H % K == 0`` (grouped-query attention).
         v: Values ``(B, K, S, Ev)``.
         scale: Multiplier of the scores.
@@ -201,6 +271,12 @@ def flash_attention(
         window: Keys ``window`` or more positions away are masked (None: no window).
         first: Key position of the first query.
         blocks: Queries per block and most keys per tile.
+        products: How bf16 tiles are multiplied: ``"widened"`` (float32 copies, ``sgemm``) or
+            ``"bf16"`` (MKL's bf16 GEMM with float32 sums; the scores and the softmax stay
+            float32, the probabilities are rounded to bf16 for the product with the values);
+            ``"bf16"`` falls back to ``"widened"`` where :func:`flash_bf16_products_available`
+            is False. Which one pays is the policy's choice
+            (:func:`attnkit.kernels.policy.flash_bf16_products`). Float32 inputs ignore it.
 
     Returns:
         ``(out, lse)``: ``out`` ``(B, H, L, Ev)`` in ``q``'s dtype (laid out ``(B, L, H, Ev)``
@@ -212,13 +288,13 @@ def flash_attention(
         ValueError: For shapes that do not fit, tensors not on the CPU, or a bad argument.
         RuntimeError: Where it cannot run here (:func:`flash_available`).
     """
-    _check_flash("flash_attention", q, k, v, window, _FLASH_DTYPES)
+    _check_flash("flash_attention", q, k, v, window, _FLASH_DTYPES, products)
     first = k.shape[2] - q.shape[2] if first is None else first
     sgemm = _flash_sgemm()
     assert sgemm is not None
     out, lse = _forward(
         q, k, v, scale, 0.0, causal, window, first, True, blocks, sgemm, torch.get_num_threads(),
-        True,
+        True, _gemm_bf16_for(q, products),
     )  # fmt: skip
     assert lse is not None
     return out, lse
@@ -333,6 +409,7 @@ def capped_attention(
     finite: bool = False,
     query_block: int = 64,
     key_block: int = 512,
+    products: str = "widened",
 ) -> Tensor:
     """Soft-capped attention without gradients, ``softmax(c * tanh(q k^T * scale / c)) v`` over
     the keys each query may attend: :func:`flash_attention`'s loop with the cap applied to each
@@ -357,6 +434,7 @@ def capped_attention(
             computes ``query_block + window`` keys per query; without one, larger blocks share
             each tile of keys among more queries).
         key_block: Most keys of a tile of scores.
+        products: How bf16 tiles are multiplied, as in :func:`flash_attention`.
 
     Returns:
         ``out`` ``(B, H, L, Ev)`` in ``q``'s dtype.
@@ -371,13 +449,13 @@ def capped_attention(
             f"capped_attention needs a finite softcap > 0 and blocks >= 1, got "
             f"softcap={softcap}, query_block={query_block}, key_block={key_block}"
         )
-    _check_flash("capped_attention", q, k, v, window, _FLASH_DTYPES)
+    _check_flash("capped_attention", q, k, v, window, _FLASH_DTYPES, products)
     sgemm = _flash_sgemm()
     assert sgemm is not None
     first = k.shape[2] - q.shape[2]
     out, _ = _forward(
         q, k, v, scale, softcap, causal, window, first, finite, (query_block, key_block), sgemm,
-        torch.get_num_threads(), False,
+        torch.get_num_threads(), False, _gemm_bf16_for(q, products),
     )  # fmt: skip
     return out
 

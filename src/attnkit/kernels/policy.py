@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from attnkit.kernels import build, linear, timing
+from attnkit.kernels import attention, build, linear, timing
+from attnkit.kernels.plans import AttentionCall, AttentionPlan, LinearPlan, TileKernels
 from attnkit.kernels.probe import capabilities
 from attnkit.kernels.timing import provide_attention_kernel
 from attnkit.kernels.tuning import (
@@ -74,6 +74,7 @@ __all__ = [
     "compiled_row_kernel",
     "decision",
     "env_var",
+    "flash_bf16_products",
     "flash_kernel",
     "fp32_prompt_onednn",
     "int4_kernel",
@@ -129,71 +130,6 @@ CAPPED_CHUNK_SCORES = 2**21
 CAPPED_MAX_ROWS = 128
 #: Fewest queries per soft-capped chunk (below it the per-call overhead dominates).
 CAPPED_MIN_ROWS = 16
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """What the attention policy reads of a checked call.
-
-    Attributes:
-        dtype: The inputs' dtype.
-        device: The inputs' device type (``"cpu"``, ``"cuda"``, ``"meta"``, ...).
-        L: Query length.
-        S: Key length.
-        causal: Causal masking.
-        window: The sliding window, or None.
-        batched: Documents (``segment_ids``) or ``key_lengths`` are given.
-        masked: An explicit mask is given.
-        weights: The weights are requested.
-        dropout: Dropout is on.
-        softcap: The scores are soft-capped.
-        grads: Gradients will flow.
-        eager: attnkit's kernels may compute here: CPU tensors, torch running eagerly
-            (not compiling or tracing, outside torch dispatch modes and ``torch.func``).
-        ready: attnkit's flash kernels are built and checked on this machine.
-        dispatch_mode: Under a torch dispatch mode (FLOP counters, fake tensors), which sees
-            torch's operations and not what a kernel of attnkit's computes.
-    """
-
-    dtype: torch.dtype
-    device: str
-    L: int
-    S: int
-    causal: bool = False
-    window: int | None = None
-    batched: bool = False
-    masked: bool = False
-    weights: bool = False
-    dropout: bool = False
-    softcap: bool = False
-    grads: bool = False
-    eager: bool = False
-    ready: bool = False
-    dispatch_mode: bool = False
-
-    @property
-    def structured(self) -> bool:
-        """Whether a structure narrows the keys a query may attend."""
-        return self.causal or self.window is not None or self.batched
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    """Every attention choice for one call (:func:`attention_plan`).
-
-    Attributes:
-        call: What the policy read of the call.
-        path: :func:`attention_path`.
-        capped: :func:`capped_kernel` on the ``capped`` path.
-        tiles: :func:`tile_kernels` on the ``flash`` and ``tiles`` paths.
-        rows: :func:`tile_rows` on the ``tiles`` path, else None.
-    """
-
-    call: AttentionCall
-    path: str
-    capped: str
-    tiles: TileKernels
-    rows: int | None
 
 
 def attention_plan(
@@ -298,31 +234,18 @@ def _torch_has_amx_fp16() -> bool:
     return bool(probe()) if probe is not None else False
 
 
-@dataclass(frozen=True)
-class TileKernels:
-    """The kernels of the block-sparse tiles (:func:`tile_kernels`).
-
-    Attributes:
-        flash: attnkit's flash kernels compute causal/window structures whole, and the runs
-            without a mask of the others; torch's flash kernel the rest.
-        widen: bfloat16/float16 inputs are computed on float32 copies and the result rounded
-            (unless every run takes attnkit's kernel, which widens blocks itself).
-        flash_wide: ``flash`` for those float32 copies.
-    """
-
-    flash: bool
-    widen: bool = False
-    flash_wide: bool = False
-
-
 def tile_kernels(call: AttentionCall) -> TileKernels:
-    """The kernels of the block-sparse tiles for ``call``: :func:`flash_kernel`, and float32
-    copies for half precision where :func:`torch_low_precision` says torch's kernel should not
-    take it."""
+    """The kernels of the block-sparse tiles for ``call``: :func:`flash_kernel`, float32 copies
+    for half precision where :func:`torch_low_precision` says torch's kernel should not take it,
+    and the bf16 flash forward's tile products (:func:`flash_bf16_products`)."""
     low = call.dtype in (torch.bfloat16, torch.float16)
     widen = low and not torch_low_precision(call.dtype, backward=call.grads)
     wide = dataclasses.replace(call, dtype=torch.float32)
-    return TileKernels(flash_kernel(call), widen, widen and flash_kernel(wide))
+    flash = flash_kernel(call)
+    # (The backward recomputes its tiles widened: bf16 products serve forwards without gradients.)
+    bf16 = flash and call.dtype == torch.bfloat16 and not call.grads
+    products = flash_bf16_products() if bf16 else "widened"
+    return TileKernels(flash, widen, widen and flash_kernel(wide), products)
 
 
 def block_sparse(
@@ -382,6 +305,30 @@ def bf16_structured(window: int | None = None) -> tuple[str, int]:
     if option == "flash":
         return "flash", 0
     return "tiles", int(option.split("-")[1])
+
+
+register(
+    Choice(
+        "attention.flash_bf16_products",
+        ("bf16", "widened"),
+        "A bf16 flash forward's tile products: bf16 operands with float32 sums (MKL's bf16 GEMM), "
+        "or widened to float32 for sgemm, which wins where the CPU has no bf16 dot products (it "
+        "would only emulate them); whether MKL's bf16 GEMM pays on small tiles also depends on "
+        "the CPU's vendor, so it is measured on a causal prefill's shape.",
+        lambda caps: (
+            "bf16" if caps.bf16_dot and attention.flash_bf16_products_available() else "widened"
+        ),
+        timing.flash_bf16_products,
+        margin=1.05,
+    )
+)
+
+
+def flash_bf16_products() -> str:
+    """How a bf16 flash forward multiplies its tiles (choice ``attention.flash_bf16_products``):
+    the ``products`` argument of :func:`attnkit.kernels.attention.flash_attention` and
+    :func:`attnkit.kernels.attention.capped_attention`."""
+    return choose("attention.flash_bf16_products")
 
 
 def capped_kernel(call: AttentionCall) -> str:
@@ -606,33 +553,6 @@ register(
         timing.norm_row,
     )
 )
-
-
-@dataclass(frozen=True)
-class LinearPlan:
-    """The linear and row choices, decided together once (:func:`linear_plan`): compiled graphs
-    read this record, which they cannot decide themselves.
-
-    Attributes:
-        kernels: attnkit's C kernels run here.
-        int8_wide: Their int8 and int4 products run the wide dots (``linear.int8_dots``).
-        fp32_row: ``"stream"`` or ``"transposed"`` (choice ``linear.fp32_row``).
-        with_compiled: The compiled-row choices were decided (``linear_plan(compiled=True)``).
-        compiled_row: Weight dtypes whose single row in a compiled step runs the kernel's op
-            (choices ``linear.compiled_row.*``).
-        fp32_prompt_onednn: Prompts' float32 GEMMs run oneDNN's (``linear.fp32_prompt``).
-        bf16_upcast: Prompts' bf16 GEMMs run in float32 (``linear.bf16_prompt``).
-        norm_row_kernel: One float32 row's RMSNorm runs the kernel (``rows.norm_row``).
-    """
-
-    kernels: bool
-    int8_wide: bool = False
-    fp32_row: str = "stream"
-    with_compiled: bool = False
-    compiled_row: frozenset[torch.dtype] = frozenset()
-    fp32_prompt_onednn: bool = False
-    bf16_upcast: bool = False
-    norm_row_kernel: bool = False
 
 
 _PLAN: LinearPlan | None = None

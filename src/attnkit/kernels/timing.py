@@ -12,12 +12,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from attnkit.kernels import build, linear, rows
+from attnkit.kernels import attention, build, linear, rows
 
 __all__ = [
     "bf16_prompt",
     "bf16_structured",
     "compiled_row",
+    "flash_bf16_products",
     "fp32_prompt",
     "fp32_row",
     "int8",
@@ -185,3 +186,19 @@ def bf16_structured() -> dict[str, Callable[[], Any]]:
         for rows in (64, 128, 256):
             calls[f"tiles-{rows}"] = lambda rows=rows: tiles(q, k, v, rows=rows, window=256)
     return calls
+
+
+def flash_bf16_products() -> dict[str, Callable[[], Any]]:
+    """One bf16 causal forward (1024 queries, 4 heads of 64) of attnkit's flash kernel per tile
+    product it can run here."""
+    if not attention.flash_available():
+        return {}
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
+    usable = attention.FLASH_PRODUCTS
+    if not attention.flash_bf16_products_available():
+        usable = tuple(p for p in usable if p != "bf16")
+    return {
+        p: lambda p=p: attention.flash_attention(q, k, v, scale=0.125, causal=True, products=p)
+        for p in usable
+    }

@@ -22,8 +22,13 @@
  * Soft cap (cap > 0, forward only): the scores are c tanh(s / c), computed as 2c sigmoid(2 s / c)
  * (softmax ignores the shift by c); see capped_softmax.c.
  *
- * dtypes: float32, or bf16 inputs widened block by block into float32 (for CPUs without bf16
- * units: the products run at float32's speed on half the bytes); float32 sums and gradients.
+ * dtypes: float32, or bf16. A bf16 forward given MKL's cblas_gemm_bf16bf16f32 multiplies bf16
+ * tiles with float32 sums (CPUs with bf16 dot products or matrix tiles run them at bf16's speed):
+ * the scores come out float32, the online softmax stays float32, and the probabilities are
+ * rounded to bf16 for the product with the values, as FlashAttention does on GPUs. Otherwise (the
+ * backward, or no such function) bf16 inputs are widened block by block into float32 for sgemm
+ * (for CPUs without bf16 units: the products run at float32's speed on half the bytes). Sums and
+ * gradients are float32 either way.
  *
  * Layouts: tensors are (count, heads, rows, dim) with any element strides for the first three
  * dims and a contiguous last dim; query head h of item c reads key/value head h / group of item
@@ -47,6 +52,15 @@ typedef void (*sgemm_fn)(const char *transa, const char *transb, const int64_t *
                          const int64_t *n, const int64_t *k, const float *alpha, const float *a,
                          const int64_t *lda, const float *b, const int64_t *ldb, const float *beta,
                          float *c, const int64_t *ldc);
+
+/* MKL's cblas_gemm_bf16bf16f32: C (float32) = alpha op(A) op(B) + beta C for bf16 A and B.
+ * Its layout and transpose arguments are CBLAS enums (ints), its sizes MKL_INT: passed as int64
+ * in registers or 8-byte stack slots, an LP64 library reads their low halves (little-endian), an
+ * ILP64 one all of them. */
+typedef void (*gemm_bf16_fn)(int64_t layout, int64_t transa, int64_t transb, int64_t m,
+                             int64_t n, int64_t k, float alpha, const uint16_t *a, int64_t lda,
+                             const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 /* A (count, heads, rows, dim) tensor: its data and the element strides of the first three
  * dims. */
@@ -92,21 +106,113 @@ static inline int this_thread(void) {
 
 /* The largest of n values (a NaN may or may not win it; it reaches the sum either way). */
 static inline float row_max(const float *row, int64_t n) {
-  __m256 top = _mm256_set1_ps(-INFINITY);
+  /* (four running maxima: one would wait on each max's latency) */
+  __m256 top = _mm256_set1_ps(-INFINITY), t1 = top, t2 = top, t3 = top;
   int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    top = _mm256_max_ps(top, _mm256_loadu_ps(row + j));
+    t1 = _mm256_max_ps(t1, _mm256_loadu_ps(row + j + 8));
+    t2 = _mm256_max_ps(t2, _mm256_loadu_ps(row + j + 16));
+    t3 = _mm256_max_ps(t3, _mm256_loadu_ps(row + j + 24));
+  }
+  top = _mm256_max_ps(_mm256_max_ps(top, t1), _mm256_max_ps(t2, t3));
   for (; j + 8 <= n; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(row + j));
   float m = lanes_max(top);
   for (; j < n; j++) m = row[j] > m ? row[j] : m;
   return m;
 }
 
+/* Sixteen float32 values (a, then b) rounded to nearest even bf16, in order. (A NaN may become
+ * an infinity: the row's sum carries it to the output all the same.) */
+static inline __m256i round16(__m256 a, __m256 b) {
+  const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+  const __m256i x = _mm256_castps_si256(a), y = _mm256_castps_si256(b);
+  const __m256i rx = _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(x, 16), one));
+  const __m256i ry = _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(y, 16), one));
+  const __m256i hx = _mm256_srli_epi32(_mm256_add_epi32(x, rx), 16);
+  const __m256i hy = _mm256_srli_epi32(_mm256_add_epi32(y, ry), 16);
+  /* (packus interleaves the 128-bit lanes: a0-3 b0-3 a4-7 b4-7, put back in order) */
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(hx, hy), 0xD8);
+}
+
+/* dst[j] = exp(src[j] - shift) rounded to bf16 for n values; returns the sum of the float32
+ * exponentials (exp_shifted's, without writing them back). */
+static inline float exp_bf16(const float *src, uint16_t *dst, int64_t n, float shift) {
+  const __m256 by = _mm256_set1_ps(shift);
+  __m256 total = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(src + j), by));
+    const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(src + j + 8), by));
+    _mm256_storeu_si256((__m256i *)(dst + j), round16(e0, e1));
+    total = _mm256_add_ps(total, _mm256_add_ps(e0, e1));
+  }
+  float sum = lanes_sum(total);
+  for (; j < n; j++) {
+    const float e = exp1(src[j] - shift);
+    dst[j] = float_to_bf16(e);
+    sum += e;
+  }
+  return sum;
+}
+
+#define WIDE __attribute__((target("avx512f")))
+
+/* exp8's polynomial for sixteen x <= 0 (or NaN, which stays NaN): the power of two applied by
+ * scalef, so that no clamp above is needed; below -87.3 (where exp8 gives 0) the result is
+ * exp(-87.3), near float32's smallest normal. */
+WIDE static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* exp_bf16 with 512-bit vectors (where the CPU has them; src[j] <= shift, as exp_bf16's
+ * callers give them). */
+WIDE static float exp_bf16_wide(const float *src, uint16_t *dst, int64_t n, float shift) {
+  const __m512 by = _mm512_set1_ps(shift);
+  const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+  __m512 total = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(src + j), by));
+    const __m512i x = _mm512_castps_si512(e);
+    const __m512i up = _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(x, 16), one));
+    const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(x, up), 16);
+    _mm256_storeu_si256((__m256i *)(dst + j), _mm512_cvtepi32_epi16(h));
+    total = _mm512_add_ps(total, e);
+  }
+  float sum = _mm512_reduce_add_ps(total);
+  for (; j < n; j++) {
+    const float e = exp1(src[j] - shift);
+    dst[j] = float_to_bf16(e);
+    sum += e;
+  }
+  return sum;
+}
+
+typedef float (*exp_bf16_fn)(const float *src, uint16_t *dst, int64_t n, float shift);
+
 /* One block of r queries (positions p0 ..) of one head: out (r x Ev, rows out_row apart) and,
  * if lse is not NULL, each query's log-sum-exp of its scaled scores. Keys and values are float32
  * rows ldk/ldv apart; queries and output float32, or bf16 (`bf16`: the queries widened into qf,
- * the output rounded to nearest even). */
-static void forward_block(sgemm_fn sgemm, const char *q, int64_t q_row, const float *k,
-                          int64_t ldk, const float *v, int64_t ldv, char *out, int64_t out_row,
-                          float *lse, int64_t r, int64_t S, int64_t E, int64_t Ev, int64_t p0,
+ * the output rounded to nearest even). With `gb` (bf16 only) the keys and values are the bf16
+ * rows themselves, the queries are not widened, and both products run through gb, the
+ * probabilities rounded into pb by expb. */
+static void forward_block(sgemm_fn sgemm, gemm_bf16_fn gb, exp_bf16_fn expb, uint16_t *pb,
+                          const char *q, int64_t q_row, const float *k, int64_t ldk,
+                          const float *v, int64_t ldv, char *out, int64_t out_row, float *lse,
+                          int64_t r, int64_t S, int64_t E, int64_t Ev, int64_t p0,
                           int causal, int64_t window, float scale, float cap, int finite,
                           int64_t kb, int bf16, float *tile, float *acc, float *top, float *sum,
                           float *qf) {
@@ -119,20 +225,30 @@ static void forward_block(sgemm_fn sgemm, const char *q, int64_t q_row, const fl
     sum[i] = 0.f;
   }
   const float zero = 0.f, one = 1.f, alpha = cap > 0.f ? 2.f * scale / cap : scale;
-  const float *qs = as_float(q, r, E, q_row, bf16, qf, &ldq);
+  const float *qs = gb ? NULL : as_float(q, r, E, q_row, bf16, qf, &ldq);
   for (int64_t j0 = lo; j0 < hi; j0 += kb) {
     const int64_t j1 = j0 + kb < hi ? j0 + kb : hi, w = j1 - j0;
     /* tile (r x w, row-major) = alpha q k^T: column-major w x r = k (w x E) q^T */
-    sgemm("T", "N", &w, &r, &E, &alpha, k + j0 * ldk, &ldk, qs, &ldq, &zero, tile, &w);
+    if (gb)
+      gb(ROW_MAJOR, NO_TRANS, TRANS, r, w, E, alpha, (const uint16_t *)q, q_row,
+         (const uint16_t *)k + j0 * ldk, ldk, zero, tile, w);
+    else
+      sgemm("T", "N", &w, &r, &E, &alpha, k + j0 * ldk, &ldk, qs, &ldq, &zero, tile, &w);
     for (int64_t i = 0; i < r; i++) {
       float *row = tile + i * w;
+      uint16_t *prow = pb + i * w; /* (gb: the row's bf16 probabilities) */
       reach(p0 + i, causal, window, j0, j1, &a, &b);
       if (b <= a) {
-        memset(row, 0, (size_t)w * sizeof(float));
+        memset(gb ? (void *)prow : (void *)row, 0, (size_t)w * (gb ? 2 : sizeof(float)));
         continue;
       }
-      memset(row, 0, (size_t)(a - j0) * sizeof(float));
-      memset(row + (b - j0), 0, (size_t)(j1 - b) * sizeof(float));
+      if (gb) {
+        memset(prow, 0, (size_t)(a - j0) * 2);
+        memset(prow + (b - j0), 0, (size_t)(j1 - b) * 2);
+      } else {
+        memset(row, 0, (size_t)(a - j0) * sizeof(float));
+        memset(row + (b - j0), 0, (size_t)(j1 - b) * sizeof(float));
+      }
       const float m = cap > 0.f ? capped_row(row + (a - j0), b - a, cap, finite)
                                 : row_max(row + (a - j0), b - a);
       if (m > top[i]) { /* a new maximum: rescale what was summed under the old one */
@@ -144,10 +260,18 @@ static void forward_block(sgemm_fn sgemm, const char *q, int64_t q_row, const fl
         }
         top[i] = m;
       }
-      sum[i] += exp_shifted(row + (a - j0), b - a, top[i]);
+      if (gb)
+        sum[i] += expb(row + (a - j0), prow + (a - j0), b - a, top[i]);
+      else
+        sum[i] += exp_shifted(row + (a - j0), b - a, top[i]);
     }
     /* acc (r x Ev, row-major) += tile v: column-major Ev x r = v^T (Ev x w) tile^T (w x r) */
-    sgemm("N", "N", &Ev, &r, &w, &one, v + j0 * ldv, &ldv, tile, &w, &one, acc, &Ev);
+    if (gb) {
+      gb(ROW_MAJOR, NO_TRANS, NO_TRANS, r, Ev, w, one, pb, w, (const uint16_t *)v + j0 * ldv,
+         ldv, one, acc, Ev);
+    } else {
+      sgemm("N", "N", &Ev, &r, &w, &one, v + j0 * ldv, &ldv, tile, &w, &one, acc, &Ev);
+    }
   }
   for (int64_t i = 0; i < r; i++) {
     /* (the maximum's term is 1, so a row with keys sums to at least 1, or NaN) */
@@ -187,19 +311,24 @@ static void widen_span(const char *k, int64_t k_row, const char *v, int64_t v_ro
 }
 
 /* dims: count, H, K, L, S, E, Ev. q, k, v, out as views, all float32 or all bf16 (`bf16`);
- * lse (count, H, L) float32 with strides lse_item, lse_head (rows contiguous), or NULL. Returns
- * 0, or 1 where a buffer could not be allocated (nothing written). */
+ * lse (count, H, L) float32 with strides lse_item, lse_head (rows contiguous), or NULL.
+ * gemm_bf16: cblas_gemm_bf16bf16f32 for a bf16 call's products, or NULL (widened for sgemm).
+ * Returns 0, or 1 where a buffer could not be allocated (nothing written). */
 int attnkit_flash_forward(view q, view k, view v, view out, float *lse, int64_t lse_item,
                           int64_t lse_head, const int64_t *dims, int64_t first, int causal,
                           int64_t window, float scale, float cap, int finite, int64_t qb,
-                          int64_t kb, int bf16, void *sgemm, int threads) {
+                          int64_t kb, int bf16, void *sgemm, void *gemm_bf16, int threads) {
   const int64_t count = dims[0], H = dims[1], K = dims[2], L = dims[3], S = dims[4];
   const int64_t E = dims[5], Ev = dims[6], G = H / K, size = bf16 ? 2 : 4;
+  const gemm_bf16_fn gb = bf16 ? (gemm_bf16_fn)gemm_bf16 : NULL;
+  const int widen = bf16 && !gb;
+  const exp_bf16_fn expb = __builtin_cpu_supports("avx512f") ? exp_bf16_wide : exp_bf16;
   const int64_t blocks = (L + qb - 1) / qb, tasks = count * H * blocks;
   threads = threads_for(tasks, threads);
-  /* floats a thread works in: tile, sums, maxima; bf16's float32 copies of a query block and
-   * of a head's keys and values */
-  const int64_t each = qb * kb + qb * Ev + 2 * qb + (bf16 ? qb * E + S * (E + Ev) : 0);
+  /* floats a thread works in: tile, sums, maxima; then either the widened bf16 copies of a
+   * query block and of a head's keys and values, or the bf16 probabilities of a tile */
+  const int64_t extra = widen ? qb * E + S * (E + Ev) : gb ? (qb * kb + 1) / 2 : 0;
+  const int64_t each = qb * kb + qb * Ev + 2 * qb + extra;
   float *work = malloc((size_t)(threads * each) * sizeof(float));
   if (!work) return 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -217,7 +346,7 @@ int attnkit_flash_forward(view q, view k, view v, view out, float *lse, int64_t 
       const char *kh = at(k, c, h / G, size), *vh = at(v, c, h / G, size);
       const float *ks = (const float *)kh, *vs = (const float *)vh;
       int64_t ldk = k.row, ldv = v.row;
-      if (bf16) {
+      if (widen) {
         int64_t lo, hi, a, b;
         reach(first + i0, causal, window, 0, S, &lo, &b);
         reach(first + i0 + r - 1, causal, window, 0, S, &a, &hi);
@@ -228,8 +357,9 @@ int attnkit_flash_forward(view q, view k, view v, view out, float *lse, int64_t 
         widen_span(kh, k.row, vh, v.row, E, Ev, lo, hi, kc, vc, &clo, &chi);
         ks = kc, vs = vc, ldk = E > 0 ? E : 1, ldv = Ev > 0 ? Ev : 1;
       }
-      forward_block((sgemm_fn)sgemm, at(q, c, h, size) + i0 * q.row * size, q.row, ks, ldk, vs,
-                    ldv, at(out, c, h, size) + i0 * out.row * size, out.row,
+      forward_block((sgemm_fn)sgemm, gb, expb, (uint16_t *)qf,
+                    at(q, c, h, size) + i0 * q.row * size, q.row, ks, ldk, vs, ldv,
+                    at(out, c, h, size) + i0 * out.row * size, out.row,
                     lse ? lse + c * lse_item + h * lse_head + i0 : NULL, r, S, E, Ev, first + i0,
                     causal, window, scale, cap, finite, kb, bf16, mine, acc, top, sum, qf);
     }
