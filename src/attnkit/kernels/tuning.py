@@ -7,8 +7,9 @@ A choice is a named :class:`Choice` with a few options. :func:`choose` answers i
    naming one of its options wins (for experiments and for pinning a machine);
 2. else, for a *measured* choice, the option that ran fastest in a short timing of its
    candidates on this machine, made once at first use and cached in
-   ``<cache dir>/policy/<machine key>.json`` beside the compiled kernels (machine key: the CPU,
-   its flags, the core count and the torch version, :attr:`Capabilities.key`);
+   ``<cache dir>/policy/<machine key>-<code key>.json`` beside the compiled kernels (machine
+   key: the CPU, its flags, the core count and the torch version, :attr:`Capabilities.key`;
+   code key: the kernel package's sources, so changed kernels are measured again);
 3. else the choice's rule over :func:`attnkit.kernels.probe.capabilities`.
 
 The choices themselves, and the functions the rest of attnkit asks, are in
@@ -17,6 +18,8 @@ The choices themselves, and the functions the rest of attnkit asks, are in
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import threading
@@ -119,9 +122,21 @@ def env_var(name: str) -> str:
     return "ATTNKIT_KERNEL_" + name.upper().replace(".", "_").replace("-", "_")
 
 
+@functools.cache
+def _code_key() -> str:
+    """A short hash of the kernel package's sources (Python and C): the candidates a choice
+    times change with them, so a cached measurement is kept only for the code that made it."""
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([*package.glob("*.py"), *(package / "csrc").glob("*.*")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 def tune_file() -> Path:
-    """The file this machine's measured choices are cached in."""
-    return cache_dir() / "policy" / f"{capabilities().key}.json"
+    """The file this machine's measured choices are cached in (named by the machine's key and
+    the kernel code's)."""
+    return cache_dir() / "policy" / f"{capabilities().key}-{_code_key()}.json"
 
 
 def _read_tuned() -> dict[str, Any]:
