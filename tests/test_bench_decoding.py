@@ -8,19 +8,18 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from attnkit import native
-from attnkit.bench.batched import batched_rows, left_padded_prompts
 from attnkit.bench.decoding import (
-    _ReadBandwidth,
-    _targets,
-    _weight_bytes,
+    batched_rows,
     decode_rows,
     layout_kernels,
     layout_table,
+    left_padded_prompts,
     prefill_rows,
     read_bandwidth,
-    to_transformers,
     vs_rows,
 )
+from attnkit.bench.decoding.rows import _ReadBandwidth, _targets, _weight_bytes
+from attnkit.bench.peers import to_transformers
 from attnkit.config import TransformerConfig
 from attnkit.models import TransformerLM
 from tests.helpers import LLAMA_OPTIONS
@@ -136,7 +135,7 @@ def test_layout_table_times_every_kernel() -> None:
 
 
 def test_targets_report_the_shortfall() -> None:
-    rows = {"attnkit": {"of_fp32_bound": 0.5, "vs_transformers": 1.3}}
+    rows = {"attnkit": {"of_bound": 0.5, "vs_transformers": 1.3}}
     got = {t["what"]: t for t in _targets("llama-100m", rows)}
     assert set(got) == {"eager fp32 steps / bandwidth bound", "eager fp32 vs transformers"}
     bound = got["eager fp32 steps / bandwidth bound"]

@@ -23,18 +23,17 @@ block mask (compiled once per shape before the timed rounds).
 ``softcap.py`` and ``functional.py``, loaded beside the current ones), timed in the same rounds.
 
 Usage:
-    python benchmarks/bench_softcap.py                      # prefill, decode, window
-    python benchmarks/bench_softcap.py --threads 1 --repeats 9 --json results.json
-    python benchmarks/bench_softcap.py --baseline HEAD~3    # before/after in one process
-    python benchmarks/bench_softcap.py --flex --decode      # and compiled FlexAttention
-    python benchmarks/bench_softcap.py --rows 16 32 64 128  # sweep the chunk height
+    python -m attnkit.bench.softcap                      # prefill, decode, window
+    python -m attnkit.bench.softcap --threads 1 --repeats 9 --json results.json
+    python -m attnkit.bench.softcap --baseline HEAD~3    # before/after in one process
+    python -m attnkit.bench.softcap --flex --decode      # and compiled FlexAttention
+    python -m attnkit.bench.softcap --rows 16 32 64 128  # sweep the chunk height
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import statistics
 import subprocess
@@ -48,6 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from attnkit import functional, masks, softcap
+from attnkit.bench.flex import compiled_flex
+from attnkit.bench.results import write_report
 from attnkit.profiling import time_interleaved
 
 CAP = 50.0  # Gemma 2's attn_logit_softcapping
@@ -68,7 +69,7 @@ def load_baseline(rev: str) -> ModuleType:
     Both files are loaded as extra modules (``attnkit._baseline_*``); everything else they
     import is the current package.
     """
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parent  # (git show takes paths from the top level)
     modules = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("softcap", "functional"):
@@ -96,26 +97,9 @@ def _time(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def flex_capped(L: int, S: int, window: int | None) -> Callable[..., torch.Tensor]:
-    """Compiled FlexAttention with the cap as ``score_mod`` over the causal (window) blocks.
-
-    Returns:
-        ``f(q, k, v)``, compiled on its first call.
-    """
-    from torch.nn.attention import flex_attention as fa
-
-    off = S - L  # bottom-right aligned queries, as attend's
-
-    def allowed(b: object, h: object, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        ok = i + off >= j
-        return ok if window is None else ok & (i + off - j < window)
-
-    def capped(s: torch.Tensor, *index: object) -> torch.Tensor:
-        return torch.tanh(s / CAP) * CAP
-
-    blocks = fa.create_block_mask(allowed, None, None, L, S, device="cpu")
-    compiled = torch.compile(fa.flex_attention, dynamic=False)
-    return lambda q, k, v: compiled(q, k, v, score_mod=capped, block_mask=blocks)
+def _capped(score: torch.Tensor, *index: object) -> torch.Tensor:
+    """FlexAttention's ``score_mod`` of the cap."""
+    return torch.tanh(score / CAP) * CAP
 
 
 def case(
@@ -148,7 +132,7 @@ def case(
     if baseline is not None:
         fns["before"] = lambda: baseline.attend(q, k, v, softcap=CAP, **structure)
     if flex:
-        run = flex_capped(L, S, window)
+        run, _ = compiled_flex(q, k, score_mod=_capped, **structure)  # type: ignore[arg-type]
         with torch.no_grad():
             got = run(q, k, v)
             want, _ = functional.attend(q, k, v, softcap=CAP, **structure)  # type: ignore[arg-type]
@@ -219,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="*", help="sweep the chunk height instead")
     p.add_argument("--baseline", metavar="REV", help="also time the capped call of git REV")
     p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
-    p.add_argument("--json", type=Path, default=Path("benchmarks/results/softcap.json"))
+    p.add_argument("--json", type=Path, help="default benchmarks/results/softcap.json")
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -228,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of "
         f"{args.repeats} interleaved rounds"
     )
-    result: dict[str, object] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    result: dict[str, object] = {}
     baseline = None if args.baseline is None else load_baseline(args.baseline)
     result["baseline"] = args.baseline
     if args.rows:
@@ -271,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
         result["cases"] = rows
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
+    write_report(result, args.json, "softcap.json")
     return 0
 
 
