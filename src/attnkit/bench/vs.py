@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 import statistics
 import sys
 from collections.abc import Callable, Iterable
@@ -208,8 +207,10 @@ def format_vs_table(rows: list[VsRow], config: VsConfig) -> str:
     """The rows as a plain-text table (times in ms, ``x`` = peer time / attnkit time)."""
     import torch
 
+    from attnkit.bench.results import cpu_model
+
     head = (
-        f"attnkit bench --vs  {platform.machine()} {os.cpu_count()} CPUs, "
+        f"attnkit bench --vs  {cpu_model()}, {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
         f"{config.repeats} interleaved rounds; x = peer time / attnkit time (> 1: attnkit faster)"
     )
@@ -237,17 +238,13 @@ def format_vs_table(rows: list[VsRow], config: VsConfig) -> str:
 
 
 def rows_as_json(rows: list[VsRow], config: VsConfig) -> dict[str, Any]:
-    """The report written by ``--json``."""
-    import torch
+    """The report written by ``--json`` (with :func:`attnkit.bench.results.machine`)."""
+    from attnkit.bench.results import machine
 
     return {
+        "kind": "vs",
+        "machine": machine(),
         "config": asdict(config),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
         "rows": [{**asdict(r), "speedup": r.speedup, "target": r.target} for r in rows],
     }
 
@@ -409,7 +406,7 @@ register("sentence", _sentence_rows)
 
 def _decoding_rows(config: VsConfig) -> list[VsRow]:
     """Cached greedy generation against transformers (see :mod:`attnkit.bench.decoding`)."""
-    from attnkit.bench.decoding import vs_rows
+    from attnkit.bench.decoding.rows import vs_rows
 
     rows = vs_rows(
         repeats=config.repeats, compile=config.decode_compile, names=config.decode_models
@@ -439,8 +436,8 @@ register("small checkpoint decoding", _small_checkpoint_rows)
 
 def _batched_rows(config: VsConfig) -> list[VsRow]:
     """Left-padded prompts decoded together against transformers' batched generate (see
-    :mod:`attnkit.bench.batched`), on the first decoding model."""
-    from attnkit.bench.batched import vs_batched_rows
+    :mod:`attnkit.bench.decoding.batched`), on the first decoding model."""
+    from attnkit.bench.decoding.batched import vs_batched_rows
 
     rows = vs_batched_rows(
         repeats=config.repeats, compile=config.decode_compile, names=config.decode_models[:1]
@@ -453,7 +450,7 @@ register("batched decoding", _batched_rows)
 
 def _prefill_rows(config: VsConfig) -> list[VsRow]:
     """Time to first token against transformers (see :mod:`attnkit.bench.decoding`)."""
-    from attnkit.bench.decoding import vs_prefill_rows
+    from attnkit.bench.decoding.prefill import vs_prefill_rows
 
     rows = vs_prefill_rows(
         config.prefill_model, prompts=config.prefill_prompts, repeats=max(config.repeats, 3)
