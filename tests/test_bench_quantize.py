@@ -1,6 +1,6 @@
-"""The measurement code of ``python -m attnkit.bench.quantization``: the English corpus and its split, the
-byte-level training run and folder, the quality numbers against a direct computation, the loading
-peak in a child process, and torchao's int8 beside the model (when installed)."""
+"""The measurement code of ``python -m attnkit.bench.quantization``: the English corpus and its
+split, the byte-level training run and folder, the quality numbers against a direct computation,
+the loading peak in a child process, and torchao's int8 beside the model (when installed)."""
 
 from __future__ import annotations
 

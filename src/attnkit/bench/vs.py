@@ -198,7 +198,10 @@ def run_vs(config: VsConfig, *, progress: bool = True) -> list[VsRow]:
         All rows, in table order.
     """
     rows: list[VsRow] = []
-    for name in _progress(list(ROW_MAKERS), "attnkit bench --vs", enabled=progress):
+    bar = _progress(list(ROW_MAKERS), "attnkit bench --vs", enabled=progress)
+    for name in bar:
+        if hasattr(bar, "set_postfix_str"):  # the job being measured, beside the counter
+            bar.set_postfix_str(name)
         rows += ROW_MAKERS[name](config)
     return rows
 

@@ -2,7 +2,7 @@
 
 The command line of :mod:`attnkit.bench`: the default run is the suite of
 :mod:`attnkit.bench.suite` (cases ``causal``, ``padding``, ``window``, ``documents``; N = 1024
-and 4096, the textbook up to 2048, a progress bar on stderr, about 110 s of CPU time);
+and 4096, the textbook up to 2048, a progress bar on stderr);
 ``--full`` adds N = 8192 and the textbook up to 4096 (several minutes). With ``--device cuda``
 (bf16, N up to 32k by default) the table also shows the achieved TFLOP/s; without CUDA it says so
 and exits with 0. ``--flex`` adds torch's compiled FlexAttention (forward only). ``--vs`` instead

@@ -93,7 +93,7 @@ def _docstrings(name: str) -> list[str]:
 
 def english_text() -> tuple[str, str]:
     """``(training, held-out)`` English text: standard-library docstrings, whole modules to the
-    held-out split (one in :data:`_HELD_OUT_MODULUS` by a hash of the name), about 600 kB in all.
+    held-out split (one in :data:`_HELD_OUT_MODULUS` by a hash of the name).
     """
     seen: set[str] = set()
     splits: tuple[list[str], list[str]] = ([], [])
