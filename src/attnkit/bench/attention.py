@@ -125,7 +125,9 @@ def time_side_by_side(n: int, mode: str, impls: list[str], repeats: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.attention", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(

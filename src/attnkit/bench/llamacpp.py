@@ -166,7 +166,9 @@ def _step_rate(run: Callable[[int], Any], new: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.llamacpp", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", type=Path, help="Hugging Face Llama folder (default: random)")
     parser.add_argument("--shape", default="llama-135m", choices=sorted(QUANT_MODELS))
     parser.add_argument("--gguf", action="append", default=[], help="PRECISION=FILE")

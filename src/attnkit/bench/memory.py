@@ -64,7 +64,9 @@ def measure(n: int) -> dict[str, float | int | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.memory", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--tolerance", type=float, default=0.25, help="allowed relative error")
     p.add_argument("--out", type=Path, help="default benchmarks/results/memory.json")

@@ -307,7 +307,8 @@ def render_tried(items: list[dict[str, Any]], machines: dict[str, Any] | None = 
             continue
         lines += [f"## {title}", ""]
         for i in mine:
-            where = (machines or {}).get(i["machine"], {}).get("cpu", i["machine"])
+            known = (machines or {}).get(i["machine"], {})
+            where = known.get("name") or known.get("cpu") or i["machine"]
             lines.append(f"- {i['tried']}: {i['outcome']} ({where}).")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
@@ -412,7 +413,9 @@ def render_pages(folder: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Write (or with ``--check`` compare) the results pages and the README's table."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.pages", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--docs", type=Path, default=Path("docs/results"))
     p.add_argument("--readme", type=Path, default=Path("README.md"))

@@ -128,7 +128,9 @@ def _worker(rank: int, job: RingJob, init: str, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.ring", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--n", type=int, default=16384, help="whole sequence length")
     p.add_argument("--ranks", default="1,2", help="comma-separated process counts")
     p.add_argument("--heads", type=int, default=8)

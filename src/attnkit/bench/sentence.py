@@ -101,7 +101,9 @@ def _attention_sweep(lengths: list[int], batch_size: int, repeats: int) -> dict[
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.sentence", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--long-words", type=int, default=400, help="words of the long text")
     parser.add_argument("--batch-size", type=int, default=32)

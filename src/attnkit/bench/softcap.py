@@ -191,7 +191,9 @@ def sweep_rows(rows: list[int], L: int, E: int, repeats: int) -> list[dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.softcap", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--prefill", type=int, nargs="*", default=[256, 512, 1024, 2048])

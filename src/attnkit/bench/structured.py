@@ -48,7 +48,11 @@ Fn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.structured",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--n", type=int, default=8192, help="sequence length")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64, help="head dim E")

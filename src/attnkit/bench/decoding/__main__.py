@@ -58,7 +58,9 @@ def _time_generate(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.decoding", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)

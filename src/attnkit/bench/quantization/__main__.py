@@ -255,7 +255,9 @@ def print_speed(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.quantization", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", action="append", default=[], help="a decoder folder")
     parser.add_argument("--lm-dir", default=str(RESULTS / "quantize_lm"))
     parser.add_argument("--retrain", action="store_true")
