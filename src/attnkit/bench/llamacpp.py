@@ -32,6 +32,7 @@ Prints a table and writes JSON (default ``benchmarks/results/llamacpp.json``).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -156,6 +157,10 @@ def _crash(path: Path, prompt: list[int], threads: int) -> str | None:
     return f"failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}"
 
 
+def _generate(lm: Any, prompt: torch.Tensor, n: int, *, compile: bool) -> Any:
+    return lm.generate(prompt, n, eos_token_id=[], compile=compile)
+
+
 def _step_rate(run: Callable[[int], Any], new: int) -> float:
     start = time.perf_counter()
     run(new)
@@ -217,18 +222,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue
             runners[f"llama.cpp {precision}"] = _llama_runner(path, prompt[0].tolist(), threads)
         for name in dict.fromkeys(ours for _, ours in PAIRS):
-
-            def run(n: int, lm: Any = variants[name], c: bool = name.endswith("compile")) -> Any:
-                return lm.generate(prompt, n, eos_token_id=[], compile=c)
-
-            runners[f"attnkit {name}"] = run
-        for name, run in runners.items():
+            runners[f"attnkit {name}"] = functools.partial(
+                _generate, variants[name], prompt, compile=name.endswith("compile")
+            )
+        for name, runner in runners.items():
             print(f"warm-up {name}", file=sys.stderr)
-            run(args.new)
+            runner(args.new)
         rates: dict[str, list[float]] = {k: [] for k in runners}
         for _ in range(args.repeats):
-            for name, run in runners.items():
-                rates[name].append(_step_rate(run, args.new))
+            for name, runner in runners.items():
+                rates[name].append(_step_rate(runner, args.new))
     median = {k: statistics.median(v) for k, v in rates.items()}
     rows = []
     print(

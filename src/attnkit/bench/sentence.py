@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     times = time_interleaved(variants, repeats=args.repeats)  # load changes hit all alike
     med = {name: statistics.median(t) for name, t in times.items()}
     base = times["sentence-transformers"]
-    ratio = {
+    ratios = {
         name: statistics.median(b / t for b, t in zip(base, ts, strict=True))
         for name, ts in times.items()
     }
@@ -175,9 +175,9 @@ def main(argv: list[str] | None = None) -> dict:
         "longest": max(lengths),
         "group_ratio": shipped_ratio,
         "median_s": med,
-        "ratio_vs_sentence_transformers": ratio,
+        "ratio_vs_sentence_transformers": ratios,
         "max_abs_diff": diffs,
-        "throughput_ratio": ratio["attnkit"],
+        "throughput_ratio": ratios["attnkit"],
         "runs_s": times,
         "threads": torch.get_num_threads(),
     }
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(f"{'variant':<24}{'median s':>10}{'texts/s':>10}{'vs s-t':>9}{'max |diff|':>12}")
     for name, m in med.items():
-        row = f"{name:<24}{m:>10.3f}{len(texts) / m:>10.1f}{ratio[name]:>8.2f}x"
+        row = f"{name:<24}{m:>10.3f}{len(texts) / m:>10.1f}{ratios[name]:>8.2f}x"
         print(f"{row}{diffs[name]:>12.1e}")
     print(f"throughput ratio attnkit / sentence-transformers: {result['throughput_ratio']:.2f}")
     if args.sweep:

@@ -29,6 +29,7 @@ dispatch between them).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -167,7 +168,7 @@ def _implementations(
     mask = structured_mask(a.n, a.n, **kw)  # (1, 1, N, N)
     fns: dict[str, Fn] = {}
     for r in rows:
-        fns[_name(r)] = lambda q, k, v, r=r: block_sparse_attention(q, k, v, block_size=r, **kw)
+        fns[_name(r)] = functools.partial(_blockwise, block_size=r, kw=kw)
     fns["dense-mask SDPA"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if a.variants and case == "window":
         fns["two pieces + LSE"] = lambda q, k, v: _two_pieces(q, k, v, a.window)
@@ -295,7 +296,7 @@ def _bf16(a: argparse.Namespace) -> list[dict[str, Any]]:
     }
     if a.copies:  # the other way to run bf16: float32 copies in, the result rounded
         for name in ("attnkit window", "attnkit documents"):
-            cases[f"{name}, f32 copies"] = lambda n, make=cases[name]: _via_float32(make(n))
+            cases[f"{name}, f32 copies"] = functools.partial(_copies, make=cases[name])
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(1, a.n, a.heads, a.dim, generator=gen).transpose(1, 2) for _ in range(4)]
     modes = a.modes.split(",")
@@ -333,6 +334,16 @@ def _bf16(a: argparse.Namespace) -> list[dict[str, Any]]:
         f"{r['impl'].removeprefix('attnkit ')} {r['mode']} {r['speedup_vs_torch']:.2f}"
         for r in rows if r["impl"] != "torch causal SDPA"))  # fmt: skip
     return rows
+
+
+def _blockwise(
+    q: Tensor, k: Tensor, v: Tensor, *, block_size: int | None, kw: dict[str, Any]
+) -> Tensor:
+    return block_sparse_attention(q, k, v, block_size=block_size, **kw)
+
+
+def _copies(n: int, *, make: Callable[[int], Fn]) -> Fn:
+    return _via_float32(make(n))
 
 
 def _via_float32(fn: Fn) -> Fn:
