@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -30,10 +31,12 @@ QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "transformers", "sentence_tra
 
 @contextlib.contextmanager
 def quiet(*loggers: str) -> Iterator[None]:
-    """Hold back Python warnings and messages below ERROR of ``loggers`` (default
-    :data:`QUIET_LOGGERS`) inside the block; everything is restored on exit."""
+    """Hold back Python warnings, messages below ERROR of ``loggers`` (default
+    :data:`QUIET_LOGGERS`) and, once transformers is imported, its loading progress bars, inside
+    the block; everything is restored on exit."""
     names = loggers or QUIET_LOGGERS
     levels = {name: logging.getLogger(name).level for name in names}
+    bars = _hf_progress_bars(False)
     try:
         for name in names:
             logging.getLogger(name).setLevel(logging.ERROR)
@@ -43,6 +46,23 @@ def quiet(*loggers: str) -> Iterator[None]:
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+        if bars:
+            _hf_progress_bars(True)
+
+
+def _hf_progress_bars(enabled: bool) -> bool:
+    """Turn transformers' progress bars on or off where it is imported; returns whether they
+    were on."""
+    hf = sys.modules.get("transformers")
+    if hf is None:
+        return False
+    hf_logging = hf.utils.logging
+    was = bool(hf_logging.is_progress_bar_enabled())
+    if enabled:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    return was
 
 
 def import_quietly(name: str) -> ModuleType:
