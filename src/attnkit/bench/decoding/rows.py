@@ -34,7 +34,11 @@ from attnkit.config import TransformerConfig
 from attnkit.models import TransformerLM
 from attnkit.positional import LearnedPositionalEmbedding
 
-__all__ = ["TARGETS", "decode_rows", "read_bandwidth", "vs_rows"]
+__all__ = ["BOUND_PARAMETERS", "TARGETS", "decode_rows", "read_bandwidth", "vs_rows"]
+
+#: Models above this many parameters get bf16 rows and the read-bandwidth bound (smaller ones
+#: fit in the caches, where a step is not bound by the memory's bandwidth).
+BOUND_PARAMETERS = 50e6
 
 
 class _ReadBandwidth:
@@ -146,15 +150,15 @@ def decode_rows(
     Each row has ``model``, ``variant``, ``seconds`` (median end-to-end ``generate``),
     ``tokens_per_s`` (new tokens / seconds), ``step_tokens_per_s`` (decode phase only: the
     median of ``(t(new) - t(1)) / (new - 1)``) and ratios against the transformers row of the
-    same model (``vs_transformers``). Models above 50M parameters also get the read-bandwidth
-    bound: ``weight_bytes`` (what one step of the variant reads), ``of_bound`` (the step rate
-    times those bytes over the fastest bandwidth probe of the same rounds) and
+    same model (``vs_transformers``). Models above :data:`BOUND_PARAMETERS` also get the
+    read-bandwidth bound: ``weight_bytes`` (what one step of the variant reads), ``of_bound``
+    (the step rate times those bytes over the fastest bandwidth probe of the same rounds) and
     ``of_fp32_bound`` (the same with the fp32 weights' bytes).
 
     Args:
         names: Models of :data:`DECODE_MODELS` to run.
         repeats: Interleaved runs per variant (median).
-        bf16: Add a bf16-weights attnkit row for models above 50M parameters.
+        bf16: Add a bf16-weights attnkit row for models above :data:`BOUND_PARAMETERS`.
         compile: Add an attnkit ``compile=True`` row (compiles once per model; the compile time
             is reported, not counted in the timings).
         eager: Keep the eager attnkit rows (without them only the compiled ones run).
@@ -187,7 +191,7 @@ def decode_rows(
                 notes.append("transformers is not installed: rows against it skipped")
         kinds = [""] * eager + [" compile"] * compile
         weights = {"attnkit": model}
-        big = sum(p.numel() for p in model.parameters()) > 50e6
+        big = sum(p.numel() for p in model.parameters()) > BOUND_PARAMETERS
         if bf16 and big:
             weights["attnkit bf16"] = copy.deepcopy(model).to(torch.bfloat16)
         for label, lm in weights.items():
@@ -244,7 +248,8 @@ def decode_rows(
                 row["bandwidth_bytes_per_s"] = bandwidth
                 row["fp32_weight_bytes"] = bytes_per_token
                 row["of_fp32_bound"] = row["step_tokens_per_s"] * bytes_per_token / bandwidth
-                own = variant_bytes[variant.removesuffix(" compile")]
+                # (transformers reads the fp32 weights)
+                own = variant_bytes.get(variant.removesuffix(" compile"), bytes_per_token)
                 row["weight_bytes"] = own
                 row["of_bound"] = row["step_tokens_per_s"] * own / bandwidth
             model_rows[variant] = row
