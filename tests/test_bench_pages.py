@@ -98,6 +98,8 @@ def test_readme_table_picks_one_figure_per_headline(tmp_path: Path) -> None:
         pages.readme_table(tables, missing)
     with pytest.raises(ValueError, match="no table 'gone'"):
         pages.readme_table(tables, (pages.Headline("w", "p", "gone", {}, "x"),))
+    older = pages.Headline("int8", "transformers", "gone", {}, "x", headlines[1])
+    assert pages.readme_table(tables, (older,)).splitlines()[2] == lines[3]
     readme = f"a\n{pages.README_START}\nold\n{pages.README_END}\nb\n"
     assert pages.update_readme(readme, table) == (
         f"a\n{pages.README_START}\n{table}{pages.README_END}\nb\n"
