@@ -1,6 +1,7 @@
 """Structured attention: attnkit's blockwise kernel against dense-mask SDPA and FlexAttention.
 
-Usage:
+Usage::
+
     python -m attnkit.bench.structured [--n 8192] [--window 256] [--docs 8] [--repeats 5]
         [--rows 32,64,128] [--flex] [--variants] [--bf16] [--json FILE]
         [--modes fwd,fwd+bwd] [--cases window,documents] [--memory 8192,32768] [--threads N]
