@@ -69,9 +69,9 @@ def test_pages_carry_every_table_with_its_machine(tmp_path: Path) -> None:
     structured = got["structured.md"]
     assert "*Machine: Test CPU 9000, 4 cores, 4 threads, torch 2.13.0, 2026-01-02*" in structured
     # 0.150 / 0.010 = 15x, and the peer that could not run is a dash, not a figure
-    assert "| window fwd | 10.0 | dense-mask SDPA | 150.0 | 15.00x | - | n |" in structured
-    assert "| window fwd | 10.0 | FlexAttention (compiled) | - | - | - | n |" in structured
-    assert "| ring memory 2 ranks | 1.0 | 1 process | 2.0 | 2.00x |" in got["long.md"]
+    assert "| window fwd | 10.0 ms | dense-mask SDPA | 150.0 ms | 15.00x | - | n |" in structured
+    assert "| window fwd | 10.0 ms | FlexAttention (compiled) | - | - | - | n |" in structured
+    assert "| ring memory 2 ranks | 1.0 MiB | 1 process | 2.0 MiB | 2.00x |" in got["long.md"]
     assert "decode llama-135m compile" in got["decoding.md"]
     assert "MiniLM encode" in got["peers.md"]
     quant = got["quantization.md"]

@@ -90,6 +90,8 @@ def machine_line(machine: dict[str, Any]) -> str:
         parts.append(f"torch {machine['torch']}")
     if machine.get("date"):
         parts.append(str(machine["date"]))
+    if machine.get("load") is not None:
+        parts.append(f"load {machine['load']}")
     return "Machine: " + ", ".join(parts)
 
 
@@ -125,13 +127,12 @@ def _vs_tables(report: dict[str, Any], source: str) -> list[Table]:
     }
     tables = []
     for topic, rows in groups.items():
-        unit = "MiB" if any(r["unit"] == "bytes" for r in rows) else "ms"
         cells = [
             [
                 r["job"],
-                _mib(r["attnkit_s"]) if r["unit"] == "bytes" else _ms(r["attnkit_s"]),
+                _amount(r["attnkit_s"], r["unit"]),
                 r["peer"],
-                _mib(r["peer_s"]) if r["unit"] == "bytes" else _ms(r["peer_s"]),
+                _amount(r["peer_s"], r["unit"]),
                 _x(r["speedup"]),
                 r["target"] or "-",
                 r["note"],
@@ -144,7 +145,7 @@ def _vs_tables(report: dict[str, Any], source: str) -> list[Table]:
                 topic,
                 titles[topic],
                 machine,
-                ["job", f"attnkit {unit}", "peer", f"peer {unit}", "x", "target", "note"],
+                ["job", "attnkit", "peer", "peer's", "x", "target", "note"],
                 cells,
                 "`attnkit bench --vs`: each row side by side in one process, interleaved rounds, "
                 "medians; x = peer time / attnkit time (above 1: attnkit is faster).",
@@ -154,8 +155,11 @@ def _vs_tables(report: dict[str, Any], source: str) -> list[Table]:
     return tables
 
 
-def _mib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
+def _amount(value: float | None, unit: str) -> str:
+    """Seconds as ``"... ms"``, bytes as ``"... MiB"``, ``"-"`` for nothing."""
+    if value is None:
+        return "-"
+    return f"{value / 2**20:.1f} MiB" if unit == "bytes" else f"{value * 1e3:.1f} ms"
 
 
 def _attention_tables(report: dict[str, Any], source: str) -> list[Table]:

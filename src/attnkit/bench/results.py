@@ -35,9 +35,15 @@ def cpu_model() -> str:
 
 def machine() -> dict[str, Any]:
     """The machine a measurement runs on: ``cpu``, ``cores``, ``threads``, ``torch``,
-    ``python``, ``platform`` and ``date`` (UTC, ISO)."""
+    ``python``, ``platform``, ``date`` (UTC, ISO) and ``load`` (the one-minute load average
+    when the report is written, where the system gives one: a shared machine's ratios move
+    with it)."""
     import torch
 
+    try:
+        load: float | None = round(os.getloadavg()[0], 1)
+    except (AttributeError, OSError):
+        load = None
     return {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
@@ -46,6 +52,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "load": load,
     }
 
 
