@@ -8,19 +8,18 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from attnkit import native
-from attnkit.bench.batched import batched_rows, left_padded_prompts
 from attnkit.bench.decoding import (
-    _ReadBandwidth,
-    _targets,
-    _weight_bytes,
+    batched_rows,
     decode_rows,
     layout_kernels,
     layout_table,
+    left_padded_prompts,
     prefill_rows,
     read_bandwidth,
-    to_transformers,
     vs_rows,
 )
+from attnkit.bench.decoding.rows import _ReadBandwidth, _targets, _weight_bytes
+from attnkit.bench.peers import to_transformers
 from attnkit.config import TransformerConfig
 from attnkit.models import TransformerLM
 from tests.helpers import LLAMA_OPTIONS
@@ -136,7 +135,7 @@ def test_layout_table_times_every_kernel() -> None:
 
 
 def test_targets_report_the_shortfall() -> None:
-    rows = {"attnkit": {"of_fp32_bound": 0.5, "vs_transformers": 1.3}}
+    rows = {"attnkit": {"of_bound": 0.5, "vs_transformers": 1.3}}
     got = {t["what"]: t for t in _targets("llama-100m", rows)}
     assert set(got) == {"eager fp32 steps / bandwidth bound", "eager fp32 vs transformers"}
     bound = got["eager fp32 steps / bandwidth bound"]
@@ -167,3 +166,29 @@ def test_batched_rows_agree_with_transformers() -> None:
     assert rows["attnkit"]["met"] == (ratio >= report["target"])
     with pytest.raises(ValueError, match="unknown decode model"):
         batched_rows("nope")
+
+
+def test_decode_rows_give_each_variant_its_share_of_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Above the size threshold every row, transformers' too, gets the bandwidth bound of the
+    bytes it reads: the bf16 weights half of fp32's."""
+    pytest.importorskip("transformers")
+    from attnkit.bench.decoding import rows as decoding_rows
+
+    monkeypatch.setattr(decoding_rows, "BOUND_PARAMETERS", 0)
+    report = decode_rows(("tiny",), repeats=1, models=TINY)
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert set(rows) == {"transformers", "attnkit", "attnkit bf16"}
+    fp32 = rows["attnkit"]["weight_bytes"]
+    assert rows["attnkit bf16"]["weight_bytes"] == fp32 // 2
+    assert rows["transformers"]["weight_bytes"] == fp32 == rows["attnkit"]["fp32_weight_bytes"]
+    for row in rows.values():
+        want = row["step_tokens_per_s"] * row["weight_bytes"] / row["bandwidth_bytes_per_s"]
+        assert row["of_bound"] == pytest.approx(want)
+    bf16 = rows["attnkit bf16"]
+    assert bf16["vs_fp32"] == pytest.approx(
+        bf16["step_tokens_per_s"] / rows["attnkit"]["step_tokens_per_s"]
+    )
+    with pytest.raises(ValueError, match="eager or compile"):
+        decode_rows(("tiny",), models=TINY, eager=False, compile=False)

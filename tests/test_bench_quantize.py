@@ -1,6 +1,6 @@
-"""The measurement code of ``benchmarks/bench_quantize.py``: the English corpus and its split, the
-byte-level training run and folder, the quality numbers against a direct computation, the loading
-peak in a child process, and torchao's int8 beside the model (when installed)."""
+"""The measurement code of ``python -m attnkit.bench.quantization``: the English corpus and its
+split, the byte-level training run and folder, the quality numbers against a direct computation,
+the loading peak in a child process, and torchao's int8 beside the model (when installed)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from torch.testing import assert_close
 
 from attnkit import native
 from attnkit.bench import quantization as bq
+from attnkit.bench.llamacpp import write_gguf
+from attnkit.bench.quantization import quality
 from attnkit.config import FAMILIES, TransformerConfig
 from attnkit.models import TransformerLM
 from attnkit.quantize import Int8Linear
@@ -28,10 +30,10 @@ def test_english_text_is_split_by_module_and_is_prose() -> None:
     # Whole modules go to one side: the held-out ones' docstrings are not in the training text.
     import zlib
 
-    held_modules = [m for m in bq._MODULES.split() if zlib.crc32(m.encode()) % 7 == 0]
+    held_modules = [m for m in quality._MODULES.split() if zlib.crc32(m.encode()) % 7 == 0]
     assert len(held_modules) >= 5
     for name in held_modules:
-        doc = bq._docstrings(name)[0]
+        doc = quality._docstrings(name)[0]
         assert doc in held and doc not in train
     words = held.split()
     common = {"the", "of", "a", "is", "to", "and"}
@@ -40,7 +42,7 @@ def test_english_text_is_split_by_module_and_is_prose() -> None:
 
 def test_byte_tokenizer_ids_are_the_bytes() -> None:
     pytest.importorskip("tokenizers")
-    tok = bq.byte_tokenizer()
+    tok = quality.byte_tokenizer()
     text = "Tokens, weights; and wörds\n\tend."
     assert tok.encode(text, add_special_tokens=False).ids == list(text.encode())
     assert tok.decode(list(text.encode())) == text
@@ -62,7 +64,7 @@ def test_training_lowers_the_held_out_loss_and_saves_the_best(trained: tuple[Pat
     # The saved folder is the best evaluation's model: its held-out loss is recomputed here.
     lm = TransformerLM.from_pretrained(out)
     _, held = bq.english_text()
-    rows = bq._windows(bq._byte_ids(held), 33, 64)
+    rows = quality._windows(quality._byte_ids(held), 33, 64)
     with torch.no_grad():
         losses_here = [
             F.cross_entropy(lm(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).item()
@@ -77,7 +79,7 @@ def test_quality_rows_match_a_direct_computation(trained: tuple[Path, dict]) -> 
     _, held = bq.english_text()
     rows = bq.quality_rows(out, held, context=48, max_windows=8, batch=4, variants=("int8",))
     (row,) = rows
-    ids = bq._byte_ids(held)[: 8 * 48].reshape(8, 48)
+    ids = quality._byte_ids(held)[: 8 * 48].reshape(8, 48)
     ref = TransformerLM.from_pretrained(out)
     q = TransformerLM.from_pretrained(out, quantize="int8")
     with torch.no_grad():
@@ -142,25 +144,18 @@ def test_torchao_int8_matches_its_dequantized_weights() -> None:
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16", "q8_0"])
-def test_llamacpp_script_writes_gguf_that_computes_the_model(
+def test_llamacpp_benchmark_writes_gguf_that_computes_the_model(
     precision: str, tmp_path: Path
 ) -> None:
     """The GGUF files the llama.cpp benchmark writes (llama.cpp's names and rotary order) load
     back through attnkit's own GGUF reader as the same model, up to the precision's rounding."""
     pytest.importorskip("gguf")
-    import importlib.util
-
-    where = Path(__file__).parents[1] / "benchmarks" / "bench_llamacpp.py"
-    spec = importlib.util.spec_from_file_location("bench_llamacpp", where)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     config = TransformerConfig(
         320, 64, 2, 4, num_kv_heads=2, ffn_dim=128, max_seq_len=64, **FAMILIES["llama"]
     )
     torch.manual_seed(0)
     lm = TransformerLM(config).eval()
-    path = script.write_gguf(lm, tmp_path / f"m-{precision}.gguf", precision)
+    path = write_gguf(lm, tmp_path / f"m-{precision}.gguf", precision)
     loaded = TransformerLM.from_pretrained(path)
     ids = torch.randint(0, 320, (2, 12))
     with torch.no_grad():

@@ -22,11 +22,12 @@ if TYPE_CHECKING:
 
     from attnkit.masks import StructureArgs
 
-__all__ = ["FlexFn", "compiled_flex", "mask_mod"]
+__all__ = ["FlexFn", "compiled_flex", "flex_or_reason", "mask_mod"]
 
 #: ``fn(q, k, v) -> out`` of :func:`compiled_flex`.
 FlexFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+ScoreMod = Callable[..., Tensor]
 
 
 def mask_mod(structure: Structure, *, batch: int, L: int, S: int) -> MaskMod:
@@ -59,16 +60,19 @@ def compiled_flex(
     k: Tensor,
     *,
     scale: float | None = None,
+    score_mod: ScoreMod | None = None,
     **structure: Unpack[StructureArgs],
 ) -> tuple[FlexFn, float]:
     """Compiled FlexAttention for inputs shaped like ``q`` and ``k``, under ``structure``.
 
     The first call (block mask, compilation, one run on ``q`` and ``k``) is timed and done here.
+    This is the one FlexAttention peer of every benchmark.
 
     Args:
         q: Queries ``(B, H, L, E)``.
         k: Keys ``(B, K, S, E)``; also the values of the first call.
         scale: Multiplier of the scores (default ``1 / sqrt(E)``).
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` (e.g. a soft cap).
         **structure: ``causal``, ``window``, ``segment_ids``, ``key_lengths``.
 
     Returns:
@@ -87,11 +91,36 @@ def compiled_flex(
     compiled: Any = torch.compile(flex_attention)
     gqa = q.shape[-3] != k.shape[-3]
     with torch.no_grad():
-        compiled(q, k, k, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        compiled(q, k, k, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     first = time.perf_counter() - start
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out: Tensor = compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out: Tensor = compiled(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa
+        )
         return out
 
     return run, first
+
+
+def flex_or_reason(
+    q: Tensor,
+    k: Tensor,
+    *,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    **structure: Unpack[StructureArgs],
+) -> tuple[FlexFn | None, float, str]:
+    """:func:`compiled_flex`, or why it cannot run here (a torch without FlexAttention, no C++
+    toolchain for the compiler, an unsupported backend), for tables that report and go on.
+
+    Returns:
+        ``(fn, first_call_seconds, "")``, or ``(None, 0.0, reason)``.
+    """
+    try:
+        fn, first = compiled_flex(q, k, scale=scale, score_mod=score_mod, **structure)
+    except ImportError:
+        return None, 0.0, "FlexAttention skipped: not in this torch"
+    except Exception as err:  # whatever compilation raises: the table says so
+        return None, 0.0, f"FlexAttention skipped: {type(err).__name__}: {str(err)[:80]}"
+    return fn, first, ""

@@ -7,13 +7,18 @@ forward+backward (median of ``repeats`` after one warm-up; the slowest rank coun
 measures the growth of its peak memory during one forward+backward with
 :func:`attnkit.profiling.peak_memory` (the ``VmHWM`` method). With one process the same function
 runs without a process group: plain attention on the whole sequence, the single-process run the
-ring is compared with. ``attnkit bench --vs`` and ``benchmarks/bench_ring.py`` print it.
+ring is compared with. ``attnkit bench --vs`` prints it; ``python -m attnkit.bench.ring [--n
+16384] [--ranks 1,2] [--layouts contiguous,zigzag] [--json FILE]`` runs every process count and
+layout (the zigzag layout gives each rank two shards, one early and one late, so the causal work
+is balanced).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -120,3 +125,47 @@ def _worker(rank: int, job: RingJob, init: str, out: str) -> None:
     finally:
         if world > 1:
             dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.ring", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--n", type=int, default=16384, help="whole sequence length")
+    p.add_argument("--ranks", default="1,2", help="comma-separated process counts")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layouts", default="contiguous,zigzag")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", type=Path, help="write the rows here")
+    a = p.parse_args(argv)
+    import torch
+
+    from attnkit.bench.results import write_report
+
+    print(f"torch {torch.__version__}, causal, fp32, N={a.n}, H={a.heads}, E={a.dim}, "
+          f"one thread per process, median of {a.repeats}")  # fmt: skip
+    print(f"{'ranks':>5} {'layout':<11} {'fwd+bwd s':>10} {'peak MiB/rank':>14} {'x 1 proc':>9}")
+    rows: list[dict[str, Any]] = []
+    single: dict[str, float] = {}
+    for world in (int(r) for r in a.ranks.split(",")):
+        for layout in a.layouts.split(",") if world > 1 else ["contiguous"]:
+            job = RingJob(a.n, world, layout, a.heads, a.dim, a.repeats)
+            result = measure_ring(job)
+            seconds = max(result["seconds"])
+            peak = max(result["peak"])
+            if world == 1:
+                single = {"seconds": seconds, "peak": peak}
+            rel_t = single["seconds"] / seconds if single else float("nan")
+            rel_m = peak / single["peak"] if single else float("nan")
+            print(f"{world:>5} {layout:<11} {seconds:>10.2f} {peak / 2**20:>14.1f} "
+                  f"{rel_t:>8.2f}x  (memory {rel_m:.2f}x; per rank s "
+                  f"{', '.join(f'{s:.2f}' for s in result['seconds'])})")  # fmt: skip
+            rows.append({"ranks": world, "layout": layout, "n": a.n, **result,
+                         "speedup": rel_t, "memory_ratio": rel_m})  # fmt: skip
+    write_report({"rows": rows}, a.json, "ring.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

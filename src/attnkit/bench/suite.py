@@ -24,13 +24,11 @@ forward, 2.5x that backward) and the ratio to a measured matmul rate.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import statistics
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -40,7 +38,7 @@ CASES = ("causal", "padding", "window", "documents")
 IMPLS = ("block_sparse", "torch_sdpa", "textbook")
 DTYPES = ("float32", "bfloat16", "float16")
 
-__all__ = ["CASES", "DTYPES", "IMPLS", "SuiteConfig", "format_table", "run_suite", "write_json"]
+__all__ = ["CASES", "DTYPES", "IMPLS", "SuiteConfig", "format_table", "run_suite"]
 
 
 @dataclass(frozen=True)
@@ -285,9 +283,14 @@ def _bench_point(
         fns["textbook"] = lambda: textbook_attn(q, k, v)
     flex_first = None
     if flex:
-        fn, flex_first = _flex_fn(q, k, v, kw, scale)
-        if fn is not None:
-            fns["flex"] = fn
+        from attnkit.bench.flex import flex_or_reason
+
+        flex_fn, first_s, why = flex_or_reason(q, k, scale=scale, **kw)
+        if flex_fn is None:
+            print(f"attnkit bench: {why}", file=sys.stderr)
+        else:
+            flex_first = first_s
+            fns["flex"] = functools.partial(flex_fn, q, k, v)
 
     def step(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         out = fn()
@@ -337,23 +340,3 @@ def _bench_point(
             }
         )
     return out
-
-
-def _flex_fn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, Any], scale: float
-) -> tuple[Callable[[], torch.Tensor] | None, float | None]:
-    """Compiled FlexAttention for a case and the seconds its first (compiling) call took."""
-    from attnkit.bench.flex import compiled_flex
-
-    try:
-        flex, first = compiled_flex(q, k, scale=scale, **kw)
-    except Exception as err:  # compilation needs a C++ toolchain; report and go on
-        print(f"attnkit bench: FlexAttention unavailable: {err}", file=sys.stderr)
-        return None, None
-    return (lambda: flex(q, k, v)), first
-
-
-def write_json(path: Path, report: dict[str, Any]) -> None:
-    """Write ``report`` to ``path`` as indented JSON, creating the folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))

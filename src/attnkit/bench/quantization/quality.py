@@ -1,6 +1,4 @@
-"""Quality and memory of weight-only quantization on real weights, and torchao's int8 beside ours.
-
-Used by ``benchmarks/bench_quantize.py``. Three measurements:
+"""Quality and loading memory of weight-only quantization on real weights.
 
 * **Quality on English text.** :func:`english_text` collects English prose that every Python
   installation ships offline (the docstrings of a fixed list of standard-library modules; whole
@@ -13,21 +11,11 @@ Used by ``benchmarks/bench_quantize.py``. Three measurements:
 * **Loading peak memory.** :func:`load_peak` loads a folder with ``quantize=`` in a child process
   and reads the peak resident memory (``VmHWM`` after resetting it through
   ``/proc/self/clear_refs``), over the bytes of the loaded model's tensors.
-* **Kernels.** :func:`kernel_rows` times every way to multiply one row by each weight matrix of a
-  model (fp32 and bf16 ``F.linear``, the int8 kernels of :class:`attnkit.quantize.Int8Linear` and
-  others, attnkit's int4 kernel and torch's at each group size, the latter with bf16 and float32
-  activations), each call
-  after the cache is flushed (a decode step reads each weight once), with its error against the
-  float64 product of the dequantized weight.
-* **torchao.** :func:`torchao_variants` adds torchao's ``Int8WeightOnlyConfig`` to the decoding
-  rows of :func:`attnkit.bench.decoding.quantize_rows`, eager and compiled.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import importlib
 import inspect
 import json
@@ -36,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -45,20 +34,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.bench.decoding import quantization_quality
+from attnkit.bench.quantization.speed import quantization_quality, torchao_int8
 from attnkit.config import FAMILIES, TransformerConfig
 from attnkit.models import TransformerLM
-from attnkit.profiling import time_calls
 
 __all__ = [
     "QUALITY_LM",
     "english_text",
-    "kernel_rows",
     "load_peak",
-    "model_matrices",
     "quality_rows",
     "text_ids",
-    "torchao_variants",
     "train_text_lm",
 ]
 
@@ -100,13 +85,15 @@ def _docstrings(name: str) -> list[str]:
             objects += [
                 v for k, v in vars(value).items() if not k.startswith("_") and inspect.isfunction(v)
             ]
-    docs = (inspect.getdoc(o) for o in objects)
+    with warnings.catch_warnings():  # (typing's deprecated io/re namespaces warn when read)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        docs = [inspect.getdoc(o) for o in objects]
     return [d for d in docs if d and d.isascii()]
 
 
 def english_text() -> tuple[str, str]:
     """``(training, held-out)`` English text: standard-library docstrings, whole modules to the
-    held-out split (one in :data:`_HELD_OUT_MODULUS` by a hash of the name), about 600 kB in all.
+    held-out split (one in :data:`_HELD_OUT_MODULUS` by a hash of the name).
     """
     seen: set[str] = set()
     splits: tuple[list[str], list[str]] = ([], [])
@@ -279,39 +266,6 @@ def train_text_lm(
     return record
 
 
-def torchao_int8(model: nn.Module) -> nn.Module:
-    """``model`` (a copy) with torchao's ``Int8WeightOnlyConfig`` applied to its linears, the
-    tied head included (as an untied copy, like :func:`attnkit.quantize.quantize`).
-
-    Raises:
-        ImportError: Without torchao.
-    """
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-    model = copy.deepcopy(model)
-    embedding = getattr(model, "embedding", None)
-    if isinstance(embedding, nn.Embedding) and getattr(model, "lm_head", 0) is None:
-        head = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False)
-        head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
-        model.lm_head = head
-    quantize_(model, Int8WeightOnlyConfig())
-    model.__dict__.pop("_attnkit_step", None)
-    return model
-
-
-def torchao_variants(model: TransformerLM, *, compile: bool) -> dict[str, nn.Module]:
-    """torchao int8 weight-only copies of ``model`` for the decoding rows (``"torchao int8"`` and,
-    with ``compile``, ``"torchao int8 compile"``); empty without torchao."""
-    try:
-        quantized = torchao_int8(model)
-    except ImportError:
-        return {}
-    out = {"torchao int8": quantized}
-    if compile:
-        out["torchao int8 compile"] = torchao_int8(model)
-    return out
-
-
 def _load(folder: Path, variant: str) -> nn.Module:
     if variant == "fp32":
         return TransformerLM.from_pretrained(folder)
@@ -388,7 +342,7 @@ _CHILD = """
 import ctypes, functools, gc, json, sys, tempfile, torch
 from pathlib import Path
 from attnkit.models import TransformerLM
-from attnkit.bench.decoding import _stored_bytes
+from attnkit.bench.quantization.speed import stored_bytes
 from attnkit.interop import hf
 from attnkit.interop.hf import config_from_hf, read_json
 from attnkit.profiling import peak_memory
@@ -432,7 +386,7 @@ tensors = {t.data_ptr(): t.numel() * t.element_size()
 packed = sum(m.packed_bytes for m in model.modules() if isinstance(m, Int8Linear))
 kernels = sorted({m.kernel for m in model.modules() if isinstance(m, Int8Linear)})
 print(json.dumps({"peak_bytes": peak, "model_bytes": sum(tensors.values()) + packed,
-                  "packed_bytes": packed, "read_bytes": _stored_bytes(model),
+                  "packed_bytes": packed, "read_bytes": stored_bytes(model),
                   "resident_bytes": None if base is None else after - base,
                   "int8_kernels": kernels}))
 """
@@ -461,7 +415,7 @@ def load_peak(
         RuntimeError: If the child fails (with its error output).
     """
     env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[2])
+    src = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(folder), mode, int8_kernel],
@@ -477,215 +431,3 @@ def load_peak(
     result["mode"], result["int8_kernel"] = mode, int8_kernel
     result["peak_over_model"] = None if peak is None else peak / result["model_bytes"]
     return result
-
-
-def model_matrices(config: TransformerConfig) -> dict[str, tuple[int, int]]:
-    """``{name: (in_features, out_features)}`` of the linears of a :class:`TransformerLM` of
-    ``config`` (the output head counted as a linear over the embedding)."""
-    with torch.device("meta"):
-        model = TransformerLM(config.replace(num_layers=1))
-    out = {
-        name.rpartition(".")[2]: (m.in_features, m.out_features)
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear)
-    }
-    if "lm_head" not in out:
-        out["lm_head"] = (config.dim, config.vocab_size or 0)
-    return out
-
-
-def _fbgemm(x: Tensor, packed: Any) -> Tensor:
-    return torch.ops.quantized.linear_dynamic(x, packed, True)
-
-
-def _dequantize_into(x: Tensor, codes: Tensor, scale: Tensor, buffer: Tensor) -> Tensor:
-    torch.mul(codes, scale[:, None], out=buffer)
-    return F.linear(x, buffer)
-
-
-def _int_mm(x: Tensor, codes_t: Tensor, scale: Tensor) -> Tensor:
-    size = x.abs().amax(-1, keepdim=True) / 127
-    xq = (x / size).round_().to(torch.int8)
-    return torch._int_mm(xq, codes_t).float() * size * scale
-
-
-def _int4(x: Tensor, packed: Tensor, group: int, scales_and_zeros: Tensor) -> Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
-
-
-Kernel = tuple[Callable[..., Tensor], Tensor, tuple[Any, ...], Tensor]
-
-
-def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
-    """Every candidate kernel for one row ``x`` times ``weight``: ``(call, the row as the kernel
-    takes it, the weight's parts, float64 reference)``; ``call(row, *parts)`` is the product and
-    the reference is the row, rounded as the kernel rounds it, times the weight the kernel
-    multiplies by (in float64)."""
-    from attnkit.native import (
-        group_codes,
-        int4_dot_linear,
-        int8_dot_linear,
-        round_activations,
-        unpack_int4,
-        unpack_int4_scales,
-    )
-    from attnkit.quantize import Int4Linear, Int8Linear, _fbgemm_pack, int8_kernels
-
-    out_features, in_features = weight.shape
-    x64, xb = x.double(), x.bfloat16()
-    xb64 = xb.double()
-    out: dict[str, Kernel] = {"fp32 F.linear": (F.linear, x, (weight,), x64 @ weight.double().T)}
-    wb = weight.bfloat16()
-    out["bf16 F.linear"] = (F.linear, xb, (wb,), xb64 @ wb.double().T)
-    q = Int8Linear.from_weight(weight, kernel="dequantize")
-    deq = q.dequantize().double()
-    usable = int8_kernels(in_features)
-    if "attnkit" in usable:
-        ref = round_activations(x).double() @ deq.T
-        grouped = (group_codes(q.weight_int8), q.scale)
-        out[_LABELS["attnkit"]] = (int8_dot_linear, x, grouped, ref)
-    if "fbgemm" in usable:
-        scale, zero = torch._choose_qparams_per_tensor(x, True)
-        xq = ((x64 / scale).round() + zero).clamp(0, 127)
-        ref = ((xq - zero) * scale) @ deq.T
-        packed = _fbgemm_pack(q.weight_int8, q.scale)
-        out["int8 fbgemm (7-bit activations)"] = (_fbgemm, x, (packed,), ref)
-    if "int8pack" in usable:
-        mm = torch._weight_int8pack_mm
-        parts: tuple[Any, ...] = (q.weight_int8, q.scale_bf16)
-        out["int8 int8pack, bf16 activations"] = (mm, xb, parts, xb64 @ deq.T)
-        with contextlib.suppress(RuntimeError):  # (a build that takes bf16 only)
-            mm(x, q.weight_int8, q.scale)
-            parts = (q.weight_int8, q.scale)
-            out["int8 int8pack, fp32 activations"] = (mm, x, parts, x64 @ deq.T)
-    buffer = torch.empty(out_features, in_features)
-    parts = (q.weight_int8, q.scale, buffer)
-    out["int8 dequantize into a buffer + F.linear"] = (_dequantize_into, x, parts, x64 @ deq.T)
-    with contextlib.suppress(RuntimeError):  # (builds without a CPU int8 matmul)
-        _int_mm(x, q.weight_int8.t(), q.scale)
-        size = x64.abs().amax(-1, keepdim=True) / 127
-        ref = (x64 / size).round() * size @ deq.T
-        parts = (q.weight_int8.t(), q.scale)
-        out["int8 _int_mm (8-bit activations per row)"] = (_int_mm, x, parts, ref)
-    for group in (32, 64, 128, 256):
-        if in_features % group:
-            continue
-        layer = Int4Linear.from_weight(weight, group_size=group)
-        deq4 = layer.dequantize().double()
-        if layer.kernel == "int4":
-            parts = (layer.codes, layer.scales, out_features)
-            ref = round_activations(x).double() @ deq4.T
-            out[f"int4 g{group} attnkit (int8 activations per 32)"] = (
-                int4_dot_linear,
-                x,
-                parts,
-                ref,
-            )
-        if out_features % 16:
-            continue
-        # torch's kernel on the same codes: w = (q - 8) * scale + zero.
-        codes = unpack_int4(layer.codes, out_features, torch.int32)
-        step, low = unpack_int4_scales(layer.scales, out_features)
-        zero4 = (low + 8 * step).bfloat16()
-        packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        sz = torch.stack([step.bfloat16().t(), zero4.t()], dim=-1).contiguous()
-        groups = (codes.double() - 8).view(out_features, -1, group)
-        deq_t = (groups * step.double()[..., None] + zero4.double()[..., None]).flatten(1)
-        out[f"int4 g{group} torch, bf16 activations"] = (
-            _int4,
-            xb,
-            (packed4, group, sz),
-            xb64 @ deq_t.T,
-        )
-        with contextlib.suppress(RuntimeError):
-            _int4(x, packed4, group, sz.float())
-            parts = (packed4, group, sz.float())
-            out[f"int4 g{group} torch, fp32 activations"] = (_int4, x, parts, x64 @ deq_t.T)
-    return out
-
-
-def _weight_bytes(kernel: str, in_features: int, out_features: int) -> float:
-    """Bytes of the weight a kernel reads: 4, 2, 1 or 1/2 a weight by its name's precision."""
-    per = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}[kernel.split()[0]]
-    return per * in_features * out_features
-
-
-def _run_copies(call: Callable[..., Tensor], row: Tensor, copies: list[tuple[Any, ...]]) -> None:
-    for parts in copies:
-        call(row, *parts)
-
-
-# The kernel_rows label of each Int8Linear kernel.
-_LABELS = {
-    "attnkit": "int8 attnkit (int8 activations per 32)",
-    "fbgemm": "int8 fbgemm (7-bit activations)",
-    "int8pack": "int8 int8pack, bf16 activations",
-    "dequantize": "int8 dequantize into a buffer + F.linear",
-}
-
-
-@torch.no_grad()
-def kernel_rows(
-    matrices: dict[str, tuple[int, int]],
-    *,
-    rounds: int = 5,
-    progress: Callable[[str], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Seconds per one-row product of each kernel on each ``{name: (in, out)}`` matrix.
-
-    Timed the way :func:`attnkit.quantize.int8_kernel_seconds` times the int8 kernels: one call
-    on each of enough copies of the weight to fill 1.5x the last-level cache (32 copies at most),
-    so each reads its weight from memory, one after another, as the layers of a decode step do;
-    all kernels of a matrix interleaved over ``rounds`` rounds, medians. Random weights (speed
-    does not depend on their values).
-
-    Returns:
-        One row per matrix and kernel: ``matrix``, ``shape`` (in, out), ``kernel``,
-        ``seconds``, ``vs_fp32`` (fp32 ``F.linear``'s time over this one's), ``bytes_per_s``
-        (the weight's bytes at the kernel's precision over the time), ``relative_error``
-        (largest absolute difference from the float64 reference, over the reference's largest
-        magnitude),
-        ``chosen`` (the kernel :func:`attnkit.quantize.choose_int8_kernel` takes for the
-        shape), ``is_choice`` (this row is that kernel).
-    """
-    from attnkit.quantize import choose_int8_kernel, last_level_cache_bytes
-
-    say = progress or (lambda _msg: None)
-    fill = 3 * last_level_cache_bytes() // 2
-    rows = []
-    for name, (in_features, out_features) in matrices.items():
-        say(f"kernels: {name} ({in_features} -> {out_features})")
-        gen = torch.Generator().manual_seed(0)
-        weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
-        x = torch.randn(1, in_features, generator=gen)
-        kernels = _kernels(weight, x)
-        size = {k: _weight_bytes(k, in_features, out_features) for k in kernels}
-        copies = {
-            k: [parts] + [copy.deepcopy(parts) for _ in range(min(32, -int(-fill // size[k])) - 1)]
-            for k, (_, _, parts, _) in kernels.items()
-        }
-        runs = {
-            k: functools.partial(_run_copies, kernels[k][0], kernels[k][1], copies[k])
-            for k in kernels
-        }
-        seconds = time_calls(runs, rounds=rounds)
-        chosen = choose_int8_kernel(in_features, out_features)
-        for kernel, took in seconds.items():
-            call, row, parts, ref = kernels[kernel]
-            took /= len(copies[kernel])
-            err = (call(row, *parts).double() - ref).abs().max() / ref.abs().max()
-            rows.append(
-                {
-                    "matrix": name,
-                    "shape": [in_features, out_features],
-                    "kernel": kernel,
-                    "seconds": took,
-                    "vs_fp32": seconds["fp32 F.linear"] / len(copies["fp32 F.linear"]) / took,
-                    "bytes_per_s": size[kernel] / took,
-                    "relative_error": float(err),
-                    "chosen": chosen,
-                    "is_choice": kernel == _LABELS[chosen],
-                }
-            )
-        del copies, kernels
-    return rows

@@ -2,9 +2,9 @@
 
 Usage::
 
-    python benchmarks/bench_quantize.py                       # everything below
-    python benchmarks/bench_quantize.py --model DIR [--model DIR2]   # also real decoder folders
-    python benchmarks/bench_quantize.py --skip speed --skip memory   # quality only
+    python -m attnkit.bench.quantization                     # everything below
+    python -m attnkit.bench.quantization --model DIR [--model DIR2]  # also real decoder folders
+    python -m attnkit.bench.quantization --skip speed --skip memory  # quality only
 
 Sections (``--skip NAME`` leaves one out):
 
@@ -17,10 +17,10 @@ Sections (``--skip NAME`` leaves one out):
   to fp32 (target: int8 >= 0.99); needs the ``models`` extra.
 * ``memory``: peak memory of ``from_pretrained(..., quantize="int8")`` (and int4) in a child
   process over the loaded model's bytes, on a random ``--shape`` folder and every ``--model``
-  (target: <= 1.2x), and the resident memory of int8 models loaded with the ``int8pack``,
-  ``fbgemm`` and ``avx2`` kernels (target: fbgemm <= 1.1x int8pack).
+  (target: <= 1.2x), and the resident memory of int8 models loaded with each int8 kernel
+  this machine offers (target: fbgemm <= 1.1x int8pack).
 * ``kernels``: every candidate way to multiply one row by each weight matrix of the ``--shape``
-  model (fp32/bf16 ``F.linear``, attnkit's AVX2 int8 kernel, fbgemm's dynamic int8 linear,
+  model (fp32/bf16 ``F.linear``, attnkit's int8 kernel, fbgemm's dynamic int8 linear,
   ``torch._weight_int8pack_mm`` with bf16 and fp32 activations, dequantizing into a buffer,
   ``torch._int_mm``, torch's int4 kernel per group size), each call after a cache flush,
   interleaved, medians; the error against the float64 product of the dequantized weight, and
@@ -30,7 +30,7 @@ Sections (``--skip NAME`` leaves one out):
   interleaved rounds (medians). Targets: int8 >= 3.0x transformers fp32 and >= 1.8x attnkit
   bf16; int4 >= 1.5x int8.
 
-Prints tables and writes JSON (default ``benchmarks/results/bench_quantize.json``).
+Prints tables and writes JSON (default ``benchmarks/results/quantization.json``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -46,13 +45,13 @@ from typing import Any
 
 import torch
 
-from attnkit.bench import decoding as db
 from attnkit.bench import quantization as bq
+from attnkit.bench.decoding.models import QUANT_MODELS
+from attnkit.bench.results import RESULTS, write_report
 from attnkit.models import TransformerLM
 from attnkit.quantize import default_int8_kernel, int8_kernels, quantize
 
 SECTIONS = ("kernels", "quality", "minilm", "memory", "speed")
-RESULTS = Path(__file__).parent / "results"
 
 
 def _say(msg: str) -> None:
@@ -113,14 +112,14 @@ def print_quality(result: dict[str, Any]) -> list[dict[str, Any]]:
 def minilm_section(held_out: str) -> dict[str, Any]:
     sentences = [s.strip() for s in held_out.replace("\n", " ").split(". ") if len(s) > 40][:64]
     try:
-        cosines = db.minilm_cosines(sentences)
+        cosines = bq.minilm_cosines(sentences)
     except (ImportError, FileNotFoundError) as err:
         return {"skipped": f"{type(err).__name__}: {err}"}
     return {"sentences": len(sentences), "lowest_cosine": cosines}
 
 
 def _random_folder(shape: str, where: Path) -> Path:
-    config, _, _ = db.QUANT_MODELS[shape]
+    config, _, _ = QUANT_MODELS[shape]
     torch.manual_seed(0)
     TransformerLM(config).save_pretrained(where / shape)
     return where / shape
@@ -131,9 +130,9 @@ def memory_section(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         folders = [(f"random {args.shape}", _random_folder(args.shape, Path(tmp)))]
         folders += [(str(m), Path(m)) for m in args.model]
-        loads = [("int8", "default"), ("int8", "int8pack"), ("int8", "fbgemm"), ("int8", "avx2")]
-        loads += [("int4", "default"), ("fp32", "default")]
         usable = int8_kernels(64)
+        loads = [("int8", "default"), *(("int8", kernel) for kernel in usable)]
+        loads += [("int4", "default"), ("fp32", "default")]
         for label, folder in folders:
             for mode, kernel in loads:
                 if kernel != "default" and kernel not in usable:
@@ -186,8 +185,8 @@ def print_kernels(rows: list[dict[str, Any]]) -> None:
 def _extra_variants(model: TransformerLM, args: argparse.Namespace) -> dict[str, Any]:
     """torchao's int8, and int8 with every linear on ``torch._weight_int8pack_mm`` (eager and,
     unless ``--no-compile``, compiled: a single row is then inductor's reduction over the int8
-    bytes) and on fbgemm's dynamic linear, beside the default kernel (attnkit's ``"avx2"`` on
-    AVX2 CPUs)."""
+    bytes) and on fbgemm's dynamic linear, beside the default kernel (attnkit's own where it is
+    built)."""
     out: dict[str, Any] = dict(bq.torchao_variants(model, compile=not args.no_compile))
     int8pack = quantize(copy.deepcopy(model), "int8", int8_kernel="int8pack")
     out["before: int8pack"] = int8pack
@@ -199,7 +198,7 @@ def _extra_variants(model: TransformerLM, args: argparse.Namespace) -> dict[str,
 
 
 def speed_section(args: argparse.Namespace) -> dict[str, Any]:
-    result = db.quantize_rows(
+    result = bq.quantize_rows(
         args.shape,
         repeats=args.repeats,
         compile=not args.no_compile,
@@ -207,7 +206,7 @@ def speed_section(args: argparse.Namespace) -> dict[str, Any]:
         extra=lambda m: _extra_variants(m, args),
         only=tuple(args.only) if args.only else None,
     )
-    matrices = bq.model_matrices(db.QUANT_MODELS[args.shape][0]).values()
+    matrices = bq.model_matrices(QUANT_MODELS[args.shape][0]).values()
     result["int8_kernel_choice"] = {f"{i}x{o}": default_int8_kernel(i) for i, o in matrices}
     return result
 
@@ -256,7 +255,9 @@ def print_speed(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.quantization", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", action="append", default=[], help="a decoder folder")
     parser.add_argument("--lm-dir", default=str(RESULTS / "quantize_lm"))
     parser.add_argument("--retrain", action="store_true")
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--context", type=int, default=256, help="tokens per scored window (--model folders)"
     )
     parser.add_argument("--windows", type=int, default=32, help="scored windows of --context")
-    parser.add_argument("--shape", default="llama-135m", choices=sorted(db.QUANT_MODELS))
+    parser.add_argument("--shape", default="llama-135m", choices=sorted(QUANT_MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--kernel-rounds", type=int, default=5)
@@ -276,19 +277,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)"
     )
     parser.add_argument("--skip", action="append", default=[], choices=SECTIONS)
-    parser.add_argument("--out", type=Path, default=RESULTS / "bench_quantize.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "quantization.json")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     _, held_out = bq.english_text()
-    result: dict[str, Any] = {
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
+    result: dict[str, Any] = {}
     targets: list[dict[str, Any]] = []
     if "kernels" not in args.skip:
-        config = db.QUANT_MODELS[args.shape][0]
+        config = QUANT_MODELS[args.shape][0]
         matrices = bq.model_matrices(config)
         result["kernels"] = bq.kernel_rows(matrices, rounds=args.kernel_rounds, progress=_say)
         print_kernels(result["kernels"])
@@ -312,10 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for t in targets:
         status = "met" if t["met"] else f"{t['short']:.0%} short"
         print(f"{t['what'][-52:]:<52} {t['measured']:>9.4f} {t['target']:>6}  {status}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {args.out}")
-    return result
+    return write_report(json.loads(json.dumps(result, default=str)), args.out, "quantization.json")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Benchmark attnkit's blockwise kernel against dense-mask SDPA and compiled FlexAttention.
+"""Structured attention: attnkit's blockwise kernel against dense-mask SDPA and FlexAttention.
 
-Usage:
-    python benchmarks/bench_blockwise.py [--n 8192] [--window 256] [--docs 8] [--repeats 5]
+Usage::
+
+    python -m attnkit.bench.structured [--n 8192] [--window 256] [--docs 8] [--repeats 5]
         [--rows 32,64,128] [--flex] [--variants] [--bf16] [--json FILE]
         [--modes fwd,fwd+bwd] [--cases window,documents] [--memory 8192,32768] [--threads N]
         [--copies]
+    python -m attnkit.bench.structured --crossover [--repeats 5] [--json FILE]
 
 Every implementation runs in one process, interleaved round by round; the table reports the
 median time and the ratio to dense-mask SDPA (``x dense``, higher is faster), the ratio of the
@@ -20,20 +22,15 @@ the same run (the ratio of ratios holds on CPUs with and without native bf16), a
 against float64 of attnkit's bf16 output and gradients next to torch's fused kernel's (at
 ``--error-n`` positions, where the float64 reference fits in memory).
 
-Recorded (AMD EPYC, AVX2 only, 2 threads, quiet machine, N=8192, fp32, medians of 5 rounds,
-attnkit's flash kernels): x dense-mask SDPA window fwd 21.2, fwd+bwd 22.1, documents fwd 15.5,
-fwd+bwd 14.8 (goal 12); ``--memory 8192,32768``: window 65 / 258 MiB, documents 65 / 259 MiB.
-``--bf16 --modes fwd`` (a bf16 forward runs
-torch's bf16 kernel, see ``attnkit.blockwise.native_low_precision``): ratio of ratios window
-0.81-1.17, documents 0.97-1.13 over six runs, medians about 1 (``--copies``: float32 copies
-0.77 / 0.83); fwd+bwd (float32 copies) window 5.6, documents 5.3 at N=4096. See
-``benchmarks/RESULTS.md``.
+``--crossover`` instead times block-sparse against dense-mask SDPA over short lengths and
+several window densities: where the block-sparse path starts to win (the measurement behind the
+dispatch between them).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import statistics
 import sys
 import time
@@ -45,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit.bench.results import write_report
 from attnkit.functional import block_sparse_attention
 from attnkit.sparse import structured_mask
 
@@ -52,7 +50,11 @@ Fn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.structured",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--n", type=int, default=8192, help="sequence length")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64, help="head dim E")
@@ -79,21 +81,23 @@ def main(argv: list[str] | None = None) -> int:
         " at --n, so of equal length at every N)",
     )
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--crossover", action="store_true", help="instead: where block-sparse beats dense SDPA"
+    )
     p.add_argument("--json", type=Path, help="write the rows here")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.crossover:
+        _write(a.json, "structured_crossover.json", crossover(a.repeats))
+        return 0
     if a.memory:
-        results = _memory(a, [int(n) for n in a.memory.split(",")])
-        if a.json:
-            a.json.write_text(json.dumps(results, indent=2))
+        _write(a.json, "structured_memory.json", _memory(a, [int(n) for n in a.memory.split(",")]))
         return 0
     rows = [None if r == "auto" else int(r) for r in a.rows.split(",")]
     results: list[dict[str, Any]] = []
     if a.bf16:
-        results = _bf16(a)
-        if a.json:
-            a.json.write_text(json.dumps(results, indent=2))
+        _write(a.json, "structured_bf16.json", _bf16(a))
         return 0
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, N={a.n}, "
           f"H={a.heads}, E={a.dim}; median of {a.repeats} interleaved rounds")  # fmt: skip
@@ -101,9 +105,50 @@ def main(argv: list[str] | None = None) -> int:
         fns, compile_s = _implementations(case, a, rows)
         for mode in a.modes.split(","):
             results += _time_case(case, mode, fns, a, compile_s, default=_name(rows[0]))
-    if a.json:
-        a.json.write_text(json.dumps(results, indent=2))
+    _write(a.json, "structured.json", results)
     return 0
+
+
+def _write(path: Path | None, name: str, rows: list[dict[str, Any]]) -> None:
+    write_report({"rows": rows}, path, name)
+
+
+def crossover(repeats: int = 5) -> list[dict[str, float]]:
+    """Time ratio dense-mask SDPA / block-sparse over N and window density; prints a table."""
+    rows = []
+    print(f"{'N':>6} {'W':>6} {'density':>8} {'fwd x':>7} {'fwd+bwd x':>10}  (x > 1: sparse wins)")
+    for n in (256, 512, 1024, 2048, 4096):
+        for frac in (1 / 16, 1 / 4, 1 / 2, 3 / 4):
+            row = _crossover_point(n, max(1, int(frac * n)), repeats)
+            rows.append(row)
+            print(
+                f"{n:>6} {row['window']:>6} {row['density']:>8.3f} {row['fwd']:>7.2f} "
+                f"{row['fwd+bwd']:>10.2f}"
+            )
+    return rows
+
+
+def _crossover_point(n: int, w: int, repeats: int) -> dict[str, float]:
+    q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
+    mask = structured_mask(n, n, causal=True, window=w)
+    fns = {
+        "sparse": lambda: block_sparse_attention(q, k, v, causal=True, window=w),
+        "dense": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+    }
+    row = {"seq_len": n, "window": w, "density": float(mask.float().mean())}
+    for mode in ("fwd", "fwd+bwd"):
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(repeats + 1):  # the first round warms up
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                with torch.set_grad_enabled(mode == "fwd+bwd"):
+                    o = fn()
+                    if mode == "fwd+bwd":
+                        o.sum().backward()
+                times[name].append(time.perf_counter() - start)
+        med = {name: statistics.median(t[1:]) for name, t in times.items()}
+        row[mode] = med["dense"] / med["sparse"]
+    return row
 
 
 def _name(rows: int | None) -> str:
@@ -124,7 +169,7 @@ def _implementations(
     mask = structured_mask(a.n, a.n, **kw)  # (1, 1, N, N)
     fns: dict[str, Fn] = {}
     for r in rows:
-        fns[_name(r)] = lambda q, k, v, r=r: block_sparse_attention(q, k, v, block_size=r, **kw)
+        fns[_name(r)] = functools.partial(_blockwise, block_size=r, kw=kw)
     fns["dense-mask SDPA"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if a.variants and case == "window":
         fns["two pieces + LSE"] = lambda q, k, v: _two_pieces(q, k, v, a.window)
@@ -138,13 +183,12 @@ def _implementations(
 
 def _flex(case: str, a: argparse.Namespace, kw: dict[str, Any]) -> tuple[Fn | None, float | None]:
     """Compiled FlexAttention with the same mask, and its first-call (compile) time."""
-    from attnkit.bench.flex import compiled_flex
+    from attnkit.bench.flex import flex_or_reason
 
     q = torch.randn(1, a.heads, a.n, a.dim)
-    try:
-        flex, compile_s = compiled_flex(q, q, **kw)
-    except Exception as e:  # no FlexAttention, compiler missing, backend unsupported: report
-        print(f"FlexAttention skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    flex, compile_s, why = flex_or_reason(q, q, **kw)
+    if flex is None:
+        print(why)
         return None, None
     print(f"FlexAttention: first call (compile + block mask) {compile_s:.1f} s")
     return flex, compile_s
@@ -253,7 +297,7 @@ def _bf16(a: argparse.Namespace) -> list[dict[str, Any]]:
     }
     if a.copies:  # the other way to run bf16: float32 copies in, the result rounded
         for name in ("attnkit window", "attnkit documents"):
-            cases[f"{name}, f32 copies"] = lambda n, make=cases[name]: _via_float32(make(n))
+            cases[f"{name}, f32 copies"] = functools.partial(_copies, make=cases[name])
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(1, a.n, a.heads, a.dim, generator=gen).transpose(1, 2) for _ in range(4)]
     modes = a.modes.split(",")
@@ -291,6 +335,16 @@ def _bf16(a: argparse.Namespace) -> list[dict[str, Any]]:
         f"{r['impl'].removeprefix('attnkit ')} {r['mode']} {r['speedup_vs_torch']:.2f}"
         for r in rows if r["impl"] != "torch causal SDPA"))  # fmt: skip
     return rows
+
+
+def _blockwise(
+    q: Tensor, k: Tensor, v: Tensor, *, block_size: int | None, kw: dict[str, Any]
+) -> Tensor:
+    return block_sparse_attention(q, k, v, block_size=block_size, **kw)
+
+
+def _copies(n: int, *, make: Callable[[int], Fn]) -> Fn:
+    return _via_float32(make(n))
 
 
 def _via_float32(fn: Fn) -> Fn:

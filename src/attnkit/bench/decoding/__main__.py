@@ -6,14 +6,14 @@ in one process (the machine is shared; ratios are what matter) and must produce 
 
 Usage::
 
-    python benchmarks/bench_decode.py [--prompt 512] [--new 128] [--threads N] [--out PATH]
-    python benchmarks/bench_decode.py --vs-hf [--model DIR] [--dtype bfloat16]
-    python benchmarks/bench_decode.py --rows [--models llama-3m llama-100m] [--no-compile]
-    python benchmarks/bench_decode.py --kernels
-    python benchmarks/bench_decode.py --batched [--models llama-3m llama-100m] [--no-compile]
+    python -m attnkit.bench.decoding [--prompt 512] [--new 128] [--threads N] [--out PATH]
+    python -m attnkit.bench.decoding --vs-hf [--model DIR] [--dtype bfloat16]
+    python -m attnkit.bench.decoding --rows [--models llama-3m llama-100m] [--no-compile]
+    python -m attnkit.bench.decoding --kernels
+    python -m attnkit.bench.decoding --batched [--models llama-3m llama-100m] [--no-compile]
 
-Prints a table and writes JSON (default ``benchmarks/results/bench_decode.json``, with
-``--vs-hf`` ``bench_decode_vs_hf.json``).
+Prints a table and writes JSON (default ``benchmarks/results/decode.json``, with ``--vs-hf``
+``decode_vs_hf.json``; :func:`attnkit.bench.results.write_report`).
 
 ``--vs-hf`` compares attnkit with ``transformers`` (which must be installed) on the same Hugging
 Face folder (``--model``, or a random Llama-shaped folder of the sizes above written to a
@@ -24,15 +24,13 @@ medians; and the loading peak memory of each (RSS growth while loading, over the
 ``--rows`` prints the decoding rows (:func:`attnkit.bench.decoding.decode_rows`): the
 Llama-shaped 3M and 100M models against transformers' ``LlamaForCausalLM`` with copied weights,
 eager and ``compile=True``, bf16 weights, the share of the read-bandwidth bound, and each target
-with its shortfall (default ``benchmarks/results/bench_decode_rows.json``). ``--kernels`` prints
+with its shortfall (default ``benchmarks/results/decode_rows.json``). ``--kernels`` prints
 the single-row product timings behind :mod:`attnkit.decoding`'s weight-layout rule.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -41,6 +39,8 @@ from typing import Any
 
 import torch
 
+from attnkit.bench.peers import import_quietly
+from attnkit.bench.results import RESULTS, write_report
 from attnkit.models import TransformerLM
 from attnkit.profiling import peak_memory, time_call, time_interleaved
 
@@ -57,18 +57,10 @@ def _time_generate(
     return best, tokens[0]
 
 
-def _write(report: dict[str, Any], out: Path | None, name: str) -> dict[str, Any]:
-    """Print the report's notes and write it as JSON to ``out`` (default: ``results/<name>``)."""
-    for note in report.get("notes", []):
-        print(f"note: {note}")
-    path = out or Path(__file__).parent / "results" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return report
-
-
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.decoding", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
@@ -102,12 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--batched", action="store_true", help="8 left-padded prompts decoded together (--models)"
     )
-    parser.add_argument(
-        "--quantize",
-        action="store_true",
-        help="fp32/bf16/int8/int4 weights on the 135M Llama shape (--shape); quality on --model",
-    )
-    parser.add_argument("--shape", default="llama-135m", help="model of --quantize/--prefill")
+    parser.add_argument("--shape", default="llama-135m", help="model of --prefill")
     parser.add_argument(
         "--prefill",
         action="store_true",
@@ -125,12 +112,10 @@ def main(argv: list[str] | None = None) -> dict:
         return kernels(args)
     if args.batched:
         return batched_table(args)
-    if args.quantize:
-        return quantize_table(args)
     if args.prefill:
         return prefill_table(args)
     if args.out is None:
-        args.out = Path(__file__).parent / "results" / "bench_decode.json"
+        args.out = RESULTS / "decode.json"
     torch.manual_seed(0)
     model = (
         TransformerLM(
@@ -175,18 +160,16 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "torch": torch.__version__,
-        "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "rows": rows,
         "speedup": speedup,
         "same_tokens": same,
     }
-    return _write(report, args.out, "bench_decode.json")
+    return write_report(report, args.out, "decode.json")
 
 
 def _random_llama_folder(args: argparse.Namespace, path: Path) -> None:
-    import transformers
-
+    transformers = import_quietly("transformers")
     config = transformers.LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=args.dim,
@@ -202,9 +185,9 @@ def _random_llama_folder(args: argparse.Namespace, path: Path) -> None:
 
 def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
     """attnkit vs transformers on one folder: decode tokens/s, prefill time, loading memory."""
-    import transformers
-
     from attnkit.interop import hf
+
+    transformers = import_quietly("transformers")
 
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
@@ -312,12 +295,12 @@ def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
         "ratios": ratios,
         "same_tokens": same,
     }
-    return _write(report, args.out, "bench_decode_vs_hf.json")
+    return write_report(report, args.out, "decode_vs_hf.json")
 
 
 def decode_rows_table(args: argparse.Namespace) -> dict[str, Any]:
     """``--rows``: the decoding rows and targets, printed and written as JSON."""
-    from attnkit.bench.decoding import decode_rows
+    from attnkit.bench.decoding.rows import decode_rows
 
     report = decode_rows(
         tuple(args.models),
@@ -342,12 +325,12 @@ def decode_rows_table(args: argparse.Namespace) -> dict[str, Any]:
     for t in report["targets"]:
         verdict = "met" if t["met"] else f"MISSED by {t['shortfall']:.0%}"
         print(f"target {t['model']} {t['what']}: {t['measured']:.2f} (>= {t['target']}) {verdict}")
-    return _write(report, args.out, "bench_decode_rows.json")
+    return write_report(report, args.out, "decode_rows.json")
 
 
 def batched_table(args: argparse.Namespace) -> dict[str, Any]:
     """``--batched``: 8 left-padded prompts of mixed lengths decoded together, vs transformers."""
-    from attnkit.bench.batched import batched_rows
+    from attnkit.bench.decoding.batched import batched_rows
 
     reports = [
         batched_rows(
@@ -379,12 +362,12 @@ def batched_table(args: argparse.Namespace) -> dict[str, Any]:
             )
         for note in report["notes"]:
             print(f"note: {note}")
-    return _write({"reports": reports}, args.out, "bench_decode_batched.json")
+    return write_report({"reports": reports}, args.out, "decode_batched.json")
 
 
 def prefill_table(args: argparse.Namespace) -> dict[str, Any]:
     """``--prefill``: time to first token against transformers, per dtype and prompt length."""
-    from attnkit.bench.decoding import prefill_rows
+    from attnkit.bench.decoding.prefill import prefill_rows
 
     result = prefill_rows(
         args.shape,
@@ -403,12 +386,12 @@ def prefill_table(args: argparse.Namespace) -> dict[str, Any]:
             f"{r['dtype']:<9} {r['prompt']:>6} {1e3 * r['attnkit_s']:>11.0f} {hf_ms:>8} "
             f"{vs:>6} {r.get('vs_fp32', 1.0):>7.2f}"
         )
-    return _write(result, args.out, "bench_decode_prefill.json")
+    return write_report(result, args.out, "decode_prefill.json")
 
 
 def kernels(args: argparse.Namespace) -> dict[str, Any]:
     """``--kernels``: single-row products through a 100M model's weights, per kernel/layout."""
-    from attnkit.bench.decoding import layout_table
+    from attnkit.bench.decoding.layouts import layout_table
 
     table = layout_table(repeats=max(args.repeats, 7))
     print(f"{'kernel':<24} {'ms':>8} {'GB/s':>6} {'x F.linear':>10}")
@@ -417,86 +400,7 @@ def kernels(args: argparse.Namespace) -> dict[str, Any]:
             f"{r['kernel']:<24} {r['seconds'] * 1e3:>8.1f} {r['bytes_per_s'] / 1e9:>6.1f} "
             f"{r['vs_f32_linear']:>10.2f}"
         )
-    return {"rows": table}
-
-
-QUALITY_TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-    "combined movable metal type, oil-based ink and a wooden press adapted from those used to "
-    "make wine. Books became cheaper and more common, literacy spread across Europe, and ideas "
-    "moved faster than ever before. Scientists could share their results, and scholars compared "
-    "texts that had previously been copied by hand, with all the errors that copying brings."
-)
-
-
-def quantize_table(args: argparse.Namespace) -> dict[str, Any]:
-    """Speed of fp32/bf16/int8/int4 weights side by side; quality on a real folder and MiniLM."""
-    from attnkit.bench import decoding as db
-
-    result = db.quantize_rows(
-        args.shape,
-        repeats=max(args.repeats, 3),
-        compile=not args.no_compile,
-        progress=lambda m: print(m, file=sys.stderr),
-    )
-    print(
-        f"{args.shape}: decode steps, median of {max(args.repeats, 3)} interleaved rounds "
-        f"(range), {result['threads']} threads, read bandwidth "
-        f"{result['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s"
-    )
-    head = (
-        "variant",
-        "tok/s",
-        "range",
-        "ttft ms",
-        "vs HF",
-        "vs fp32c",
-        "vs bf16c",
-        "vs int8c",
-        "of bound",
-    )
-    print("".join(f"{h:>14}" for h in head))
-    for r in result["rows"]:
-        lo, hi = r["step_tokens_per_s_range"]
-        cells = [
-            r["variant"],
-            f"{r['step_tokens_per_s']:.1f}",
-            f"{lo:.0f}-{hi:.0f}",
-            f"{1e3 * r['time_to_first_token_s']:.0f}",
-            *(
-                f"{r[k]:.2f}" if k in r else "-"
-                for k in (
-                    "vs_transformers",
-                    "vs_fp32_compile",
-                    "vs_bf16_compile",
-                    "vs_int8_compile",
-                    "of_bound",
-                )
-            ),
-        ]
-        print("".join(f"{c:>14}" for c in cells))
-    quality: dict[str, Any] = {}
-    if args.model is not None:
-        from tokenizers import Tokenizer
-
-        ref = TransformerLM.from_pretrained(args.model)
-        tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
-        ids = torch.tensor([tok.encode(QUALITY_TEXT).ids])
-        for mode in ("int8", "int4"):
-            q = TransformerLM.from_pretrained(args.model, quantize=mode)
-            quality[mode] = db.quantization_quality(ref, q, ids)
-            del q
-        quality["bf16"] = db.quantization_quality(
-            ref, TransformerLM.from_pretrained(args.model, dtype=torch.bfloat16), ids
-        )
-    try:
-        quality["minilm_min_cosine"] = db.minilm_cosines(QUALITY_TEXT.split(". "))
-    except ImportError as err:
-        result["notes"].append(f"MiniLM cosine skipped: {err}")
-    for mode, q in quality.items():
-        print(f"quality {mode}: {q}")
-    result["quality"] = quality
-    return _write(result, args.out, "bench_decode_quantize.json")
+    return write_report({"rows": table}, args.out, "decode_kernels.json")
 
 
 if __name__ == "__main__":

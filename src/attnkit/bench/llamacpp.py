@@ -2,9 +2,9 @@
 
 Usage::
 
-    python benchmarks/bench_llamacpp.py                      # random 135M-shape Llama
-    python benchmarks/bench_llamacpp.py --model DIR --gguf-dir GGUFS
-    python benchmarks/bench_llamacpp.py --model DIR --gguf f32=FILE --gguf q8_0=FILE2
+    python -m attnkit.bench.llamacpp                     # random 135M-shape Llama
+    python -m attnkit.bench.llamacpp --model DIR --gguf-dir GGUFS
+    python -m attnkit.bench.llamacpp --model DIR --gguf f32=FILE --gguf q8_0=FILE2
 
 Needs ``llama-cpp-python`` (``pip install llama-cpp-python``; it builds llama.cpp from source,
 so it is not a dependency of attnkit and no test runs this script); without it the script says
@@ -26,15 +26,14 @@ channel order of llama.cpp's converter; q8_0, q4_0 and q4_1 quantized by ``gguf.
 Goals: attnkit / llama.cpp >= 1.15 in fp32 and >= 1.0 in bf16. Each GGUF file is first run in a
 child process: a precision whose llama.cpp path crashes on this CPU is left out and reported.
 
-Prints a table and writes JSON (default ``benchmarks/results/bench_llamacpp.json``).
+Prints a table and writes JSON (default ``benchmarks/results/llamacpp.json``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -46,11 +45,14 @@ from typing import Any
 
 import torch
 
-from attnkit.bench import decoding as db
+from attnkit.bench.decoding.models import QUANT_MODELS
+from attnkit.bench.peers import import_quietly
+from attnkit.bench.quantization.speed import quantized_variants
+from attnkit.bench.results import write_report
 from attnkit.models import TransformerLM
 
 PRECISIONS = ("f32", "bf16", "q8_0", "q4_0", "q4_1")
-#: (llama.cpp precision, attnkit variant of ``attnkit.bench.decoding.quantized_variants``)
+#: (llama.cpp precision, attnkit variant of ``attnkit.bench.quantization.quantized_variants``)
 PAIRS = (
     ("f32", "fp32 compile"),
     ("bf16", "bf16 compile"),
@@ -66,8 +68,9 @@ def write_gguf(lm: TransformerLM, path: Path, precision: str) -> Path:
     """``lm`` (a tied or untied Llama-shaped model) as a GGUF file of 2-D weights in
     ``precision`` (``f32``, ``bf16``, ``q8_0``, ``q4_0`` or ``q4_1``), with a placeholder
     SentencePiece vocabulary (speed does not depend on the tokens). Needs the ``gguf`` package."""
-    import gguf
     import numpy as np
+
+    gguf = import_quietly("gguf")
 
     from attnkit.interop.gguf import llama_cpp_name
     from attnkit.interop.hf_weights import hf_state_dict
@@ -144,7 +147,7 @@ llm.eval([int(prompt[-1])])
 
 def _crash(path: Path, prompt: list[int], threads: int) -> str | None:
     """Why llama.cpp cannot run ``path`` here, tried in a child process first (some of its CPU
-    paths crash the process: q8_0 on an Intel Xeon with AMX), or ``None`` where it runs."""
+    paths crash the process on some CPUs), or ``None`` where it runs."""
     args = [sys.executable, "-c", _PROBE, str(path), str(threads), *map(str, prompt)]
     done = subprocess.run(args, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode == 0:
@@ -152,6 +155,10 @@ def _crash(path: Path, prompt: list[int], threads: int) -> str | None:
     if done.returncode < 0:
         return f"crashed (signal {-done.returncode}) loading or running it"
     return f"failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}"
+
+
+def _generate(lm: Any, prompt: torch.Tensor, n: int, *, compile: bool) -> Any:
+    return lm.generate(prompt, n, eos_token_id=[], compile=compile)
 
 
 def _step_rate(run: Callable[[int], Any], new: int) -> float:
@@ -164,9 +171,11 @@ def _step_rate(run: Callable[[int], Any], new: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.llamacpp", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", type=Path, help="Hugging Face Llama folder (default: random)")
-    parser.add_argument("--shape", default="llama-135m", choices=sorted(db.QUANT_MODELS))
+    parser.add_argument("--shape", default="llama-135m", choices=sorted(QUANT_MODELS))
     parser.add_argument("--gguf", action="append", default=[], help="PRECISION=FILE")
     parser.add_argument("--prompt", type=int, default=40)
     parser.add_argument("--new", type=int, default=96)
@@ -174,12 +183,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--threads", type=int, default=0, help="threads of both (0: torch's default)"
     )
-    parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "bench_llamacpp.json"
-    )
+    parser.add_argument("--out", type=Path, help="default benchmarks/results/llamacpp.json")
     args = parser.parse_args(argv)
     try:
-        import llama_cpp
+        llama_cpp = import_quietly("llama_cpp")
     except ImportError:
         print(
             "llama-cpp-python is not installed: nothing to compare against "
@@ -197,9 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lm = TransformerLM.from_pretrained(args.model)
     else:
         torch.manual_seed(0)
-        lm = TransformerLM(db.QUANT_MODELS[args.shape][0]).eval()
+        lm = TransformerLM(QUANT_MODELS[args.shape][0]).eval()
     prompt = torch.randint(3, int(lm.config.vocab_size or 4), (1, args.prompt))
-    variants = db.quantized_variants(lm, compile=True)
+    variants = quantized_variants(lm, compile=True)
     threads = torch.get_num_threads()
     runners: dict[str, Callable[[int], Any]] = {}
     failures: dict[str, str] = {}
@@ -215,18 +222,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue
             runners[f"llama.cpp {precision}"] = _llama_runner(path, prompt[0].tolist(), threads)
         for name in dict.fromkeys(ours for _, ours in PAIRS):
-
-            def run(n: int, lm: Any = variants[name], c: bool = name.endswith("compile")) -> Any:
-                return lm.generate(prompt, n, eos_token_id=[], compile=c)
-
-            runners[f"attnkit {name}"] = run
-        for name, run in runners.items():
+            runners[f"attnkit {name}"] = functools.partial(
+                _generate, variants[name], prompt, compile=name.endswith("compile")
+            )
+        for name, runner in runners.items():
             print(f"warm-up {name}", file=sys.stderr)
-            run(args.new)
+            runner(args.new)
         rates: dict[str, list[float]] = {k: [] for k in runners}
         for _ in range(args.repeats):
-            for name, run in runners.items():
-                rates[name].append(_step_rate(run, args.new))
+            for name, runner in runners.items():
+                rates[name].append(_step_rate(runner, args.new))
     median = {k: statistics.median(v) for k, v in rates.items()}
     rows = []
     print(
@@ -262,14 +267,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rates": median,
         "threads": threads,
         "load_average_1min_after": os.getloadavg()[0],
-        "machine": platform.processor() or platform.machine(),
         "llama_cpp_python": getattr(llama_cpp, "__version__", "?"),
-        "torch": torch.__version__,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
-    return result
+    return write_report(result, args.out, "llamacpp.json")
 
 
 if __name__ == "__main__":

@@ -7,14 +7,13 @@ fresh child process per measurement (:func:`attnkit.profiling.peak_memory`: ``ma
 peak.
 
 Usage:
-    python benchmarks/bench_attention.py                     # N = 1024 .. 8192
-    python benchmarks/bench_attention.py --seq-lens 512 1024 --repeats 3 --out results.json
+    python -m attnkit.bench.attention                    # N = 1024 .. 8192
+    python -m attnkit.bench.attention --seq-lens 512 1024 --repeats 3 --out results.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnkit
+from attnkit.bench.results import write_report
 from attnkit.profiling import peak_memory, time_interleaved
 
 DIM, HEADS, BATCH = 512, 8, 1
@@ -110,7 +110,7 @@ def peak_memory_child(impl: str, n: int, mode: str) -> None:
 
 
 def measure_peak(impl: str, n: int, mode: str) -> int | None:
-    cmd = [sys.executable, __file__, "--child", impl, str(n), mode]
+    cmd = [sys.executable, "-m", "attnkit.bench.attention", "--child", impl, str(n), mode]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     return int(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else None
 
@@ -125,7 +125,9 @@ def time_side_by_side(n: int, mode: str, impls: list[str], repeats: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.attention", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the textbook forward+backward above this N (its memory is N^2)",
     )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/attention.json"))
+    p.add_argument("--out", type=Path, help="default benchmarks/results/attention.json")
     p.add_argument("--child", nargs=3, metavar=("IMPL", "N", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -183,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{'' if peak is None else f'{peak / 2**20:.0f}':>9}",
                     flush=True,
                 )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2))
-    print(f"wrote {args.out}")
+    write_report({"rows": rows}, args.out, "attention.json")
     return 0
 
 

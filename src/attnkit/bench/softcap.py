@@ -23,18 +23,17 @@ block mask (compiled once per shape before the timed rounds).
 ``softcap.py`` and ``functional.py``, loaded beside the current ones), timed in the same rounds.
 
 Usage:
-    python benchmarks/bench_softcap.py                      # prefill, decode, window
-    python benchmarks/bench_softcap.py --threads 1 --repeats 9 --json results.json
-    python benchmarks/bench_softcap.py --baseline HEAD~3    # before/after in one process
-    python benchmarks/bench_softcap.py --flex --decode      # and compiled FlexAttention
-    python benchmarks/bench_softcap.py --rows 16 32 64 128  # sweep the chunk height
+    python -m attnkit.bench.softcap                      # prefill, decode, window
+    python -m attnkit.bench.softcap --threads 1 --repeats 9 --json results.json
+    python -m attnkit.bench.softcap --baseline HEAD~3    # before/after in one process
+    python -m attnkit.bench.softcap --flex --decode      # and compiled FlexAttention
+    python -m attnkit.bench.softcap --rows 16 32 64 128  # sweep the chunk height
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import statistics
 import subprocess
@@ -43,11 +42,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from attnkit import functional, masks, softcap
+from attnkit.bench.flex import compiled_flex
+from attnkit.bench.results import write_report
 from attnkit.profiling import time_interleaved
 
 CAP = 50.0  # Gemma 2's attn_logit_softcapping
@@ -68,7 +70,7 @@ def load_baseline(rev: str) -> ModuleType:
     Both files are loaded as extra modules (``attnkit._baseline_*``); everything else they
     import is the current package.
     """
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parent  # (git show takes paths from the top level)
     modules = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("softcap", "functional"):
@@ -96,26 +98,9 @@ def _time(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def flex_capped(L: int, S: int, window: int | None) -> Callable[..., torch.Tensor]:
-    """Compiled FlexAttention with the cap as ``score_mod`` over the causal (window) blocks.
-
-    Returns:
-        ``f(q, k, v)``, compiled on its first call.
-    """
-    from torch.nn.attention import flex_attention as fa
-
-    off = S - L  # bottom-right aligned queries, as attend's
-
-    def allowed(b: object, h: object, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        ok = i + off >= j
-        return ok if window is None else ok & (i + off - j < window)
-
-    def capped(s: torch.Tensor, *index: object) -> torch.Tensor:
-        return torch.tanh(s / CAP) * CAP
-
-    blocks = fa.create_block_mask(allowed, None, None, L, S, device="cpu")
-    compiled = torch.compile(fa.flex_attention, dynamic=False)
-    return lambda q, k, v: compiled(q, k, v, score_mod=capped, block_mask=blocks)
+def _capped(score: torch.Tensor, *index: object) -> torch.Tensor:
+    """FlexAttention's ``score_mod`` of the cap."""
+    return torch.tanh(score / CAP) * CAP
 
 
 def case(
@@ -148,7 +133,7 @@ def case(
     if baseline is not None:
         fns["before"] = lambda: baseline.attend(q, k, v, softcap=CAP, **structure)
     if flex:
-        run = flex_capped(L, S, window)
+        run, _ = compiled_flex(q, k, score_mod=_capped, **structure)  # type: ignore[arg-type]
         with torch.no_grad():
             got = run(q, k, v)
             want, _ = functional.attend(q, k, v, softcap=CAP, **structure)  # type: ignore[arg-type]
@@ -185,7 +170,7 @@ def case(
     }
 
 
-def sweep_rows(rows: list[int], L: int, E: int, repeats: int) -> list[dict[str, object]]:
+def sweep_rows(rows: list[int], L: int, E: int, repeats: int) -> list[dict[str, float]]:
     """The chunk height: the capped kernel at each ``rows`` vs the fused kernel, causal L=S."""
     q, k, v = _inputs(L, L, E)
     rules = masks.Structure(causal=True)
@@ -207,7 +192,9 @@ def sweep_rows(rows: list[int], L: int, E: int, repeats: int) -> list[dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.softcap", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--prefill", type=int, nargs="*", default=[256, 512, 1024, 2048])
@@ -219,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="*", help="sweep the chunk height instead")
     p.add_argument("--baseline", metavar="REV", help="also time the capped call of git REV")
     p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
-    p.add_argument("--json", type=Path, default=Path("benchmarks/results/softcap.json"))
+    p.add_argument("--json", type=Path, help="default benchmarks/results/softcap.json")
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -228,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of "
         f"{args.repeats} interleaved rounds"
     )
-    result: dict[str, object] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    result: dict[str, object] = {}
     baseline = None if args.baseline is None else load_baseline(args.baseline)
     result["baseline"] = args.baseline
     if args.rows:
@@ -253,17 +240,17 @@ def main(argv: list[str] | None = None) -> int:
                 reps = args.repeats * (20 if kind == "decode" else 1)
                 textbook = args.textbook and kind != "window" and L <= 2048
                 flex = args.flex and kind != "decode"  # (compiles a graph per step length)
-                row = case(
+                row: dict[str, Any] = case(
                     kind, L, S, E, window=window, repeats=reps, textbook=textbook,
                     baseline=baseline, flex=flex,
                 )  # fmt: skip
                 rows.append(row)
                 tb, before, fx = row["textbook_s"], row["before_ratio"], row["flex_ratio"]
-                per_pair = row["softcap_s"] / row["pairs"] * 1e9  # type: ignore[operator]
+                per_pair = row["softcap_s"] / row["pairs"] * 1e9
                 print(
                     f"{kind:<8} {L:>5} {S:>5} {E:>4} {window or '':>6} "
-                    f"{row['fused_s'] * 1e3:>9.3f} {row['softcap_s'] * 1e3:>10.3f} "  # type: ignore[operator]
-                    f"{row['ratio']:>6.2f} {row['torch_s'] * 1e3:>9.3f} "  # type: ignore[operator]
+                    f"{row['fused_s'] * 1e3:>9.3f} {row['softcap_s'] * 1e3:>10.3f} "
+                    f"{row['ratio']:>6.2f} {row['torch_s'] * 1e3:>9.3f} "
                     f"{row['torch_ratio']:>7.2f} {'' if before is None else f'{before:.2f}':>6} "
                     f"{'' if fx is None else f'{fx:.2f}':>6} "
                     f"{'' if tb is None else f'{tb * 1e3:.2f}':>11} "
@@ -271,9 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
         result["cases"] = rows
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
+    write_report(result, args.json, "softcap.json")
     return 0
 
 

