@@ -2,7 +2,7 @@
 
 FLOPs are checked against torch's own ``FlopCounterMode`` on live attnkit modules (math SDPA
 backend forced, or the meta device). The memory model is checked against measured peak memory in
-``benchmarks/bench_memory.py`` (measurements are not tests).
+``python -m attnkit.bench.memory`` (measurements are not tests).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ Why one span per tile and not several pieces merged by log-sum-exp (FlashAttenti
 ring attention): torch's CPU kernel costs the same per score with or without an additive mask,
 and ``is_causal`` saves nothing at these tile sizes, so splitting a tile into an unmasked and a
 masked piece computes the same number of scores and adds the merge
-(``benchmarks/bench_blockwise.py --variants``). What pays is a small tile height: the band
+(``python -m attnkit.bench.structured --variants``). What pays is a small tile height: the band
 computed per query is ``rows + window`` wide.
 
 Semantics are those of :class:`attnkit.masks.Structure`: query ``i`` sits at key position

@@ -245,7 +245,7 @@ def _pieces(
 #: passed on before the next, so a rank holds a few pieces of key/value (and gradient) blocks
 #: instead of whole blocks; kernel calls take at most twice as many query rows, which bounds
 #: their gradient buffers, so a rank's peak memory stays a fraction of one process's
-#: (``benchmarks/bench_ring.py`` measures it).
+#: (``python -m attnkit.bench.ring`` measures it).
 CHUNK = 512
 
 

@@ -23,7 +23,7 @@ a plan.
 A query that may attend no key gets an output row of exactly zero with zero gradients.
 
 FlexAttention (``torch.nn.attention.flex_attention`` + ``create_block_mask``, compiled) is the
-alternative a user would pick; ``attnkit bench --vs`` and ``benchmarks/bench_blockwise.py
+alternative a user would pick; ``attnkit bench --vs`` and ``python -m attnkit.bench.structured
 --flex`` time it side by side (its first call compiles per shape and mask).
 
 Shape legend: B batch, H query heads, K key/value heads, L query length, S key length,

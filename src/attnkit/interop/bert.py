@@ -41,7 +41,7 @@ __all__ = [
 #: A packed batch's texts (longest first) share one attention call while the longest of the group
 #: is at most this factor longer than the shortest; a shorter text opens the next group. Each group
 #: pads to its own longest text, so a text's attention costs at most ratio^2 times its real work.
-#: 2 keeps the call count low at a small padding cost (``benchmarks/bench_sentence.py --sweep``
+#: 2 keeps the call count low at a small padding cost (``python -m attnkit.bench.sentence --sweep``
 #: measures other ratios).
 GROUP_RATIO = 2.0
 

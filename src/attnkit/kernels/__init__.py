@@ -7,8 +7,9 @@
   one module per kernel family.
 * :mod:`attnkit.kernels.ops`: every ``torch.library`` op, in one place.
 * :mod:`attnkit.kernels.policy`: every choice between kernels, by rule or by a cached
-  measurement (``attnkit kernels`` shows them); :mod:`attnkit.kernels.timing`: the candidates
-  it times.
+  measurement (``attnkit kernels`` shows them), answered with the records of
+  :mod:`attnkit.kernels.plans`; :mod:`attnkit.kernels.tuning`: how a choice is decided, measured
+  and cached; :mod:`attnkit.kernels.timing`: the candidates it times.
 """
 
 from attnkit.kernels import ops as ops  # (registers the ops: compiled graphs call them)
