@@ -18,6 +18,7 @@ and row kernels (docs/guide/kernels.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 
 import torch
@@ -492,7 +493,7 @@ for _dtype, _rule in ((torch.float32, False), (torch.bfloat16, True)):
             (lambda caps: "kernel" if caps.wide_vectors else "reduction")
             if _rule
             else (lambda caps: "reduction"),
-            lambda dtype=_dtype: timing.compiled_row(dtype),
+            functools.partial(timing.compiled_row, _dtype),
             margin=1.05,
         )
     )

@@ -6,6 +6,7 @@ that they are read one after another, as a step's layers read theirs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,7 @@ def compiled_row(dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
         name: torch.compile(fn, fullgraph=True, dynamic=False)
         for name, fn in (("kernel", kernel), ("reduction", reduction))
     }
-    return {name: (lambda fn=fn: fn(x, weights)) for name, fn in compiled.items()}
+    return {name: functools.partial(fn, x, weights) for name, fn in compiled.items()}
 
 
 def fp32_prompt() -> dict[str, Callable[[], Any]]:
@@ -184,7 +185,7 @@ def bf16_structured() -> dict[str, Callable[[], Any]]:
         calls["flash"] = lambda: flash(q, k, v, scale=0.125, causal=True, window=256)
     if tiles is not None:
         for rows in (64, 128, 256):
-            calls[f"tiles-{rows}"] = lambda rows=rows: tiles(q, k, v, rows=rows, window=256)
+            calls[f"tiles-{rows}"] = functools.partial(tiles, q, k, v, rows=rows, window=256)
     return calls
 
 
@@ -195,10 +196,8 @@ def flash_bf16_products() -> dict[str, Callable[[], Any]]:
         return {}
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
-    usable = attention.FLASH_PRODUCTS
+    usable: tuple[str, ...] = attention.FLASH_PRODUCTS
     if not attention.flash_bf16_products_available():
         usable = tuple(p for p in usable if p != "bf16")
-    return {
-        p: lambda p=p: attention.flash_attention(q, k, v, scale=0.125, causal=True, products=p)
-        for p in usable
-    }
+    forward = functools.partial(attention.flash_attention, q, k, v, scale=0.125, causal=True)
+    return {p: functools.partial(forward, products=p) for p in usable}
