@@ -181,12 +181,11 @@ def attend(
         assert softcap is not None
         return _attend_capped(q, k, v, mask, rules, scale, dropout_p, softcap, plan.capped,
                               return_weights)  # fmt: skip
-    B = math.prod(q.shape[:-3])
     tiles = None
-    if plan.path == "flash":
-        tiles = sparse.tile_plan(L, S, rules, B, q.device, plan.rows)
-    elif plan.path == "tiles":  # (None where the dense kernel wins)
-        tiles = sparse.sparse_plan(L, S, rules, B, q.device, plan.rows, backward=plan.call.grads)
+    if plan.path in ("flash", "tiles"):
+        tiles = sparse.tile_plan(L, S, rules, math.prod(q.shape[:-3]), q.device, plan.rows)
+        if plan.path == "tiles":  # (None where the dense kernel wins)
+            tiles = sparse.sparse_plan(tiles, backward=plan.call.grads)
     if tiles is not None:
         out = attend_tiles(q, k, v, tiles, scale=scale, dropout_p=dropout_p, kernels=plan.tiles)
         return out, None
