@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.bench.peers import import_quietly, quiet
-from attnkit.bench.results import write_report
+from attnkit.bench.results import parse_with_threads, write_report
 from attnkit.interop import bert
 from attnkit.profiling import time_interleaved
 
@@ -108,14 +108,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--long-words", type=int, default=400, help="words of the long text")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument(
         "--sweep", action="store_true", help="also time the padded path and other group ratios"
     )
     parser.add_argument("--out", type=Path, help="default benchmarks/results/sentence.json")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_with_threads(parser, argv)
 
     from attnkit.interop import SentenceEncoder
 
