@@ -17,7 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS", "cpu_model", "machine", "parse_with_threads", "write_json", "write_report"]
+__all__ = [
+    "RESULTS",
+    "bench_parser",
+    "cpu_model",
+    "machine",
+    "parse_with_threads",
+    "write_json",
+    "write_report",
+]
 
 #: The folder reports go to by default, relative to the current folder.
 RESULTS = Path("benchmarks") / "results"
@@ -56,6 +64,12 @@ def machine() -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
         "load": load,
     }
+
+
+def bench_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """The command line of ``python -m module``, described by the first line of its ``doc``."""
+    description = doc.splitlines()[0] if doc else None
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=description)
 
 
 def parse_with_threads(

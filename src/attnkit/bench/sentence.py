@@ -19,7 +19,6 @@ and packed runs at other ``GROUP_RATIO`` values (``inf``: one attention call per
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 from collections.abc import Callable
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.bench.peers import import_quietly, quiet
-from attnkit.bench.results import parse_with_threads, write_report
+from attnkit.bench.results import bench_parser, parse_with_threads, write_report
 from attnkit.interop import bert
 from attnkit.profiling import time_interleaved
 
@@ -101,9 +100,7 @@ def _attention_sweep(lengths: list[int], batch_size: int, repeats: int) -> dict[
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="python -m attnkit.bench.sentence", description=__doc__.splitlines()[0]
-    )
+    parser = bench_parser("attnkit.bench.sentence", __doc__)
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--long-words", type=int, default=400, help="words of the long text")
     parser.add_argument("--batch-size", type=int, default=32)

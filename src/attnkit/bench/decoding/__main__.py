@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from attnkit.bench.peers import import_quietly
-from attnkit.bench.results import RESULTS, write_report
+from attnkit.bench.results import RESULTS, bench_parser, write_report
 from attnkit.models import TransformerLM
 from attnkit.profiling import peak_memory, time_call, time_interleaved
 
@@ -58,9 +58,7 @@ def _time_generate(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="python -m attnkit.bench.decoding", description=__doc__.splitlines()[0]
-    )
+    parser = bench_parser("attnkit.bench.decoding", __doc__)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
