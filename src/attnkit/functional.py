@@ -170,31 +170,22 @@ def attend(
             return out, None
     rules, mask, batched = _checked(structure, q, k, mask)
     plan = policy.attention_plan(
-        dtype=q.dtype,
-        device=q.device.type,
-        L=L,
-        S=S,
-        causal=rules.causal,
-        window=rules.window,
+        **_call_fields(q, k, v, rules),
         batched=batched,
         masked=mask is not None,
         weights=return_weights,
         dropout=dropout_p > 0.0,
         softcap=softcap is not None,
-        grads=_grads(q, k, v),
-        eager=(eager := build.eager_cpu(q)),
-        ready=eager and attention_kernels.flash_available(),
     )
     if plan.path == "capped":
         assert softcap is not None
         return _attend_capped(q, k, v, mask, rules, scale, dropout_p, softcap, plan.capped,
                               return_weights)  # fmt: skip
-    B = math.prod(q.shape[:-3])
     tiles = None
-    if plan.path == "flash":
-        tiles = sparse.tile_plan(L, S, rules, B, q.device, plan.rows)
-    elif plan.path == "tiles":  # (None where the dense kernel wins)
-        tiles = sparse.sparse_plan(L, S, rules, B, q.device, plan.rows, backward=plan.call.grads)
+    if plan.path in ("flash", "tiles"):
+        tiles = sparse.tile_plan(L, S, rules, math.prod(q.shape[:-3]), q.device, plan.rows)
+        if plan.path == "tiles":  # (None where the dense kernel wins)
+            tiles = sparse.sparse_plan(tiles, backward=plan.call.grads)
     if tiles is not None:
         out = attend_tiles(q, k, v, tiles, scale=scale, dropout_p=dropout_p, kernels=plan.tiles)
         return out, None
@@ -226,6 +217,24 @@ def _checked(
 
 def _grads(q: Tensor, k: Tensor, v: Tensor) -> bool:  # (will gradients flow from the output?)
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _call_fields(q: Tensor, k: Tensor, v: Tensor, rules: M.Structure) -> dict[str, Any]:
+    """The fields of :class:`~attnkit.kernels.plans.AttentionCall` that every checked call
+    reads alike: the inputs' dtype, device and lengths, the structure's causality and window,
+    whether gradients flow, and where attnkit's kernels may run."""
+    eager = build.eager_cpu(q)
+    return {
+        "dtype": q.dtype,
+        "device": q.device.type,
+        "L": q.shape[-2],
+        "S": k.shape[-2],
+        "causal": rules.causal,
+        "window": rules.window,
+        "grads": _grads(q, k, v),
+        "eager": eager,
+        "ready": eager and attention_kernels.flash_available(),
+    }
 
 
 def _attend_dense(
@@ -388,19 +397,8 @@ def block_sparse_attention(
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     B = math.prod(q.shape[:-3])
     rules, _ = M.checked(structure, L, S, batch=B, mask=None, dtype=q.dtype)
-    eager = build.eager_cpu(q)
     call = policy.AttentionCall(
-        dtype=q.dtype,
-        device=q.device.type,
-        L=L,
-        S=S,
-        causal=rules.causal,
-        window=rules.window,
-        batched=rules.batched,
-        dropout=dropout_p > 0.0,
-        grads=_grads(q, k, v),
-        eager=eager,
-        ready=eager and attention_kernels.flash_available(),
+        **_call_fields(q, k, v, rules), batched=rules.batched, dropout=dropout_p > 0.0
     )
     kernels = policy.tile_kernels(call)
     rows = block_size or policy.tile_rows(L, rules.window, q.dtype)

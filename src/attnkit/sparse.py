@@ -121,23 +121,16 @@ def should_use_block_sparse(
     if S < policy.SPARSE_MIN_KEYS or not (rules.sparse or rules.causal):  # (no plan needed)
         return False
     device = next((t.device for t in (rules.segment_ids, rules.key_lengths) if t is not None), None)
-    return sparse_plan(L, S, rules, B, device, block_size, backward=backward) is not None
+    plan = tile_plan(L, S, rules, B, device, block_size)
+    return sparse_plan(plan, backward=backward) is not None
 
 
-def sparse_plan(
-    L: int,
-    S: int,
-    structure: Structure,
-    B: int,
-    device: torch.device | str | None,
-    block_size: int | None,
-    *,
-    backward: bool,
-) -> TilePlan | None:
-    """:func:`tile_plan`, or None where the policy's
+def sparse_plan(plan: TilePlan, *, backward: bool) -> TilePlan | None:
+    """``plan`` (a :func:`tile_plan`), or None where the policy's
     :func:`~attnkit.kernels.policy.block_sparse` says the dense kernel wins."""
-    plan = tile_plan(L, S, structure, B, device, block_size)
-    worth = policy.block_sparse(L, S, covered=plan.covered, batch=B, backward=backward)
+    worth = policy.block_sparse(
+        plan.L, plan.S, covered=plan.covered, batch=plan.B, backward=backward
+    )
     return plan if worth else None
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnkit
-from attnkit.bench.results import write_report
+from attnkit.bench.results import bench_parser, write_report
 from attnkit.profiling import peak_memory, time_interleaved
 
 DIM, HEADS, BATCH = 512, 8, 1
@@ -125,9 +125,7 @@ def time_side_by_side(n: int, mode: str, impls: list[str], repeats: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m attnkit.bench.attention", description=__doc__.splitlines()[0]
-    )
+    p = bench_parser("attnkit.bench.attention", __doc__)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(

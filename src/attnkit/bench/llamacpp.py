@@ -31,7 +31,6 @@ Prints a table and writes JSON (default ``benchmarks/results/llamacpp.json``).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import statistics
@@ -48,7 +47,7 @@ import torch
 from attnkit.bench.decoding.models import QUANT_MODELS
 from attnkit.bench.peers import import_quietly
 from attnkit.bench.quantization.speed import quantized_variants
-from attnkit.bench.results import write_report
+from attnkit.bench.results import bench_parser, write_report
 from attnkit.models import TransformerLM
 
 PRECISIONS = ("f32", "bf16", "q8_0", "q4_0", "q4_1")
@@ -171,9 +170,7 @@ def _step_rate(run: Callable[[int], Any], new: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        prog="python -m attnkit.bench.llamacpp", description=__doc__.splitlines()[0]
-    )
+    parser = bench_parser("attnkit.bench.llamacpp", __doc__)
     parser.add_argument("--model", type=Path, help="Hugging Face Llama folder (default: random)")
     parser.add_argument("--shape", default="llama-135m", choices=sorted(QUANT_MODELS))
     parser.add_argument("--gguf", action="append", default=[], help="PRECISION=FILE")

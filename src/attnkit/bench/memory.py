@@ -15,7 +15,6 @@ Exits with status 1 when a measurement is off the model by more than ``--toleran
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 import attnkit
-from attnkit.bench.results import write_report
+from attnkit.bench.results import bench_parser, write_report
 from attnkit.complexity import attention_cost
 from attnkit.profiling import peak_memory
 
@@ -64,9 +63,7 @@ def measure(n: int) -> dict[str, float | int | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m attnkit.bench.memory", description=__doc__.splitlines()[0]
-    )
+    p = bench_parser("attnkit.bench.memory", __doc__)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--tolerance", type=float, default=0.25, help="allowed relative error")
     p.add_argument("--out", type=Path, help="default benchmarks/results/memory.json")

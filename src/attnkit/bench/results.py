@@ -8,14 +8,24 @@ is given; the results pages are generated from that folder (:mod:`attnkit.bench.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS", "cpu_model", "machine", "write_json", "write_report"]
+__all__ = [
+    "RESULTS",
+    "bench_parser",
+    "cpu_model",
+    "machine",
+    "parse_with_threads",
+    "write_json",
+    "write_report",
+]
 
 #: The folder reports go to by default, relative to the current folder.
 RESULTS = Path("benchmarks") / "results"
@@ -54,6 +64,27 @@ def machine() -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
         "load": load,
     }
+
+
+def bench_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """The command line of ``python -m module``, described by the first line of its ``doc``."""
+    description = doc.splitlines()[0] if doc else None
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+
+
+def parse_with_threads(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> argparse.Namespace:
+    """``parser``'s arguments from ``argv``, with ``--threads N`` added and applied: torch's
+    intra-op threads for the run (the count :func:`machine` records); unset or 0 leaves torch's
+    choice."""
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:

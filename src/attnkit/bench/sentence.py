@@ -19,7 +19,6 @@ and packed runs at other ``GROUP_RATIO`` values (``inf``: one attention call per
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 from collections.abc import Callable
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.bench.peers import import_quietly, quiet
-from attnkit.bench.results import write_report
+from attnkit.bench.results import bench_parser, parse_with_threads, write_report
 from attnkit.interop import bert
 from attnkit.profiling import time_interleaved
 
@@ -101,21 +100,16 @@ def _attention_sweep(lengths: list[int], batch_size: int, repeats: int) -> dict[
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="python -m attnkit.bench.sentence", description=__doc__.splitlines()[0]
-    )
+    parser = bench_parser("attnkit.bench.sentence", __doc__)
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--long-words", type=int, default=400, help="words of the long text")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument(
         "--sweep", action="store_true", help="also time the padded path and other group ratios"
     )
     parser.add_argument("--out", type=Path, help="default benchmarks/results/sentence.json")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_with_threads(parser, argv)
 
     from attnkit.interop import SentenceEncoder
 

@@ -32,7 +32,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import math
 import statistics
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 
 from attnkit import functional, masks, softcap
 from attnkit.bench.flex import compiled_flex
-from attnkit.bench.results import write_report
+from attnkit.bench.results import bench_parser, parse_with_threads, write_report
 from attnkit.profiling import time_interleaved
 
 CAP = 50.0  # Gemma 2's attn_logit_softcapping
@@ -192,11 +191,8 @@ def sweep_rows(rows: list[int], L: int, E: int, repeats: int) -> list[dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m attnkit.bench.softcap", description=__doc__.splitlines()[0]
-    )
+    p = bench_parser("attnkit.bench.softcap", __doc__)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--prefill", type=int, nargs="*", default=[256, 512, 1024, 2048])
     p.add_argument("--decode", type=int, nargs="*", default=[128, 512, 2048])
     p.add_argument("--windowed", type=int, nargs="*", default=[2048, 4096, 8192])
@@ -207,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", metavar="REV", help="also time the capped call of git REV")
     p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
     p.add_argument("--json", type=Path, help="default benchmarks/results/softcap.json")
-    args = p.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    args = parse_with_threads(p, argv)
     print(
         f"soft-capped attention (c={CAP}) vs fused without cap: fp32, B=1, {HEADS} heads, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of "

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.bench.results import write_report
+from attnkit.bench.results import parse_with_threads, write_report
 from attnkit.functional import block_sparse_attention
 from attnkit.sparse import structured_mask
 
@@ -80,14 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: peak memory of blockwise fwd+bwd at these lengths (documents of N/--docs"
         " at --n, so of equal length at every N)",
     )
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument(
         "--crossover", action="store_true", help="instead: where block-sparse beats dense SDPA"
     )
     p.add_argument("--json", type=Path, help="write the rows here")
-    a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = parse_with_threads(p, argv)
     if a.crossover:
         _write(a.json, "structured_crossover.json", crossover(a.repeats))
         return 0

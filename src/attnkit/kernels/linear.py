@@ -306,15 +306,13 @@ def int4_dot_linear(
         scales: :func:`pack_int4_scales`' scales and offsets (bf16); the group size is ``n``
             over their groups, a multiple of 32.
         out: The weight's output rows.
-        wide: Switch the wide dots on or off first (:func:`int8_wide_dots`); None leaves them.
+        wide: As :func:`int8_dot_linear`'s.
 
     Returns:
         ``(rows, out)``, float32.
 
     Raises:
-        TypeError: For other dtypes.
-        ValueError: For shapes that do not fit, or tensors not on the CPU.
-        RuntimeError: Where the kernel is not available (:func:`kernels_unavailable`).
+        TypeError, ValueError, RuntimeError: As :func:`int8_dot_linear`.
     """
     _check_int4(x, codes, scales, out)
     if wide is not None:

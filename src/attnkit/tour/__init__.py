@@ -10,46 +10,10 @@ own modules.
 Needs matplotlib (the ``viz`` extra) for the figures and tqdm (``lab``) for the training.
 """
 
-from attnkit.tour.claims import (
-    BLOG_ORDER,
-    CHECKS,
-    CLAIMS,
-    ClaimResult,
-    check_causal,
-    check_cost,
-    check_frequencies,
-    check_interpretable,
-    check_permutation,
-    check_qk_norm,
-    check_rope_norm,
-    check_rope_relative,
-    check_saturation,
-    check_scaled_scores,
-    check_sinusoidal_shift,
-    check_softcap,
-    train_tour_model,
-)
+from attnkit.tour import claims
+from attnkit.tour.claims import *  # noqa: F403  (the checks, named once in claims.__all__)
 from attnkit.tour.figures import draw
 from attnkit.tour.report import run_tour
 
-__all__ = [
-    "BLOG_ORDER",
-    "CHECKS",
-    "CLAIMS",
-    "ClaimResult",
-    "check_causal",
-    "check_cost",
-    "check_frequencies",
-    "check_interpretable",
-    "check_permutation",
-    "check_qk_norm",
-    "check_rope_norm",
-    "check_rope_relative",
-    "check_saturation",
-    "check_scaled_scores",
-    "check_sinusoidal_shift",
-    "check_softcap",
-    "draw",
-    "run_tour",
-    "train_tour_model",
-]
+__all__ = ["draw", "run_tour"]
+__all__ += claims.__all__

@@ -50,6 +50,17 @@ def _twin(module: nn.Module, **options: Any) -> nn.Module:
     return twin.eval()
 
 
+def _gain_stats(
+    module: nn.Module, n: int, dim: int, seed: int, gains: Sequence[float], **options: Any
+) -> list[tuple[float, dict[str, float], dict[str, float]]]:
+    """Per gain ``g``, ``g`` and the :func:`_row_stats` of ``module`` (in float64) and of its
+    :func:`_twin` with ``options``, both on the same seeded tokens ``(4, n, dim)`` times ``g``."""
+    module = module.double().eval()
+    plain = _twin(module, **options)
+    x = torch.randn(4, n, dim, generator=seeded(seed), dtype=torch.float64)
+    return [(g, _row_stats(module, g * x), _row_stats(plain, g * x)) for g in gains]
+
+
 def check_softcap(
     capped: Callable[[], nn.Module] | None = None,
     *,
@@ -85,24 +96,19 @@ def check_softcap(
     """
     torch.manual_seed(seed)
     module = MultiHeadAttention(dim, num_heads, softcap=cap) if capped is None else capped()
-    module = module.double().eval()
-    plain = _twin(module)
-    x = torch.randn(4, n, dim, generator=seeded(seed), dtype=torch.float64)
-    rows = []
-    for g in gains:
-        c, u = _row_stats(module, g * x), _row_stats(plain, g * x)
-        rows.append(
-            {
-                "gain": g,
-                "capped_range": c["range"],
-                "capped_max_weight": c["max_weight"],
-                "capped_largest_weight": c["largest"],
-                "capped_zero_weights": c["zero"],
-                "uncapped_range": u["range"],
-                "uncapped_max_weight": u["max_weight"],
-                "uncapped_zero_weights": u["zero"],
-            }
-        )
+    rows = [
+        {
+            "gain": g,
+            "capped_range": c["range"],
+            "capped_max_weight": c["max_weight"],
+            "capped_largest_weight": c["largest"],
+            "capped_zero_weights": c["zero"],
+            "uncapped_range": u["range"],
+            "uncapped_max_weight": u["max_weight"],
+            "uncapped_zero_weights": u["zero"],
+        }
+        for g, c, u in _gain_stats(module, n, dim, seed, gains)
+    ]
     bound = 1 / (1 + (n - 1) * math.exp(-2 * cap))
     within = all(r["capped_range"] <= 2 * cap * (1 + 1e-9) for r in rows)
     below = all(r["capped_largest_weight"] <= bound for r in rows)
@@ -163,20 +169,15 @@ def check_qk_norm(
         )
     else:
         module = normed()
-    module = module.double().eval()
-    plain = _twin(module, bias=False)
-    x = torch.randn(4, n, dim, generator=seeded(seed), dtype=torch.float64)
-    rows = []
-    for g in gains:
-        normed_row, plain_row = _row_stats(module, g * x), _row_stats(plain, g * x)
-        rows.append(
-            {
-                "gain": g,
-                "normed_std": normed_row["std"],
-                "normed_range": normed_row["range"],
-                "plain_std": plain_row["std"],
-            }
-        )
+    rows = [
+        {
+            "gain": g,
+            "normed_std": normed_row["std"],
+            "normed_range": normed_row["range"],
+            "plain_std": plain_row["std"],
+        }
+        for g, normed_row, plain_row in _gain_stats(module, n, dim, seed, gains, bias=False)
+    ]
     stds = [r["normed_std"] for r in rows]
     flat = max(stds) / min(stds) - 1
     bounded = all(r["normed_range"] <= 2 * math.sqrt(E) * (1 + 1e-9) for r in rows)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from attnkit.bench.peers import import_quietly
-from attnkit.bench.results import RESULTS, write_report
+from attnkit.bench.results import RESULTS, bench_parser, write_report
 from attnkit.models import TransformerLM
 from attnkit.profiling import peak_memory, time_call, time_interleaved
 
@@ -58,9 +58,7 @@ def _time_generate(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="python -m attnkit.bench.decoding", description=__doc__.splitlines()[0]
-    )
+    parser = bench_parser("attnkit.bench.decoding", __doc__)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
@@ -298,6 +296,15 @@ def vs_hf(args: argparse.Namespace) -> dict[str, Any]:
     return write_report(report, args.out, "decode_vs_hf.json")
 
 
+_MEDIANS = "medians of interleaved runs"
+
+
+def _cell(row: dict[str, Any], key: str, spec: str, *, scale: float = 1.0) -> str:
+    """``row[key]`` (times ``scale``) formatted by ``spec`` for a table, or ``"-"`` where the row
+    has no such entry."""
+    return format(scale * row[key], spec) if key in row else "-"
+
+
 def decode_rows_table(args: argparse.Namespace) -> dict[str, Any]:
     """``--rows``: the decoding rows and targets, printed and written as JSON."""
     from attnkit.bench.decoding.rows import decode_rows
@@ -308,16 +315,14 @@ def decode_rows_table(args: argparse.Namespace) -> dict[str, Any]:
         compile=not args.no_compile,
         progress=lambda msg: print(f"  {msg}", flush=True),
     )
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of interleaved runs"
-    )
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {_MEDIANS}")
     head = (
         f"{'model':<11} {'variant':<21} {'tok/s':>7} {'step tok/s':>10} {'x hf':>6} {'of bound':>8}"
     )
     print(head)
     for r in report["rows"]:
-        bound = f"{r['of_fp32_bound']:.0%}" if "of_fp32_bound" in r else "-"
-        vs = f"{r['vs_transformers']:.2f}" if "vs_transformers" in r else "-"
+        bound = _cell(r, "of_fp32_bound", ".0%")
+        vs = _cell(r, "vs_transformers", ".2f")
         print(
             f"{r['model']:<11} {r['variant']:<21} {r['tokens_per_s']:>7.1f} "
             f"{r['step_tokens_per_s']:>10.1f} {vs:>6} {bound:>8}"
@@ -343,15 +348,13 @@ def batched_table(args: argparse.Namespace) -> dict[str, Any]:
         )
         for name in args.models
     ]
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of interleaved runs"
-    )
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {_MEDIANS}")
     print(
         f"{'model':<11} {'variant':<16} {'batch':>5} {'tok/s':>8} {'x hf':>6} {'same':>5}  target"
     )
     for report in reports:
         for r in report["rows"]:
-            vs = f"{r['vs_transformers']:.2f}" if "vs_transformers" in r else "-"
+            vs = _cell(r, "vs_transformers", ".2f")
             verdict = ""
             if "met" in r:
                 short = max(0.0, 1 - r["vs_transformers"] / r["target"])
@@ -380,8 +383,8 @@ def prefill_table(args: argparse.Namespace) -> dict[str, Any]:
     )
     print(f"{'dtype':<9} {'prompt':>6} {'attnkit ms':>11} {'hf ms':>8} {'x hf':>6} {'x fp32':>7}")
     for r in result["rows"]:
-        hf_ms = f"{1e3 * r['transformers_s']:.0f}" if "transformers_s" in r else "-"
-        vs = f"{r['vs_transformers']:.2f}" if "vs_transformers" in r else "-"
+        hf_ms = _cell(r, "transformers_s", ".0f", scale=1e3)
+        vs = _cell(r, "vs_transformers", ".2f")
         print(
             f"{r['dtype']:<9} {r['prompt']:>6} {1e3 * r['attnkit_s']:>11.0f} {hf_ms:>8} "
             f"{vs:>6} {r.get('vs_fp32', 1.0):>7.2f}"

@@ -47,7 +47,7 @@ import torch
 
 from attnkit.bench import quantization as bq
 from attnkit.bench.decoding.models import QUANT_MODELS
-from attnkit.bench.results import RESULTS, write_report
+from attnkit.bench.results import RESULTS, bench_parser, write_report
 from attnkit.models import TransformerLM
 from attnkit.quantize import default_int8_kernel, int8_kernels, quantize
 
@@ -255,9 +255,7 @@ def print_speed(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        prog="python -m attnkit.bench.quantization", description=__doc__.splitlines()[0]
-    )
+    parser = bench_parser("attnkit.bench.quantization", __doc__)
     parser.add_argument("--model", action="append", default=[], help="a decoder folder")
     parser.add_argument("--lm-dir", default=str(RESULTS / "quantize_lm"))
     parser.add_argument("--retrain", action="store_true")

@@ -135,6 +135,17 @@ static inline __m256i round16(__m256 a, __m256 b) {
   return _mm256_permute4x64_epi64(_mm256_packus_epi32(hx, hy), 0xD8);
 }
 
+/* exp_bf16's elements from j on, one at a time: added to sum, which is returned. */
+static inline float exp_bf16_tail(const float *src, uint16_t *dst, int64_t j, int64_t n,
+                                  float shift, float sum) {
+  for (; j < n; j++) {
+    const float e = exp1(src[j] - shift);
+    dst[j] = float_to_bf16(e);
+    sum += e;
+  }
+  return sum;
+}
+
 /* dst[j] = exp(src[j] - shift) rounded to bf16 for n values; returns the sum of the float32
  * exponentials (exp_shifted's, without writing them back). */
 static inline float exp_bf16(const float *src, uint16_t *dst, int64_t n, float shift) {
@@ -147,13 +158,7 @@ static inline float exp_bf16(const float *src, uint16_t *dst, int64_t n, float s
     _mm256_storeu_si256((__m256i *)(dst + j), round16(e0, e1));
     total = _mm256_add_ps(total, _mm256_add_ps(e0, e1));
   }
-  float sum = lanes_sum(total);
-  for (; j < n; j++) {
-    const float e = exp1(src[j] - shift);
-    dst[j] = float_to_bf16(e);
-    sum += e;
-  }
-  return sum;
+  return exp_bf16_tail(src, dst, j, n, shift, lanes_sum(total));
 }
 
 #define WIDE __attribute__((target("avx512f")))
@@ -192,13 +197,7 @@ WIDE static float exp_bf16_wide(const float *src, uint16_t *dst, int64_t n, floa
     _mm256_storeu_si256((__m256i *)(dst + j), _mm512_cvtepi32_epi16(h));
     total = _mm512_add_ps(total, e);
   }
-  float sum = _mm512_reduce_add_ps(total);
-  for (; j < n; j++) {
-    const float e = exp1(src[j] - shift);
-    dst[j] = float_to_bf16(e);
-    sum += e;
-  }
-  return sum;
+  return exp_bf16_tail(src, dst, j, n, shift, _mm512_reduce_add_ps(total));
 }
 
 typedef float (*exp_bf16_fn)(const float *src, uint16_t *dst, int64_t n, float shift);
