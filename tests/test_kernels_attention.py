@@ -227,6 +227,26 @@ def test_capped_attention_keeps_non_finite_scores_in_their_row_and_gets_clear_er
         attention.capped_attention(q, k, v, softcap=1.0, scale=1.0, window=0)
 
 
+def _flash_reference(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None, first: int | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The float64 attention (scale 0.3, two query heads per key/value head) of ``q, k, v`` under
+    the causal/window rules with queries at ``first`` (None: aligned to the keys' end): the
+    output, the masked scores and which pairs may attend."""
+    L, S = q.shape[-2], k.shape[-2]
+    at = torch.arange(L)[:, None] + (S - L if first is None else first)
+    j = torch.arange(S)[None, :]
+    ok = torch.ones(L, S, dtype=torch.bool)
+    if causal:
+        ok &= j <= at
+    if window is not None:
+        ok &= (at - j).abs() < window
+    kk, vv = (t.double().repeat_interleave(2, 1) for t in (k, v))
+    scores = (q.double() @ kk.transpose(-1, -2) * 0.3).masked_fill(~ok, -torch.inf)
+    want = torch.softmax(scores, -1).nan_to_num(nan=0.0) @ vv
+    return want, scores, ok
+
+
 @needs_capped
 @pytest.mark.parametrize(
     ("L", "S", "causal", "window", "first"),
@@ -247,16 +267,7 @@ def test_flash_attention_and_its_backward_follow_float64(
     k = (2 * torch.randn(2, 2, S, 16, generator=gen)).requires_grad_()  # grouped-query heads
     v = torch.randn(2, 2, S, 12, generator=gen).requires_grad_()
     grad_out = torch.randn(2, 4, L, 12, generator=gen)
-    at = torch.arange(L)[:, None] + (S - L if first is None else first)
-    j = torch.arange(S)[None, :]
-    ok = torch.ones(L, S, dtype=torch.bool)
-    if causal:
-        ok &= j <= at
-    if window is not None:
-        ok &= (at - j).abs() < window
-    kk, vv = (t.double().repeat_interleave(2, 1) for t in (k, v))
-    scores = (q.double() @ kk.transpose(-1, -2) * 0.3).masked_fill(~ok, -torch.inf)
-    want = torch.softmax(scores, -1).nan_to_num(nan=0.0) @ vv
+    want, scores, ok = _flash_reference(q, k, v, causal, window, first)
     grads = torch.autograd.grad((want * grad_out.double()).sum(), (q, k, v))
     rows = ok.any(-1)
     want_lse = torch.logsumexp(scores, -1)
@@ -313,16 +324,7 @@ def _bf16_case(
     q = (2 * torch.randn(2, 4, L, E, generator=gen)).bfloat16()
     k = (2 * torch.randn(2, 2, S, E, generator=gen)).bfloat16()
     v = torch.randn(2, 2, S, Ev, generator=gen).bfloat16()
-    at = torch.arange(L)[:, None] + (S - L if first is None else first)
-    j = torch.arange(S)[None, :]
-    ok = torch.ones(L, S, dtype=torch.bool)
-    if causal:
-        ok &= j <= at
-    if window is not None:
-        ok &= (at - j).abs() < window
-    kk, vv = (t.double().repeat_interleave(2, 1) for t in (k, v))
-    scores = (q.double() @ kk.transpose(-1, -2) * 0.3).masked_fill(~ok, -torch.inf)
-    want = torch.softmax(scores, -1).nan_to_num(nan=0.0) @ vv
+    want, scores, ok = _flash_reference(q, k, v, causal, window, first)
     return q, k, v, want, torch.logsumexp(scores, -1), ok.any(-1)
 
 
