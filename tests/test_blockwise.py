@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from attnkit.blockwise import TileRun, attend_runs, plan_runs
 from attnkit.functional import block_sparse_attention
+from attnkit.functional import scaled_dot_product_attention as sdpa
 from attnkit.kernels import attention as attention_kernels
 from attnkit.kernels import build, policy
 from attnkit.kernels.probe import capabilities
@@ -460,12 +461,41 @@ def test_bf16_forward_takes_the_policys_kernel(monkeypatch, option):
         pytest.skip(f"attnkit's flash kernel does not run here: {build.kernels_unavailable()}")
     monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_STRUCTURED", option)
     q = torch.randn(1, 2, 64, 16, dtype=torch.bfloat16)
-    assert attnkit_flash(q) is (option == "flash")  # no gradients: the measured choice
+    windowed = call_of(q, window=32)
+    assert policy.flash_kernel(windowed) is (option == "flash")  # no gradients: the measured choice
     rows = 64 if option == "flash" else int(option.split("-")[1])
     assert policy.tile_rows(4096, 256, torch.bfloat16) == rows
     wants = q.clone().requires_grad_()  # gradients: attnkit's where the CPU has no bf16 units
     assert attnkit_flash(wants) is not native_low_precision(torch.bfloat16)
     assert attnkit_flash(q.float())
+
+
+@pytest.mark.parametrize("option", ["flash", "torch"])
+def test_a_bf16_causal_forward_takes_the_policys_kernel(monkeypatch, option):
+    # Plain causal bf16 has its own measured choice (no band to skip); an override pins it.
+    if not attention_kernels.flash_available():
+        pytest.skip(f"attnkit's flash kernel does not run here: {build.kernels_unavailable()}")
+    monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_CAUSAL", option)
+    monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_STRUCTURED", "tiles-64")
+    q = torch.randn(1, 2, 64, 16, dtype=torch.bfloat16)
+    assert attnkit_flash(q) is (option == "flash")
+    assert not policy.flash_kernel(call_of(q, window=32))  # (windows ask the other choice)
+    k, v = torch.randn(1, 2, 64, 16, dtype=torch.bfloat16), torch.randn(1, 2, 64, 16).bfloat16()
+    out = sdpa(q, k, v, causal=True)
+    want, _ = reference_attention(q, k, v, loop_mask(64, 64, causal=True))
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_causal_candidates_compute_the_causal_forward():
+    calls = policy.choices()["attention.bf16_causal"].candidates()
+    g = torch.Generator().manual_seed(0)  # (the candidates' inputs)
+    q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
+    ref, _ = reference_attention(q, k, v, loop_mask(1024, 1024, causal=True))
+    assert "torch" in calls
+    for call in calls.values():
+        out = call()
+        out = out[0] if isinstance(out, tuple) else out
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_bf16_structured_rule_and_candidates():

@@ -200,9 +200,10 @@ def flash_kernel(call: AttentionCall) -> bool:
     """Whether attnkit's flash kernels (forward and backward) should compute ``call`` rather than
     torch's flash kernel: where they may run (:attr:`AttentionCall.eager` and
     :attr:`AttentionCall.ready`), in float32 always (they skip finer blocks of a causal or
-    windowed structure than torch's kernel), in bfloat16 by :func:`bf16_structured` (they widen
-    bf16 blocks to float32 and multiply in float32, which wins where the CPU has no bf16 units
-    and loses where torch's kernel runs on them)."""
+    windowed structure than torch's kernel), in bfloat16 by the measured choices
+    ``attention.bf16_causal`` (plain causal) and :func:`bf16_structured` (windows, documents):
+    which kernel multiplies bf16 faster depends on the CPU's bf16 units, and a band skips more
+    work than a whole causal prefix."""
     if not (call.eager and call.ready):
         return False
     if call.dtype == torch.float32:
@@ -211,6 +212,8 @@ def flash_kernel(call: AttentionCall) -> bool:
         return False
     if call.grads:
         return not torch_low_precision(torch.bfloat16, backward=True)
+    if call.window is None and not call.batched:  # (whole causal prefixes: no band to skip)
+        return choose("attention.bf16_causal") == "flash"
     return bf16_structured(call.window)[0] == "flash"
 
 
@@ -307,6 +310,17 @@ def bf16_structured(window: int | None = None) -> tuple[str, int]:
     return "tiles", int(option.split("-")[1])
 
 
+register(
+    Choice(
+        "attention.bf16_causal",
+        ("flash", "torch"),
+        "A bfloat16 causal forward without a window: attnkit's flash kernel or torch's fused "
+        "kernel. A whole causal prefix leaves attnkit's finer blocks little to skip, so which "
+        "wins depends on how each multiplies bf16 on this CPU.",
+        lambda caps: "torch" if caps.matrix_tiles else "flash",
+        timing.bf16_causal,
+    )
+)
 register(
     Choice(
         "attention.flash_bf16_products",

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from attnkit.kernels import attention, build, linear, rows
 
 __all__ = [
+    "bf16_causal",
     "bf16_prompt",
     "bf16_structured",
     "compiled_row",
@@ -201,3 +202,17 @@ def flash_bf16_products() -> dict[str, Callable[[], Any]]:
         usable = tuple(p for p in usable if p != "bf16")
     forward = functools.partial(attention.flash_attention, q, k, v, scale=0.125, causal=True)
     return {p: functools.partial(forward, products=p) for p in usable}
+
+
+def bf16_causal() -> dict[str, Callable[[], Any]]:
+    """A bfloat16 causal forward (1024 queries, 4 heads of 64) on attnkit's flash kernel and on
+    torch's fused kernel."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
+    calls: dict[str, Callable[[], Any]] = {
+        "torch": functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True)
+    }
+    flash = _ATTENTION_KERNELS.get("flash")
+    if flash is not None:
+        calls["flash"] = functools.partial(flash, q, k, v, scale=0.125, causal=True)
+    return calls
