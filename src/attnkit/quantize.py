@@ -3,96 +3,74 @@
 Decoding one token reads every weight once, so on a CPU it runs at the read bandwidth divided by
 the weight bytes: int8 weights read a quarter of fp32's bytes, int4 an eighth. :func:`quantize`
 replaces each plain linear of a model (``nn.Linear`` or :class:`attnkit.decoding.PreparedLinear`)
-by an :class:`Int8Linear` (one scale per output channel) or an :class:`Int4Linear` (an asymmetric
-scale and offset per group of input channels); the model's own forward runs them, so generation,
-``return_weights`` and the explorer work unchanged (attention weights, norms and embeddings are not
-quantized). A tied output head gets a quantized copy of the embedding (``lm_head``) while the lookup
-keeps the full-precision table.
+by a quantized linear of :mod:`attnkit.quantized`; the model's own forward runs them, so
+generation, ``return_weights`` and the explorer work unchanged (attention weights, norms and
+embeddings are not quantized). A tied output head gets a quantized copy of the embedding
+(``lm_head``) while the lookup keeps the full-precision table.
 
-Kernels. An :class:`Int8Linear` multiplies with one of four (``int8_kernel=``); the default is
-the policy's choice (:func:`default_int8_kernel`: choice ``linear.int8`` of
-:mod:`attnkit.kernels.policy`, measured once per machine and cached, so every load of a model
-gives the same layers); ``int8_kernel="auto"`` instead times the candidates per shape
-(:func:`choose_int8_kernel`):
+Layouts (``layout=``):
 
-* ``"attnkit"`` (its former name is still accepted):
-  :func:`attnkit.kernels.linear.int8_dot_linear`, attnkit's own kernel of integer dot products,
-  for the rows :func:`attnkit.kernels.policy.int8_kernel_rows` gives it (decoding and small
-  batches; every row without gradients where its wide dots run); activations rounded to int8 per
-  block of 32 inputs (as llama.cpp's ``q8_0`` dot); inputs a multiple of 32. It streams the codes
-  at about the read bandwidth. More rows (a prompt) multiply the dequantized weight by the
-  activations rounded the same way (:func:`attnkit.kernels.linear.round_activations`), so the
-  result does not depend on the row count beyond float32 summation order. Compiled graphs call it
-  as one op (``attnkit::int8_dot_linear``).
-* ``"fbgemm"``: torch's dynamic quantized linear on fbgemm's prepacked weight (the only copy
-  of the codes; see :class:`Int8Linear`): each call quantizes the activations to 7-bit integers
-  (one asymmetric scale per row). Compiled graphs call it as one opaque op
-  (``attnkit::int8_fbgemm_linear``).
-* ``"int8pack"``: ``torch._weight_int8pack_mm`` with bf16 activations (input sizes it takes,
-  :func:`attnkit.kernels.policy.int8pack_takes`). Where the CPU has no bf16 units it converts as
-  it goes. One row inside a compiled graph is a streaming float32 reduction over the int8 bytes
-  instead.
-* ``"dequantize"``: the float product with the dequantized weight (other devices, other sizes).
+* ``"channel"`` (int8): :class:`Int8Linear`, one scale per output channel; its kernels
+  (``int8_kernel=``) are described in :mod:`attnkit.quantized.int8`.
+* ``"q8_0"`` (int8), ``"q4_1"`` and ``"q4_0"`` (int4): :class:`BlockLinear`, GGUF's block layouts,
+  one f16 scale (``q4_1``: and minimum) per group of 32 inputs (int4: ``group_size``), float32
+  activations: the layer computes the float product of its dequantized weight.
+* ``"grouped"`` (int4): :class:`Int4Linear`, an asymmetric bf16 scale and offset per group,
+  activations rounded to int8 per block of 32 for integer dots: faster where integer dots
+  outrun float ones, less exact (an explicit choice of speed over exactness).
+* ``"auto"`` (the default): int8 takes ``"channel"`` for a layer whose per-channel weight gives
+  a relative output error on a probe input (:func:`layer_error`) of at most
+  :data:`CHANNEL_TOLERANCE`, else ``"q8_0"`` where that is more exact (one scale per channel
+  loses precision where a row holds outliers); int4 takes
+  :data:`INT4_DEFAULT_LAYOUT`.
 
-Int4 runs attnkit's own kernel (:func:`attnkit.kernels.linear.int4_dot_linear`; the policy's
-choice ``linear.int4``): the codes packed two to a byte, multiplied in integers by the activations
-rounded as for ``"attnkit"`` (torch's CPU int4 kernel converts its codes to floats).
-``attnkit bench`` measures the candidates per matrix of a model and the decode steps against fp32
-and bf16.
+A layer whose inputs no block or group divides falls back to ``"channel"`` int8.
+``attnkit bench`` and ``python -m attnkit.bench.quantization`` measure each layout's quality and
+speed.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-import weakref
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.decoding import PreparedLinear, linear
-from attnkit.kernels import policy
-from attnkit.kernels.build import kernels_available
-from attnkit.kernels.linear import (
-    INT8_DOT_BLOCK,
-    fbgemm_engine,
-    fbgemm_inputs,
-    fbgemm_pack,
-    fbgemm_product,
-    group_codes,
-    int4_dot_linear,
-    int4_product,
-    int8_dot_linear,
-    int8_product,
-    int8_round_rows,
-    int8_scales,
-    pack_int4,
-    pack_int4_scales,
-    register_packed,
-    release_packed,
-    round_activations,
-    rows_per_block,
-    ungroup_codes,
-    unpack_int4,
-    unpack_int4_scales,
-)
+from attnkit.decoding import PreparedLinear
 from attnkit.kernels.probe import last_level_cache_bytes  # (re-exported)
 from attnkit.profiling import time_calls  # (re-exported: quantize.time_calls)
+from attnkit.quantized import (
+    BLOCK_LAYOUTS,
+    INT8_KERNELS,
+    BlockLinear,
+    Int4Linear,
+    Int8Kernel,
+    Int8Linear,
+    choose_int8_kernel,
+    default_int8_kernel,
+    int8_kernel_seconds,
+    int8_kernels,
+)
+from attnkit.quantized.base import GROUP_SIZES
 
 __all__ = [
+    "BLOCK_LAYOUTS",
+    "CHANNEL_TOLERANCE",
+    "INT4_DEFAULT_LAYOUT",
     "INT8_KERNELS",
+    "LAYOUTS",
     "MODES",
+    "BlockLinear",
     "Int4Linear",
     "Int8Linear",
+    "Layout",
     "Mode",
     "choose_int8_kernel",
     "default_int8_kernel",
     "int8_kernel_seconds",
     "int8_kernels",
     "last_level_cache_bytes",
+    "layer_error",
     "quantize",
     "quantize_linear",
     "time_calls",
@@ -100,598 +78,39 @@ __all__ = [
 
 Mode = Literal["int8", "int4"]
 MODES: tuple[Mode, ...] = ("int8", "int4")
-GROUP_SIZES = (256, 128, 64, 32)
-#: The ways an :class:`Int8Linear` multiplies (see the module's docstring); ``"auto"`` measures.
-INT8_KERNELS = policy.INT8_KERNELS
-Int8Kernel = Literal["default", "auto", "attnkit", "fbgemm", "int8pack", "dequantize"]
+Layout = Literal["auto", "channel", "q8_0", "q4_0", "q4_1", "grouped"]
+#: The layouts each mode takes (see the module's docstring).
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "int8": ("auto", "channel", "q8_0"),
+    "int4": ("auto", "q4_1", "q4_0", "grouped"),
+}
+#: Largest relative output error (Frobenius norm, on :func:`layer_error`'s probe) at which
+#: ``layout="auto"`` keeps an int8 layer per channel rather than in 32-input blocks.
+CHANNEL_TOLERANCE = 0.01
+#: The int4 layout ``layout="auto"`` takes.
+INT4_DEFAULT_LAYOUT = "grouped"
+#: Rows of the probe input :func:`layer_error` multiplies.
+PROBE_ROWS = 32
 
 
-def _finish(layer: Any, y: Tensor, x: Tensor, shape: torch.Size) -> Tensor:
-    """A quantized layer's rows ``y`` in the input's dtype, its bias added, the input's shape."""
-    y = y.to(x.dtype)
-    if layer.bias is not None:
-        y = y + layer.bias.to(x.dtype)
-    return y.reshape(*shape[:-1], layer.out_features)
-
-
-def _frozen(t: Tensor) -> nn.Parameter:
-    """``t`` (not copied) as a parameter without gradients: how quantized layers hold their codes
-    and scales. A compiled step checks a parameter's guards only where they tell graphs apart, a
-    buffer's on every call (dynamo's rule), a share of a small model's step. torchao's quantized
-    weights are parameters too."""
-    return nn.Parameter(t, requires_grad=False)
-
-
-def _describe(layer: Any, kind: str) -> str:
-    return (
-        f"in_features={layer.in_features}, out_features={layer.out_features}, "
-        f"bias={layer.bias is not None}, {kind}"
-    )
-
-
-class Int8Linear(nn.Module):
-    """A linear whose weight is int8 with one float32 scale per output channel.
-
-    ``weight ≈ codes * scale[:, None]`` (symmetric, round to nearest, scale ``max|row| / 127``).
-    The bias, if any, keeps its dtype. Build it with :meth:`from_linear`; ``kernel`` names how it
-    multiplies (:data:`INT8_KERNELS`; see the module's docstring).
-
-    The codes are stored once: in ``weight_int8`` (in the ``"attnkit"`` kernel's order with that
-    kernel, :func:`attnkit.kernels.linear.group_codes`), or, with the ``"fbgemm"`` kernel, in
-    fbgemm's prepacked copy (:meth:`codes` gives them row-major either way). fbgemm pads the inputs
-    of its packed weight to a multiple of 512 (its cache block), so where ``in_features`` is larger
-    and not a multiple, only the leading multiple is packed and ``weight_int8`` keeps the remaining
-    inputs' codes (``(out, in % 512)``, multiplied by ``torch._weight_int8pack_mm`` where it takes
-    them); otherwise it is empty. Either way the state dict holds ``weight_int8`` with all the
-    codes, row-major, so a state dict saved from a layer with one kernel loads into a layer with any
-    other.
-
-    Shape: ``(*, in_features) -> (*, out_features)``, in the input's dtype.
-    """
-
-    weight_int8: Tensor
-    scale: Tensor
-    scale_bf16: Tensor
-    fbgemm_handle: Tensor
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        # Codes and scales are parameters without gradients (see _frozen), in the state dict.
-        self.weight_int8 = _frozen(torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.scale = _frozen(torch.ones(out_features))
-        # The scales the int8 kernel reads (it takes them in the activations' dtype).
-        self.register_buffer(
-            "scale_bf16", torch.ones(out_features, dtype=torch.bfloat16), persistent=False
-        )
-        # Which prepacked weight a compiled graph's fbgemm call reads (a tensor, so that graphs
-        # of models of the same shape are shared; -1: none).
-        self.register_buffer(
-            "fbgemm_handle", torch.tensor(-1, dtype=torch.long, device="cpu"), persistent=False
-        )
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.kernel = "dequantize"
-        self._packed: Any = None  # fbgemm's prepacked weight (kernel "fbgemm")
-
-    @classmethod
-    @torch.no_grad()
-    def from_weight(
-        cls, weight: Tensor, bias: Tensor | None = None, *, kernel: Int8Kernel = "default"
-    ) -> Int8Linear:
-        """Quantize ``weight`` ``(out, in)`` (any float dtype) per output channel.
-
-        ``kernel="default"`` is :func:`default_int8_kernel`'s choice for the shape (the same on
-        every run on a machine); ``kernel="auto"`` takes :func:`choose_int8_kernel`'s measured
-        choice.
-
-        Raises:
-            ValueError: A weight that is not 2-D float, an unknown ``kernel``, or one that
-                cannot run this weight (:func:`int8_kernels`).
-        """
-        if weight.dim() != 2 or not weight.is_floating_point():
-            raise ValueError(
-                f"Int8Linear needs a 2-D float weight, got shape {tuple(weight.shape)} "
-                f"and dtype {weight.dtype}"
-            )
-        out_features, in_features = weight.shape
-        usable = int8_kernels(in_features, weight.device)
-        kernel = policy.int8_kernel_name(kernel)  # type: ignore[assignment]
-        if kernel == "default":
-            kernel = default_int8_kernel(in_features, weight.device)  # type: ignore[assignment]
-        elif kernel == "auto":
-            kernel = choose_int8_kernel(in_features, out_features, weight.device)  # type: ignore[assignment]
-        elif kernel not in usable:
-            raise ValueError(
-                f"kernel {kernel!r} cannot run a {in_features}-input weight on "
-                f"{weight.device}; usable: {usable}"
-            )
-        weight = weight.detach()
-        scale = int8_scales(weight)
-        if kernel == "fbgemm":  # (packed a block of rows at a time: no whole int8 copy)
-            new = cls._empty(in_features, out_features, scale, bias, kernel)
-            new._set_packed(functools.partial(int8_round_rows, weight, scale))
-            return new
-        if kernel == "attnkit":  # (rounded and put in the kernel's order a block of rows at a time)
-            new = cls._empty(in_features, out_features, scale, bias, kernel)
-            new.weight_int8 = _frozen(torch.empty(out_features, in_features, dtype=torch.int8))
-            step = max(4, rows_per_block(in_features) // 4 * 4)  # (whole groups of four)
-            for start in range(0, out_features, step):
-                codes = int8_round_rows(weight, scale, start, start + step)
-                new.weight_int8[start : start + step] = group_codes(codes)
-            return new
-        codes = int8_round_rows(weight, scale, 0, out_features)
-        return cls.from_codes(codes, scale, bias, kernel=kernel)  # type: ignore[arg-type]
-
-    @classmethod
-    def from_codes(
-        cls,
-        codes: Tensor,
-        scale: Tensor,
-        bias: Tensor | None = None,
-        *,
-        kernel: str = "dequantize",
-    ) -> Int8Linear:
-        """The layer of int8 ``codes`` ``(out, in)`` and float32 ``scale`` ``(out,)``,
-        multiplying with ``kernel`` (one of :func:`int8_kernels`). ``codes`` are kept (not
-        copied), except with ``"fbgemm"``, which keeps only its prepacked copy of them, and
-        ``"attnkit"``, which keeps them in its kernel's order
-        (:func:`attnkit.kernels.linear.group_codes`)."""
-        kernel = policy.int8_kernel_name(kernel)
-        if kernel not in INT8_KERNELS:
-            raise ValueError(f"kernel must be one of {INT8_KERNELS}, got {kernel!r}")
-        out_features, in_features = codes.shape
-        new = cls._empty(in_features, out_features, scale, bias, kernel)
-        if kernel == "fbgemm":
-            new._set_packed(lambda start, stop: codes[start:stop])
-        elif kernel == "attnkit":
-            new.weight_int8 = _frozen(group_codes(codes))
-        else:
-            new.weight_int8 = _frozen(codes)
-        return new
-
-    @classmethod
-    def _empty(
-        cls, in_features: int, out_features: int, scale: Tensor, bias: Tensor | None, kernel: str
-    ) -> Int8Linear:
-        """The layer with its scales, bias and kernel, before its codes are set."""
-        with torch.device("meta"):  # (the buffers are replaced: no zeros to fill)
-            new = cls(in_features, out_features, bias=False)
-        new.scale = _frozen(scale)
-        new.scale_bf16 = new.scale.to(torch.bfloat16)
-        new.fbgemm_handle = torch.tensor(-1)
-        new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
-        new.kernel = kernel
-        return new
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, *, kernel: Int8Kernel = "default") -> Int8Linear:
-        """Quantize ``linear``'s weight; its bias is kept as it is."""
-        return cls.from_weight(linear.weight, linear.bias, kernel=kernel)
-
-    def _set_packed(self, rows: Callable[[int, int], Tensor]) -> None:
-        """Keep the int8 codes as fbgemm's prepacked copies of the leading inputs, in blocks of
-        rows (so the codes never exist twice whole), and the other inputs' in ``weight_int8``.
-
-        Args:
-            rows: ``rows(start, stop)`` gives the codes of rows ``start:stop``, ``(rows, in)``.
-        """
-        main = fbgemm_inputs(self.in_features)
-        step = _pack_rows(main)
-        rest = self.in_features - main
-        self.weight_int8 = _frozen(torch.empty(self.out_features, rest, dtype=torch.int8))
-        packed = []
-        for start in range(0, self.out_features, step):
-            codes = rows(start, start + step)
-            packed.append(
-                fbgemm_pack(codes[:, :main].contiguous(), self.scale[start : start + step])
-            )
-            self.weight_int8[start : start + step] = codes[:, main:]
-        self._packed = packed
-        self._register_packed()
-
-    def _register_packed(self) -> None:
-        """Give the prepacked weight a handle for compiled graphs (the old one's entry goes)."""
-        previous = _FINALIZERS.pop(self, None)
-        if previous is not None:
-            previous()
-        handle = register_packed(self._packed, int8pack_tail=self._int8pack_tail())
-        _FINALIZERS[self] = weakref.finalize(self, release_packed, handle)
-        self.fbgemm_handle = torch.tensor(handle)
-
-    def _int8pack_tail(self) -> bool:
-        """Whether the inputs fbgemm does not pack run ``torch._weight_int8pack_mm``."""
-        return policy.int8pack_takes(self.in_features - fbgemm_inputs(self.in_features))
-
-    def codes(self) -> Tensor:
-        """The int8 codes, ``(out, in)``, row-major: ``weight_int8``, or (a new tensor) unpacked
-        from fbgemm's prepacked copy where that is the only one, or ``weight_int8`` put back
-        in row order from the ``"attnkit"`` kernel's order."""
-        if self.kernel == "attnkit":
-            return ungroup_codes(self.weight_int8)
-        if self._packed is None:
-            return self.weight_int8
-        with warnings.catch_warnings():  # (torch.ao's deprecation notice for quantized tensors)
-            warnings.simplefilter("ignore")
-            main = [torch.ops.quantized.linear_unpack(p)[0].int_repr() for p in self._packed]
-        return torch.cat([torch.cat(main), self.weight_int8.cpu()], dim=1)
-
-    @property
-    def packed_bytes(self) -> int:
-        """Bytes of fbgemm's prepacked weight: one a packed weight (fbgemm pads inputs to a
-        multiple of 512, so fewer inputs take 512 bytes a row); 0 for other kernels."""
-        if self._packed is None:
-            return 0
-        return self.out_features * -(-fbgemm_inputs(self.in_features) // 512) * 512
-
-    def dequantize(self) -> Tensor:
-        """The float32 weight this module computes with. Shape: ``(out, in)``."""
-        return self.codes().to(self.scale.device).float() * self.scale[:, None]
-
-    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._packed is not None or self.kernel == "attnkit":  # (the codes, row-major)
-            destination[prefix + "weight_int8"] = self.codes()
-
-    def _load_from_state_dict(
-        self,
-        state_dict: Any,
-        prefix: str,
-        local_metadata: Any,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        key = prefix + "weight_int8"
-        given = state_dict.get(key)
-        shape = (self.out_features, self.in_features)
-        if self.kernel == "attnkit" and isinstance(given, Tensor) and given.shape == shape:
-            state_dict = {**state_dict, key: group_codes(given)}  # (in the kernel's order)
-        codes = given if self._packed is not None else None
-        if codes is not None:  # (the placeholder takes them; the prepacked copy is rebuilt)
-            state_dict = {**state_dict, key: self.weight_int8}
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        self.scale_bf16 = self.scale.to(torch.bfloat16)
-        if self._packed is None:
-            return
-        if codes is None:  # (a non-strict load without codes: the new scales, the old codes)
-            codes = self.codes()
-        elif not isinstance(codes, Tensor) or codes.shape != shape or codes.dtype != torch.int8:
-            error_msgs.append(
-                f"size mismatch for {key}: copying {getattr(codes, 'dtype', type(codes))} "
-                f"{tuple(getattr(codes, 'shape', ()))} from checkpoint, the layer holds int8 "
-                f"codes of shape {shape}."
-            )
-            return
-        codes = codes.detach().cpu()
-        self._set_packed(lambda start, stop: codes[start:stop])
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        if self._packed is not None:  # (a copy: its prepacked weight gets a handle of its own)
-            self._register_packed()
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Shape: ``(*, in) -> (*, out)``."""
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        compiling = torch.compiler.is_compiling()
-        kernel = self.kernel if x2.device.type == "cpu" else "dequantize"
-        if (
-            kernel == "attnkit"
-            and not x2.requires_grad
-            and policy.int8_kernel_rows(x2.shape[0], compiling=compiling)
-        ):
-            xf = x2.float()
-            if compiling:  # (one opaque op of the graph)
-                y = torch.ops.attnkit.int8_dot_linear(xf, self.weight_int8, self.scale)
-            elif self.scale.dtype == torch.float32:  # (the layer holds the kernel's shapes)
-                y = int8_product(xf.contiguous(), self.weight_int8, self.scale)
-            else:  # (a cast scale, e.g. after .half(): the checks name it)
-                y = int8_dot_linear(xf, self.weight_int8, self.scale)
-        elif kernel == "attnkit":
-            # A prompt, or a product gradients flow through (e.g. to an adapter's input): the
-            # float product of the activations rounded as the kernel rounds them, so a row's
-            # output does not depend on how many rows came with it.
-            rounded = round_activations(x2)
-            if x2.requires_grad:  # (straight through the rounding: the float product's gradient)
-                rounded = x2.float() + (rounded - x2.float()).detach()
-            y = _dequantized_product(rounded, self.weight_int8, self.scale)
-        elif kernel == "fbgemm" and compiling:
-            # (an opaque call in the graph: dynamo cannot trace the prepacked weight)
-            y = torch.ops.attnkit.int8_fbgemm_linear(
-                x2.float(), self.fbgemm_handle, self.weight_int8, self.scale, self.scale_bf16
-            )
-        elif kernel == "fbgemm":
-            y = fbgemm_product(
-                x2.float(),
-                self._packed,
-                self.weight_int8,
-                self.scale,
-                self.scale_bf16,
-                int8pack_tail=self._int8pack_tail(),
-            )
-        elif x2.shape[0] == 1 and compiling:
-            # One streaming pass over the int8 bytes; float32 sums.
-            y = (self.weight_int8.float() * x2.float()).sum(-1) * self.scale
-            y = y.reshape(1, -1)
-        elif kernel == "int8pack" and policy.int8pack_takes(self.in_features):
-            xb = x2.to(torch.bfloat16).contiguous()
-            # An identity view that makes inductor store the input: its int8 GEMM lowering
-            # takes stored tensors, not fused expressions.
-            xb = torch.as_strided(xb, xb.shape, xb.stride())
-            y = torch._weight_int8pack_mm(xb, self.weight_int8, self.scale_bf16)
-        else:
-            y = F.linear(x2, self.dequantize().to(x2.dtype))
-        return _finish(self, y, x, shape)
-
-    def extra_repr(self) -> str:
-        return _describe(self, f"int8 per-channel, kernel={self.kernel}")
-
-
-# Each fbgemm layer's finalizer, which forgets its prepacked weight's handle.
-_FINALIZERS: weakref.WeakKeyDictionary[Int8Linear, weakref.finalize[Any, Any]] = (
-    weakref.WeakKeyDictionary()
-)
-#: fbgemm's packing under its former name (:func:`attnkit.kernels.linear.fbgemm_pack`).
-_fbgemm_pack = fbgemm_pack
-
-
-def _pack_rows(inputs: int) -> int:
-    """Rows of an fbgemm weight with ``inputs`` packed inputs per prepacked block: about
-    8 MiB, a multiple of 96 (fbgemm's column blocks are 8, 32 or 48 by CPU)."""
-    return max(96, (8 << 20) // max(inputs, 1) // 96 * 96)
-
-
-def _dequantized_product(x: Tensor, grouped: Tensor, scale: Tensor) -> Tensor:
-    """``x @ (codes * scale[:, None]).T`` for the codes in the ``"attnkit"`` kernel's order, a
-    block of output rows at a time: each block's float weight (about 1 MiB) is made and
-    multiplied while it is in cache (by :func:`attnkit.decoding.linear`: oneDNN's GEMM where it
-    is the faster), and the scales go on the product's columns.
-
-    Shape: ``(rows, in) -> (rows, out)``, float32.
-    """
-
-    def block(start: int, stop: int) -> Tensor:
-        weight = ungroup_codes(grouped[start:stop], torch.float32)
-        return linear(x, weight) * scale[start:stop]
-
-    out, n = grouped.shape
-    return _by_row_blocks(x, out, n, block)
-
-
-def _by_row_blocks(x: Tensor, out: int, n: int, block: Callable[[int, int], Tensor]) -> Tensor:
-    """``(rows, out)`` float32 product of ``x`` filled a block of output rows at a time:
-    ``block(start, stop)`` gives the columns ``start:stop``, made from about 1 MiB of float
-    weight (whole groups of four rows, the kernels' order) while it is in cache."""
-    step = max(4, (1 << 20) // (4 * n) // 4 * 4)
-    y = x.new_empty(x.shape[0], out)
-    for start in range(0, out, step):
-        y[:, start : start + step] = block(start, min(start + step, out))
-    return y
-
-
-def int8_kernels(in_features: int, device: torch.device | str = "cpu") -> tuple[str, ...]:
-    """The :data:`INT8_KERNELS` that can run a weight with ``in_features`` inputs on ``device``
-    (``"dequantize"`` always can; ``"int8pack"`` where
-    :func:`attnkit.kernels.policy.int8pack_takes`)."""
-    if torch.device(device).type != "cpu":
-        return ("dequantize",)
-    usable = ["attnkit"] if in_features % INT8_DOT_BLOCK == 0 and kernels_available() else []
-    if fbgemm_engine():
-        usable.append("fbgemm")
-    if policy.int8pack_takes(in_features):
-        usable.append("int8pack")
-    return (*usable, "dequantize")
-
-
-def default_int8_kernel(in_features: int, device: torch.device | str = "cpu") -> str:
-    """The kernel ``int8_kernel="default"`` takes: the policy's choice ``linear.int8`` where it
-    runs the shape, else the first of its rule's order that does
-    (:func:`attnkit.kernels.policy.int8_kernel`); ``"dequantize"`` on other devices.
-    ``int8_kernel="auto"`` measures per shape instead (:func:`choose_int8_kernel`).
-    """
-    usable = int8_kernels(in_features, device)
-    if usable == ("dequantize",):
-        return "dequantize"
-    return policy.int8_kernel(usable)
-
-
-@functools.cache
-def _measured_seconds(in_features: int, out_features: int, threads: int) -> dict[str, float]:
-    candidates = tuple(k for k in int8_kernels(in_features) if k != "dequantize")
-    if len(candidates) < 2:
-        return {}
+@torch.no_grad()
+def layer_error(weight: Tensor, dequantized: Tensor, *, rows: int = PROBE_ROWS) -> float:
+    """Relative output error of a linear whose float ``weight`` ``(out, in)`` is held as
+    ``dequantized`` on a probe input: ``|| x (D - W)^T || / || x W^T ||`` for ``rows`` rows of
+    standard normal ``x`` (a fixed seed: every call gives the same number). It measures the
+    layout alone, not a kernel's rounding of the activations."""
     gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=gen)
-    scale = torch.rand(out_features, generator=gen) / 127
-    x = torch.randn(1, in_features, generator=gen)
-    # Copies of the weight, 1.5x the last-level cache in all (32 at most): each timed call reads
-    # its weight from memory, one after another, as the layers of a decode step do.
-    count = min(32, -(-3 * last_level_cache_bytes() // (2 * codes.numel())))
-    copies = [codes] + [codes.clone() for _ in range(count - 1)]
-    layers = {k: [Int8Linear.from_codes(c, scale, kernel=k) for c in copies] for k in candidates}
-
-    def run(kernel: str) -> None:
-        for layer in layers[kernel]:
-            layer(x)
-
-    with torch.no_grad():
-        seconds = time_calls({k: functools.partial(run, k) for k in layers}, rounds=5)
-    return {k: t / len(copies) for k, t in seconds.items()}
+    x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.device)
+    w = weight.detach().float()
+    want = x @ w.T
+    return float((x @ (dequantized.float() - w).T).norm() / want.norm().clamp(min=1e-30))
 
 
-def int8_kernel_seconds(in_features: int, out_features: int) -> dict[str, float]:
-    """Seconds per one-row product of each CPU int8 kernel (:func:`int8_kernels` but
-    ``"dequantize"``) on an ``(out, in)`` weight, as :func:`choose_int8_kernel` measured them
-    (empty where fewer than two kernels can run the shape).
-
-    Measured at the first call for each shape and thread count, then cached for the process:
-    one call on each of enough copies of a random weight to fill 1.5x the last-level cache (32
-    copies at most), so each reads its weight from memory, one after another, as the layers of a
-    decode step do; interleaved rounds, medians.
-    """
-    return dict(_measured_seconds(in_features, out_features, torch.get_num_threads()))
-
-
-def choose_int8_kernel(
-    in_features: int, out_features: int, device: torch.device | str = "cpu"
-) -> str:
-    """The fastest of :func:`int8_kernels` at multiplying one row by an ``(out, in)`` int8 weight.
-
-    The timings are :func:`int8_kernel_seconds`'s; a shape only one kernel can run gets it, other
-    devices ``"dequantize"``.
-    """
-    if torch.device(device).type != "cpu":
-        return "dequantize"
-    seconds = int8_kernel_seconds(in_features, out_features)
-    if seconds:
-        return min(seconds, key=seconds.__getitem__)
-    usable = int8_kernels(in_features)
-    return usable[0]
-
-
-class Int4Linear(nn.Module):
-    """A linear whose weight is int4, with a bf16 scale and offset per group of input channels.
-
-    Within each group of ``group_size`` inputs of a row, ``weight ≈ q * scale + offset`` with ``q``
-    in ``0..15`` (asymmetric: ``offset`` the group's smallest weight, ``scale = (max - min) / 15``,
-    both rounded to bf16 before ``q`` is chosen). The codes are packed two to a byte in the order
-    attnkit's int4 kernel reads them (``codes``, :func:`attnkit.kernels.linear.pack_int4`; the rows
-    rounded up to a multiple of four), the scales and offsets beside (``scales``,
-    :func:`attnkit.kernels.linear.pack_int4_scales`). Build it with :meth:`from_linear`; CPU only.
-
-    Products without gradients (decoding steps and prompts) multiply through
-    :func:`attnkit.kernels.linear.int4_dot_linear` (activations rounded to int8 per block of 32
-    inputs, as the int8 kernel rounds them), prompts too: it reads the packed codes once, where
-    dequantizing makes a float copy of the weight. Products gradients
-    flow through multiply the dequantized weight by the activations rounded the same way (the
-    gradient passes straight through the rounding), a block of rows at a time. Where attnkit's
-    kernels cannot run, every product is the float one with the dequantized weight.
-
-    Shape: ``(*, in_features) -> (*, out_features)``, in the input's dtype.
-    """
-
-    codes: Tensor
-    scales: Tensor
-
-    def __init__(self, in_features: int, out_features: int, group_size: int) -> None:
-        super().__init__()
-        if group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
-        if in_features % group_size:
-            raise ValueError(
-                f"in_features={in_features} is not a multiple of group_size={group_size}"
-            )
-        self.in_features, self.out_features, self.group_size = (
-            in_features,
-            out_features,
-            group_size,
-        )
-        rows = -(-out_features // 4) * 4
-        # Parameters without gradients, as Int8Linear's codes (see _frozen).
-        self.codes = _frozen(torch.zeros(rows, in_features // 2, dtype=torch.uint8))
-        groups = in_features // group_size
-        self.scales = _frozen(torch.zeros(rows // 4, groups * 8, dtype=torch.bfloat16))
-        self.bias: nn.Parameter | None = None
-        self.kernel = "int4" if policy.int4_kernel() == "attnkit" else "dequantize"
-
-    @classmethod
-    @torch.no_grad()
-    def from_weight(
-        cls, weight: Tensor, bias: Tensor | None = None, *, group_size: int = 128
-    ) -> Int4Linear:
-        """Quantize ``weight`` ``(out, in)`` group-wise; ``in`` must be a multiple of
-        ``group_size`` (one of 32, 64, 128, 256)."""
-        if weight.dim() != 2 or not weight.is_floating_point():
-            raise ValueError(
-                f"Int4Linear needs a 2-D float weight, got shape {tuple(weight.shape)} "
-                f"and dtype {weight.dtype}"
-            )
-        if weight.device.type != "cpu":
-            raise ValueError(f"Int4Linear runs on CPU only, got a weight on {weight.device}")
-        out_features, in_features = weight.shape
-        with torch.device("meta"):  # (checks the sizes; the tensors are replaced)
-            new = cls(in_features, out_features, group_size)
-        n_groups = in_features // group_size
-        scale = torch.empty(out_features, n_groups)
-        offset = torch.empty(out_features, n_groups)
-        packed = torch.empty(-(-out_features // 4) * 4, in_features // 2, dtype=torch.uint8)
-        # A block of rows (whole groups of four) at a time: the float temporaries and the
-        # unpacked codes stay small.
-        step = max(4, rows_per_block(in_features) // 4 * 4)
-        for start in range(0, out_features, step):
-            rows = slice(start, start + step)
-            groups = weight[rows].to(torch.float32, copy=True).reshape(-1, n_groups, group_size)
-            low, high = groups.amin(-1), groups.amax(-1)
-            # Rounded to bf16 (what the kernel reads) before q is chosen.
-            s = ((high - low) / 15).clamp(min=1e-6).bfloat16().float()
-            m = low.bfloat16().float()
-            scale[rows], offset[rows] = s, m
-            q = groups.sub_(m[..., None]).div_(s[..., None]).round_().clamp_(0, 15)
-            codes = pack_int4(q.reshape(-1, in_features).to(torch.uint8))
-            packed[start : start + len(codes)] = codes
-        new.codes = _frozen(packed)
-        new.scales = _frozen(pack_int4_scales(scale, offset))
-        new.bias = None if bias is None else nn.Parameter(bias.detach().clone())
-        return new
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group_size: int = 128) -> Int4Linear:
-        """Quantize ``linear``'s weight; its bias is kept as it is."""
-        return cls.from_weight(linear.weight, linear.bias, group_size=group_size)
-
-    def _weight_rows(self, start: int, stop: int) -> Tensor:
-        """Rows ``start:stop`` (multiples of four, or the end) of the float32 weight."""
-        out = min(stop, self.out_features) - start
-        codes = unpack_int4(self.codes[start : -(-stop // 4) * 4], out, torch.float32)
-        scale, offset = unpack_int4_scales(self.scales[start // 4 : -(-stop // 4)], out)
-        groups = codes.view(out, -1, self.group_size)
-        return groups.mul_(scale[..., None]).add_(offset[..., None]).view(out, -1)
-
-    def dequantize(self) -> Tensor:
-        """The float32 weight this module computes with. Shape: ``(out, in)``."""
-        return self._weight_rows(0, self.out_features)
-
-    def _product(self, x: Tensor) -> Tensor:
-        """``x @ W.T`` a block of output rows at a time: each block's float weight (about
-        1 MiB) is made and multiplied while it is in cache (by
-        :func:`attnkit.decoding.linear`: oneDNN's GEMM where it is the faster)."""
-
-        def block(start: int, stop: int) -> Tensor:
-            return linear(x, self._weight_rows(start, stop))
-
-        return _by_row_blocks(x, self.out_features, self.in_features, block)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Shape: ``(*, in) -> (*, out)``."""
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self.kernel == "int4" and not x2.requires_grad:  # (decoding steps and prompts)
-            xf = x2.float()
-            if torch.compiler.is_compiling():  # (one opaque op of the graph)
-                y = torch.ops.attnkit.int4_dot_linear(
-                    xf, self.codes, self.scales, self.out_features
-                )
-            elif self.scales.dtype == torch.bfloat16:  # (the layer holds the kernel's shapes)
-                y = int4_product(xf.contiguous(), self.codes, self.scales, self.out_features)
-            else:  # (cast scales, e.g. after .half(): the checks name them)
-                y = int4_dot_linear(xf, self.codes, self.scales, self.out_features)
-        elif self.kernel == "int4":
-            # A product gradients flow through: the float product of the activations rounded
-            # as the kernel rounds them (the kernel's result up to float32 summation order).
-            rounded = round_activations(x2)
-            if x2.requires_grad:  # (straight through the rounding: the float product's gradient)
-                rounded = x2.float() + (rounded - x2.float()).detach()
-            y = self._product(rounded)
-        else:
-            y = F.linear(x2, self.dequantize().to(x2.dtype))
-        return _finish(self, y, x, shape)
-
-    def extra_repr(self) -> str:
-        return _describe(self, f"int4 group_size={self.group_size}")
+def _channel_weight(weight: Tensor) -> Tensor:
+    """``weight`` rounded to int8 per output channel and back (what :class:`Int8Linear` holds)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scale).round().clamp(-127, 127) * scale
 
 
 def _group_for(in_features: int, group_size: int) -> int | None:
@@ -708,20 +127,36 @@ def _quantized(
     mode: Mode,
     group_size: int,
     kernel: Int8Kernel = "default",
+    layout: str = "auto",
 ) -> nn.Module:
-    if mode == "int4" and weight.device.type == "cpu":
-        group = _group_for(weight.shape[1], group_size)
-        if group is not None:
+    n = weight.shape[1]
+    if mode == "int4":
+        group = _group_for(n, group_size)
+        chosen = INT4_DEFAULT_LAYOUT if layout == "auto" else layout
+        if group is not None and chosen == "grouped" and weight.device.type == "cpu":
             return Int4Linear.from_weight(weight, bias, group_size=group)
-    # int4 weights the kernel cannot pack (inputs no group size divides, other devices) fall
-    # back to int8.
-    if kernel not in ("default", "auto", *int8_kernels(weight.shape[1], weight.device)):
+        if group is not None and chosen != "grouped":
+            return BlockLinear.from_weight(weight, bias, layout=chosen, group_size=group)  # type: ignore[arg-type]
+    # int4 weights no group divides (and int4 "grouped" on other devices) fall back to int8.
+    if kernel not in ("default", "auto", *int8_kernels(n, weight.device)):
         kernel = "default"  # (a named kernel that cannot run this weight: the default's rule)
+    blocks = n % GROUP_SIZES[-1] == 0
+    if layout == "q8_0" and blocks:
+        return BlockLinear.from_weight(weight, bias, layout="q8_0")
+    if layout == "auto" and mode == "int8" and blocks:
+        error = layer_error(weight, _channel_weight(weight))
+        if error > CHANNEL_TOLERANCE:
+            block = BlockLinear.from_weight(weight, bias, layout="q8_0")
+            if layer_error(weight, block.dequantize()) < error:
+                return block
     return Int8Linear.from_weight(weight, bias, kernel=kernel)
 
 
-def _check_options(mode: str, group_size: int, int8_kernel: str = "default") -> None:
-    """Raise a ValueError naming an unknown ``mode``, ``group_size`` or ``int8_kernel``."""
+def _check_options(
+    mode: str, group_size: int, int8_kernel: str = "default", layout: str = "auto"
+) -> None:
+    """Raise a ValueError naming an unknown ``mode``, ``group_size``, ``int8_kernel`` or a
+    ``layout`` the mode does not take."""
     if int8_kernel not in ("default", "auto") and int8_kernel not in INT8_KERNELS:
         raise ValueError(
             f"int8_kernel must be 'default', 'auto' or one of {INT8_KERNELS}, got {int8_kernel!r}"
@@ -730,21 +165,28 @@ def _check_options(mode: str, group_size: int, int8_kernel: str = "default") -> 
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    if layout not in LAYOUTS[mode]:
+        raise ValueError(f"layout for {mode} must be one of {LAYOUTS[mode]}, got {layout!r}")
 
 
 def quantize_linear(
-    linear: nn.Linear, mode: Mode, *, group_size: int = 128, int8_kernel: Int8Kernel = "default"
+    linear: nn.Linear,
+    mode: Mode,
+    *,
+    group_size: int = 32,
+    int8_kernel: Int8Kernel = "default",
+    layout: Layout = "auto",
 ) -> nn.Module:
-    """``linear`` as an :class:`Int8Linear` or :class:`Int4Linear` (the rule of :func:`quantize`).
+    """``linear`` as a quantized linear (the rule of :func:`quantize`).
 
     Loading with ``quantize=`` calls this on each linear as soon as its weight is streamed in.
 
     Raises:
-        ValueError: Unknown ``mode``, ``group_size`` or ``int8_kernel``.
+        ValueError: Unknown ``mode``, ``group_size``, ``int8_kernel`` or ``layout``.
     """
-    _check_options(mode, group_size, int8_kernel)
+    _check_options(mode, group_size, int8_kernel, layout)
     with torch.no_grad():
-        return _quantized(linear.weight, linear.bias, mode, group_size, int8_kernel)
+        return _quantized(linear.weight, linear.bias, mode, group_size, int8_kernel, layout)
 
 
 @torch.no_grad()
@@ -752,9 +194,10 @@ def quantize(
     model: nn.Module,
     mode: Mode,
     *,
-    group_size: int = 128,
+    group_size: int = 32,
     head: bool = True,
     int8_kernel: Int8Kernel = "default",
+    layout: Layout = "auto",
 ) -> nn.Module:
     """Quantize ``model``'s linear weights in place (weight-only) and return it.
 
@@ -762,23 +205,25 @@ def quantize(
         model: Any module. Its plain linears (``nn.Linear`` and
             :class:`attnkit.decoding.PreparedLinear`, exactly those types) are swapped;
             subclasses (a LoRA wrapper, a user's own) and already quantized modules stay.
-        mode: ``"int8"`` (per output channel) or ``"int4"`` (group-wise; a linear whose input
-            size no group size of at most ``group_size`` divides gets int8).
-        group_size: int4 group size: 32, 64, 128 or 256.
-        int8_kernel: The CPU kernel of int8 linears: ``"default"`` (the rule of
-            :func:`default_int8_kernel`), ``"attnkit"``, ``"fbgemm"``, ``"int8pack"``,
-            ``"dequantize"``, or ``"auto"`` (the fastest measured per shape).
+        mode: ``"int8"`` or ``"int4"``.
+        group_size: int4 group size: 32 (GGUF's), 64, 128 or 256; a linear whose input size no
+            group size of at most ``group_size`` divides gets int8.
         head: Also quantize a tied output head: a model with an ``embedding`` and an
             ``lm_head`` of ``None`` (a tied :class:`attnkit.TransformerLM`) gets an ``lm_head``
             holding the quantized embedding; the embedding itself stays for the lookup.
+        int8_kernel: The CPU kernel of per-channel int8 linears: ``"default"`` (the rule of
+            :func:`default_int8_kernel`), ``"attnkit"``, ``"fbgemm"``, ``"int8pack"``,
+            ``"dequantize"``, or ``"auto"`` (the fastest measured per shape).
+        layout: ``"auto"`` (per layer for int8, :data:`INT4_DEFAULT_LAYOUT` for int4), or one of
+            :data:`LAYOUTS` for the mode (see the module's docstring).
 
     Returns:
         ``model``.
 
     Raises:
-        ValueError: Unknown ``mode``, ``group_size`` or ``int8_kernel``.
+        ValueError: Unknown ``mode``, ``group_size``, ``int8_kernel`` or ``layout``.
     """
-    _check_options(mode, group_size, int8_kernel)
+    _check_options(mode, group_size, int8_kernel, layout)
     swaps = [
         (parent, name)
         for parent in model.modules()
@@ -787,11 +232,12 @@ def quantize(
     ]
     for parent, name in swaps:  # (no list of the old linears: each goes once it is swapped)
         child = getattr(parent, name)
-        setattr(parent, name, _quantized(child.weight, child.bias, mode, group_size, int8_kernel))
+        new = _quantized(child.weight, child.bias, mode, group_size, int8_kernel, layout)
+        setattr(parent, name, new)
         del child
     embedding = getattr(model, "embedding", None)
     if head and isinstance(embedding, nn.Embedding) and getattr(model, "lm_head", 0) is None:
-        model.lm_head = _quantized(embedding.weight, None, mode, group_size, int8_kernel)
+        model.lm_head = _quantized(embedding.weight, None, mode, group_size, int8_kernel, layout)
     # A compiled step traced before the swap would run the old modules.
     model.__dict__.pop("_attnkit_step", None)
     return model

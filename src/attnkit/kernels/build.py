@@ -57,6 +57,7 @@ _SOURCES = tuple(
     for name in (
         "int8_dot.c",
         "int4_dot.c",
+        "block_dot.c",
         "float_dot.c",
         "capped_softmax.c",
         "one_query.c",

@@ -2,6 +2,7 @@
 
 * ``attnkit::int8_dot_linear``, ``attnkit::int4_dot_linear``, ``attnkit::float_dot_linear``:
   :mod:`attnkit.kernels.linear`'s products;
+* ``attnkit::block_dot_linear``: :mod:`attnkit.kernels.block_linear`'s product;
 * ``attnkit::int8_fbgemm_linear``: fbgemm's product over a layer's prepacked weight (by handle);
 * ``attnkit::one_query_attention``: :func:`attnkit.kernels.attention.one_query_attention`.
 
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from attnkit.kernels.attention import one_query_attention
+from attnkit.kernels.block_linear import block_dot_linear
 from attnkit.kernels.linear import (
     fbgemm_linear,
     float_dot_linear,
@@ -46,6 +48,17 @@ _OPS.impl("int4_dot_linear", int4_dot_linear, "CompositeExplicitAutograd")
 @torch.library.register_fake("attnkit::int4_dot_linear", lib=_OPS)
 def _(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Tensor:
     return x.new_empty(x.shape[0], out)
+
+
+_OPS.define(
+    "block_dot_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int bits) -> Tensor"
+)
+_OPS.impl("block_dot_linear", block_dot_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("attnkit::block_dot_linear", lib=_OPS)
+def _(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor | None, bits: int) -> Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0])
 
 
 _OPS.define("float_dot_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")

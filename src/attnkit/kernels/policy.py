@@ -55,6 +55,7 @@ __all__ = [
     "SPARSE_LONG_MAX_DENSITY",
     "SPARSE_MAX_DENSITY",
     "SPARSE_MIN_KEYS",
+    "BLOCK_KERNEL_ROWS",
     "AttentionCall",
     "AttentionPlan",
     "Choice",
@@ -65,6 +66,7 @@ __all__ = [
     "attention_plan",
     "bf16_prompt_upcast",
     "bf16_structured",
+    "block_kernel_rows",
     "block_sparse",
     "capped_chunk_rows",
     "capped_flash_rows",
@@ -700,6 +702,19 @@ def int8_kernel_rows(rows: int, *, compiling: bool) -> bool:
     GEMM): up to :data:`INT8_KERNEL_ROWS` rows, and every row outside compiled graphs where the
     wide dots run."""
     return rows <= INT8_KERNEL_ROWS or (not compiling and linear_plan().int8_wide)
+
+
+#: Most rows a block-quantized product (:mod:`attnkit.kernels.block_linear`) runs through its
+#: kernel, which widens every weight block once per row; more rows widen the weight once into a
+#: float block of rows and multiply it with the GEMM.
+BLOCK_KERNEL_ROWS = 4
+
+
+def block_kernel_rows(rows: int) -> bool:
+    """Whether a block-quantized product of ``rows`` rows runs its kernel (else the float product
+    of the dequantized weight, a block of output rows at a time): up to
+    :data:`BLOCK_KERNEL_ROWS` rows, in compiled graphs (one op) and eager calls alike."""
+    return rows <= BLOCK_KERNEL_ROWS
 
 
 def int4_kernel() -> str:

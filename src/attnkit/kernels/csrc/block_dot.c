@@ -1,0 +1,137 @@
+/* Block-quantized weight x float32 activation products (GGUF's Q8_0, Q4_0 and Q4_1 layouts).
+ *
+ * The weight is cut into blocks of 32 inputs of a row; each group of `group` inputs (a multiple
+ * of 32) has an f16 scale d and, for 4-bit codes, an f16 offset m:
+ *
+ *   8 bits: w[o, i] = d[o, g] * q[o, i],        q int8
+ *   4 bits: w[o, i] = d[o, g] * q[o, i] + m,    q in 0..15; m = -8 d without offsets (Q4_0)
+ *
+ * The activations stay float32: each block's codes are widened to floats and multiplied by the
+ * activations (float32 sums), and the group's scale goes on once per block. The offset's term
+ * is m times the block's activation sum, computed once per row. This keeps the result the float
+ * product of the dequantized weight up to float32 summation order: no rounding of the
+ * activations (compare int8_dot.c and int4_dot.c, which round them to int8 for integer dots).
+ *
+ * Codes are row-major: 8 bits one byte an input ((out, n) int8); 4 bits 16 bytes a block
+ * ((out, n / 2) uint8), byte j holding input j in its low nibble and input 16 + j in its high
+ * one (ggml's order, so a GGUF tensor's blocks split into codes and scales without a copy of
+ * the values). Scales and offsets are (out, n / group) f16.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define BLOCK 32
+#define PREFETCH 1024           /* bytes ahead in the row's codes */
+#define PARALLEL_MIN (1 << 16) /* products (codes x rows) worth a second thread */
+
+/* An IEEE half as a float: the exponent and mantissa moved into place and rescaled by 2^112
+ * (exact for normal and subnormal halves), infinities and NaNs given float's top exponent. */
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, body = h & 0x7fffu;
+  uint32_t bits = body << 13;
+  float f;
+  if (body >= 0x7c00u) {
+    bits = sign | 0x7f800000u | ((uint32_t)(h & 0x3ffu) << 13);
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  memcpy(&f, &bits, sizeof f);
+  f *= 0x1p112f;
+  memcpy(&bits, &f, sizeof bits);
+  bits |= sign;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* Eight int8 codes as floats. */
+static inline __m256 widen8(const int8_t *q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
+/* Eight 4-bit codes (bytes 0-7 of v, one code a byte) as floats. */
+static inline __m256 widen_nibbles(__m128i v) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
+
+/* One output of an 8-bit row: sum over blocks of d * (q . x). */
+static inline float row8(const int8_t *w, const uint16_t *d, const float *x, int64_t n,
+                         int64_t per) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < n / BLOCK; b++) {
+    const int8_t *q = w + b * BLOCK;
+    const float *xb = x + b * BLOCK;
+    _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);
+    __m256 t = _mm256_mul_ps(widen8(q), _mm256_loadu_ps(xb));
+    t = _mm256_fmadd_ps(widen8(q + 8), _mm256_loadu_ps(xb + 8), t);
+    t = _mm256_fmadd_ps(widen8(q + 16), _mm256_loadu_ps(xb + 16), t);
+    t = _mm256_fmadd_ps(widen8(q + 24), _mm256_loadu_ps(xb + 24), t);
+    acc = _mm256_fmadd_ps(t, _mm256_set1_ps(half_to_float(d[b / per])), acc);
+  }
+  return lanes_sum(acc);
+}
+
+/* One output of a 4-bit row: sum over blocks of d * (q . x) + m * sum(x of the block), with
+ * xsum the row's block sums and m = -8 d where there are no offsets. */
+static inline float row4(const uint8_t *w, const uint16_t *d, const uint16_t *m, const float *x,
+                         const float *xsum, int64_t n, int64_t per) {
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  __m256 acc = _mm256_setzero_ps();
+  float shift = 0.f;
+  for (int64_t b = 0; b < n / BLOCK; b++) {
+    const uint8_t *q = w + b * (BLOCK / 2);
+    const float *xb = x + b * BLOCK;
+    _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);
+    const __m128i v = _mm_loadu_si128((const __m128i *)q);
+    const __m128i lo = _mm_and_si128(v, nibble);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+    __m256 t = _mm256_mul_ps(widen_nibbles(lo), _mm256_loadu_ps(xb));
+    t = _mm256_fmadd_ps(widen_nibbles(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xb + 8), t);
+    t = _mm256_fmadd_ps(widen_nibbles(hi), _mm256_loadu_ps(xb + 16), t);
+    t = _mm256_fmadd_ps(widen_nibbles(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xb + 24), t);
+    const float scale = half_to_float(d[b / per]);
+    acc = _mm256_fmadd_ps(t, _mm256_set1_ps(scale), acc);
+    const float low = m ? half_to_float(m[b / per]) : -8.f * scale;
+    shift += low * xsum[b];
+  }
+  return lanes_sum(acc) + shift;
+}
+
+/* y (rows, out) = x (rows, n) @ W.T for the block-quantized W above (bits 8 or 4; offsets m
+ * NULL for 8 bits and for symmetric 4 bits), on `threads` threads. n is a multiple of group,
+ * group a multiple of 32. 0 on success, 1 when the block sums' scratch cannot be allocated. */
+int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t *w,
+                         const uint16_t *d, const uint16_t *m, int64_t out, int bits,
+                         int64_t group, float *y, int threads) {
+  const int64_t blocks = n / BLOCK, per = group / BLOCK, groups = n / group;
+  float *xsum = NULL;
+  if (bits == 4) {
+    xsum = malloc((size_t)(rows * blocks + 1) * sizeof(float));
+    if (!xsum) return 1;
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t b = 0; b < blocks; b++) {
+        __m256 s = _mm256_loadu_ps(x + r * n + b * BLOCK);
+        for (int k = 1; k < 4; k++) s = _mm256_add_ps(s, _mm256_loadu_ps(x + r * n + b * BLOCK + 8 * k));
+        xsum[r * blocks + b] = lanes_sum(s);
+      }
+  }
+  const int64_t row_bytes = bits == 8 ? n : n / 2;
+  (void)threads; /* (unused where built without OpenMP) */
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
+  for (int64_t o = 0; o < out; o++) {
+    const uint8_t *codes = w + o * row_bytes;
+    const uint16_t *scales = d + o * groups;
+    /* (the row's codes stay in cache for the activation rows after the first) */
+    for (int64_t r = 0; r < rows; r++) {
+      y[r * out + o] =
+          bits == 8 ? row8((const int8_t *)codes, scales, x + r * n, n, per)
+                    : row4(codes, scales, m ? m + o * groups : NULL, x + r * n,
+                           xsum + r * blocks, n, per);
+    }
+  }
+  free(xsum);
+  return 0;
+}
