@@ -494,6 +494,7 @@ class TransformerLM(_TransformerStack):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         quantize: quantization.Mode | None = None,
+        dequantize: bool = False,
     ) -> TransformerLM:
         """Load a Hugging Face decoder folder or a llama.cpp ``.gguf`` file, in eval mode.
 
@@ -510,6 +511,10 @@ class TransformerLM(_TransformerStack):
                 as its weight is streamed in, so loading peaks near the quantized model's size,
                 not the full-precision one's; the other parameters (embedding, norms) take
                 ``dtype``.
+            dequantize: For a ``.gguf`` file, dequantize its ``Q8_0``, ``Q4_0`` and ``Q4_1``
+                matrices; by default they load as they are into
+                :class:`attnkit.quantized.BlockLinear` layers (float32 activations: the logits
+                of the dequantized model up to float32 summation order).
 
         Raises:
             FileNotFoundError: Naming missing files.
@@ -521,7 +526,9 @@ class TransformerLM(_TransformerStack):
         replace = None
         if quantize is not None:
             replace = functools.partial(quantization.quantize_linear, mode=quantize)
-        lm = hf.from_pretrained(path, cls=cls, dtype=dtype, device=device, replace=replace)
+        lm = hf.from_pretrained(
+            path, cls=cls, dtype=dtype, device=device, replace=replace, dequantize=dequantize
+        )
         if not isinstance(lm, cls):
             raise TypeError(f"{cls.__name__}.from_pretrained built a {type(lm).__name__}")
         if quantize is not None:

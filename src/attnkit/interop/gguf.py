@@ -48,7 +48,7 @@ from torch import Tensor
 from attnkit.interop.architectures import Architecture, architecture, find_gguf, supported
 from attnkit.interop.hf_config import config_from_hf
 from attnkit.interop.hf_weights import WeightEntry, translate_name
-from attnkit.interop.loading import Checkpoint, CheckpointTensor
+from attnkit.interop.loading import Checkpoint, CheckpointTensor, NativeBlocks
 from attnkit.positional import permute_rotary_weight, rope_inv_freq
 
 __all__ = [
@@ -514,6 +514,33 @@ def _copy(
         flat[r0:r1].copy_(file.read_rows(tensor, r0, r1))
 
 
+# ggml's block types that load as they are into a BlockLinear: name -> (layout, offset bytes).
+_NATIVE = {"Q8_0": ("q8_0", 0), "Q4_0": ("q4_0", 0), "Q4_1": ("q4_1", 2)}
+
+
+def _native(file: _File, tensor: GGUFTensor, interleaved: bool, entry: WeightEntry) -> NativeBlocks:
+    """The blocks of a ``Q8_0``, ``Q4_0`` or ``Q4_1`` matrix split into codes, f16 scales and
+    (``Q4_1``) minimums without touching the values; with ``interleaved``, the rows of a
+    query/key projection reordered as :func:`_copy` reorders them."""
+    name, kind = GGML_TYPES[tensor.type_id]
+    layout, extra = _NATIVE[name]
+    rows, cols = tensor.shape
+    raw = torch.from_numpy(file.reader.data[tensor.start : tensor.start + tensor.nbytes].copy())
+    blocks = raw.reshape(rows, cols // kind.block, kind.nbytes)  # (rows, blocks, bytes)
+    if interleaved and entry.rotary_heads is not None:
+        order = torch.arange(rows, dtype=torch.float64)[:, None]
+        order = permute_rotary_weight(order, entry.rotary_heads, to="split")[:, 0].long()
+        blocks = blocks[order]
+    scales = blocks[:, :, :2].contiguous().view(torch.float16).reshape(rows, -1)
+    offsets = None
+    if extra:
+        offsets = blocks[:, :, 2 : 2 + extra].contiguous().view(torch.float16).reshape(rows, -1)
+    codes = blocks[:, :, 2 + extra :].contiguous().reshape(rows, -1)
+    if layout == "q8_0":
+        codes = codes.view(torch.int8)
+    return NativeBlocks(layout, codes, scales, offsets)
+
+
 def read_gguf(path: str | Path) -> Checkpoint:
     """A GGUF file read up to its tensors, for :func:`attnkit.interop.loading.load` (which
     :func:`attnkit.interop.hf.from_pretrained` calls for a ``.gguf`` path).
@@ -537,7 +564,15 @@ def read_gguf(path: str | Path) -> Checkpoint:
     gguf = arch.gguf
     assert gguf is not None  # found by its GGUF name
     tensors = (
-        CheckpointTensor(name, t.shape, path.name, partial(_copy, file, t, gguf.interleaved_rotary))
+        CheckpointTensor(
+            name,
+            t.shape,
+            path.name,
+            partial(_copy, file, t, gguf.interleaved_rotary),
+            partial(_native, file, t, gguf.interleaved_rotary)
+            if GGML_TYPES[t.type_id][0] in _NATIVE and len(t.shape) == 2
+            else None,
+        )
         for name, t in file.tensors.items()
         if name != "rope_freqs.weight"  # read into the config's rope_scaling
     )

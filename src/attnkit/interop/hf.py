@@ -170,6 +170,7 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     replace: Replace | None = None,
+    dequantize: bool = False,
 ) -> Any:
     """Load a Hugging Face decoder folder or a ``.gguf`` file into ``cls(config)`` (eval mode).
 
@@ -188,6 +189,10 @@ def from_pretrained(
         replace: Swap each plain ``nn.Linear`` for ``replace(linear)`` as soon as its weight is
             loaded (in ``dtype``), e.g. a quantized linear: only a linear or two is ever held in
             full precision (see :class:`attnkit.interop.loading.ParameterFiller`).
+        dequantize: For a ``.gguf`` file, dequantize its ``Q8_0``, ``Q4_0`` and ``Q4_1``
+            matrices to ``dtype``. By default (on the CPU) each linear whose matrix is in one of
+            them becomes a :class:`attnkit.quantized.BlockLinear` holding the file's blocks as
+            they are (no dequantizing and quantizing again; ``replace`` is not applied to it).
 
     Returns:
         The model; ``model.generation_config`` holds the folder's eos/pad/bos ids (a GGUF
@@ -202,11 +207,13 @@ def from_pretrained(
         TypeError: If ``dtype`` is not a floating torch dtype.
     """
     path = Path(path)
+    native = False
     if path.suffix == ".gguf" and not path.is_dir():
         checkpoint = gguf.read_gguf(path)
+        native = not dequantize
     else:
         checkpoint = read_folder(path)
-    return load(checkpoint, cls=cls, dtype=dtype, device=device, replace=replace)
+    return load(checkpoint, cls=cls, dtype=dtype, device=device, replace=replace, native=native)
 
 
 def to_transformers(lm: nn.Module) -> Any:

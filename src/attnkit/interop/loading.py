@@ -40,6 +40,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointTensor",
     "ModelClass",
+    "NativeBlocks",
     "ParameterFiller",
     "Replace",
     "allocate",
@@ -50,17 +51,30 @@ __all__ = [
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
+class NativeBlocks(NamedTuple):
+    """A block-quantized matrix as a :class:`attnkit.quantized.BlockLinear` holds it: its
+    ``layout`` (``"q8_0"``, ``"q4_0"``, ``"q4_1"``), codes, f16 scales and (``q4_1``) offsets."""
+
+    layout: str
+    codes: Tensor
+    scales: Tensor
+    offsets: Tensor | None
+
+
 class CheckpointTensor(NamedTuple):
     """A tensor of a checkpoint: its name, shape and file, and how to read it.
 
     ``copy(dest, entry)`` writes the tensor's values into ``dest`` (a view of the parameter
-    ``entry`` names, of the tensor's shape, in the parameter's dtype and device).
+    ``entry`` names, of the tensor's shape, in the parameter's dtype and device). ``native``,
+    where the tensor is a matrix in a block layout attnkit's kernels multiply, gives its blocks
+    as they are (:class:`NativeBlocks`) for ``entry``.
     """
 
     name: str
     shape: tuple[int, ...]
     file: str
     copy: Callable[[Tensor, WeightEntry], None]
+    native: Callable[[WeightEntry], NativeBlocks] | None = None
 
 
 @dataclass
@@ -93,6 +107,7 @@ def load(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     replace: Replace | None = None,
+    native: bool = False,
 ) -> Any:
     """``cls(checkpoint.config)`` holding the checkpoint's weights, in eval mode.
 
@@ -103,6 +118,10 @@ def load(
         device: Where the parameters are allocated (default: CPU).
         replace: Swap each plain ``nn.Linear`` for ``replace(linear)`` as soon as its weight is
             loaded (see :class:`ParameterFiller`).
+        native: Load block-quantized matrices (:attr:`CheckpointTensor.native`) of plain
+            linears as :class:`attnkit.quantized.BlockLinear` layers holding their blocks as
+            they are, on the CPU (a linear whose parts come in different layouts, or as floats,
+            is dequantized).
 
     Returns:
         The model; ``model.generation_config`` holds the checkpoint's eos/pad/bos ids.
@@ -112,6 +131,9 @@ def load(
         ValueError: For tensor shapes that do not match the config, missing or unexpected
             tensors (naming the file and tensor).
     """
+    native = native and torch.device("cpu" if device is None else device).type == "cpu"
+    if native and replace is None:
+        replace = _kept
     lm = allocate(
         cls, checkpoint.config, dtype=dtype, device=device, stream_linears=replace is not None
     )
@@ -126,11 +148,51 @@ def load(
     with torch.no_grad():
         for tensor in checkpoint.tensors:
             entry = filler.entry(tensor.name)
-            if entry is not None:
-                tensor.copy(filler.target(entry, tensor.name, tensor.shape, tensor.file), entry)
+            if entry is None:
+                continue
+            name, shape, file = tensor.name, tensor.shape, tensor.file
+            native_blocks = tensor.native if native else None
+            if native_blocks is not None and filler.place_native(
+                entry, name, shape, file, native_blocks
+            ):
+                continue
+            tensor.copy(filler.target(entry, name, shape, file), entry)
     filler.finish()
     lm.generation_config = dict(checkpoint.generation_config)
     return lm.eval()
+
+
+def _kept(linear: nn.Linear) -> nn.Module:
+    """The linear itself (loading with ``native`` and no ``replace``)."""
+    return linear
+
+
+def _concat(parts: list[tuple[int, NativeBlocks]]) -> NativeBlocks | None:
+    """The parts (by first row) of one matrix as one, or None where their layouts differ."""
+    parts = sorted(parts, key=lambda p: p[0])
+    blocks = [p[1] for p in parts]
+    if len({(b.layout, b.scales.shape[1]) for b in blocks}) != 1:
+        return None
+    if len(blocks) == 1:
+        return blocks[0]
+    offsets = None
+    if blocks[0].offsets is not None:
+        offsets = torch.cat([b.offsets for b in blocks if b.offsets is not None])
+    return NativeBlocks(
+        blocks[0].layout,
+        torch.cat([b.codes for b in blocks]),
+        torch.cat([b.scales for b in blocks]),
+        offsets,
+    )
+
+
+def _block_linear(blocks: NativeBlocks, bias: Tensor | None) -> nn.Module:
+    from attnkit.quantized.block import BlockLinear
+
+    layout: Any = blocks.layout
+    layer = BlockLinear.from_codes(blocks.codes, blocks.scales, blocks.offsets, layout=layout)
+    layer.bias = None if bias is None else bias  # (the model's own parameter, filled as loaded)
+    return layer
 
 
 def allocate(
@@ -245,6 +307,8 @@ class ParameterFiller:
                 for name, m in lm.named_modules()
                 if type(m) is nn.Linear and m.weight.is_meta
             }
+        # Block-quantized parts of pending linears (module name -> (first row, blocks)).
+        self.parts: dict[str, list[tuple[int, NativeBlocks]]] = {}
         real = [p for p in self.params.values() if not p.is_meta]
         self.device = real[0].device if real else torch.device("cpu")
 
@@ -263,6 +327,62 @@ class ParameterFiller:
                 self.params.pop(k)
             del linear
             _release_freed_memory()
+
+    def place_native(
+        self,
+        entry: WeightEntry,
+        key: str,
+        shape: tuple[int, ...],
+        file: str,
+        native: Callable[[WeightEntry], NativeBlocks],
+    ) -> bool:
+        """Keep tensor ``key``'s blocks (``native(entry)``) for the linear ``entry`` fills, if it
+        is a pending plain linear whose weight is still unallocated; once every row has come,
+        the linear becomes a :class:`attnkit.quantized.BlockLinear` of them (parts in different
+        layouts are dequantized into its weight instead). False: the caller copies floats.
+
+        Raises:
+            ValueError: If ``shape`` is not the shape the config needs (naming file and tensor).
+        """
+        self._swap_full()
+        module, _, attr = entry.param.rpartition(".")
+        linear = self.pending.get(module)
+        if attr != "weight" or linear is None or entry.transpose or not linear.weight.is_meta:
+            return False
+        rows = entry.rows or (0, linear.out_features)
+        want = (rows[1] - rows[0], linear.in_features)
+        if tuple(shape) != want:
+            raise ValueError(
+                f"{file}: tensor {key} has shape {list(shape)}, the config ({self.label}) needs "
+                f"{list(want)}"
+            )
+        self.parts.setdefault(module, []).append((rows[0], native(entry)))
+        self.filled[entry.param] += want[0] * want[1]
+        if self.filled[entry.param] < self.sizes[entry.param]:
+            return True
+        blocks = _concat(self.parts.pop(module))
+        if blocks is None:  # (mixed layouts: the float weight, replaced as any other)
+            self._stage(module, linear)
+            return True
+        parent, _, name = module.rpartition(".")
+        setattr(self.lm.get_submodule(parent), name, _block_linear(blocks, linear.bias))
+        del self.pending[module]
+        self.params.pop(entry.param)
+        return True
+
+    def _stage(self, module: str, linear: nn.Linear) -> None:
+        """Allocate ``linear``'s float weight, holding its block-quantized parts dequantized."""
+        from attnkit.quantized.block import BlockLinear
+
+        staged = torch.empty_like(linear.weight, device=self.device)
+        for first, blocks in self.parts.pop(module, []):
+            layout: Any = blocks.layout
+            part = BlockLinear.from_codes(
+                blocks.codes, blocks.scales, blocks.offsets, layout=layout
+            )
+            staged[first : first + blocks.codes.shape[0]] = part.dequantize()
+        linear.weight = nn.Parameter(staged, requires_grad=False)
+        self.params[f"{module}.weight"] = linear.weight
 
     def entry(self, key: str) -> WeightEntry | None:
         """The entry of checkpoint tensor ``key``; ``None`` (noted unless ignorable) if none."""
@@ -283,9 +403,7 @@ class ParameterFiller:
         if module in self.pending and entry.param.endswith(".weight"):
             linear = self.pending[module]
             if linear.weight.is_meta:
-                staged = torch.empty_like(linear.weight, device=self.device)
-                linear.weight = nn.Parameter(staged, requires_grad=False)
-                self.params[entry.param] = linear.weight
+                self._stage(module, linear)
         if entry.param not in self.params:
             raise ValueError(
                 f"{file}: tensor {key} fills {entry.param}, which an earlier tensor already filled"

@@ -42,6 +42,7 @@ from attnkit.kernels.tuning import (
 )
 
 __all__ = [
+    "BLOCK_KERNEL_ROWS",
     "CAPPED_CHUNK_SCORES",
     "CAPPED_MAX_ROWS",
     "CAPPED_MIN_ROWS",
@@ -55,7 +56,6 @@ __all__ = [
     "SPARSE_LONG_MAX_DENSITY",
     "SPARSE_MAX_DENSITY",
     "SPARSE_MIN_KEYS",
-    "BLOCK_KERNEL_ROWS",
     "AttentionCall",
     "AttentionPlan",
     "Choice",
