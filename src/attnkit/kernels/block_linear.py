@@ -43,9 +43,7 @@ def unpack_nibbles(packed: Tensor, dtype: torch.dtype = torch.uint8) -> Tensor:
     return both.reshape(out, 2 * half).to(dtype)
 
 
-def _check(
-    x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor | None, bits: int
-) -> None:
+def _check(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor | None, bits: int) -> None:
     """Raise for inputs :func:`block_dot_linear` does not take, naming them."""
     if bits not in (4, 8):
         raise ValueError(f"block_dot_linear takes 4 or 8 bits, got {bits}")

@@ -38,7 +38,6 @@ def _describe(layer: Any, kind: str) -> str:
     )
 
 
-
 def _by_row_blocks(x: Tensor, out: int, n: int, block: Callable[[int, int], Tensor]) -> Tensor:
     """``(rows, out)`` float32 product of ``x`` filled a block of output rows at a time:
     ``block(start, stop)`` gives the columns ``start:stop``, made from about 1 MiB of float
@@ -48,4 +47,3 @@ def _by_row_blocks(x: Tensor, out: int, n: int, block: Callable[[int, int], Tens
     for start in range(0, out, step):
         y[:, start : start + step] = block(start, min(start + step, out))
     return y
-

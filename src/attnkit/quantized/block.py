@@ -48,9 +48,7 @@ def _check_layout(layout: str, group_size: int, in_features: int) -> None:
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     if in_features % group_size:
-        raise ValueError(
-            f"in_features={in_features} is not a multiple of group_size={group_size}"
-        )
+        raise ValueError(f"in_features={in_features} is not a multiple of group_size={group_size}")
 
 
 def quantize_groups(

@@ -163,4 +163,3 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return _describe(self, f"int4 group_size={self.group_size}")
-

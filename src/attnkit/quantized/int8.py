@@ -75,7 +75,6 @@ INT8_KERNELS = policy.INT8_KERNELS
 Int8Kernel = Literal["default", "auto", "attnkit", "fbgemm", "int8pack", "dequantize"]
 
 
-
 class Int8Linear(nn.Module):
     """A linear whose weight is int8 with one float32 scale per output channel.
 
@@ -487,4 +486,3 @@ def choose_int8_kernel(
         return min(seconds, key=seconds.__getitem__)
     usable = int8_kernels(in_features)
     return usable[0]
-
