@@ -80,3 +80,16 @@ def test_mixed_layouts_in_one_fused_linear_are_dequantized(tmp_path: Path) -> No
     assert _concat([(0, q8), (2, q4)]) is None
     both = _concat([(2, q8), (0, q8)])
     assert both is not None and both.codes.shape == (4, 32)
+
+
+def test_a_tied_head_multiplies_the_embeddings_blocks(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "tied.gguf", "Q4_1", seed=5, tie=True)
+    lm = TransformerLM.from_pretrained(path)
+    floats = TransformerLM.from_pretrained(path, dequantize=True)
+    assert isinstance(lm.lm_head, BlockLinear) and lm.lm_head.layout == "q4_1"
+    assert floats.lm_head is None and lm.embedding.weight.dtype == torch.float32
+    assert torch.equal(lm.lm_head.dequantize(), floats.embedding.weight)
+    ids = _ids()
+    with torch.no_grad():
+        want = floats(ids)
+        assert_close(lm(ids), want, rtol=0, atol=1e-3 * want.abs().max().item())

@@ -6,7 +6,8 @@ Every JSON file of the results folder is read (:func:`load_tables`):
 * a report of ``attnkit bench --vs`` (``"kind": "vs"``) gives the structured-attention,
   long-sequence, decoding and peer tables;
 * a report of ``python -m attnkit.bench.attention`` gives the core table, one of
-  ``python -m attnkit.bench.quantization`` (its ``speed`` section) the quantization table;
+  ``python -m attnkit.bench.quantization`` (its ``speed`` section) the quantization table, one of
+  ``python -m attnkit.bench.quantization.layouts`` the layout and GGUF tables;
 * a file of ``"tables"`` (records transcribed from earlier measurement notes) gives its tables
   as they are, each naming its machine from the file's ``"machines"``;
 * a file of ``"items"`` is the list of what was tried and did not help.
@@ -217,6 +218,50 @@ def _quantization_tables(report: dict[str, Any], source: str) -> list[Table]:
     ]  # fmt: skip
 
 
+def _layout_tables(report: dict[str, Any], source: str) -> list[Table]:
+    """``python -m attnkit.bench.quantization.layouts``: quality per layout, GGUF native."""
+    machine, out = report.get("machine", {}), []
+    layouts = report.get("layouts")
+    if layouts:
+        cells = [
+            [r["variant"], ", ".join(f"{k} {v}" for k, v in r["layers"].items()),
+             f"{r['top1_agreement']:.1%}", f"{r['perplexity_change']:+.2%}"]
+            for r in layouts["rows"]
+        ]  # fmt: skip
+        t = layouts["training"]
+        context = (
+            "`python -m attnkit.bench.quantization.layouts` (layouts): a byte-level Llama-shaped "
+            f"decoder trained {t['steps']} steps on English text, each layout against its fp32 "
+            f"logits on {layouts['rows'][0]['tokens']} held-out tokens; `int8` and `int4` are "
+            "`quantize()`'s defaults."
+        )
+        out.append(
+            Table("quantization-layouts", "quantization", "Quality by layout", machine,
+                  ["variant", "layers", "top-1 agreement", "perplexity change"], cells,
+                  context, source)
+        )  # fmt: skip
+    rows = report.get("gguf")
+    if rows:
+        cells = [
+            [r["precision"], f"{r['logits_relative_error']:.1e}",
+             f"{r['native_tokens_per_s']:.1f}", f"{r['fp32_tokens_per_s']:.1f}",
+             _x(r["speedup"])]
+            for r in rows
+        ]  # fmt: skip
+        context = (
+            "`python -m attnkit.bench.quantization.layouts` (gguf): the 135M Llama shape with "
+            "random weights written as GGUF files, loaded natively (block layers) and with "
+            "`dequantize=True` (fp32); largest logit difference over the largest logit, eager "
+            "decode steps in interleaved rounds, medians."
+        )
+        out.append(
+            Table("quantization-gguf", "quantization", "GGUF block files loaded natively",
+                  machine, ["file", "logits rel. error", "native tok/s", "fp32 tok/s",
+                            "native x fp32"], cells, context, source)
+        )  # fmt: skip
+    return out
+
+
 def _record_tables(data: dict[str, Any], source: str) -> list[Table]:
     """Transcribed records: ``{"machines": {...}, "tables": [...]}``."""
     machines = data.get("machines", {})
@@ -237,6 +282,7 @@ def _record_tables(data: dict[str, Any], source: str) -> list[Table]:
 _ADAPTERS: dict[str, Callable[[dict[str, Any], str], list[Table]]] = {
     "attention.json": _attention_tables,
     "quantization.json": _quantization_tables,
+    "quantization-layouts.json": _layout_tables,
 }
 
 

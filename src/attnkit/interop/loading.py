@@ -121,7 +121,7 @@ def load(
         native: Load block-quantized matrices (:attr:`CheckpointTensor.native`) of plain
             linears as :class:`attnkit.quantized.BlockLinear` layers holding their blocks as
             they are, on the CPU (a linear whose parts come in different layouts, or as floats,
-            is dequantized).
+            is dequantized). A tied output head gets a block layer of the embedding's blocks.
 
     Returns:
         The model; ``model.generation_config`` holds the checkpoint's eos/pad/bos ids.
@@ -145,6 +145,7 @@ def load(
         base_prefix=checkpoint.names.base_prefix,
         replace=replace,
     )
+    tied_head: NativeBlocks | None = None
     with torch.no_grad():
         for tensor in checkpoint.tensors:
             entry = filler.entry(tensor.name)
@@ -157,7 +158,13 @@ def load(
             ):
                 continue
             tensor.copy(filler.target(entry, name, shape, file), entry)
+            if native_blocks is not None and entry.param == "embedding.weight":
+                tied_head = native_blocks(entry)
     filler.finish()
+    if tied_head is not None and getattr(lm, "lm_head", 0) is None:
+        # A tied head multiplies the file's blocks (as quantize() gives a tied head a quantized
+        # copy); the lookup keeps the float table.
+        lm.lm_head = _block_linear(tied_head, None)
     lm.generation_config = dict(checkpoint.generation_config)
     return lm.eval()
 

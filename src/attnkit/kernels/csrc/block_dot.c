@@ -8,7 +8,7 @@
  *
  * The activations stay float32: each block's codes are widened to floats and multiplied by the
  * activations (float32 sums), and the group's scale goes on once per block. The offset's term
- * is m times the block's activation sum, computed once per row. This keeps the result the float
+ * is m times the group's activation sum, computed once per row. This keeps the result the float
  * product of the dequantized weight up to float32 summation order: no rounding of the
  * activations (compare int8_dot.c and int4_dot.c, which round them to int8 for integer dots).
  *
@@ -57,47 +57,72 @@ static inline __m256 widen_nibbles(__m128i v) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
 }
 
-/* One output of an 8-bit row: sum over blocks of d * (q . x). */
-static inline float row8(const int8_t *w, const uint16_t *d, const float *x, int64_t n,
+/* The products of a group's codes (widened by `widen`, four vectors of eight a block) and its
+ * activations, summed over the group's blocks: four independent sums (one per vector of a
+ * block), so consecutive blocks do not wait on one another's additions. */
+#define GROUP_SUM(FIRST_BLOCK, PER, LOAD4, x, out)                                  \
+  do {                                                                              \
+    __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;                     \
+    for (int64_t b = (FIRST_BLOCK); b < (FIRST_BLOCK) + (PER); b++) {               \
+      __m256 c0, c1, c2, c3;                                                        \
+      LOAD4(b, c0, c1, c2, c3);                                                     \
+      const float *xb = (x) + b * BLOCK;                                            \
+      t0 = _mm256_fmadd_ps(c0, _mm256_loadu_ps(xb), t0);                            \
+      t1 = _mm256_fmadd_ps(c1, _mm256_loadu_ps(xb + 8), t1);                        \
+      t2 = _mm256_fmadd_ps(c2, _mm256_loadu_ps(xb + 16), t2);                       \
+      t3 = _mm256_fmadd_ps(c3, _mm256_loadu_ps(xb + 24), t3);                       \
+    }                                                                               \
+    (out) = _mm256_add_ps(_mm256_add_ps(t0, t1), _mm256_add_ps(t2, t3));            \
+  } while (0)
+
+/* One output of an 8-bit row: sum over groups of d * (q . x); two running sums (even and odd
+ * groups) for the same reason. */
+static inline float row8(const int8_t *w, const uint16_t *d, const float *x, int64_t groups,
                          int64_t per) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < n / BLOCK; b++) {
-    const int8_t *q = w + b * BLOCK;
-    const float *xb = x + b * BLOCK;
-    _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);
-    __m256 t = _mm256_mul_ps(widen8(q), _mm256_loadu_ps(xb));
-    t = _mm256_fmadd_ps(widen8(q + 8), _mm256_loadu_ps(xb + 8), t);
-    t = _mm256_fmadd_ps(widen8(q + 16), _mm256_loadu_ps(xb + 16), t);
-    t = _mm256_fmadd_ps(widen8(q + 24), _mm256_loadu_ps(xb + 24), t);
-    acc = _mm256_fmadd_ps(t, _mm256_set1_ps(half_to_float(d[b / per])), acc);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+#define LOAD8(b, c0, c1, c2, c3)                                  \
+  do {                                                            \
+    const int8_t *q = w + (b) * BLOCK;                            \
+    _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);      \
+    c0 = widen8(q), c1 = widen8(q + 8), c2 = widen8(q + 16);      \
+    c3 = widen8(q + 24);                                          \
+  } while (0)
+  for (int64_t g = 0; g < groups; g++) {
+    __m256 t;
+    GROUP_SUM(g * per, per, LOAD8, x, t);
+    acc[g & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(half_to_float(d[g])), acc[g & 1]);
   }
-  return lanes_sum(acc);
+#undef LOAD8
+  return lanes_sum(_mm256_add_ps(acc[0], acc[1]));
 }
 
-/* One output of a 4-bit row: sum over blocks of d * (q . x) + m * sum(x of the block), with
- * xsum the row's block sums and m = -8 d where there are no offsets. */
+/* One output of a 4-bit row: sum over groups of d * (q . x) + m * sum(x of the group), with
+ * xsum the row's group sums and m = -8 d where there are no offsets. */
 static inline float row4(const uint8_t *w, const uint16_t *d, const uint16_t *m, const float *x,
-                         const float *xsum, int64_t n, int64_t per) {
+                         const float *xsum, int64_t groups, int64_t per) {
   const __m128i nibble = _mm_set1_epi8(0x0f);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   float shift = 0.f;
-  for (int64_t b = 0; b < n / BLOCK; b++) {
-    const uint8_t *q = w + b * (BLOCK / 2);
-    const float *xb = x + b * BLOCK;
-    _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);
-    const __m128i v = _mm_loadu_si128((const __m128i *)q);
-    const __m128i lo = _mm_and_si128(v, nibble);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
-    __m256 t = _mm256_mul_ps(widen_nibbles(lo), _mm256_loadu_ps(xb));
-    t = _mm256_fmadd_ps(widen_nibbles(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xb + 8), t);
-    t = _mm256_fmadd_ps(widen_nibbles(hi), _mm256_loadu_ps(xb + 16), t);
-    t = _mm256_fmadd_ps(widen_nibbles(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xb + 24), t);
-    const float scale = half_to_float(d[b / per]);
-    acc = _mm256_fmadd_ps(t, _mm256_set1_ps(scale), acc);
-    const float low = m ? half_to_float(m[b / per]) : -8.f * scale;
-    shift += low * xsum[b];
+#define LOAD4BIT(b, c0, c1, c2, c3)                                           \
+  do {                                                                        \
+    const uint8_t *q = w + (b) * (BLOCK / 2);                                 \
+    _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);                  \
+    const __m128i v = _mm_loadu_si128((const __m128i *)q);                    \
+    const __m128i lo = _mm_and_si128(v, nibble);                              \
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);           \
+    c0 = widen_nibbles(lo), c1 = widen_nibbles(_mm_srli_si128(lo, 8));        \
+    c2 = widen_nibbles(hi), c3 = widen_nibbles(_mm_srli_si128(hi, 8));        \
+  } while (0)
+  for (int64_t g = 0; g < groups; g++) {
+    __m256 t;
+    GROUP_SUM(g * per, per, LOAD4BIT, x, t);
+    const float scale = half_to_float(d[g]);
+    acc[g & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(scale), acc[g & 1]);
+    const float low = m ? half_to_float(m[g]) : -8.f * scale;
+    shift += low * xsum[g];
   }
-  return lanes_sum(acc) + shift;
+#undef LOAD4BIT
+  return lanes_sum(_mm256_add_ps(acc[0], acc[1])) + shift;
 }
 
 /* y (rows, out) = x (rows, n) @ W.T for the block-quantized W above (bits 8 or 4; offsets m
@@ -106,16 +131,17 @@ static inline float row4(const uint8_t *w, const uint16_t *d, const uint16_t *m,
 int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t *w,
                          const uint16_t *d, const uint16_t *m, int64_t out, int bits,
                          int64_t group, float *y, int threads) {
-  const int64_t blocks = n / BLOCK, per = group / BLOCK, groups = n / group;
+  const int64_t per = group / BLOCK, groups = n / group;
   float *xsum = NULL;
   if (bits == 4) {
-    xsum = malloc((size_t)(rows * blocks + 1) * sizeof(float));
+    xsum = malloc((size_t)(rows * groups + 1) * sizeof(float));
     if (!xsum) return 1;
     for (int64_t r = 0; r < rows; r++)
-      for (int64_t b = 0; b < blocks; b++) {
-        __m256 s = _mm256_loadu_ps(x + r * n + b * BLOCK);
-        for (int k = 1; k < 4; k++) s = _mm256_add_ps(s, _mm256_loadu_ps(x + r * n + b * BLOCK + 8 * k));
-        xsum[r * blocks + b] = lanes_sum(s);
+      for (int64_t g = 0; g < groups; g++) {
+        __m256 s = _mm256_setzero_ps();
+        for (int64_t i = g * group; i < (g + 1) * group; i += 8)
+          s = _mm256_add_ps(s, _mm256_loadu_ps(x + r * n + i));
+        xsum[r * groups + g] = lanes_sum(s);
       }
   }
   const int64_t row_bytes = bits == 8 ? n : n / 2;
@@ -127,9 +153,9 @@ int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t 
     /* (the row's codes stay in cache for the activation rows after the first) */
     for (int64_t r = 0; r < rows; r++) {
       y[r * out + o] =
-          bits == 8 ? row8((const int8_t *)codes, scales, x + r * n, n, per)
+          bits == 8 ? row8((const int8_t *)codes, scales, x + r * n, groups, per)
                     : row4(codes, scales, m ? m + o * groups : NULL, x + r * n,
-                           xsum + r * blocks, n, per);
+                           xsum + r * groups, groups, per);
     }
   }
   free(xsum);
