@@ -211,7 +211,7 @@ class DraftModel:
         self, ids: Tensor, positions: Tensor, full_mask: Tensor | None, k: int, active: Tensor
     ) -> Proposal:
         """``k`` tokens per row, fed the sequence's positions the cache lacks first."""
-        B, S = ids.shape
+        B = ids.shape[0]
         tokens: list[Tensor] = []
         probs: list[Tensor] = []
         history = ids
