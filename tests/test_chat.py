@@ -204,6 +204,17 @@ def test_chat_keeps_history_resets_and_exits(
     assert "reset" in err and err.count("tokens/s") == 3
 
 
+def test_chat_with_a_self_draft_writes_the_same_replies(
+    chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = "Explain attention.\nAnd then?\n"
+    code, plain, err = _chat(chat_model, lines, capsys, "--quiet")
+    assert code == 0, err
+    code, out, err = _chat(chat_model, lines, capsys, "--draft", "int8")
+    assert code == 0, err
+    assert out == plain and err.count("proposed tokens kept") == 2
+
+
 def test_ctrl_c_stops_a_reply_not_the_chat(
     chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -121,6 +121,23 @@ def test_prompt_from_stdin_sampling_seed_and_attention(
 
 
 @pytest.mark.parametrize(
+    "draft", [["--prompt-lookup", "4"], ["--draft", "int8"], ["--draft", "SELF"]]
+)
+def test_speculative_options_give_the_plain_text(
+    folder: Path, capsys: pytest.CaptureFixture[str], draft: list[str]
+) -> None:
+    draft = [str(folder) if d == "SELF" else d for d in draft]  # a draft folder: the model itself
+    args = ["--model", str(folder), "--prompt", "the cat sat on the mat and the cat sat"]
+    args += ["--max-new-tokens", "12"]
+    code, plain, err = _run([*args, "--quiet"], capsys)
+    assert code == 0, err
+    code, out, err = _run([*args, *draft], capsys)
+    assert code == 0, err
+    assert out == plain
+    assert re.search(r"tokens/s, \d+% of \d+ proposed tokens kept", err), err
+
+
+@pytest.mark.parametrize(
     ("extra", "match"),
     [
         (["--top-p", "1.5"], "--top-p must be in"),
@@ -129,6 +146,10 @@ def test_prompt_from_stdin_sampling_seed_and_attention(
         (["--max-new-tokens", "5000"], "max_seq_len"),
         (["--layer", "7", "--attention", "ATT"], "--layer must be in"),
         (["--prompt", ""], "prompt is empty"),
+        (["--prompt-lookup", "0"], "--prompt-lookup must be >= 1, got 0"),
+        (["--prompt-lookup", "3", "--draft", "int8"], "--prompt-lookup (3) or --draft (int8)"),
+        (["--draft", "int8", "--compile"], "leave out --compile"),
+        (["--draft", "nowhere"], "draft model nowhere does not exist"),
     ],
 )
 def test_bad_options_are_one_line_with_status_2(
@@ -197,6 +218,8 @@ def test_chat_formats_the_prompt_and_prints_the_reply(
     code, out, err = _run([*args, "--chat", "--quiet"], capsys)
     assert code == 0 and err == ""
     assert out == _expected_reply(chat_folder, [{"role": "user", "content": prompt}], 12) + "\n"
+    code, spec, err = _run([*args, "--chat", "--prompt-lookup", "3"], capsys)
+    assert code == 0 and spec == out and "proposed tokens kept" in err
 
 
 def test_chat_stops_at_end_of_turn(

@@ -170,6 +170,17 @@ class KVCache(nn.Module):
         part.capacity, part.length = self.capacity - start, 0
         return part
 
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on (speculative decoding's rollback of rejected
+        tokens); the next :meth:`update` writes at slot ``length``.
+
+        Raises:
+            ValueError: Unless ``0 <= length <=`` the filled slots.
+        """
+        if not 0 <= length <= self.length:
+            raise ValueError(f"can truncate to 0..{self.length} filled slots, got {length}")
+        self.__dict__["length"] = length
+
     def reset(self) -> None:
         """Forget every cached position (the storage is kept)."""
         self.length = 0

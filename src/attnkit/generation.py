@@ -12,6 +12,9 @@
   order: repetition penalty, temperature, top-k, top-p.
 * :func:`stream` yields each new column of tokens as soon as it is chosen; :func:`generate`
   collects them.
+* Speculative decoding (``prompt_lookup_num_tokens=``, ``assistant_model=``): proposed tokens
+  verified by the model in one forward (:mod:`attnkit.speculative`), same tokens (greedy) or
+  same distribution (sampling).
 
 A sliding-window model keeps its window in cached decoding: the attention kernel applies it
 over cache positions, so a new token sees at most ``window`` keys.
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 import torch
 from torch import Tensor, nn
 
-from attnkit import decoding
+from attnkit import decoding, speculative
 from attnkit.cache import KVCache
 from attnkit.config import TransformerConfig
 from attnkit.positional import reserved_rotary_tables
@@ -281,6 +284,14 @@ class GenerateOptions(TypedDict, total=False):
         compile: Run each cached step as one compiled graph of the model's own forward
             (default ``False``; see :func:`attnkit.decoding.compiled_step`); the first call per
             batch size and length pays the compilation.
+        prompt_lookup_num_tokens: Speculative decoding proposing up to this many tokens copied
+            from the earlier occurrence of the last n-gram (:class:`attnkit.speculative.
+            PromptLookup`); default ``None`` (off).
+        assistant_model: Speculative decoding with a draft decoder of the same vocabulary, or
+            ``"int8"``/``"int4"``: the model's own weight-quantized copy (the model's
+            ``self_draft``, built once); default ``None`` (off).
+        speculation_stats: A :class:`attnkit.speculative.SpeculationStats` that speculative
+            decoding fills in (proposed and kept tokens).
     """
 
     attention_mask: Tensor | None
@@ -293,6 +304,9 @@ class GenerateOptions(TypedDict, total=False):
     use_cache: bool
     generator: torch.Generator | None
     compile: bool
+    prompt_lookup_num_tokens: int | None
+    assistant_model: Any
+    speculation_stats: speculative.SpeculationStats | None
 
 
 def stream(
@@ -359,6 +373,41 @@ def _stream(
         full_mask = torch.ones(B, P + max_new_tokens, dtype=torch.bool, device=device)
         full_mask[:, :P] = mask.to(device)
         positions = positions_from_mask(full_mask[:, :P])  # (B, P)
+    speculation = _speculation(lm, options, P + max_new_tokens)
+    if speculation is not None and max_new_tokens:
+        if not use_cache or compile:
+            raise ValueError(
+                f"speculative decoding needs use_cache=True and compile=False, got "
+                f"use_cache={use_cache}, compile={compile}"
+            )
+        draft, start, most = speculation
+        greedy = choice.temperature == 0
+
+        def process(raw: Tensor, history: Tensor) -> Tensor:
+            return process_logits(raw, history, choice)
+
+        proposer: speculative.PromptLookup | speculative.DraftModel
+        if draft is None:
+            proposer = speculative.PromptLookup()
+        else:
+            proposer = speculative.DraftModel(
+                draft, B, P + max_new_tokens, process, greedy=greedy, generator=generator
+            )
+        return speculative.decode(
+            lm,
+            ids,
+            positions,
+            full_mask,
+            max_new_tokens,
+            proposer=proposer,
+            length=speculative.AdaptiveLength(start, most),
+            process=process,
+            greedy=greedy,
+            eos=eos,
+            pad_token_id=pad_token_id,
+            generator=generator,
+            stats=options.get("speculation_stats"),
+        )
     return _decode(
         lm,
         ids,
@@ -373,6 +422,56 @@ def _stream(
         compile,
         unattended,
     )
+
+
+def _speculation(
+    lm: CausalLM, options: GenerateOptions, capacity: int
+) -> tuple[Any, int, int] | None:
+    """``(draft or None for prompt lookup, first length, most tokens)`` of the speculative options,
+    ``None`` without them.
+
+    Raises:
+        ValueError: Both given, a bad length, an unknown shortcut, another vocabulary or a draft
+            too short for ``capacity`` positions.
+        TypeError: A length that is no int, a draft that is no decoder.
+    """
+    num = options.get("prompt_lookup_num_tokens")
+    draft = options.get("assistant_model")
+    stats = options.get("speculation_stats")
+    if stats is not None and not isinstance(stats, speculative.SpeculationStats):
+        raise TypeError(f"speculation_stats must be a SpeculationStats, got {stats!r}")
+    if num is not None and draft is not None:
+        raise ValueError(
+            f"give prompt_lookup_num_tokens ({num}) or assistant_model ({draft!r}), not both"
+        )
+    if num is not None:
+        if not _is_int(num):
+            raise TypeError(f"prompt_lookup_num_tokens must be an int, got {num!r}")
+        if num < 1:
+            raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {num}")
+        return None, int(num), int(num)
+    if draft is None:
+        return None
+    if isinstance(draft, str):
+        if draft not in ("int8", "int4"):
+            raise ValueError(f"assistant_model must be a model, 'int8' or 'int4', got {draft!r}")
+        build = getattr(lm, "self_draft", None)
+        if build is None:
+            raise TypeError(f"{type(lm).__name__} has no self_draft for assistant_model={draft!r}")
+        draft = build(draft)
+    if not callable(draft) or not hasattr(draft, "make_kv_caches"):
+        raise TypeError(f"assistant_model must be a decoder, got {type(draft).__name__}")
+    mine, theirs = lm.config.vocab_size, getattr(draft.config, "vocab_size", None)
+    if mine != theirs:
+        raise ValueError(
+            f"assistant_model must share the model's vocabulary: vocab_size {theirs} != {mine}"
+        )
+    if draft.max_seq_len < capacity:
+        raise ValueError(
+            f"assistant_model's max_seq_len {draft.max_seq_len} is shorter than the "
+            f"{capacity} positions to generate"
+        )
+    return draft, speculative.DRAFT_START, speculative.DRAFT_MAX
 
 
 #: Left padding, as a share of a batch's prompt positions, from which the prompts are filled in
@@ -575,7 +674,8 @@ def generate(
         max_new_tokens: Most tokens to add.
         **options: :class:`GenerateOptions` (``attention_mask``, ``pad_token_id``,
             ``eos_token_id``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
-            ``use_cache``, ``generator``, ``compile``).
+            ``use_cache``, ``generator``, ``compile``, ``prompt_lookup_num_tokens``,
+            ``assistant_model``, ``speculation_stats``).
 
     Returns:
         ``(B, P + n)`` token ids, prompt included, with ``n <= max_new_tokens`` (fewer when

@@ -22,6 +22,7 @@ Hugging Face decoder folders (:mod:`attnkit.interop.hf`).
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Iterator
@@ -485,6 +486,36 @@ class TransformerLM(_TransformerStack):
         Takes the options of :meth:`generate`; stops early when every row has ended.
         """
         return generation.stream(self, input_ids, max_new_tokens, **options)
+
+    def self_draft(self, mode: quantization.Mode) -> TransformerLM:
+        """This model with weight-only ``mode`` (``"int8"``/``"int4"``) linears: the draft of
+        ``generate(..., assistant_model=mode)``. Built once per mode and kept (not as a
+        submodule: no parameters or state-dict entries are added); built again when this
+        model's parameters change.
+
+        Raises:
+            ValueError: Unknown ``mode``.
+        """
+        if mode not in quantization.MODES:
+            raise ValueError(f"self_draft mode must be one of {quantization.MODES}, got {mode!r}")
+        drafts: dict[str, tuple[tuple[int, ...], TransformerLM]]
+        drafts = self.__dict__.setdefault("_attnkit_drafts", {})
+        versions = tuple(p._version for p in self.parameters())
+        kept = drafts.get(mode)
+        if kept is not None and kept[0] == versions:
+            return kept[1]
+        # the kept drafts and a compiled step stay out of the copy
+        memo: dict[int, Any] = {id(drafts): {}}
+        step = self.__dict__.get("_attnkit_step")
+        if step is not None:
+            memo[id(step)] = None
+        draft = copy.deepcopy(self, memo)
+        draft.__dict__.pop("_attnkit_step", None)
+        quantization.quantize(draft.eval(), mode)
+        for p in draft.parameters():
+            p.requires_grad_(False)
+        drafts[mode] = (versions, draft)
+        return draft
 
     @classmethod
     def from_pretrained(

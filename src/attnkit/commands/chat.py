@@ -118,4 +118,4 @@ def run(args: argparse.Namespace) -> int:
         text = session.tokenizer.decode(reply, skip_special_tokens=True)
         history.append({"role": "assistant", "content": text})
         if not args.quiet:
-            print(f"attnkit chat: {timing.summary()}", file=sys.stderr)
+            print(f"attnkit chat: {timing.summary()}{session.speculation()}", file=sys.stderr)

@@ -15,6 +15,12 @@ with ``--compile`` the speed leaves out the first compiled step, whose time is g
 for one-token steps (:func:`attnkit.decoding.compiled_step`: the first call compiles, the steps
 after reuse the compiled graph).
 
+``--prompt-lookup N`` (speculative decoding: up to ``N`` tokens copied from where the last few
+tokens occurred before, see :mod:`attnkit.speculative`) or ``--draft int8|int4|PATH`` (a
+weight-quantized copy of the model, or another decoder folder of the same tokenizer, proposes the
+tokens) give the same tokens faster where the proposals are kept; the share of proposed tokens
+kept is printed with the speed.
+
 ``--attention OUT`` also writes the attention of the whole text (prompt and continuation): one map
 per chosen ``--layer``/``--head``, a grid of the chosen layers' heads and, when
 :mod:`attnkit.explorer` is available, an interactive page. Layers and heads count from 0;
@@ -80,6 +86,21 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "cached after), each step after is faster (see docs/guide/decoding.md)",
     )
     parser.add_argument(
+        "--prompt-lookup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="speculative decoding: propose up to N tokens copied from an earlier occurrence of "
+        "the last n-gram (same output; faster when the text repeats its input)",
+    )
+    parser.add_argument(
+        "--draft",
+        default=None,
+        metavar="int8|int4|PATH",
+        help="speculative decoding with a draft: the model's own int8/int4 copy, or a smaller "
+        "decoder folder with the same tokenizer (same output)",
+    )
+    parser.add_argument(
         "--quiet",
         action="store_true",
         help="do not print the token count, time to first token and tokens/s to stderr",
@@ -133,6 +154,16 @@ def check_model_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.repetition_penalty is not None and not args.repetition_penalty > 0:
         raise ValueError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    if args.prompt_lookup is not None and args.draft is not None:
+        raise ValueError(
+            f"give --prompt-lookup ({args.prompt_lookup}) or --draft ({args.draft}), not both"
+        )
+    if args.prompt_lookup is not None and args.prompt_lookup < 1:
+        raise ValueError(f"--prompt-lookup must be >= 1, got {args.prompt_lookup}")
+    if args.compile and (args.draft is not None or args.prompt_lookup is not None):
+        raise ValueError("--draft and --prompt-lookup decode eagerly: leave out --compile")
+    if args.draft not in (None, "int8", "int4") and not Path(args.draft).exists():
+        raise FileNotFoundError(f"draft model {args.draft} does not exist")
     if args.model.suffix == ".gguf" and not args.model.is_dir():
         if not args.model.is_file():
             raise FileNotFoundError(f"model file {args.model} does not exist")
@@ -150,6 +181,8 @@ class Session:
     lm: Any
     tokenizer: Any  # tokenizers.Tokenizer
     chat: Any = None  # attnkit.chat.ChatTokenizer
+    draft: Any = None  # an assistant_model: "int8", "int4" or a loaded decoder
+    stats: Any = None  # attnkit.speculative.SpeculationStats of the last reply
 
     @classmethod
     def load(cls, args: argparse.Namespace, *, chat: bool) -> Session:
@@ -174,15 +207,38 @@ class Session:
         )
         # inference only: linears laid out for one-token steps (eager or compiled)
         decoding.prepare(lm, compiled=args.compile)
-        return cls(lm, tokenizer, chat_tokenizer)
+        draft: Any = getattr(args, "draft", None)
+        if draft in ("int8", "int4"):
+            lm.self_draft(draft)  # built now, not inside the first reply's timing
+        elif draft is not None:
+            draft = TransformerLM.from_pretrained(Path(draft), dtype=getattr(torch, args.dtype))
+            decoding.prepare(draft)
+        return cls(lm, tokenizer, chat_tokenizer, draft)
+
+    def speculation(self) -> str:
+        """``, N% of P proposed tokens kept`` after a speculative reply; ``""`` otherwise."""
+        if self.stats is None:
+            return ""
+        stats = self.stats
+        return f", {stats.acceptance_rate:.0%} of {stats.proposed} proposed tokens kept"
 
     def stream(self, prompt_ids: list[int], args: argparse.Namespace) -> Generator[int, None, None]:
         """The new token ids, one by one (stopping at the chat template's end-of-turn tokens)."""
         import torch
 
+        from attnkit.speculative import SpeculationStats
+
         options: dict[str, Any] = {}
         if self.chat is not None and self.chat.stop_ids:
             options["eos_token_id"] = list(self.chat.stop_ids)
+        lookup = getattr(args, "prompt_lookup", None)
+        self.stats = None
+        if lookup is not None or self.draft is not None:
+            self.stats = options["speculation_stats"] = SpeculationStats()
+            if lookup is not None:
+                options["prompt_lookup_num_tokens"] = lookup
+            else:
+                options["assistant_model"] = self.draft
         generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
         steps = self.lm.stream(
             torch.tensor([prompt_ids]),
@@ -313,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if not args.quiet:
-        print(f"attnkit generate: {timing.summary()}", file=sys.stderr)
+        print(f"attnkit generate: {timing.summary()}{session.speculation()}", file=sys.stderr)
     if args.attention is not None:
         all_ids = torch.tensor([prompt_ids + new])
         # Each token as text (byte-level tokenizers' "Ġsat" reads " sat").
