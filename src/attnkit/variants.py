@@ -21,6 +21,7 @@ import itertools
 import math
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -331,6 +332,36 @@ def _flex_layer_backward(
     variant: str,
     scale: float,
 ) -> list[Tensor]:
+    return _worker().submit(_recompute_grads, grad, q, k, v, q_positions, mask, captured, variant,
+                            scale).result()  # fmt: skip
+
+
+def _worker() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnkit-flex-backward")
+    return _POOL
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _recompute_grads(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_positions: Tensor | None,
+    mask: Tensor | None,
+    captured: list[Tensor],
+    variant: str,
+    scale: float,
+) -> list[Tensor]:
+    """The gradients of :func:`_flex` by autograd through :mod:`attnkit.flex`'s own backward.
+
+    A custom op's kernel runs below autograd (the dispatcher excludes its keys in the calling
+    thread), so this runs in a worker thread, whose dispatch state is fresh.
+    """
     inputs = [t.detach().requires_grad_() for t in (q, k, v, *captured)]
     with torch.enable_grad():
         out = _flex(_LIVE[variant], *inputs[:3], q_positions, mask, inputs[3:], scale)
