@@ -31,6 +31,7 @@ from attnkit.tour.flexvariants import (
     check_alibi_extrapolation,
     check_prefix_lm,
     check_window_cost,
+    recency_batch,
 )
 from attnkit.tour.positions import (
     Rotate,
@@ -67,6 +68,7 @@ __all__ = [
     "check_sinusoidal_shift",
     "check_softcap",
     "check_window_cost",
+    "recency_batch",
     "train_tour_model",
 ]
 
