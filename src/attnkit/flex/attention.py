@@ -101,6 +101,7 @@ def flex_attention(
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     q, k, v = query.to(wide), key.to(wide), value.to(wide)
     mods = _mods(score_mod, block_mask, H)
+    mods.fused = (score_mod is None or mods.slopes is not None) and E == value.shape[-1]
     plan = tiles.tile_plan(block_mask, L, S, B * H)
     caps = captured_tensors(score_mod) if score_mod is not None else []
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *caps))
@@ -109,7 +110,8 @@ def flex_attention(
         out, lse = _FlexFunction.apply(spec, q, k, v, *caps)
     else:
         with torch.no_grad():
-            out, lse = tiles.forward(q, k, v, plan, mods, scale)
+            run = tiles.forward_fused if mods.fused else tiles.forward
+            out, lse = run(q, k, v, plan, mods, scale)
     out = out.to(dtype)
     return (out, lse.float()) if return_lse else out
 
@@ -211,7 +213,8 @@ class _FlexFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, spec: _Spec, q: Tensor, k: Tensor, v: Tensor, *caps: Tensor) -> Any:
-        out, lse = tiles.forward(q, k, v, spec.plan, spec.mods, spec.scale)
+        run = tiles.forward_fused if spec.mods.fused else tiles.forward
+        out, lse = run(q, k, v, spec.plan, spec.mods, spec.scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
         ctx.mark_non_differentiable(lse)
@@ -221,6 +224,11 @@ class _FlexFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> Any:
         q, k, v, out, lse = ctx.saved_tensors
         spec: _Spec = ctx.spec
+        if spec.mods.fused:
+            dq, dk, dv = tiles.backward_fused(
+                q, k, v, out, lse, grad_out.contiguous(), spec.plan, spec.mods, spec.scale
+            )
+            return (None, dq, dk, dv, *([None] * len(spec.captured)))
         dq, dk, dv, dcaps = tiles.backward(
             q, k, v, out, lse, grad_out.contiguous(), spec.plan, spec.mods, spec.scale,
             spec.captured,

@@ -20,7 +20,10 @@ from torch import Tensor
 from attnkit.flex.blockmask import EMPTY, FULL, PARTIAL, BlockMask, index_tensors
 from attnkit.kernels import policy
 
-__all__ = ["Chunk", "TilePlan", "backward", "forward", "tile_plan"]
+__all__ = ["Chunk", "Mods", "TilePlan", "backward", "forward", "tile_plan"]
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -34,6 +37,7 @@ class Chunk:
     c0: int
     c1: int
     masked: tuple[tuple[int, int, int], ...]
+    has_full: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +80,8 @@ def tile_plan(block_mask: BlockMask | None, L: int, S: int, heads: int) -> TileP
                     if line[j] != FULL
                 )
                 if any(line[j] != EMPTY for j in range(j0, j1)):
-                    chunks.append(Chunk(c0, c1, masked))
+                    has_full = any(line[j] == FULL for j in range(j0, j1))
+                    chunks.append(Chunk(c0, c1, masked, has_full))
         plan.append((r0, r1, tuple(chunks)))
     return TilePlan(tuple(plan))
 
@@ -91,6 +96,12 @@ class Mods:
     mask_mod: MaskMod | None
     slopes: Tensor | None = None  # ALiBi slopes (H,), when recognised
     identity_grad: bool = False
+
+    #: The modification is an additive bias that needs no gradient (none, or ALiBi) and the
+    #: inputs suit torch's fused CPU flash kernel (equal head dims of keys and values): then
+    #: each tile is one call of that kernel with the bias and mask as its additive
+    #: ``attn_mask``, forward and backward.
+    fused: bool = False
 
 
 def _scores(s: Tensor, mods: Mods, idx: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
@@ -146,30 +157,30 @@ def forward(
         Lt = r1 - r0
         qt = qs[:, :, r0:r1].reshape(B, K, G * Lt, E)  # (B, K, G*Lt, E)
         rows = torch.arange(r0, r1, device=dev)
-        m_run = l_run = acc = None
+        lse_run = acc = None
         for chunk in chunks:
             kc, vc = k[:, :, chunk.c0 : chunk.c1], v[:, :, chunk.c0 : chunk.c1]
             St = chunk.c1 - chunk.c0
             idx = index_tensors(B, H, rows, torch.arange(chunk.c0, chunk.c1, device=dev))
             s = torch.matmul(qt, kc.transpose(-1, -2)).view(B, H, Lt, St)
             s = _mask(_scores(s, mods, idx), chunk, mods, idx)
-            m = s.amax(dim=-1, keepdim=True)  # (B, H, Lt, 1)
-            m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-            p = s.sub_(m).exp_() if s.is_contiguous() else torch.exp(s - m)
-            l_c = p.sum(dim=-1, keepdim=True)
+            lse_c = torch.logsumexp(s, dim=-1, keepdim=True)  # (B, H, Lt, 1)
+            p = torch.softmax(s, dim=-1)  # (NaN rows where every key is masked)
             o = torch.matmul(p.view(B, K, G * Lt, St), vc).view(B, H, Lt, Ev)
+            o = torch.where(lse_c == float("-inf"), 0.0, o)
             if acc is None:
-                m_run, l_run, acc = m, l_c, o
+                lse_run, acc = lse_c, o
                 continue
-            assert m_run is not None and l_run is not None
-            m_new = torch.maximum(m_run, m)
-            a_old, a_new = torch.exp(m_run - m_new), torch.exp(m - m_new)
+            assert lse_run is not None
+            lse_new = torch.logaddexp(lse_run, lse_c)
+            known = lse_new > float("-inf")
+            a_old = torch.where(known, torch.exp(lse_run - lse_new), 0.0)
+            a_new = torch.where(known, torch.exp(lse_c - lse_new), 0.0)
             acc = acc * a_old + o * a_new
-            l_run = l_run * a_old + l_c * a_new
-            m_run = m_new
-        assert m_run is not None and l_run is not None and acc is not None
-        out[:, :, r0:r1] = acc / torch.where(l_run == 0, torch.ones_like(l_run), l_run)
-        lse[:, :, r0:r1] = (m_run + torch.log(l_run)).squeeze(-1)
+            lse_run = lse_new
+        assert lse_run is not None and acc is not None
+        out[:, :, r0:r1] = acc
+        lse[:, :, r0:r1] = lse_run.squeeze(-1)
     return out, lse
 
 
@@ -244,3 +255,138 @@ def backward(
             dk[:, :, c0:c1] += torch.matmul(dsk.transpose(-1, -2), qt)
         dq[:, :, r0:r1] = dq_t.view(B, H, Lt, E) * scale
     return dq, dk, dv, dcap
+
+
+def _bias_tile(
+    chunk: Chunk, mods: Mods, idx: tuple[Tensor, Tensor, Tensor, Tensor], dtype: torch.dtype
+) -> tuple[Tensor | None, Tensor | None]:
+    """The additive ``attn_mask`` of ``chunk`` (ALiBi bias, ``-inf`` where masked) as
+    ``(Bm, Hm, Lt, St)`` with ``Bm``/``Hm`` 1 where it does not vary, or None where there is
+    nothing to add; and the bool ``(Bm, Hm, Lt, 1)`` queries that may attend no key of the
+    chunk (None where each has one)."""
+    b, h, q, kv = idx
+    Lt, St = q.shape[2], kv.shape[3]
+    tile = None
+    if mods.slopes is not None:
+        slopes = mods.slopes.to(q.device, dtype).view(1, -1, 1, 1)
+        tile = slopes * (kv - q).to(dtype)  # (1, H, Lt, St)
+    if not chunk.masked:
+        return tile, None
+    parts: list[tuple[int, int, Tensor | None]] = []
+    shape = [1, 1] if tile is None else list(tile.shape[:2])
+    for a, z, state in chunk.masked:
+        allowed = None
+        if state != EMPTY and mods.mask_mod is not None:
+            allowed = mods.mask_mod(b, h, q, kv[..., a:z])
+            full = torch.broadcast_shapes(allowed.shape, (1, 1, Lt, z - a))
+            shape = [max(shape[0], full[0]), max(shape[1], full[1])]
+        parts.append((a, z, allowed))
+    if tile is None:
+        tile = torch.zeros(*shape, Lt, St, dtype=dtype, device=q.device)
+    elif tuple(tile.shape[:2]) != tuple(shape):
+        tile = tile.expand(*shape, Lt, St).contiguous()
+    for a, z, allowed in parts:
+        if allowed is None:
+            tile[..., a:z] = float("-inf")
+        else:
+            tile[..., a:z].masked_fill_(~allowed, float("-inf"))
+    empty = None if chunk.has_full else (tile == float("-inf")).all(dim=-1, keepdim=True)
+    return tile, empty
+
+
+def _grouped(tile: Tensor | None, K: int, G: int) -> Tensor | None:
+    """``tile (Bm, Hm, Lt, St)`` in the layout of queries grouped by key head,
+    ``(Bm, K or 1, G * Lt, St)``."""
+    if tile is None or G == 1:
+        return tile
+    Bm, Hm, Lt, St = tile.shape
+    if Hm == 1:
+        return tile.unsqueeze(2).expand(Bm, 1, G, Lt, St).reshape(Bm, 1, G * Lt, St)
+    return tile.reshape(Bm, K, G * Lt, St)
+
+
+def forward_fused(
+    q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, mods: Mods, scale: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`forward` for :attr:`Mods.fused` modifications: one fused kernel call per tile."""
+    B, H, L, E = q.shape
+    K, Ev = k.shape[1], v.shape[-1]
+    G = H // K
+    out = q.new_zeros(B, H, L, Ev)
+    lse = q.new_full((B, H, L), float("-inf"))
+    dev = q.device
+    for r0, r1, chunks in plan.rows:
+        if not chunks:
+            continue
+        Lt = r1 - r0
+        qt = q[:, :, r0:r1].reshape(B, K, G * Lt, E)  # (B, K, G*Lt, E)
+        rows = torch.arange(r0, r1, device=dev)
+        lse_run = acc = None
+        for chunk in chunks:
+            kc, vc = k[:, :, chunk.c0 : chunk.c1], v[:, :, chunk.c0 : chunk.c1]
+            idx = index_tensors(B, H, rows, torch.arange(chunk.c0, chunk.c1, device=dev))
+            tile, empty = _bias_tile(chunk, mods, idx, q.dtype)
+            o, lse_c = _flash(qt, kc, vc, 0.0, False, attn_mask=_grouped(tile, K, G), scale=scale)
+            o, lse_c = o.reshape(B, H, Lt, Ev), lse_c.reshape(B, H, Lt, 1)
+            if empty is not None:
+                o = o.masked_fill(empty, 0.0)
+                lse_c = lse_c.masked_fill(empty, float("-inf"))
+            if acc is None:
+                lse_run, acc = lse_c, o
+                continue
+            assert lse_run is not None
+            lse_new = torch.logaddexp(lse_run, lse_c)
+            known = lse_new > float("-inf")
+            a_old = torch.where(known, torch.exp(lse_run - lse_new), 0.0)
+            a_new = torch.where(known, torch.exp(lse_c - lse_new), 0.0)
+            acc = acc * a_old + o * a_new
+            lse_run = lse_new
+        assert lse_run is not None and acc is not None
+        out[:, :, r0:r1] = acc
+        lse[:, :, r0:r1] = lse_run.squeeze(-1)
+    return out, lse
+
+
+def backward_fused(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    plan: TilePlan,
+    mods: Mods,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`backward` for :attr:`Mods.fused` modifications: the fused kernel's backward per
+    tile, with the whole rows' output and log-sum-exp."""
+    B, H, _, E = q.shape
+    K, Ev = k.shape[1], v.shape[-1]
+    G = H // K
+    dev = q.device
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    lse = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
+    for r0, r1, chunks in plan.rows:
+        if not chunks:
+            continue
+        Lt = r1 - r0
+        qt = q[:, :, r0:r1].reshape(B, K, G * Lt, E)
+        dot = grad_out[:, :, r0:r1].reshape(B, K, G * Lt, Ev)
+        ot = out[:, :, r0:r1].reshape(B, K, G * Lt, Ev)
+        lt = lse[:, :, r0:r1].reshape(B, K, G * Lt)
+        rows = torch.arange(r0, r1, device=dev)
+        dq_t = None
+        for chunk in chunks:
+            c0, c1 = chunk.c0, chunk.c1
+            kc, vc = k[:, :, c0:c1], v[:, :, c0:c1]
+            idx = index_tensors(B, H, rows, torch.arange(c0, c1, device=dev))
+            tile, _ = _bias_tile(chunk, mods, idx, q.dtype)
+            dqc, dkc, dvc = _flash_backward(
+                dot, qt, kc, vc, ot, lt, 0.0, False, attn_mask=_grouped(tile, K, G), scale=scale
+            )
+            dq_t = dqc if dq_t is None else dq_t + dqc
+            dk[:, :, c0:c1] += dkc
+            dv[:, :, c0:c1] += dvc
+        assert dq_t is not None
+        dq[:, :, r0:r1] = dq_t.reshape(B, H, Lt, E)
+    return dq, dk, dv

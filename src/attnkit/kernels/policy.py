@@ -411,7 +411,8 @@ def capped_chunk_rows(heads: int, width: int, L: int, window: int | None = None)
 
 #: Most scores one tile of :mod:`attnkit.flex.tiles` computes (all heads of the batch
 #: together): a span of keys longer than that is cut into chunks merged by an online softmax.
-FLEX_CHUNK_SCORES = 2**23
+#: The passes over a tile (product, modification, mask, softmax) run in cache when it is small.
+FLEX_CHUNK_SCORES = 2**19
 
 
 def flex_block_rows(L: int) -> int:
@@ -423,7 +424,7 @@ def flex_block_rows(L: int) -> int:
 def flex_chunk_keys(heads: int, rows: int) -> int:
     """Keys per chunk of a :mod:`attnkit.flex.tiles` tile of ``rows`` queries over ``heads``
     (batch times query heads): as many as keep the tile within :data:`FLEX_CHUNK_SCORES`
-    scores, so the whole span of a query block is usually one product and one softmax."""
+    scores (at least one key block)."""
     return max(1, FLEX_CHUNK_SCORES // max(1, heads * rows))
 
 
