@@ -39,10 +39,6 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-#: The named attention variants a config can hold (:mod:`attnkit.flex.presets`): name ->
-#: (the field that takes it, its parameters and their types). Built by
-#: :class:`attnkit.variants.FlexVariant`; the presets that depend on the batch (``document``,
-#: ``padding``) are inputs of ``forward`` (segment ids, a padding mask), not options.
 FLEX_VARIANTS: dict[str, tuple[str, dict[str, type]]] = {
     "alibi": ("score_mod", {}),
     "relative_bias": ("score_mod", {"max_distance": int}),
@@ -51,6 +47,10 @@ FLEX_VARIANTS: dict[str, tuple[str, dict[str, type]]] = {
     "sliding_window": ("mask_mod", {"window": int}),
     "dilated": ("mask_mod", {"dilation": int}),
 }
+"""The named attention variants a config can hold (:mod:`attnkit.flex.presets`): name -> (the
+field that takes it, its parameters and their types). Built by
+:class:`attnkit.variants.FlexVariant`; the presets that depend on the batch (``document``,
+``padding``) are inputs of ``forward`` (segment ids, a padding mask), not options."""
 _BATCH_VARIANTS = ("document", "padding")
 
 #: A config's ``score_mod`` / ``mask_mod``: a named variant (``"alibi"``,
