@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 
 import attnkit
 from attnkit import complexity, masks, viz
+from attnkit.flex import presets
 
 
 def _masks() -> Figure:
@@ -79,6 +80,14 @@ def _model_attention() -> Figure:
     )
 
 
+def _flex_window() -> Figure:
+    return viz.mask_picture(presets.sliding_window(12), 96, block_size=16)
+
+
+def _flex_prefix_lm() -> Figure:
+    return viz.mask_picture(presets.prefix_lm(24), 64, block_size=16)
+
+
 #: File name -> function that draws it; the guide links ``figures/<name>``.
 FIGURES: dict[str, Callable[[], Figure]] = {
     "masks.png": _masks,
@@ -89,6 +98,9 @@ FIGURES: dict[str, Callable[[], Figure]] = {
     "rotary_relative.png": viz.rotary_relative_scores,
     "complexity.png": _complexity,
     "model_attention.png": _model_attention,
+    "flex_window.png": _flex_window,
+    "flex_prefix_lm.png": _flex_prefix_lm,
+    "flex_alibi.png": lambda: viz.score_bias(presets.alibi(4), 32, num_heads=4),
 }
 
 

@@ -34,9 +34,9 @@ def test_tour_writes_report_claims_figures_and_explorer(tmp_path: Path, capsys) 
     tour_command.add_arguments(parser)
     assert tour_command.run(parser.parse_args(["--out", str(tmp_path)])) == 0
     printed = capsys.readouterr().out
-    assert "12 of 12 claims pass" in printed
+    assert "15 of 15 claims pass" in printed
     claims = json.loads((tmp_path / "claims.json").read_text(encoding="utf-8"))
-    assert [c["id"] for c in claims] == list(range(1, 13))
+    assert [c["id"] for c in claims] == list(range(1, 16))
     for c in claims:
         assert {"id", "claim", "passed", "measured", "figure"} <= set(c)
         assert c["claim"] == T.CLAIMS[c["id"]][1]
@@ -48,7 +48,7 @@ def test_tour_writes_report_claims_figures_and_explorer(tmp_path: Path, capsys) 
     report = (tmp_path / "report.html").read_text(encoding="utf-8")
     order = [int(m) for m in re.findall(r'<section class="claim" id="claim-(\d+)"', report)]
     assert order == list(T.BLOG_ORDER)  # the blog's order
-    assert report.count('data-passed="true"') == 12
+    assert report.count('data-passed="true"') == 15
     assert 'href="explorer.html"' in report and (tmp_path / "explorer.html").is_file()
 
 
@@ -68,6 +68,8 @@ def test_tour_writes_report_claims_figures_and_explorer(tmp_path: Path, capsys) 
         T.check_causal,
         T.check_softcap,
         T.check_qk_norm,
+        T.check_prefix_lm,
+        T.check_window_cost,
     ],
 )
 def test_fast_checks_pass_on_attnkit(check) -> None:
@@ -186,3 +188,52 @@ def test_claim_12_fails_without_the_norms() -> None:
     # A norm on the queries only leaves the keys' growth in the scores: fails as well.
     half = T.check_qk_norm(lambda: MultiHeadAttention(64, 4, bias=False, q_norm=nn.RMSNorm(16)))
     assert not half.passed
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as the tour runs (tiny training steps stall on shared cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_claim_13_fails_without_alibi(one_thread) -> None:
+    result = T.check_alibi_extrapolation(score_mod=None, steps=10)  # both models lack positions
+    assert not result.passed
+    assert result.measured["accuracy"]["48"] < 0.9
+
+
+def test_claim_13_task_targets_the_most_recent_signal() -> None:
+    tokens, targets = T.recency_batch(torch.Generator().manual_seed(0), 4, 30)
+    for row, want in zip(tokens.tolist(), targets.tolist(), strict=True):
+        last = -100
+        for token, target in zip(row, want, strict=True):
+            last = token if token < 8 else last
+            assert target == last
+
+
+def test_claim_14_fails_on_a_causal_and_on_a_bidirectional_model() -> None:
+    from attnkit import TransformerConfig, TransformerLM
+
+    def causal(prefix: int) -> nn.Module:
+        return TransformerLM(TransformerConfig(32, 32, 2, 4, ffn_dim=64, max_seq_len=16))
+
+    result = T.check_prefix_lm(causal)  # the prefix does not see its future
+    assert not result.passed and result.measured["change_at_0"] == 0
+
+    def bidirectional(prefix: int) -> nn.Module:
+        encoder = TransformerEncoder(32, 32, 2, 4, position="rope", num_outputs=32)
+        return encoder
+
+    result = T.check_prefix_lm(bidirectional)  # the tokens after the prefix see the future
+    assert not result.passed and result.measured["max_change_before_it"] > 1e-6
+
+
+def test_claim_15_fails_when_the_window_is_causal_attention() -> None:
+    from attnkit.flex import presets
+
+    result = T.check_window_cost(lambda window: presets.causal())
+    assert not result.passed
+    assert result.measured["window_slope"] == pytest.approx(result.measured["causal_slope"])

@@ -298,6 +298,9 @@ def test_plot_all_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         "rotary_frequencies.png",
         "rotary_table.png",
         "rotary_relative.png",
+        "bias_alibi.png",
+        *(f"mask_{n}.png" for n in ("causal", "sliding_window", "prefix_lm", "dilated")),
+        *(f"mask_{n}.png" for n in ("document", "padding")),
     }
     assert {Path(p).name for p in printed} == expected
     for name in expected:

@@ -4,7 +4,7 @@ One fast attention core (:func:`scaled_dot_product_attention`), the blog's class
 and tools to see and measure every claim about attention. ``import attnkit`` needs only torch.
 """
 
-from attnkit import complexity, masks
+from attnkit import complexity, flex, masks
 from attnkit.attention import MultiHeadAttention, merge_heads, split_heads
 from attnkit.blocks import FeedForward, TransformerLayer
 from attnkit.blog import (
@@ -62,6 +62,7 @@ __all__ = [
     "attention_mask_from_padding",
     "complexity",
     "convert_rotary_convention",
+    "flex",
     "masks",
     "merge_heads",
     "permute_rotary_weight",

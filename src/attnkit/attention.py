@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from attnkit import functional
 from attnkit import masks as M
 from attnkit.cache import KVCache
+from attnkit.variants import FlexVariant
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -103,10 +104,19 @@ class MultiHeadAttention(nn.Module):
         k_norm: The same for the keys.
         rotary: Optional rotary module applied to queries and keys after the head split; it is
             called as ``rotary(x, positions)`` with ``x`` of shape ``(..., heads, L, E)``.
+        score_mod: An attention variant that rewrites the scores: a named one of
+            :data:`attnkit.config.FLEX_VARIANTS` (``"alibi"``, ``{"name": "softcap", "cap":
+            30.0}``, ...) or a callable ``score_mod(score, b, h, q_idx, kv_idx)``. The layer
+            then attends through :mod:`attnkit.flex` (see :class:`attnkit.variants.FlexVariant`;
+            ``q_idx`` and ``kv_idx`` are absolute positions, also in cached decoding).
+        mask_mod: The same for a mask (``"prefix_lm"``, ``"sliding_window"``, ``"dilated"``, or
+            a callable ``mask_mod(b, h, q_idx, kv_idx) -> bool``), combined with ``causal``.
 
     Attributes:
         kernel: The attention algorithm (see :data:`Kernel`); :func:`attnkit.functional.attend`
-            unless replaced.
+            unless replaced. Not used with a ``score_mod`` / ``mask_mod``.
+        variant: The :class:`attnkit.variants.FlexVariant` of ``score_mod`` / ``mask_mod``, or
+            ``None``.
 
     Raises:
         ValueError: If sizes are not positive or do not divide.
@@ -140,6 +150,8 @@ class MultiHeadAttention(nn.Module):
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         rotary: nn.Module | None = None,
+        score_mod: Any = None,
+        mask_mod: Any = None,
     ) -> None:
         super().__init__()
         if hidden_dim is not None:
@@ -206,6 +218,16 @@ class MultiHeadAttention(nn.Module):
         self.rotary = rotary
         self.softcap = softcap
         self.kernel: Kernel = functional.attend
+        self.variant: FlexVariant | None = None
+        if score_mod is not None or mask_mod is not None:
+            if window is not None or softcap is not None:
+                raise ValueError(
+                    f"give window ({window}) and softcap ({softcap}) as a mask_mod and a score_mod "
+                    "when the layer has a score_mod or mask_mod"
+                )
+            self.variant = FlexVariant(
+                score_mod=score_mod, mask_mod=mask_mod, num_heads=num_heads, causal=causal
+            )
 
     def _check_last_dims(self, **inputs: Tensor) -> None:
         """Raise naming each of ``query``/``key``/``value`` whose last dim is not this layer's."""
@@ -328,11 +350,17 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache.write(k, v, cache_position)  # (B, K, C, E): every slot
             # Slots after a token's own are empty or stale: the (L, C) slot mask holds the
             # causal order and the window.
-            mask = M.restrict(mask, kv_cache.slot_mask(cache_position, window=window))
+            if self.variant is None:
+                mask = M.restrict(mask, kv_cache.slot_mask(cache_position, window=window))
+            else:  # the variant orders the tokens itself (a prefix sees its future prefix)
+                filled = torch.arange(k.shape[-2], device=k.device) <= cache_position[-1]
+                mask = M.restrict(mask, filled.expand(cache_position.shape[0], -1))
             causal, window = False, None
         elif kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, K, cached + L, E)
         return_weights = options.get("return_weights", False)
+        if self.variant is not None:
+            return self._attend_variant(q, k, v, mask, kv_cache, cache_position, return_weights)
         if (
             q.shape[-2] == 1
             and kv_cache is not None
@@ -361,6 +389,46 @@ class MultiHeadAttention(nn.Module):
             **extra,
         )  # (B, H, L, E), (B, H, L, S) or None
         return self.out_proj(merge_heads(out)), weights  # (B, L, out_dim)
+
+    def _attend_variant(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        kv_cache: KVCache | None,
+        cache_position: Tensor | None,
+        return_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The attention of a layer with a ``score_mod`` / ``mask_mod`` (through its variant).
+
+        Queries sit at the end of the keys (bottom-right, as the causal mask), or at their
+        ``cache_position`` slots, whose slot mask is already in ``mask``.
+        """
+        assert self.variant is not None
+        unbatched = q.dim() == 3
+        if unbatched:  # (H, L, E): one sequence
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        L, S = q.shape[-2], k.shape[-2]
+        q_positions = None  # query i at position i
+        if kv_cache is not None and cache_position is not None:
+            q_positions = cache_position
+        elif L != S:
+            q_positions = torch.arange(S - L, S, device=q.device)
+        out, weights = self.variant.attend(
+            q,
+            k,
+            v,
+            mask,
+            q_positions=q_positions,
+            scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=return_weights,
+        )  # (B, H, L, E), (B, H, L, S) or None
+        if unbatched:
+            out = out.squeeze(0)
+            weights = None if weights is None else weights.squeeze(0)
+        return self.out_proj(merge_heads(out)), weights if return_weights else None
 
     def extra_repr(self) -> str:
         parts = [f"heads={self.num_heads}", f"head_dim={self.head_dim}"]

@@ -150,6 +150,13 @@ def _fuse_gate_up(module: nn.Module, state_dict: dict[str, Any], prefix: str, *a
             )
 
 
+def _variant_options(score_mod: Any, mask_mod: Any) -> dict[str, Any]:
+    """The attention's ``score_mod`` / ``mask_mod`` keywords, only when given (a custom
+    ``_build_attention`` without them keeps working)."""
+    given = {"score_mod": score_mod, "mask_mod": mask_mod}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 class TransformerLayer(nn.Module):
     """Self-attention + feed-forward, each with a residual connection and a norm.
 
@@ -179,6 +186,9 @@ class TransformerLayer(nn.Module):
         mlp_bias: Biases of the feed-forward projections (default ``bias``).
         head_dim: Attention head dim ``E`` (default ``dim // num_heads``); the attention's
             projected width is ``num_heads * head_dim``.
+        score_mod: An attention variant that rewrites the scores (a name, dict or callable;
+            see :class:`attnkit.MultiHeadAttention`).
+        mask_mod: An attention variant that masks keys, combined with ``causal``.
         attention: A prebuilt self-attention module to use instead; it is called as
             ``attention(x, mask=mask, **options)`` with the keywords the block's caller gave (those
             of :class:`attnkit.attention.LayerOptions`, each optional) and returns
@@ -212,6 +222,8 @@ class TransformerLayer(nn.Module):
         scale: float | None = None,
         softcap: float | None = None,
         post_norms: bool = False,
+        score_mod: Any = None,
+        mask_mod: Any = None,
         attention: nn.Module | None = None,
     ) -> None:
         super().__init__()
@@ -235,6 +247,7 @@ class TransformerLayer(nn.Module):
                 softcap=softcap,
                 q_norm=make_norm(norm, head_dim or dim // num_heads, eps=eps) if qk_norm else None,
                 k_norm=make_norm(norm, head_dim or dim // num_heads, eps=eps) if qk_norm else None,
+                **_variant_options(score_mod, mask_mod),
             )
         self.attention = attention
         self.feed_forward = FeedForward(
@@ -288,6 +301,8 @@ class TransformerLayer(nn.Module):
             scale=config.attn_scale,
             softcap=config.attn_softcap,
             post_norms=config.post_norms,
+            score_mod=config.score_mod,
+            mask_mod=config.mask_mod,
         )
 
     def forward(

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
 
-__all__ = ["FAMILIES", "PRESETS", "ROPE_SCALING_KEYS", "TransformerConfig", "check_sizes"]
+__all__ = [
+    "FAMILIES",
+    "FLEX_VARIANTS",
+    "PRESETS",
+    "ROPE_SCALING_KEYS",
+    "TransformerConfig",
+    "check_flex_spec",
+    "check_sizes",
+]
 
 PositionType = Literal["none", "sinusoidal", "learned", "rope"]
 POSITIONS: tuple[str, ...] = ("none", "sinusoidal", "learned", "rope")
@@ -29,6 +37,80 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
+
+
+FLEX_VARIANTS: dict[str, tuple[str, dict[str, type]]] = {
+    "alibi": ("score_mod", {}),
+    "relative_bias": ("score_mod", {"max_distance": int}),
+    "softcap": ("score_mod", {"cap": float}),
+    "prefix_lm": ("mask_mod", {"prefix": int}),
+    "sliding_window": ("mask_mod", {"window": int}),
+    "dilated": ("mask_mod", {"dilation": int}),
+}
+"""The named attention variants a config can hold (:mod:`attnkit.flex.presets`): name -> (the
+field that takes it, its parameters and their types). Built by
+:class:`attnkit.variants.FlexVariant`; the presets that depend on the batch (``document``,
+``padding``) are inputs of ``forward`` (segment ids, a padding mask), not options."""
+_BATCH_VARIANTS = ("document", "padding")
+
+#: A config's ``score_mod`` / ``mask_mod``: a named variant (``"alibi"``,
+#: ``{"name": "sliding_window", "window": 256}``) or, in memory only, a plain callable.
+FlexSpec = dict[str, Any] | Callable[..., Any]
+
+
+def check_flex_spec(spec: Any, field: str) -> FlexSpec | None:
+    """Validate a ``score_mod`` / ``mask_mod`` option and return its normal form.
+
+    Args:
+        spec: ``None``, a variant name, a ``{"name": ..., **parameters}`` dict naming one of
+            :data:`FLEX_VARIANTS`, or a callable (``score_mod(score, b, h, q_idx, kv_idx)`` /
+            ``mask_mod(b, h, q_idx, kv_idx)``).
+        field: ``"score_mod"`` or ``"mask_mod"``: which kind of variant is expected.
+
+    Returns:
+        ``None``, the callable, or a new dict ``{"name": name, **parameters}``.
+
+    Raises:
+        TypeError: If ``spec`` is none of these, or a parameter has the wrong type.
+        ValueError: Naming an unknown variant, one of the other field's kind, missing or
+            unknown parameters, or a parameter that is not positive.
+    """
+    if spec is None or callable(spec):
+        return spec
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    if not isinstance(spec, Mapping):
+        raise TypeError(
+            f"{field} must be a variant name, a {{'name': ...}} dict or a callable, got {spec!r}"
+        )
+    data = dict(spec)
+    name = data.pop("name", None)
+    if name in _BATCH_VARIANTS:
+        raise ValueError(
+            f"{field} {name!r} depends on the batch: pass segment ids or a padding mask to the "
+            "model's forward instead"
+        )
+    ours = sorted(n for n, (kind, _) in FLEX_VARIANTS.items() if kind == field)
+    if name not in FLEX_VARIANTS:
+        raise ValueError(f"unknown {field} variant {name!r}; named variants: {ours}")
+    kind, params = FLEX_VARIANTS[name]
+    if kind != field:
+        raise ValueError(f"{name!r} is a {kind}, not a {field}; {field} variants: {ours}")
+    missing = sorted(set(params) - set(data))
+    unknown = sorted(set(data) - set(params))
+    if missing or unknown:
+        raise ValueError(
+            f"{field} {name!r} takes the parameters {sorted(params)}; missing {missing}, "
+            f"unknown {unknown}"
+        )
+    for key, want in params.items():
+        value = data[key]
+        ok_type = int if want is int else (int, float)
+        if isinstance(value, bool) or not isinstance(value, ok_type):
+            raise TypeError(f"{field} {name!r}: {key} must be {want.__name__}, got {value!r}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{field} {name!r}: {key} must be positive, got {value!r}")
+    return {"name": name, **data}
 
 
 def check_sizes(sizes: Mapping[str, int | None], *, what: str = "sizes") -> None:
@@ -157,6 +239,15 @@ class TransformerConfig:
         scale_embeddings: Multiply the token embeddings by ``sqrt(dim)`` (Gemma).
         post_norms: Also normalise the attention and feed-forward outputs before their
             residual adds (Gemma 2/3; needs ``norm_first``).
+        score_mod: An attention variant that rewrites the scores (ALiBi, a learnable relative
+            bias, soft-capping), run through :mod:`attnkit.flex`: a name or
+            ``{"name": ..., **parameters}`` dict of :data:`FLEX_VARIANTS` (serialisable), or a
+            callable ``score_mod(score, b, h, q_idx, kv_idx)`` (in memory only). Positions are
+            absolute (a cached decoding step sees its query's own position).
+        mask_mod: An attention variant that says which keys a query may see (prefix-LM,
+            sliding window, dilated), as ``score_mod``; a callable is
+            ``mask_mod(b, h, q_idx, kv_idx) -> bool``. With ``causal`` it is combined with the
+            causal mask (a prefix-LM's mask is causal after its prefix by itself).
 
     Raises:
         TypeError: If a size is not an int or ``rope_scaling`` not a dict.
@@ -196,6 +287,8 @@ class TransformerConfig:
     rope_local_base: float | None = None
     scale_embeddings: bool = False
     post_norms: bool = False
+    score_mod: FlexSpec | None = None
+    mask_mod: FlexSpec | None = None
 
     def __post_init__(self) -> None:
         sizes: dict[str, int | None] = {  # None: not given
@@ -288,6 +381,18 @@ class TransformerConfig:
             if "sliding_attention" in types and self.window is None:
                 raise ValueError("layer_types has sliding_attention layers but window is None")
             object.__setattr__(self, "layer_types", types)
+        object.__setattr__(self, "score_mod", check_flex_spec(self.score_mod, "score_mod"))
+        object.__setattr__(self, "mask_mod", check_flex_spec(self.mask_mod, "mask_mod"))
+        if self.mask_mod is not None and (self.window is not None or self.layer_types):
+            raise ValueError(
+                f"give window ({self.window}) / layer_types or mask_mod ({self.mask_mod!r}), not "
+                "both (a window is the mask_mod {'name': 'sliding_window', 'window': w})"
+            )
+        if self.score_mod is not None and self.attn_softcap is not None:
+            raise ValueError(
+                f"give attn_softcap ({self.attn_softcap}) or score_mod ({self.score_mod!r}), not "
+                "both (a cap is the score_mod {'name': 'softcap', 'cap': c})"
+            )
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer ``layer`` (``None``: full attention).
@@ -317,7 +422,19 @@ class TransformerConfig:
         return int(self.ffn_dim or 4 * self.dim)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-serialisable dict of every field (inverse: :meth:`from_dict`)."""
+        """Plain JSON-serialisable dict of every field (inverse: :meth:`from_dict`).
+
+        Raises:
+            ValueError: If ``score_mod`` or ``mask_mod`` is a callable (only named variants
+                serialise).
+        """
+        for name in ("score_mod", "mask_mod"):
+            spec = getattr(self, name)
+            if callable(spec):
+                raise ValueError(
+                    f"{name} is the callable {getattr(spec, '__name__', spec)!r}, which cannot "
+                    f"be serialised; use a named variant ({sorted(FLEX_VARIANTS)}) to save it"
+                )
         return asdict(self)
 
     @classmethod

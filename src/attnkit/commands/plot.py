@@ -2,7 +2,8 @@
 
 WHAT is one of ``scaling`` (why divide by sqrt(d)), ``softmax`` (softmax([1, 2]) vs
 softmax([10, 20])), ``sinusoidal`` (the position table), ``rotary`` (rotation speeds, tables and
-the relative-offset property) or ``all``.
+the relative-offset property), ``masks`` (the masks of :mod:`attnkit.flex.presets` with their block
+structure, and ALiBi's bias per head) or ``all``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-WHATS = ("scaling", "softmax", "sinusoidal", "rotary", "all")
+WHATS = ("scaling", "softmax", "sinusoidal", "rotary", "masks", "all")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="head dimension for the rotary pictures, even (default: 64)",
     )
     parser.add_argument(
+        "--mask-len",
+        type=int,
+        metavar="N",
+        default=48,
+        help="queries and keys in the mask pictures (default: 48)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        metavar="N",
+        default=8,
+        help="block size drawn over the mask pictures (default: 8)",
+    )
+    parser.add_argument(
         "--seed",
         type=int,
         metavar="N",
@@ -75,7 +90,30 @@ def _builders(args: argparse.Namespace) -> dict[str, list[tuple[str, Callable[[]
         cos, sin = rope_cos_sin(args.max_seq_len, args.head_dim, torch.device("cpu"))
         return viz.rotary_table(cos, sin)
 
+    def masks() -> list[tuple[str, Callable[[], Any]]]:
+        from attnkit.flex import presets
+
+        n = args.mask_len
+        window, prefix, dilation = max(1, n // 6), max(1, n // 4), 3
+        docs = torch.arange(n) * 3 // n  # three documents of equal length
+        named = {
+            "causal": presets.causal(),
+            "sliding_window": presets.sliding_window(window),
+            "prefix_lm": presets.prefix_lm(prefix),
+            "dilated": presets.dilated(dilation),
+            "document": presets.document(docs),
+            "padding": presets.padding(torch.tensor([max(1, 3 * n // 4)])),
+        }
+
+        def picture(mod: Any) -> Callable[[], Any]:
+            return lambda: viz.mask_picture(mod, n, block_size=args.block_size)
+
+        pictures = [(f"mask_{name}.png", picture(mod)) for name, mod in named.items()]
+        alibi = presets.alibi(4)
+        return [*pictures, ("bias_alibi.png", lambda: viz.score_bias(alibi, n, num_heads=4))]
+
     return {
+        "masks": masks(),
         "scaling": [("scaling.png", lambda: viz.scaling_demo(seed=args.seed))],
         "softmax": [("softmax.png", viz.softmax_demo)],
         "sinusoidal": [("sinusoidal.png", sinusoidal)],
@@ -92,7 +130,7 @@ def _builders(args: argparse.Namespace) -> dict[str, list[tuple[str, Callable[[]
 
 def run(args: argparse.Namespace) -> int:
     """Draw the requested pictures into ``args.out`` and print one path per line."""
-    for name in ("dim", "max_seq_len", "head_dim"):
+    for name in ("dim", "max_seq_len", "head_dim", "mask_len", "block_size"):
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} must be >= 1, got {getattr(args, name)}")

@@ -240,8 +240,15 @@ def hf_config_from(config: TransformerConfig) -> dict[str, Any]:
 
     Raises:
         ValueError: Naming the options that have no counterpart in the closest architecture
-            (the one with the same positions and the fewest such options).
+            (the one with the same positions and the fewest such options), or the config's
+            ``score_mod`` / ``mask_mod`` (no Hugging Face architecture has them).
     """
+    variants = {n: getattr(config, n) for n in ("score_mod", "mask_mod") if getattr(config, n)}
+    if variants:
+        raise ValueError(
+            "this model cannot be saved as a Hugging Face folder: no architecture there has the "
+            f"attention variants {variants}"
+        )
     found: dict[str, list[str]] = {}
     for arch in architectures():
         if arch.saves:

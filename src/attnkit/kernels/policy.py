@@ -47,6 +47,7 @@ __all__ = [
     "CAPPED_MAX_ROWS",
     "CAPPED_MIN_ROWS",
     "FLASH_MIN_SCORES",
+    "FLEX_CHUNK_SCORES",
     "INT8_KERNELS",
     "INT8_KERNEL_ALIASES",
     "INT8_KERNEL_ROWS",
@@ -78,6 +79,8 @@ __all__ = [
     "env_var",
     "flash_bf16_products",
     "flash_kernel",
+    "flex_block_rows",
+    "flex_chunk_keys",
     "fp32_prompt_onednn",
     "int4_kernel",
     "int8_kernel",
@@ -406,6 +409,25 @@ def capped_chunk_rows(heads: int, width: int, L: int, window: int | None = None)
     rows = CAPPED_CHUNK_SCORES // max(1, heads * width)
     rows = max(CAPPED_MIN_ROWS, min(most, rows // CAPPED_MIN_ROWS * CAPPED_MIN_ROWS))
     return max(1, min(rows, L))
+
+
+#: Most scores one tile of :mod:`attnkit.flex.tiles` computes (all heads of the batch
+#: together): a span of keys longer than that is cut into chunks merged by an online softmax.
+#: The passes over a tile (product, modification, mask, softmax) run in cache when it is small.
+FLEX_CHUNK_SCORES = 2**19
+
+
+def flex_block_rows(L: int) -> int:
+    """Queries per tile of :mod:`attnkit.flex.tiles` without a block mask: 128 (taller products
+    run faster; with a block mask its ``BLOCK_SIZE`` decides), never more than ``L``."""
+    return max(1, min(128, L))
+
+
+def flex_chunk_keys(heads: int, rows: int) -> int:
+    """Keys per chunk of a :mod:`attnkit.flex.tiles` tile of ``rows`` queries over ``heads``
+    (batch times query heads): as many as keep the tile within :data:`FLEX_CHUNK_SCORES`
+    scores (at least one key block)."""
+    return max(1, FLEX_CHUNK_SCORES // max(1, heads * rows))
 
 
 def one_query_kernel(dtype: torch.dtype, device: str, grads: bool) -> bool:

@@ -13,6 +13,8 @@ The checks live by topic, following the blog's sections:
 * :mod:`attnkit.tour.positions`: claims 4 to 8, permutations, the sinusoidal table and RoPE;
 * :mod:`attnkit.tour.weights`: claims 9 and 10, causal masking and interpretable weights;
 * :mod:`attnkit.tour.variants`: claims 11 and 12, soft-capping and qk-norm;
+* :mod:`attnkit.tour.flexvariants`: claims 13 to 15, ALiBi, prefix-LM and sliding windows through
+  :mod:`attnkit.flex`;
 * :mod:`attnkit.tour.verdict`: the claims' texts, their order and :class:`ClaimResult`.
 
 This module gathers them into :data:`CHECKS`, the registry the report runs.
@@ -25,6 +27,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from attnkit.tour.cost import check_cost
+from attnkit.tour.flexvariants import (
+    check_alibi_extrapolation,
+    check_prefix_lm,
+    check_window_cost,
+    recency_batch,
+)
 from attnkit.tour.positions import (
     Rotate,
     check_frequencies,
@@ -45,11 +53,13 @@ __all__ = [
     "Attend",
     "ClaimResult",
     "Rotate",
+    "check_alibi_extrapolation",
     "check_causal",
     "check_cost",
     "check_frequencies",
     "check_interpretable",
     "check_permutation",
+    "check_prefix_lm",
     "check_qk_norm",
     "check_rope_norm",
     "check_rope_relative",
@@ -57,6 +67,8 @@ __all__ = [
     "check_scaled_scores",
     "check_sinusoidal_shift",
     "check_softcap",
+    "check_window_cost",
+    "recency_batch",
     "train_tour_model",
 ]
 
@@ -73,5 +85,8 @@ CHECKS: dict[int, Callable[[], ClaimResult]] = {
     10: check_interpretable,
     11: check_softcap,
     12: check_qk_norm,
+    13: check_alibi_extrapolation,
+    14: check_prefix_lm,
+    15: check_window_cost,
 }
 """Claim id -> its check, run with its defaults (attnkit's own modules)."""

@@ -16,6 +16,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from attnkit import viz
+from attnkit.flex import presets
 from attnkit.tour.claims import ClaimResult
 
 __all__ = ["DRAW", "draw"]
@@ -288,6 +289,62 @@ def draw_qk_norm(result: ClaimResult) -> Figure:
     return fig
 
 
+def draw_alibi_extrapolation(result: ClaimResult) -> Figure:
+    """Claim 13: accuracy at the training length and at twice it, with ALiBi and without."""
+    m = result.measured
+    lengths = list(m["accuracy"])
+    fig, (ax,) = _figure(6.4, 4.0)
+    xs = range(len(lengths))
+    ax.bar([x - 0.2 for x in xs], [m["accuracy"][n] for n in lengths], 0.4, color="#1f77b4",
+           label="ALiBi")  # fmt: skip
+    ax.bar([x + 0.2 for x in xs], [m["accuracy_without_positions"][n] for n in lengths], 0.4,
+           color="#d62728", label="no positions")  # fmt: skip
+    ax.set_xticks(list(xs), [f"length {n}" + (" (trained)" if i == 0 else "") for i, n in
+                             enumerate(lengths)])  # fmt: skip
+    ax.set(ylim=(0, 1.05), ylabel="accuracy: the most recent signal token")
+    _title(ax, "Trained at one length, evaluated at twice it")
+    return fig
+
+
+def draw_prefix_lm(result: ClaimResult) -> Figure:
+    """Claim 14: the prefix-LM mask and each position's output change for two changed tokens."""
+    m = result.measured
+    fig, (ax1, ax2) = _figure(11.0, 4.3, cols=2)
+    viz.mask_picture(presets.prefix_lm(m["prefix"]), m["length"], ax=ax1,
+                     title=f"prefix_lm({m['prefix']})")  # fmt: skip
+    positions = range(m["length"])
+    floor = 1e-17  # zero changes drawn at the bottom of the log axis
+    for key, at, colour in (
+        ("change_in_prefix", m["changed_in_prefix"], "#1f77b4"),
+        ("change_after_prefix", m["changed_after_prefix"], "#d62728"),
+    ):
+        values = [max(v, floor) for v in result.drawing[key]]
+        ax2.plot(positions, values, "o-", color=colour, label=f"token {at} changed")
+        ax2.axvline(at, color=colour, ls=":", lw=1)
+    ax2.axvspan(-0.5, m["prefix"] - 0.5, color="#cccccc", alpha=0.4, label="prefix")
+    ax2.set(yscale="log", xlabel="position", ylabel="largest change of the output")
+    _title(ax2, "Which outputs a changed token reaches")
+    return fig
+
+
+def draw_window_cost(result: ClaimResult) -> Figure:
+    """Claim 15: computed blocks against the length, window and causal, on log-log axes."""
+    m = result.measured
+    rows = m["per_length"]
+    ns = [r["n"] for r in rows]
+    fig, (ax,) = _figure(6.4, 4.0)
+    ax.plot(ns, [r["causal_blocks"] for r in rows], "o-", color="#d62728",
+            label=f"causal (slope {m['causal_slope']:.2f})")  # fmt: skip
+    ax.plot(ns, [r["window_blocks"] for r in rows], "o-", color="#1f77b4",
+            label=f"window {m['window']} (slope {m['window_slope']:.2f})")  # fmt: skip
+    ax.set(xscale="log", yscale="log", xlabel="sequence length N",
+           ylabel=f"computed blocks of {m['block_size']}²")  # fmt: skip
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.minorticks_off()
+    _title(ax, "Blocks a block mask computes")
+    return fig
+
+
 DRAW: dict[int, Callable[[ClaimResult], Figure]] = {
     1: draw_scaled_scores,
     2: draw_saturation,
@@ -301,6 +358,9 @@ DRAW: dict[int, Callable[[ClaimResult], Figure]] = {
     10: draw_interpretable,
     11: draw_softcap,
     12: draw_qk_norm,
+    13: draw_alibi_extrapolation,
+    14: draw_prefix_lm,
+    15: draw_window_cost,
 }
 """Claim id -> the function that draws it."""
 

@@ -17,7 +17,7 @@ class ClaimResult:
     """The verdict on one claim.
 
     Attributes:
-        id: The claim's number (1..10 the blog's, 11 and 12 today's variants).
+        id: The claim's number (1..10 the blog's, 11 to 15 today's variants).
         claim: The claim, in one sentence.
         section: The blog section it comes from.
         passed: Whether the measurement supports it.
@@ -108,9 +108,25 @@ CLAIMS: dict[int, tuple[str, str]] = {
         "scores' scale: when the activations grow by g, the scores stay put (|s| <= sqrt(E)); "
         "without it they grow as g².",
     ),
+    13: (
+        "Beyond the blog: attention variants through attnkit.flex",
+        "ALiBi (a per-head linear penalty on the distance, added by a score_mod) extrapolates: "
+        "trained at length L, a model keeps its accuracy at 2L, where a model without positions "
+        "cannot even find the most recent signal token.",
+    ),
+    14: (
+        "Beyond the blog: attention variants through attnkit.flex",
+        "With a prefix-LM mask_mod, the prefix tokens see the whole prefix, later ones included, "
+        "while the tokens after it stay causal.",
+    ),
+    15: (
+        "Beyond the blog: attention variants through attnkit.flex",
+        "A sliding window's cost grows linearly with the length: the blocks of the score matrix "
+        "a block mask computes grow as N, the causal mask's as N².",
+    ),
 }
 #: The order of the blog's sections, then today's variants.
-BLOG_ORDER = (1, 2, 10, 9, 3, 4, 5, 6, 7, 8, 11, 12)
+BLOG_ORDER = (1, 2, 10, 9, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14, 15)
 
 
 def claim_result(

@@ -12,8 +12,8 @@ Shape legend: L query length, S key length, E head dimension.
 
 The pictures live by topic: :mod:`attnkit.viz.weights` (attention maps),
 :mod:`attnkit.viz.positions` (sinusoidal and rotary positions), :mod:`attnkit.viz.demos` (the
-blog's numbers) and :mod:`attnkit.viz.curves` (costs and training); every name is importable from
-``attnkit.viz``.
+blog's numbers), :mod:`attnkit.viz.curves` (costs and training) and :mod:`attnkit.viz.masks`
+(the masks and biases of attention variants); every name is importable from ``attnkit.viz``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 
 from attnkit.viz.curves import complexity_curves, run_comparison, training_curves
 from attnkit.viz.demos import scaling_demo, softmax_demo
+from attnkit.viz.masks import bias_values, block_states, mask_grid, mask_picture, score_bias
 from attnkit.viz.positions import (
     rotary_frequencies,
     rotary_relative_scores,
@@ -36,13 +37,18 @@ __all__ = [
     "attention_grid",
     "attention_map",
     "attention_maps",
+    "bias_values",
+    "block_states",
     "complexity_curves",
+    "mask_grid",
+    "mask_picture",
     "rotary_frequencies",
     "rotary_relative_scores",
     "rotary_table",
     "run_comparison",
     "save_figure",
     "scaling_demo",
+    "score_bias",
     "sinusoidal_heatmap",
     "softmax_demo",
     "training_curves",
