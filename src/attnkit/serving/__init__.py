@@ -1,0 +1,1 @@
+"""Serving: a continuous-batching engine and the OpenAI-compatible HTTP server built on it."""
