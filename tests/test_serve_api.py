@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.serve_support import engine_module, running_server, write_decoder, write_encoder
+from tests.serve_support import running_server, write_decoder, write_encoder
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -38,7 +38,6 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def server(folders: tuple[Path, Path]) -> Iterator[tuple[str, Any]]:
     """The server on a free port and its model registry."""
-    engine_module()
     from attnkit.serving.app import build_app
     from attnkit.serving.models import ModelRegistry, load_model
 
@@ -448,3 +447,20 @@ def test_metrics_count_requests_tokens_and_engine_state(
     for gauge in ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_free"):
         assert value(f'attnkit_{gauge}{{model="tiny"}}') >= 0
     assert "attnkit_prefix_cache_hits" in text
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(client: Any, server: tuple[str, Any]) -> None:
+    system = {"role": "system", "content": "Attention weighs every token by its key. " * 4}
+    messages = [system, {"role": "user", "content": "Explain attention."}]
+    first = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, temperature=0
+    )
+    second = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, temperature=0
+    )
+    block = server[1].models["tiny"].engine.block_size
+    prompt = second.usage.prompt_tokens
+    assert prompt >= 2 * block
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert block <= cached < prompt and cached % block == 0
+    assert first.choices[0].message.content == second.choices[0].message.content

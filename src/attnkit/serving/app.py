@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from attnkit.serving import protocol
+from attnkit.serving import SamplingParams, protocol
 from attnkit.serving.metrics import CONTENT_TYPE, ServerMetrics
 from attnkit.serving.models import DecoderModel, EncoderModel, ModelRegistry
 from attnkit.serving.protocol import (
@@ -299,8 +299,6 @@ class _Server:
         on_event: Callable[[Any], None],
     ) -> list[_Choice]:
         """Add ``request.n`` engine requests per prompt; return the choices in order."""
-        from attnkit.serving.engine import SamplingParams
-
         processor = self._processor(model, request)
         want = request.wanted_logprobs()
         choices: list[_Choice] = []
@@ -338,7 +336,7 @@ class _Server:
                         )
                     except ValueError as err:
                         choices.pop()
-                        raise RequestError(str(err), code="context_length_exceeded") from None
+                        raise RequestError(str(err)) from None
         except BaseException:
             for choice in choices:
                 model.engine.abort(choice.request_id)
