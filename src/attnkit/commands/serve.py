@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -147,5 +149,22 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    uvicorn.Server(config).run()
+    _server_class()(config).run()
     return 0
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, exiting with 0 after a SIGTERM or Ctrl-C: stopping is what those
+        signals ask for, so the graceful shutdown is the end (uvicorn re-raises them after it)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list) and sig in (signal.SIGTERM, signal.SIGINT):
+                while sig in captured:
+                    captured.remove(sig)
+
+    return Server
