@@ -314,6 +314,7 @@ class _Server:
                             seed=None if request.seed is None else request.seed + index,
                             stop_token_ids=model.stop_ids,
                             logprobs=want,
+                            ignore_eos=request.ignore_eos,
                         )
                     except ValueError as err:
                         raise RequestError(str(err)) from None

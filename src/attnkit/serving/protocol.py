@@ -127,6 +127,9 @@ class _Sampling(_Request):
     response_format: ResponseFormat | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    # An extension llama.cpp's and vLLM's servers share: generate max_tokens tokens whatever
+    # the model says (for benchmarks that must compare the same work).
+    ignore_eos: bool = False
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
