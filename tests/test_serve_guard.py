@@ -167,3 +167,19 @@ def test_the_command_serves_named_models_and_exits_cleanly_on_sigterm(
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_the_serving_package_needs_only_torch() -> None:
+    """``import attnkit.serving`` with the serve extra's packages unimportable."""
+    blocked = ["fastapi", "uvicorn", "prometheus_client", "xgrammar", "pydantic", "starlette"]
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}:\n"
+        "    sys.modules[name] = None\n"
+        "import attnkit.serving, attnkit.serving.models, attnkit.serving.text\n"
+        "print(attnkit.serving.Engine.__name__)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "Engine"
