@@ -109,6 +109,12 @@ def test_completions_from_text_and_token_ids(client: Any, direct: Any) -> None:
         model="tiny", prompt=[prompt, "Today"], max_tokens=4, temperature=0
     )
     assert [c.index for c in both.choices] == [0, 1]
+    unlimited = client.completions.create(model="tiny", prompt=prompt, temperature=0)
+    assert unlimited.choices[0].text.startswith(want)  # default: what is left of the context
+    generated = unlimited.usage.completion_tokens
+    assert unlimited.choices[0].finish_reason == (
+        "length" if generated == 128 - len(ids) else "stop"
+    )
     assert both.choices[0].text == chat.decode(_greedy(direct, ids, 4))
 
 
@@ -293,6 +299,8 @@ LONG = "word " * 300
 BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/chat/completions", b"{not json", 400, None, "not valid JSON"),
     ("/v1/chat/completions", b"[1, 2]", 400, None, "must be a JSON object"),
+    ("/v1/chat/completions", b"[" * 100_000, 400, None, "not valid JSON"),
+    ("/v1/completions", b"\xff\xfe{", 400, None, "not valid JSON"),
     ("/v1/chat/completions", {"messages": HI}, 400, "model", "missing required field 'model'"),
     ("/v1/chat/completions", {"model": "tiny"}, 400, "messages", "missing required field"),
     ("/v1/chat/completions", {"model": "nope", "messages": HI}, 404, "model", "'nope'"),

@@ -265,8 +265,17 @@ class _Server:
                 param=param,
                 code="context_length_exceeded",
             )
-        if max_tokens is None:
-            return context - len(prompt)
+        if max_tokens is None:  # what is left of the context, and of the whole KV pool
+            room = context
+            if model.kv_capacity is not None:
+                room = min(room, model.kv_capacity)
+            if room <= len(prompt):
+                raise RequestError(
+                    f"the prompt has {len(prompt)} tokens; the KV cache holds {room}",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+            return room - len(prompt)
         if len(prompt) + max_tokens > context:
             raise RequestError(
                 f"the prompt's {len(prompt)} tokens and max_tokens {max_tokens} exceed the "

@@ -59,6 +59,13 @@ class DecoderModel:
         return int(getattr(self.engine, "max_context", self.lm.config.max_seq_len))
 
     @property
+    def kv_capacity(self) -> int | None:
+        """Tokens the engine's KV pool holds in all (``None`` when the engine does not say)."""
+        pool = getattr(getattr(self.engine, "cache", None), "pool", None)
+        blocks, size = getattr(pool, "num_blocks", None), getattr(self.engine, "block_size", None)
+        return None if blocks is None or size is None else int(blocks) * int(size)
+
+    @property
     def vocab_size(self) -> int:
         return int(self.lm.config.vocab_size)
 

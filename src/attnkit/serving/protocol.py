@@ -218,7 +218,7 @@ def parse_request(raw: bytes, model: type[_Request]) -> Any:
     """
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (ValueError, RecursionError) as err:  # bad JSON or encoding, too deep, huge numbers
         raise RequestError(f"the body is not valid JSON: {err}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise RequestError(
