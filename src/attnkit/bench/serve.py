@@ -203,8 +203,13 @@ async def _one(client: Any, config: LoadConfig, t0: float) -> RequestResult:
 
 
 async def _run(config: LoadConfig, progress: bool) -> tuple[list[RequestResult], float]:
-    import httpx
-    from tqdm import tqdm
+    try:
+        import httpx
+        from tqdm import tqdm
+    except ImportError as err:
+        raise ImportError(
+            f"attnkit bench serve needs httpx and tqdm: pip install {err.name}"
+        ) from err
 
     headers = {} if config.api_key is None else {"Authorization": f"Bearer {config.api_key}"}
     limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=0)
