@@ -430,6 +430,14 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(server: tuple[str,
     for c in clients:
         c.close()
     assert _idle(registry, 3.0) <= 3.0
+    # a client of a whole (not streamed) answer that gives up is noticed too
+    body = {"model": "tiny", "prompt": "Today", "max_tokens": 120, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.05))
+    assert _idle(registry, 3.0) <= 3.0
+    metrics = httpx.get(url + "/metrics").text
+    aborted = 'attnkit_requests_total{endpoint="completions",model="tiny",outcome="abort"}'
+    assert any(line.startswith(aborted) for line in metrics.splitlines())
 
 
 def test_metrics_count_requests_tokens_and_engine_state(
