@@ -29,6 +29,7 @@ SLOW_PAGES = {
     "explorer",
     "lab",
     "models",
+    "serve",
     "structured",
     "tour",
 }

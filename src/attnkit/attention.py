@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from attnkit import functional
 from attnkit import masks as M
-from attnkit.cache import KVCache
+from attnkit.cache import AttendingCache, KVCache
 from attnkit.variants import FlexVariant
 
 if TYPE_CHECKING:
@@ -59,7 +59,9 @@ class LayerOptions(TypedDict, total=False):
         positions: Integer positions of the query tokens for rotary (or sinusoidal) positions,
             shape ``(L,)`` or ``(B, L)``; defaults to ``cache length + arange(L)``.
         kv_cache: The layer's :class:`attnkit.KVCache` for incremental decoding; the new
-            keys/values are appended and attention runs over all cached positions.
+            keys/values are appended and attention runs over all cached positions. Or an
+            :class:`attnkit.cache.AttendingCache` (explicit ``positions`` needed), which stores
+            them and attends itself.
         cache_position: ``(L,)`` int tensor, the cache slots of the new tokens: the keys and
             values are written there and attention runs over every slot with a mask (one
             static-shaped graph for every decoding step; see :meth:`attnkit.KVCache.write`).
@@ -68,7 +70,7 @@ class LayerOptions(TypedDict, total=False):
     """
 
     positions: Tensor | None
-    kv_cache: KVCache | None
+    kv_cache: KVCache | AttendingCache | None
     cache_position: Tensor | None
     return_weights: bool
 
@@ -317,8 +319,14 @@ class MultiHeadAttention(nn.Module):
         rotary = self.rotary
         if rotary is not None and positions is None:
             positions = cache_position
+        attending = kv_cache is not None and not isinstance(kv_cache, KVCache)
+        if attending and (positions is None or options.get("return_weights", False)):
+            raise ValueError(
+                "an attending cache needs explicit positions and returns no weights, got "
+                f"positions={positions}, return_weights={options.get('return_weights')}"
+            )
         if rotary is not None and positions is None:
-            start = 0 if kv_cache is None else kv_cache.length
+            start = 0 if not isinstance(kv_cache, KVCache) else kv_cache.length
             positions = torch.arange(start, start + query.shape[-2], device=query.device)
         if self.fused_qkv and key is None and value is None and self.q_norm is self.k_norm is None:
             # The queries' and keys' heads lie side by side in the fused projection: one rotary
@@ -346,7 +354,15 @@ class MultiHeadAttention(nn.Module):
                     raise ValueError("rotary positions need self-attention (same query/key tokens)")
                 q, k = rotary(q, positions), rotary(k, positions)
         causal, window = self.causal, self.window
-        if kv_cache is not None and cache_position is not None:
+        if attending:
+            # The cache's layout is its own (e.g. the serving engine's block tables): it stores
+            # the keys/values and runs each sequence's attention itself.
+            scale = functional.resolve_scale(self.scale, q.shape[-1])
+            out = kv_cache.attend(  # type: ignore[union-attr]
+                q, k, v, scale=scale, window=window, softcap=self.softcap
+            )  # (B, H, L, E)
+            return self.out_proj(merge_heads(out)), None
+        if isinstance(kv_cache, KVCache) and cache_position is not None:
             k, v = kv_cache.write(k, v, cache_position)  # (B, K, C, E): every slot
             # Slots after a token's own are empty or stale: the (L, C) slot mask holds the
             # causal order and the window.
@@ -356,7 +372,7 @@ class MultiHeadAttention(nn.Module):
                 filled = torch.arange(k.shape[-2], device=k.device) <= cache_position[-1]
                 mask = M.restrict(mask, filled.expand(cache_position.shape[0], -1))
             causal, window = False, None
-        elif kv_cache is not None:
+        elif isinstance(kv_cache, KVCache):
             k, v = kv_cache.update(k, v)  # (B, K, cached + L, E)
         return_weights = options.get("return_weights", False)
         if self.variant is not None:

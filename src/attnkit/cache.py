@@ -11,16 +11,50 @@ callers with the same storage:
 
 Left padding is the caller's key mask over the slots (``(B, capacity)``, ``True`` = real token,
 passed as the model's ``mask``): padded prompt slots are never attended to, now or later.
+
+A layer may instead be handed an :class:`AttendingCache`: storage whose layout one
+``(B, K, S, E)`` tensor cannot describe (the serving engine's paged cache: blocks from a shared
+pool, a block table and a length per sequence). It stores the new keys/values and runs the
+attention over what it holds itself, through :mod:`attnkit.functional`.
 """
 
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from attnkit.config import check_sizes
 
-__all__ = ["KVCache"]
+__all__ = ["AttendingCache", "KVCache"]
+
+
+@runtime_checkable
+class AttendingCache(Protocol):
+    """A layer's key/value storage that also attends: the attention layer hands it the new
+    queries, keys and values (rotated) and gets the attention output back.
+
+    The token layout is the cache's own (e.g. several sequences packed along ``L``, each at its
+    own position, attending only its own keys); the caller passes explicit ``positions``.
+    """
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> Tensor:
+        """Store ``k``/``v`` and return the attention of ``q`` over the keys it may see.
+
+        Shape:
+            q ``(B, H, L, E)``, k/v ``(B, K, L, E)`` -> ``(B, H, L, E)``.
+        """
+        ...
 
 
 class KVCache(nn.Module):

@@ -1,5 +1,5 @@
 """The ``attnkit`` command line: ``lab``, ``complexity``, ``plot``, ``explain``, ``bench``,
-``tour``, ``generate``, ``chat``.
+``tour``, ``generate``, ``chat``, ``kernels``, ``serve``.
 
 Each sub-command lives in ``attnkit.commands.<name>`` and exposes two functions:
 ``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported lazily so that
@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "or a GGUF file",
     "chat": "talk to a chat model (folder or GGUF file): streamed replies, /reset, /exit",
     "kernels": "the CPU features, compilers and kernels found here, and every kernel choice made",
+    "serve": "an OpenAI-compatible HTTP server for decoders (folders, GGUF) and sentence encoders",
 }
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,7 +37,7 @@ from attnkit import decoding, generation
 from attnkit import masks as M
 from attnkit import quantize as quantization
 from attnkit.blocks import TransformerLayer, make_norm
-from attnkit.cache import KVCache
+from attnkit.cache import AttendingCache, KVCache
 from attnkit.config import FAMILIES, TransformerConfig
 from attnkit.generation import GenerateOptions
 from attnkit.interop import hf
@@ -174,7 +174,7 @@ class _TransformerStack(nn.Module):
         mask: Tensor | None,
         *,
         positions: Tensor | None,
-        kv_caches: list[KVCache] | None,
+        kv_caches: Sequence[KVCache | AttendingCache] | None,
         return_weights: bool,
         cache_position: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
@@ -188,8 +188,9 @@ class _TransformerStack(nn.Module):
             raise ValueError("cache_position needs kv_caches")
         if positions is None and cache_position is not None:
             positions = cache_position
-        if positions is None and kv_caches is not None and kv_caches[0].length:
-            start = kv_caches[0].length
+        first = None if kv_caches is None else kv_caches[0]
+        if positions is None and isinstance(first, KVCache) and first.length:
+            start = first.length
             positions = torch.arange(start, start + L, device=h.device)
         if self.position is not None:
             h = self.position(h, positions)
@@ -375,9 +376,10 @@ class TransformerLM(_TransformerStack):
         mask: Tensor | None = None,
         *,
         positions: Tensor | None = None,
-        kv_caches: list[KVCache] | None = None,
+        kv_caches: Sequence[KVCache | AttendingCache] | None = None,
         cache_position: Tensor | None = None,
         logits_to_keep: int = 0,
+        logits_at: Tensor | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Next-token logits for every position (or the last ``logits_to_keep``).
@@ -390,17 +392,31 @@ class TransformerLM(_TransformerStack):
             positions: Explicit positions; by default ``0 .. L-1``, or continuing after the
                 cached positions (or equal to ``cache_position``).
             kv_caches: One :class:`attnkit.KVCache` per layer (see :meth:`make_kv_caches`);
-                the new keys/values are appended.
+                the new keys/values are appended. Or one
+                :class:`attnkit.cache.AttendingCache` per layer (with explicit ``positions``),
+                which stores them and attends in its own layout (the serving engine's paged
+                cache, several sequences packed along ``L``).
             cache_position: ``(L,)`` int tensor: write the new keys/values at these cache slots
                 and attend over every slot with a mask, a static-shaped step that compiles
                 once for all steps (see :class:`attnkit.attention.LayerOptions`).
             logits_to_keep: Compute the logits of the last ``logits_to_keep`` positions only
                 (``0``: all), as generation does for the prompt.
+            logits_at: ``(N,)`` int tensor: compute the logits of these positions only (of a
+                packed batch, each sequence's last token); ``B`` must be 1.
             return_weights: Also return each layer's attention weights ``(B, H, L, S)``.
 
         Returns:
-            Logits ``(B, L, V)`` (``(B, logits_to_keep, V)``), or ``(logits, weights)``.
+            Logits ``(B, L, V)`` (``(B, logits_to_keep, V)``, ``(1, N, V)``), or
+            ``(logits, weights)``.
+
+        Raises:
+            ValueError: For ``logits_at`` with ``logits_to_keep`` or with ``B > 1``.
         """
+        if logits_at is not None and (logits_to_keep or input_ids.shape[0] != 1):
+            raise ValueError(
+                f"logits_at takes one (packed) row and no logits_to_keep, got batch "
+                f"{input_ids.shape[0]} and logits_to_keep={logits_to_keep}"
+            )
         attn_mask = M.attention_mask_from_padding(mask)
         h, weights = self._hidden(
             input_ids,
@@ -412,6 +428,8 @@ class TransformerLM(_TransformerStack):
         )
         if logits_to_keep:
             h = h[:, -logits_to_keep:]  # (B, logits_to_keep, D)
+        elif logits_at is not None:
+            h = h[:, logits_at]  # (1, N, D)
         logits = self.logits(h)
         return (logits, weights) if return_weights else logits
 

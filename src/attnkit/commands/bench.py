@@ -8,6 +8,8 @@ and 4096, the textbook up to 2048, a progress bar on stderr);
 and exits with 0. ``--flex`` adds torch's compiled FlexAttention (forward only). ``--vs`` instead
 prints one table of attnkit against what a user would pick instead (dense-mask SDPA, compiled
 FlexAttention, sentence-transformers, transformers' decoding), see :mod:`attnkit.bench.vs`.
+``attnkit bench serve --url URL --model M --concurrency N --requests R`` loads an
+OpenAI-compatible server instead (:mod:`attnkit.bench.serve`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from attnkit.bench import serve as bench_serve
 from attnkit.bench.suite import CASES, DTYPES
 
 
@@ -57,10 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one table of attnkit against the alternatives (dense-mask SDPA, compiled "
         "FlexAttention, sentence-transformers), side by side",
     )
+    sub = parser.add_subparsers(dest="bench_command", metavar="serve")
+    serve_help = "load an OpenAI-compatible server: throughput, time to first token, latencies"
+    serve = sub.add_parser("serve", help=serve_help, description=serve_help)
+    bench_serve.add_arguments(serve)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the suite (or ``--vs``), print a table and optionally write JSON."""
+    """Run the suite (or ``--vs``, or ``serve``), print a table and optionally write JSON."""
+    if getattr(args, "bench_command", None) == "serve":
+        return bench_serve.run_from_args(args)
     import torch
 
     from attnkit.bench import suite
