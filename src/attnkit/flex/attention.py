@@ -101,7 +101,7 @@ def flex_attention(
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     q, k, v = query.to(wide), key.to(wide), value.to(wide)
     mods = _mods(score_mod, block_mask, H)
-    mods.fused = (score_mod is None or mods.slopes is not None) and E == value.shape[-1]
+    mods.fused = (score_mod is None or mods.slopes is not None) and value.shape[-1] == E
     plan = tiles.tile_plan(block_mask, L, S, B * H)
     caps = captured_tensors(score_mod) if score_mod is not None else []
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *caps))

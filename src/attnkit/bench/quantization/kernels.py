@@ -68,6 +68,7 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
     takes it, the weight's parts, float64 reference)``; ``call(row, *parts)`` is the product and
     the reference is the row, rounded as the kernel rounds it, times the weight the kernel
     multiplies by (in float64)."""
+    from attnkit.kernels.linear import fbgemm_pack
     from attnkit.native import (
         group_codes,
         int4_dot_linear,
@@ -76,7 +77,7 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
         unpack_int4,
         unpack_int4_scales,
     )
-    from attnkit.quantize import Int4Linear, Int8Linear, _fbgemm_pack, int8_kernels
+    from attnkit.quantize import Int4Linear, Int8Linear, int8_kernels
 
     out_features, in_features = weight.shape
     x64, xb = x.double(), x.bfloat16()
@@ -96,7 +97,7 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
         scale, zero = torch._choose_qparams_per_tensor(x, True)
         xq = ((x64 / scale).round() + zero).clamp(0, 127)
         ref = ((xq - zero) * scale) @ deq.T
-        packed = _fbgemm_pack(q.weight_int8, q.scale)
+        packed = fbgemm_pack(q.weight_int8, q.scale)
         out["int8 fbgemm (7-bit activations)"] = (_fbgemm, x, (packed,), ref)
     if "int8pack" in usable:
         mm = torch._weight_int8pack_mm
