@@ -62,6 +62,14 @@ def test_greedy_equals_plain_greedy(lm: TransformerLM, kind: str) -> None:
     assert stats.rounds < 40  # proposals were kept: fewer model forwards than tokens
 
 
+@pytest.mark.parametrize("kind", ["lookup", "draft"])
+def test_repetition_penalty_sees_the_proposed_tokens(lm: TransformerLM, kind: str) -> None:
+    ids = _repetitive(seed=6)
+    options = {"repetition_penalty": 1.5, "top_k": 5}
+    got = lm.generate(ids, 30, **options, **_speculative_options(kind))
+    assert torch.equal(got, lm.generate(ids, 30, **options))
+
+
 @pytest.mark.parametrize("kind", ["lookup", "int8", "draft"])
 def test_left_padded_batch_equals_plain(lm: TransformerLM, kind: str) -> None:
     ids, mask = padded_batch(seed=1)
