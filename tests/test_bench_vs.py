@@ -41,6 +41,8 @@ def test_vs_quick_table_and_json(tmp_path, capsys):
     own = rows[("first token llama-tiny bf16 weights P=16", "attnkit fp32 weights")]
     fp32 = rows[("first token llama-tiny float32 P=16", "transformers LlamaForCausalLM")]
     assert own["peer_s"] == pytest.approx(fp32["attnkit_s"]) and fp32["goal"] is None
+    lookup = rows[("speculative prompt lookup", "attnkit plain greedy")]
+    assert lookup["attnkit_s"] > 0 and lookup["peer_s"] > 0 and "same tokens" in lookup["note"]
     assert report["config"]["attention"]["seq_len"] == 512 and report["machine"]["torch"]
     assert "x = peer time / attnkit time" in out
 

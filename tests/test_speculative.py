@@ -62,6 +62,14 @@ def test_greedy_equals_plain_greedy(lm: TransformerLM, kind: str) -> None:
     assert stats.rounds < 40  # proposals were kept: fewer model forwards than tokens
 
 
+@pytest.mark.parametrize("kind", ["lookup", "draft"])
+def test_repetition_penalty_sees_the_proposed_tokens(lm: TransformerLM, kind: str) -> None:
+    ids = _repetitive(seed=6)
+    options = {"repetition_penalty": 1.5, "top_k": 5}
+    got = lm.generate(ids, 30, **options, **_speculative_options(kind))
+    assert torch.equal(got, lm.generate(ids, 30, **options))
+
+
 @pytest.mark.parametrize("kind", ["lookup", "int8", "draft"])
 def test_left_padded_batch_equals_plain(lm: TransformerLM, kind: str) -> None:
     ids, mask = padded_batch(seed=1)
@@ -147,6 +155,8 @@ def test_lookup_takes_the_most_recent_longest_ngram() -> None:
     assert lookup([4, 5, 6, 4, 5], 3) == [6, 4, 5]
     assert lookup([1, 2, 3], 4) == []
     assert lookup([1, 2, 3, 1, 2, 3], 4, max_ngram=3) == [1, 2, 3]
+    assert lookup([6, 5, 5, 5, 5, 5, 5], 3) == [5, 5, 5]  # a full continuation over the nearest
+    assert lookup([1, 2, 9, 1, 2], 3) == [9, 1, 2]
     assert lookup([7], 4) == []
 
 
@@ -159,11 +169,23 @@ def test_adaptive_length_grows_and_shrinks() -> None:
     assert length.k == 8  # capped
     length.update(2, 8)
     assert length.k == 7
-    for _ in range(10):
-        length.update(0, length.k)
-    assert length.k == 1  # at least one
+    pauses = []
+    for _ in range(5):  # nothing kept, again and again
+        length.update(0, length.propose())
+        pauses.append(length.pause)
+        while length.pause:  # plain steps
+            assert length.propose() == 0
+    assert length.k == 2
+    assert pauses == [0, 2, 6, 14, 30]  # ever longer pauses
+    for _ in range(6):
+        length.update(0, length.propose())
+        while length.pause:
+            length.propose()
+    assert length.k == 1 and length.failures == 11  # at least one token
     length.update(0, 0)  # nothing proposed: unchanged
-    assert length.k == 1
+    assert length.k == 1 and length.pause == 0
+    length.update(1, 1)  # a kept token ends the pauses
+    assert length.k == 3 and length.failures == 0
     with pytest.raises(ValueError, match="start=0, maximum=4"):
         AdaptiveLength(0, 4)
 
@@ -175,8 +197,8 @@ def test_failing_proposals_shrink_to_one_token(lm: TransformerLM) -> None:
     got = lm.generate(ids, 40, assistant_model=draft, speculation_stats=stats)
     assert torch.equal(got, lm.generate(ids, 40))
     assert stats.acceptance_rate < 0.5
-    # rounds after the first propose about one token each: few tokens wasted per round
-    assert stats.proposed <= speculative.DRAFT_START + 3 * stats.rounds // 2
+    # after the first rounds one token at a time, and ever fewer rounds propose at all
+    assert stats.proposed - stats.accepted <= speculative.DRAFT_START + 12
 
 
 def test_self_draft_is_built_once_and_stays_out_of_the_state_dict() -> None:

@@ -483,7 +483,11 @@ class TransformerLM(_TransformerStack):
                 (prefill once, then one token per step) instead of re-running the whole prefix
                 every step, both give the same tokens; ``generator`` for sampling; ``compile``,
                 with the cache run each step as one compiled graph of this model's forward
-                (see :mod:`attnkit.decoding`; compiled once per batch size and length).
+                (see :mod:`attnkit.decoding`; compiled once per batch size and length);
+                ``prompt_lookup_num_tokens`` or ``assistant_model`` (a draft decoder,
+                ``"int8"`` or ``"int4"``: :meth:`self_draft`) for speculative decoding, same
+                tokens or same distribution (:mod:`attnkit.speculative`), with
+                ``speculation_stats`` to count the kept proposals.
 
         Returns:
             ``(B, P + n)`` token ids, prompt included; ``n = max_new_tokens`` unless every row

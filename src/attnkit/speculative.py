@@ -54,6 +54,8 @@ MAX_NGRAM = 3
 #: Tokens a draft model proposes in its first round, and at most (see AdaptiveLength).
 DRAFT_START = 5
 DRAFT_MAX = 16
+#: Most plain steps between two proposals while proposals keep failing (see AdaptiveLength).
+MAX_PAUSE = 32
 
 #: ``process(logits (B, V), ids (B, S)) -> (B, V)``: the caller's logits processing (penalty,
 #: temperature, top-k, top-p), applied to the model's and the draft's logits alike.
@@ -113,6 +115,11 @@ class AdaptiveLength:
     """How many tokens to propose next: ``+2`` after a round that kept all, ``-1`` (at least 1)
     after one that did not (``transformers``' heuristic), at most ``maximum``.
 
+    Rounds that keep nothing in a row also pause the proposals (``propose()`` gives 0: a plain
+    step) for 2, 6, 14, ... up to :data:`MAX_PAUSE` steps: verifying a rejected proposal costs
+    more than a plain step where a forward's time grows with its tokens, so proposals that keep
+    failing are tried less and less often; the first kept token ends the pause.
+
     Raises:
         ValueError: Unless ``1 <= start <= maximum``.
     """
@@ -121,23 +128,45 @@ class AdaptiveLength:
         if not 1 <= start <= maximum:
             raise ValueError(f"need 1 <= start <= maximum, got start={start}, maximum={maximum}")
         self.k, self.maximum = start, maximum
+        self.failures = 0  # rounds in a row that kept nothing
+        self.pause = 0  # steps left without proposals
+
+    def propose(self) -> int:
+        """The length of the next proposal (0 while paused)."""
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.k
 
     def update(self, kept: int, proposed: int) -> None:
         """Record a round that proposed ``proposed`` tokens and kept ``kept`` of them."""
         if proposed == 0:  # nothing was proposed: nothing learned
             return
         self.k = min(self.k + 2, self.maximum) if kept >= proposed else max(1, self.k - 1)
+        self.failures = 0 if kept else self.failures + 1
+        self.pause = min((1 << self.failures) - 2, MAX_PAUSE) if self.failures > 1 else 0
 
 
 def lookup(tokens: list[int], num_tokens: int, max_ngram: int = MAX_NGRAM) -> list[int]:
-    """Up to ``num_tokens`` tokens that followed the most recent earlier occurrence of the last
-    n-gram of ``tokens``, trying ``n = max_ngram`` down to 1; ``[]`` when none occurs."""
+    """Up to ``num_tokens`` tokens that followed an earlier occurrence of the last n-gram of
+    ``tokens``, trying ``n = max_ngram`` down to 1; ``[]`` when none occurs.
+
+    The most recent occurrence with ``num_tokens`` tokens after it wins; without one, the one
+    with the most (a run of one token repeated has its most recent occurrence right before the
+    end, with one token after it).
+    """
     size = len(tokens)
     for n in range(min(max_ngram, size - 1), 0, -1):
         tail = tokens[size - n :]
+        best: list[int] = []
         for start in range(size - n - 1, -1, -1):  # most recent first, the tail itself excluded
             if tokens[start : start + n] == tail:
-                return tokens[start + n : start + n + num_tokens]
+                found = tokens[start + n : start + n + num_tokens]
+                if len(found) == num_tokens:
+                    return found
+                best = found if len(found) > len(best) else best
+        if best:
+            return best
     return []
 
 
@@ -373,7 +402,7 @@ def decode(
                 if (eos is not None and not bool(unfinished.any())) or produced == max_new_tokens:
                     return
             S = ids.shape[1]  # the cache holds all but the last token
-            k = min(length.k, max_new_tokens - produced - 1)
+            k = min(length.propose(), max_new_tokens - produced - 1)
             proposal = proposer.propose(ids, positions, full_mask, k, unfinished)
             k = proposal.tokens.shape[1]
             step_ids = torch.cat([ids[:, -1:], proposal.tokens], dim=1)  # (B, k + 1)

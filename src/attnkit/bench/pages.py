@@ -116,7 +116,7 @@ def _vs_tables(report: dict[str, Any], source: str) -> list[Table]:
             else "structured"
             if job.startswith(("window", "documents"))
             else "decoding"
-            if job.startswith(("decode", "first token"))
+            if job.startswith(("decode", "first token", "speculative"))
             else "peers"
         )
         groups.setdefault(topic, []).append(row)
@@ -262,6 +262,38 @@ def _layout_tables(report: dict[str, Any], source: str) -> list[Table]:
     return out
 
 
+def _speculative_tables(report: dict[str, Any], source: str) -> list[Table]:
+    """``python -m attnkit.bench.speculative``: speculative decoding against its baselines."""
+    cells = [
+        [
+            r["job"],
+            f"{r['tokens_per_s']:.2f}",
+            r["baseline"],
+            f"{r['baseline_tokens_per_s']:.2f}",
+            _x(r["speedup"]),
+            f">= {r['goal']:g}x: " + ("met" if r["speedup"] >= r["goal"] else "missed"),
+            "-" if r.get("acceptance") is None else f"{r['acceptance']:.0%}",
+            {True: "yes", False: "NO"}.get(r.get("identical"), "-"),  # type: ignore[arg-type]
+        ]
+        for r in report["rows"]
+    ]
+    columns = ["job", "tok/s", "against", "its tok/s", "x", "target", "kept", "same tokens"]
+    shape = report.get("shape", {})
+    context = (
+        f"`python -m attnkit.bench.speculative`: the {report['model']} Llama shape "
+        f"({shape.get('layers')} layers, D{shape.get('dim')}, fp32, random weights), a prompt of "
+        f"{report['prompt']} random tokens, {report['new_tokens']} new tokens, prompt lookup of "
+        f"{report['lookup_tokens']} tokens; {report['repeats']} interleaved rounds, medians. "
+        "Random weights: the greedy output repeats itself, so prompt lookup is measured where "
+        "most proposals are kept; the drafts-fail row samples, so its proposals are rejected. "
+        "kept = share of the proposed tokens the model kept."
+    )
+    return [
+        Table("speculative", "decoding", "Speculative decoding", report.get("machine", {}),
+              columns, cells, context, source)
+    ]  # fmt: skip
+
+
 def _record_tables(data: dict[str, Any], source: str) -> list[Table]:
     """Transcribed records: ``{"machines": {...}, "tables": [...]}``."""
     machines = data.get("machines", {})
@@ -283,6 +315,7 @@ _ADAPTERS: dict[str, Callable[[dict[str, Any], str], list[Table]]] = {
     "attention.json": _attention_tables,
     "quantization.json": _quantization_tables,
     "quantization-layouts.json": _layout_tables,
+    "speculative.json": _speculative_tables,
 }
 
 

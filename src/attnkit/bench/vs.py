@@ -24,7 +24,10 @@ warm-up call each that also checks the results agree), with both absolute times 
   checkpoints, compiled, with each dtype's share of its own read-bandwidth bound;
 * ``first token llama-135m`` (fp32 and bf16, prompts 256 and 2048): time to first token against
   transformers in the same dtype, and bf16 against attnkit's fp32 (goals at 2048 tokens: bf16
-  >= 1.0x transformers, and >= 2.5x attnkit fp32 where torch's bf16 GEMM is >= 4x its fp32).
+  >= 1.0x transformers, and >= 2.5x attnkit fp32 where torch's bf16 GEMM is >= 4x its fp32);
+* ``speculative prompt lookup``: greedy decoding with ``prompt_lookup_num_tokens`` against plain
+  greedy decoding on the same model, where the output repeats earlier tokens
+  (:mod:`attnkit.bench.speculative`; same tokens, checked).
 
 Peers that are not installed give a row that says so instead of a time. Rows come from the
 makers in :data:`ROW_MAKERS`, in order; a new comparison is one function
@@ -94,6 +97,7 @@ class VsConfig:
         prefill_prompts: Their prompt lengths.
         ring_len: Whole sequence of the ring rows.
         ring_world: Processes of the ring rows.
+        speculative_model: Model of the prompt lookup row (:mod:`attnkit.bench.speculative`).
     """
 
     attention: AttentionJob = field(default_factory=AttentionJob)
@@ -108,6 +112,7 @@ class VsConfig:
     prefill_prompts: tuple[int, ...] = (256, 2048)
     ring_len: int = 16384
     ring_world: int = 2
+    speculative_model: str = "llama-135m"
 
     @classmethod
     def quick(cls, *, flex: bool = False) -> VsConfig:
@@ -124,6 +129,7 @@ class VsConfig:
             prefill_model="llama-tiny",
             prefill_prompts=(16,),
             ring_len=512,
+            speculative_model="llama-tiny",
         )
 
 
@@ -462,6 +468,17 @@ def _prefill_rows(config: VsConfig) -> list[VsRow]:
 
 
 register("prefill", _prefill_rows)
+
+
+def _speculative_rows(config: VsConfig) -> list[VsRow]:
+    """Greedy decoding with prompt lookup against plain greedy decoding, where the output
+    repeats earlier tokens (see :mod:`attnkit.bench.speculative`)."""
+    from attnkit.bench.speculative import vs_rows
+
+    return [VsRow(**row) for row in vs_rows(config.speculative_model, repeats=config.repeats)]
+
+
+register("speculative", _speculative_rows)
 
 
 #: The ring's goal: per-rank peak memory at most this fraction of one process's.
