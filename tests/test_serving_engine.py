@@ -141,6 +141,19 @@ def test_abort_frees_blocks_and_emits_abort(lm: TransformerLM) -> None:
     assert not engine.has_work() and engine.step() == []
 
 
+def test_abort_during_a_step_ends_the_request_when_the_step_does(lm: TransformerLM) -> None:
+    engine = Engine(lm, block_size=4, prefix_caching=False)
+    victim = engine.add_request(prompts([9])[0], GREEDY)
+
+    def abort_victim(event: TokenEvent) -> None:  # runs inside the step
+        engine.abort(victim)
+
+    engine.add_request(prompts([5])[0], GREEDY, on_event=abort_victim)
+    events = engine.step()
+    assert [(e.request_id, e.finish_reason) for e in events][-1] == (victim, "abort")
+    assert engine.stats().running == 1 and engine.stats().kv_blocks_used == 2
+
+
 def test_stop_tokens_end_a_request(lm: TransformerLM) -> None:
     p = prompts([8])[0]
     ref = alone(lm, p, 10)

@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from attnkit.cache import AttendingCache
+from attnkit.kernels.attention import paged_one_query_attention
+from attnkit.kernels.build import kernels_available
+from attnkit.serving import paged
 from attnkit.serving.paged import (
     BlockPool,
     PagedKVCache,
@@ -72,11 +75,21 @@ def make_cache(dtype: torch.dtype, K: int = 2, E: int = 8) -> PagedKVCache:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("H", "K"), [(6, 2), (2, 2), (4, 1)])
-@pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (3, None), (None, 5.0)])
+@pytest.mark.parametrize("in_place", [True, False])
 def test_paged_attention_equals_dense_reference(
-    dtype: torch.dtype, H: int, K: int, window: int | None, softcap: float | None
+    dtype: torch.dtype,
+    H: int,
+    K: int,
+    window: int | None,
+    softcap: float | None,
+    in_place: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Both decoding paths: the paged kernel reading through the block tables, and the gathered
+    keys through the functional core (where the policy does not pick attnkit's kernel)."""
+    if not in_place:
+        monkeypatch.setattr(paged.policy, "one_query_kernel", lambda *args: False)
     E = 8
     cache = make_cache(dtype, K, E)
     # Three decoding sequences (one new token after 5, 0 and 9 cached ones) and two chunks
@@ -150,3 +163,20 @@ def test_memory_follows_tokens_held() -> None:
     # keys and values of 2 heads x 8 dims, float32, over one layer
     assert cache.bytes_per_token == 2 * 2 * 8 * 4
     assert cache.bytes_per_block == 4 * cache.bytes_per_token
+
+
+@pytest.mark.skipif(not kernels_available(), reason="the compiled kernels do not build here")
+def test_paged_kernel_rejects_keys_outside_the_pool() -> None:
+    q, pool = torch.randn(1, 2, 1, 4), torch.randn(8, 1, 4)
+    rows = torch.tensor([[0, 3, 9]], dtype=torch.int32)
+    one = torch.tensor([1])
+    out, flags = paged_one_query_attention(q, pool, pool, rows, one, one, 0.5)
+    expected, _ = reference_attention(q[0], pool[3].view(1, 1, 4), pool[3].view(1, 1, 4))
+    torch.testing.assert_close(out[0].double(), expected)
+    assert flags == 0
+    with pytest.raises(ValueError, match=r"outside the pool \(8 rows\)"):
+        paged_one_query_attention(q, pool, pool, rows, one, torch.tensor([2]), 0.5)
+    with pytest.raises(ValueError, match="width 3"):
+        paged_one_query_attention(q, pool, pool, rows, torch.tensor([2]), torch.tensor([2]), 0.5)
+    with pytest.raises(TypeError, match="int32 rows"):
+        paged_one_query_attention(q, pool, pool, rows.long(), one, one, 0.5)
