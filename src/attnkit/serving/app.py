@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -90,7 +91,8 @@ class _Guard:
         headers = dict(scope.get("headers") or [])
         if self.api_key is not None and scope["path"].startswith("/v1"):
             given = headers.get(b"authorization", b"").decode("latin-1")
-            if given != f"Bearer {self.api_key}":
+            expected = f"Bearer {self.api_key}".encode()
+            if not hmac.compare_digest(given.encode("latin-1"), expected):
                 what = "no API key" if not given else "a wrong API key"
                 body = error_body(
                     f"the request has {what}; send 'Authorization: Bearer <key>'",
