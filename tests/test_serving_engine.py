@@ -224,6 +224,18 @@ def test_logits_processor_constrains_its_request_only(lm: TransformerLM) -> None
     assert seen[0] == [] and seen[-1] == out["c"][:-1]
 
 
+def test_a_failing_logits_processor_ends_only_its_request(lm: TransformerLM) -> None:
+    def broken(generated: list[int], logits: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("grammar error")
+
+    engine = Engine(lm)
+    bad = engine.add_request([1, 2], GREEDY, logits_processor=broken)
+    good = engine.add_request([3, 4], GREEDY)
+    events = engine.step()
+    assert [(e.request_id, e.finish_reason) for e in events] == [(bad, "abort"), (good, None)]
+    assert engine.generate([[3, 4]], GREEDY)[0] == alone(lm, [3, 4], 10)
+
+
 def test_background_loop_sleeps_when_idle_and_streams(lm: TransformerLM) -> None:
     engine = Engine(lm)
     engine.start()

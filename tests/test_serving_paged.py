@@ -180,3 +180,30 @@ def test_paged_kernel_rejects_keys_outside_the_pool() -> None:
         paged_one_query_attention(q, pool, pool, rows, torch.tensor([2]), torch.tensor([2]), 0.5)
     with pytest.raises(TypeError, match="int32 rows"):
         paged_one_query_attention(q, pool, pool, rows.long(), one, one, 0.5)
+
+
+def test_model_forward_over_a_packed_paged_batch_equals_separate_forwards() -> None:
+    from attnkit import TransformerLM
+    from attnkit.config import FAMILIES, TransformerConfig
+
+    config = TransformerConfig(
+        97, 32, 2, 4, num_kv_heads=2, ffn_dim=64, max_seq_len=64, window=5, **FAMILIES["llama"]
+    )
+    lm = TransformerLM(config).eval()
+    cache = PagedKVCache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8)
+    a, b = torch.randint(0, 97, (1, 7)), torch.randint(0, 97, (1, 10))
+    with torch.no_grad():
+        # a's first 6 tokens in one forward, then a's last token and all of b packed together
+        cache.plan([SequenceSlice([5, 1], 0, 6)])
+        lm(a[:, :6], positions=torch.arange(6)[None], kv_caches=cache.layers())
+        cache.plan([SequenceSlice([5, 1], 6, 1), SequenceSlice([0, 7, 3], 0, 10)])
+        ids = torch.cat([a[:, 6:], b], dim=1)
+        positions = torch.cat([torch.tensor([6]), torch.arange(10)])[None]
+        at = torch.tensor([0, 10])
+        packed = lm(ids, positions=positions, kv_caches=cache.layers(), logits_at=at)
+        separate = torch.stack([lm(a)[0, -1], lm(b)[0, -1]])
+    torch.testing.assert_close(packed[0], separate, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="needs explicit positions"):
+        lm(a[:, :1], kv_caches=cache.layers())
+    with pytest.raises(ValueError, match=r"logits_at takes one \(packed\) row.*got batch 2"):
+        lm(torch.cat([a, a]), logits_at=at)

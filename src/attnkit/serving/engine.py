@@ -468,7 +468,13 @@ class Engine:
             self._register_full_blocks(req)
             if req.computed < len(req.tokens):
                 continue
-            events.append(self._next_token(req, logits[row]))
+            try:
+                events.append(self._next_token(req, logits[row]))
+            except Exception:  # its logits processor failed: that request ends, not the others
+                logger.exception("choosing the next token of request %s failed", req.id)
+                if req in self._running:
+                    self._running.remove(req)
+                events.append(self._finish(req, -1, None, None, "abort"))
             row += 1
         return events
 
