@@ -141,6 +141,19 @@ def test_abort_frees_blocks_and_emits_abort(lm: TransformerLM) -> None:
     assert not engine.has_work() and engine.step() == []
 
 
+def test_abort_during_a_step_ends_the_request_when_the_step_does(lm: TransformerLM) -> None:
+    engine = Engine(lm, block_size=4, prefix_caching=False)
+    victim = engine.add_request(prompts([9])[0], GREEDY)
+
+    def abort_victim(event: TokenEvent) -> None:  # runs inside the step
+        engine.abort(victim)
+
+    engine.add_request(prompts([5])[0], GREEDY, on_event=abort_victim)
+    events = engine.step()
+    assert [(e.request_id, e.finish_reason) for e in events][-1] == (victim, "abort")
+    assert engine.stats().running == 1 and engine.stats().kv_blocks_used == 2
+
+
 def test_stop_tokens_end_a_request(lm: TransformerLM) -> None:
     p = prompts([8])[0]
     ref = alone(lm, p, 10)
@@ -209,6 +222,18 @@ def test_logits_processor_constrains_its_request_only(lm: TransformerLM) -> None
             out[e.request_id].append(e.token_id)
     assert set(out["c"]) <= {11, 12} and out[other] == alone(lm, q, 10)
     assert seen[0] == [] and seen[-1] == out["c"][:-1]
+
+
+def test_a_failing_logits_processor_ends_only_its_request(lm: TransformerLM) -> None:
+    def broken(generated: list[int], logits: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("grammar error")
+
+    engine = Engine(lm)
+    bad = engine.add_request([1, 2], GREEDY, logits_processor=broken)
+    good = engine.add_request([3, 4], GREEDY)
+    events = engine.step()
+    assert [(e.request_id, e.finish_reason) for e in events] == [(bad, "abort"), (good, None)]
+    assert engine.generate([[3, 4]], GREEDY)[0] == alone(lm, [3, 4], 10)
 
 
 def test_background_loop_sleeps_when_idle_and_streams(lm: TransformerLM) -> None:

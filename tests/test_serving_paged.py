@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from attnkit.cache import AttendingCache
+from attnkit.kernels.attention import paged_one_query_attention
+from attnkit.kernels.build import kernels_available
+from attnkit.serving import paged
 from attnkit.serving.paged import (
     BlockPool,
     PagedKVCache,
@@ -72,11 +75,21 @@ def make_cache(dtype: torch.dtype, K: int = 2, E: int = 8) -> PagedKVCache:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("H", "K"), [(6, 2), (2, 2), (4, 1)])
-@pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (3, None), (None, 5.0)])
+@pytest.mark.parametrize("in_place", [True, False])
 def test_paged_attention_equals_dense_reference(
-    dtype: torch.dtype, H: int, K: int, window: int | None, softcap: float | None
+    dtype: torch.dtype,
+    H: int,
+    K: int,
+    window: int | None,
+    softcap: float | None,
+    in_place: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Both decoding paths: the paged kernel reading through the block tables, and the gathered
+    keys through the functional core (where the policy does not pick attnkit's kernel)."""
+    if not in_place:
+        monkeypatch.setattr(paged.policy, "one_query_kernel", lambda *args: False)
     E = 8
     cache = make_cache(dtype, K, E)
     # Three decoding sequences (one new token after 5, 0 and 9 cached ones) and two chunks
@@ -150,3 +163,47 @@ def test_memory_follows_tokens_held() -> None:
     # keys and values of 2 heads x 8 dims, float32, over one layer
     assert cache.bytes_per_token == 2 * 2 * 8 * 4
     assert cache.bytes_per_block == 4 * cache.bytes_per_token
+
+
+@pytest.mark.skipif(not kernels_available(), reason="the compiled kernels do not build here")
+def test_paged_kernel_rejects_keys_outside_the_pool() -> None:
+    q, pool = torch.randn(1, 2, 1, 4), torch.randn(8, 1, 4)
+    rows = torch.tensor([[0, 3, 9]], dtype=torch.int32)
+    one = torch.tensor([1])
+    out, flags = paged_one_query_attention(q, pool, pool, rows, one, one, 0.5)
+    expected, _ = reference_attention(q[0], pool[3].view(1, 1, 4), pool[3].view(1, 1, 4))
+    torch.testing.assert_close(out[0].double(), expected)
+    assert flags == 0
+    with pytest.raises(ValueError, match=r"outside the pool \(8 rows\)"):
+        paged_one_query_attention(q, pool, pool, rows, one, torch.tensor([2]), 0.5)
+    with pytest.raises(ValueError, match="width 3"):
+        paged_one_query_attention(q, pool, pool, rows, torch.tensor([2]), torch.tensor([2]), 0.5)
+    with pytest.raises(TypeError, match="int32 rows"):
+        paged_one_query_attention(q, pool, pool, rows.long(), one, one, 0.5)
+
+
+def test_model_forward_over_a_packed_paged_batch_equals_separate_forwards() -> None:
+    from attnkit import TransformerLM
+    from attnkit.config import FAMILIES, TransformerConfig
+
+    config = TransformerConfig(
+        97, 32, 2, 4, num_kv_heads=2, ffn_dim=64, max_seq_len=64, window=5, **FAMILIES["llama"]
+    )
+    lm = TransformerLM(config).eval()
+    cache = PagedKVCache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8)
+    a, b = torch.randint(0, 97, (1, 7)), torch.randint(0, 97, (1, 10))
+    with torch.no_grad():
+        # a's first 6 tokens in one forward, then a's last token and all of b packed together
+        cache.plan([SequenceSlice([5, 1], 0, 6)])
+        lm(a[:, :6], positions=torch.arange(6)[None], kv_caches=cache.layers())
+        cache.plan([SequenceSlice([5, 1], 6, 1), SequenceSlice([0, 7, 3], 0, 10)])
+        ids = torch.cat([a[:, 6:], b], dim=1)
+        positions = torch.cat([torch.tensor([6]), torch.arange(10)])[None]
+        at = torch.tensor([0, 10])
+        packed = lm(ids, positions=positions, kv_caches=cache.layers(), logits_at=at)
+        separate = torch.stack([lm(a)[0, -1], lm(b)[0, -1]])
+    torch.testing.assert_close(packed[0], separate, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="needs explicit positions"):
+        lm(a[:, :1], kv_caches=cache.layers())
+    with pytest.raises(ValueError, match=r"logits_at takes one \(packed\) row.*got batch 2"):
+        lm(torch.cat([a, a]), logits_at=at)

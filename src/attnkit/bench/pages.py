@@ -50,6 +50,7 @@ TOPICS = {
     "quantization": "Quantization",
     "long": "Long sequences",
     "peers": "Against the peers",
+    "serving": "Serving",
 }
 #: The markers around the README's generated table.
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
@@ -294,6 +295,40 @@ def _speculative_tables(report: dict[str, Any], source: str) -> list[Table]:
     ]  # fmt: skip
 
 
+def _serving_engine_tables(report: dict[str, Any], source: str) -> list[Table]:
+    """``python -m attnkit.bench.serving_engine``: batching, KV memory and the prefix cache."""
+    t, p, goal = report["throughput"], report["prefix_cache"], report["targets"]
+    m = t["memory"]
+    n = t["requests"]
+    rows = [
+        [f"{n} concurrent over one at a time, generated tokens/s",
+         f"{_x(t['concurrent_over_alone'])} ({t['concurrent_tokens_per_s']:.1f} vs "
+         f"{t['alone_tokens_per_s']:.1f} tok/s)", f">= {_x(goal['concurrent_over_alone'])}"],
+        ["greedy answers equal to one at a time", f"{t['greedy_equal']} of {n}",
+         f">= {goal['greedy_equal']} of {n}"],
+        ["KV bytes held over tokens held x bytes per token",
+         f"{m['held_over_tokens']:.3f} ({m['tokens_held']} tokens, "
+         f"{_amount(m['kv_bytes_held'], 'bytes')}; a static cache of the context: "
+         f"{_amount(m['static_cache_bytes'], 'bytes')})", f"<= {goal['held_over_tokens']}"],
+        [f"time to first token, repeated {p['system_tokens']}-token system prompt over the first",
+         f"{_x(p['repeat_over_first'])} ({_ms(p['repeat_ttft_s'])} vs {_ms(p['first_ttft_s'])} ms, "
+         f"{p['cached_tokens']} tokens cached)", f"<= {_x(goal['repeat_over_first'])}"],
+    ]  # fmt: skip
+    c = report["config"]
+    context = (
+        "`python -m attnkit.bench.serving_engine`: the engine of `attnkit serve` in one process, "
+        f"the {report['model']} shape ({c['layers']} layers, D{c['dim']}, {c['heads']}/"
+        f"{c['kv_heads']} heads) with random {c['dtype']} weights, blocks of {c['block_size']} "
+        f"tokens; {n} greedy requests of {min(t['prompt_tokens'])}-{max(t['prompt_tokens'])} "
+        f"prompt tokens and {t['max_tokens']} new ones, sent one at a time then all at once, "
+        "interleaved rounds, medians."
+    )
+    return [
+        Table("serving-engine", "serving", "Continuous batching, paged KV cache, prefix cache",
+              report.get("machine", {}), ["measure", "result", "target"], rows, context, source)
+    ]  # fmt: skip
+
+
 def _record_tables(data: dict[str, Any], source: str) -> list[Table]:
     """Transcribed records: ``{"machines": {...}, "tables": [...]}``."""
     machines = data.get("machines", {})
@@ -316,6 +351,7 @@ _ADAPTERS: dict[str, Callable[[dict[str, Any], str], list[Table]]] = {
     "quantization.json": _quantization_tables,
     "quantization-layouts.json": _layout_tables,
     "speculative.json": _speculative_tables,
+    "serving-engine.json": _serving_engine_tables,
 }
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "flash_available",
     "flash_bf16_products_available",
     "one_query_attention",
+    "paged_one_query_attention",
 ]
 
 #: The float dtypes of the one-query kernel.
@@ -534,6 +535,7 @@ def capped_softmax_(
 NO_KEY = 1  #: some query may attend no key: its row is zero
 NON_FINITE = 2  #: some output value is NaN or infinite
 _NO_MEMORY = 4  # a buffer could not be allocated: nothing was written (csrc/one_query.c)
+_BAD_INDEX = 8  # a paged key outside its table or the pool: nothing was written
 
 
 def one_query_attention(
@@ -650,4 +652,112 @@ def one_query_attention(
     )
     if flags & _NO_MEMORY:
         raise MemoryError(f"one_query_attention could not allocate its buffers ({S} keys)")
+    return out, flags
+
+
+def paged_one_query_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    rows: Tensor,
+    first: Tensor,
+    count: Tensor,
+    scale: float,
+    *,
+    softcap: float | None = None,
+) -> tuple[Tensor, int]:
+    """:func:`one_query_attention` over a paged cache: each sequence's keys and values are read
+    in place from the pool rows its block table names, never gathered into a copy.
+
+    Args:
+        q: Queries ``(B, H, 1, E)``.
+        k_pool: Keys ``(slots, K, E)`` of every sequence (rows may be strided).
+        v_pool: Values ``(slots, K, Ev)``.
+        rows: int32 ``(B, W)``: the pool row of each sequence's key ``j``.
+        first: int64 ``(B,)``: each sequence's first attended key (a sliding window's start).
+        count: int64 ``(B,)``: how many keys from ``first`` on it attends (``first + count <=
+            W``).
+        scale: Multiplier of the scores.
+        softcap: The scores' soft cap ``c > 0``, or None.
+
+    Returns:
+        ``(out, flags)`` as :func:`one_query_attention`.
+
+    Raises:
+        TypeError: For other or mixed dtypes, or index tensors of other dtypes.
+        ValueError: For shapes that do not fit, keys outside the rows, or tensors not on the CPU.
+        RuntimeError: Where the kernels are not available.
+    """
+    dtype = q.dtype
+    if dtype not in _ONE_QUERY_DTYPES or k_pool.dtype != dtype or v_pool.dtype != dtype:
+        raise TypeError(
+            f"paged_one_query_attention takes q, k and v all bfloat16 or all float32, got "
+            f"{q.dtype}, {k_pool.dtype} and {v_pool.dtype}"
+        )
+    if rows.dtype != torch.int32 or first.dtype != torch.int64 or count.dtype != torch.int64:
+        raise TypeError(
+            f"paged_one_query_attention takes int32 rows and int64 first/count, got "
+            f"{rows.dtype}, {first.dtype} and {count.dtype}"
+        )
+    B, H, _, E = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+    K, Ev = k_pool.shape[1], v_pool.shape[-1]
+    tensors = (q, k_pool, v_pool, rows, first, count)
+    fits = (
+        q.dim() == 4
+        and q.shape[2] == 1
+        and k_pool.dim() == v_pool.dim() == 3
+        and k_pool.shape[:2] == v_pool.shape[:2]
+        and k_pool.shape[2] == E
+        and K > 0
+        and H % K == 0
+        and rows.dim() == 2
+        and rows.shape[0] == B
+        and first.shape == count.shape == (B,)
+        and all(t.is_cpu for t in tensors)
+    )
+    if not fits:
+        raise ValueError(
+            "paged_one_query_attention needs CPU q (B, H, 1, E), pools (slots, K, E/Ev) with "
+            "H % K == 0, rows (B, W) within the pool and first/count (B,) within W, got "
+            f"{[tuple(t.shape) for t in tensors]} on {[str(t.device) for t in tensors]}"
+        )
+    lib = library()
+    q = q.contiguous()
+    k_pool = k_pool if k_pool.stride(-1) == 1 else k_pool.contiguous()
+    v_pool = v_pool if v_pool.stride(-1) == 1 else v_pool.contiguous()
+    rows, first, count = rows.contiguous(), first.contiguous(), count.contiguous()
+    out = q.new_empty(B, H, 1, Ev)
+    if out.numel() == 0:
+        return out, 0
+    flags = lib.attnkit_paged_one_query_attention(
+        q.data_ptr(),
+        B,
+        K,
+        H // K,
+        E,
+        k_pool.data_ptr(),
+        k_pool.stride(1),
+        k_pool.stride(0),
+        v_pool.data_ptr(),
+        v_pool.stride(1),
+        v_pool.stride(0),
+        Ev,
+        rows.data_ptr(),
+        rows.shape[1],
+        first.data_ptr(),
+        count.data_ptr(),
+        k_pool.shape[0],
+        scale,
+        softcap or 0.0,
+        out.data_ptr(),
+        dtype == torch.bfloat16,
+        torch.get_num_threads(),
+    )
+    if flags & _BAD_INDEX:
+        raise ValueError(
+            f"paged_one_query_attention: a key outside its rows (first {first.tolist()}, count "
+            f"{count.tolist()}, width {rows.shape[1]}) or outside the pool ({k_pool.shape[0]} rows)"
+        )
+    if flags & _NO_MEMORY:
+        raise MemoryError("paged_one_query_attention could not allocate its buffers")
     return out, flags

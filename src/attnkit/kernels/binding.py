@@ -60,6 +60,10 @@ def declare(lib: ctypes.CDLL) -> None:
     call.argtypes = [pointer, *[int64] * 4, pointer, *[int64] * 3, pointer, *[int64] * 5]
     call.argtypes += [pointer, int64, int64, floats, floats, pointer, flag, flag]
     call.restype = flag
+    call = lib.attnkit_paged_one_query_attention
+    call.argtypes = [pointer, *[int64] * 4, pointer, int64, int64, pointer, int64, int64, int64]
+    call.argtypes += [pointer, int64, pointer, pointer, int64, floats, floats, pointer, flag, flag]
+    call.restype = flag
     call = lib.attnkit_rms_norm
     call.argtypes = [pointer, int64, int64, int64, pointer, pointer, floats, flag, flag]
     call.restype = flag

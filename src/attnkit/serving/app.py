@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -32,6 +33,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from attnkit.serving import SamplingParams, protocol
 from attnkit.serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -89,7 +91,8 @@ class _Guard:
         headers = dict(scope.get("headers") or [])
         if self.api_key is not None and scope["path"].startswith("/v1"):
             given = headers.get(b"authorization", b"").decode("latin-1")
-            if given != f"Bearer {self.api_key}":
+            expected = f"Bearer {self.api_key}".encode()
+            if not hmac.compare_digest(given.encode("latin-1"), expected):
                 what = "no API key" if not given else "a wrong API key"
                 body = error_body(
                     f"the request has {what}; send 'Authorization: Bearer <key>'",
@@ -442,26 +445,27 @@ class _Server:
     ) -> Response:
         endpoint = "chat" if chat else "completions"
         texts = {c.index: "" for c in choices}
-        events = self._events(model, choices, queue, start)
-        try:
-            while True:
-                step = asyncio.ensure_future(anext(events, None))
-                while True:
-                    done, _ = await asyncio.wait({step}, timeout=DISCONNECT_POLL_S)
-                    if done:
-                        break
-                    if await http.is_disconnected():
-                        step.cancel()
-                        self._abort_unfinished(model, choices)
-                        self.metrics.request(model.name, endpoint, "abort")
-                        return Response(status_code=499)
-                item = step.result()
-                if item is None:
-                    break
-                choice, piece, _ = item
+
+        async def collect() -> None:
+            async for choice, piece, _ in self._events(model, choices, queue, start):
                 texts[choice.index] += piece
+
+        async def watch() -> None:  # returns once the client is gone
+            while not await http.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+
+        collector, watcher = asyncio.create_task(collect()), asyncio.create_task(watch())
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            watcher.cancel()
+            if not collector.done():
+                collector.cancel()
             self._abort_unfinished(model, choices)
+        if not collector.done() or collector.cancelled():
+            self.metrics.request(model.name, endpoint, "abort")
+            return Response(status_code=499)
+        collector.result()  # re-raise what went wrong while collecting
         self.metrics.request(model.name, endpoint, "ok")
         out_choices = []
         for c in choices:
@@ -648,6 +652,9 @@ def build_app(
             request = parse_request(await http.body(), kind)
         except RequestError as err:
             return reply_error(err, endpoint)
+        except ClientDisconnect:  # gone before its body arrived: nothing to answer
+            metrics.request("", endpoint, "abort")
+            return Response(status_code=499)
         try:
             return await run(request)
         except RequestError as err:

@@ -194,7 +194,8 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # admission order: the last is the youngest
         self._cond = threading.Condition(threading.Lock())  # guards _intake/_requests
-        self._step_lock = threading.RLock()  # one step (or abort) at a time
+        self._step_lock = threading.Lock()  # one step (or abort) at a time
+        self._aborts: set[str] = set()  # asked for during a step
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._hits = self._queries = self._preemptions = 0
@@ -282,43 +283,60 @@ class Engine:
         return events
 
     def abort(self, request_id: str) -> None:
-        """End a request now: its blocks are freed and it gets a ``"abort"`` event. Unknown or
-        finished ids are ignored (a client may cancel after the end). Thread-safe; waits for a
-        step in progress."""
-        with self._step_lock:
-            with self._cond:
-                req = self._requests.get(request_id)
-                if req is None or req.done:
-                    return
+        """End a request: its blocks are freed and it gets an ``"abort"`` event. Unknown or
+        finished ids are ignored (a client may cancel after the end). Thread-safe and never
+        waits for a step: during a step the request ends as soon as that step does."""
+        with self._cond:
+            if request_id not in self._requests:
+                return
+            self._aborts.add(request_id)
+            self._cond.notify_all()
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._apply_aborts()
+            finally:
+                self._step_lock.release()
+
+    def _apply_aborts(self) -> list[TokenEvent]:
+        """End the requests :meth:`abort` asked for (the step lock held); their events."""
+        with self._cond:
+            ids, self._aborts = self._aborts, set()
+            reqs = [self._requests[i] for i in ids if i in self._requests]
+            for req in reqs:
                 if req in self._intake:
                     self._intake.remove(req)
+        events = []
+        for req in reqs:
             if req in self._waiting:
                 self._waiting.remove(req)
             if req in self._running:
                 self._running.remove(req)
-            self._emit(self._finish(req, -1, None, None, "abort"))
+            events.append(self._finish(req, -1, None, None, "abort"))
+        self._emit(events)
+        return events
 
     def has_work(self) -> bool:
-        """Whether any request is queued or running."""
-        return bool(self._intake or self._waiting or self._running)
+        """Whether any request is queued or running (or an abort is pending)."""
+        return bool(self._intake or self._waiting or self._running or self._aborts)
 
     def stats(self) -> EngineStats:
-        """Counts for metrics (a consistent snapshot between steps)."""
-        with self._step_lock:
-            pool = self.cache.pool
-            return EngineStats(
-                running=len(self._running),
-                waiting=len(self._waiting) + len(self._intake),
-                kv_blocks_used=pool.num_used,
-                kv_blocks_free=pool.num_free,
-                kv_block_size=self.block_size,
-                prefix_cache_hits=self._hits,
-                prefix_cache_queries=self._queries,
-                preemptions=self._preemptions,
-                kv_bytes_used=pool.num_used * self.cache.bytes_per_block,
-                kv_tokens=sum(r.computed for r in self._running),
-                kv_bytes_per_token=self.cache.bytes_per_token,
-            )
+        """Counts for metrics. Read without waiting for a step in progress (a scrape never
+        stalls), so a snapshot taken during a step may mix counts from before and after it."""
+        pool = self.cache.pool
+        used = pool.num_used
+        return EngineStats(
+            running=len(self._running),
+            waiting=len(self._waiting) + len(self._intake),
+            kv_blocks_used=used,
+            kv_blocks_free=pool.num_blocks - used,
+            kv_block_size=self.block_size,
+            prefix_cache_hits=self._hits,
+            prefix_cache_queries=self._queries,
+            preemptions=self._preemptions,
+            kv_bytes_used=used * self.cache.bytes_per_block,
+            kv_tokens=sum(r.computed for r in list(self._running)),
+            kv_bytes_per_token=self.cache.bytes_per_token,
+        )
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[TokenEvent]:
@@ -328,15 +346,16 @@ class Engine:
             The events of this step (also sent to each request's listeners).
         """
         with self._step_lock:
+            events = self._apply_aborts()
             with self._cond:
                 self._waiting.extend(self._intake)
                 self._intake.clear()
             parts = self._schedule()
-            if not parts:
-                return []
-            events = self._run(parts)
-            self._emit(events)
-            return events
+            if parts:
+                tokens = self._run(parts)
+                self._emit(tokens)
+                events += tokens
+            return events + self._apply_aborts()  # (those asked for during the forward)
 
     def _schedule(self) -> list[tuple[_Request, int]]:
         """``(request, new tokens)`` of the next forward, one-token requests first."""
@@ -449,7 +468,13 @@ class Engine:
             self._register_full_blocks(req)
             if req.computed < len(req.tokens):
                 continue
-            events.append(self._next_token(req, logits[row]))
+            try:
+                events.append(self._next_token(req, logits[row]))
+            except Exception:  # its logits processor failed: that request ends, not the others
+                logger.exception("choosing the next token of request %s failed", req.id)
+                if req in self._running:
+                    self._running.remove(req)
+                events.append(self._finish(req, -1, None, None, "abort"))
             row += 1
         return events
 

@@ -27,13 +27,15 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from attnkit import functional
 from attnkit.config import check_sizes
+from attnkit.kernels import attention as attention_kernels
+from attnkit.kernels import build, policy
 
 __all__ = [
     "BlockPool",
@@ -162,7 +164,19 @@ class PagedBatch:
     single_keys: Tensor
     single_lengths: Tensor
     chunks: list[tuple[int, int, Tensor]]
-    _masks: dict[int | None, Tensor]
+    _masks: dict[int | None, Tensor] = field(default_factory=dict)
+    _spans: dict[int | None, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
+
+    def single_spans(self, window: int | None) -> tuple[Tensor, Tensor, Tensor]:
+        """The one-token sequences' keys for the paged kernel: int32 rows ``(singles, S)`` and
+        int64 ``first``/``count`` ``(singles,)`` (the keys within ``window`` of the query)."""
+        spans = self._spans.get(window)
+        if spans is None:
+            lengths = self.single_lengths
+            first = torch.zeros_like(lengths) if window is None else (lengths - window).clamp_min(0)
+            rows = self.single_keys.to(torch.int32)
+            spans = self._spans[window] = (rows, first, lengths - first)
+        return spans
 
     def single_mask(self, window: int | None) -> Tensor:
         """``(singles, 1, 1, S)`` bool: the keys each one-token sequence attends (within
@@ -191,9 +205,10 @@ def paged_attention(
 ) -> Tensor:
     """Causal attention of a packed batch, each sequence over its own keys in the pool.
 
-    The one-token sequences attend together as one decoding step (:func:`attnkit.functional.
-    attend` with a key mask for their lengths); each chunk attends its cached keys and itself,
-    causally. The keys are read from the slots the block tables name.
+    The one-token sequences attend together as one decoding step, reading their keys in place
+    through the block tables (:func:`attnkit.kernels.attention.paged_one_query_attention`, or
+    gathered and masked where that kernel does not run); each chunk gathers its keys and attends
+    them causally through :func:`attnkit.functional.attend`.
 
     Args:
         q: Queries of the packed tokens, rotated.
@@ -213,14 +228,10 @@ def paged_attention(
     extra = {} if softcap is None else {"softcap": softcap}
     n = batch.singles
     if n:
-        S = batch.single_keys.shape[1]
-        flat = batch.single_keys.view(-1)
-        k = k_pool.index_select(0, flat).view(n, S, K, -1).transpose(1, 2)  # (n, K, S, E)
-        v = v_pool.index_select(0, flat).view(n, S, K, Ev).transpose(1, 2)  # (n, K, S, Ev)
-        qs = q[0, :, :n].transpose(0, 1).unsqueeze(2)  # (n, H, 1, E)
-        o, _ = functional.attend(qs, k, v, batch.single_mask(window), scale=scale, **extra)
-        out[0, :, :n] = o[:, :, 0].transpose(0, 1)  # (H, n, Ev)
+        one = _one_token_attention(q[0, :, :n], k_pool, v_pool, batch, scale, window, softcap)
+        out[0, :, :n] = one  # (H, n, Ev)
     for first, length, keys in batch.chunks:
+        # A chunk's queries outnumber its copied keys' rows per query: the copy is minor here.
         S = keys.shape[0]
         k = k_pool.index_select(0, keys).view(1, S, K, -1).transpose(1, 2)  # (1, K, S, E)
         v = v_pool.index_select(0, keys).view(1, S, K, Ev).transpose(1, 2)  # (1, K, S, Ev)
@@ -228,6 +239,42 @@ def paged_attention(
         o, _ = functional.attend(qc, k, v, None, causal=True, window=window, scale=scale, **extra)
         out[:, :, first : first + length] = o
     return out
+
+
+def _one_token_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    batch: PagedBatch,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> Tensor:
+    """The decoding sequences of a packed batch, together: attnkit's paged one-query kernel
+    reads their keys in place where the policy picks attnkit's one-query kernel; otherwise (and
+    for a non-finite output, which the general path's rules decide) their keys are gathered and
+    attended with a key mask.
+
+    Shape:
+        q ``(H, n, E)`` -> ``(H, n, Ev)``.
+    """
+    qs = q.transpose(0, 1).unsqueeze(2)  # (n, H, 1, E)
+    grads = torch.is_grad_enabled() and (q.requires_grad or k_pool.requires_grad)
+    if policy.one_query_kernel(q.dtype, q.device.type, grads) and build.kernels_available():
+        rows, first, count = batch.single_spans(window)
+        o, flags = attention_kernels.paged_one_query_attention(
+            qs, k_pool, v_pool, rows, first, count, scale, softcap=softcap
+        )
+        if not flags:
+            return o[:, :, 0].transpose(0, 1)  # (H, n, Ev)
+    n, S = batch.single_keys.shape
+    K, Ev = k_pool.shape[1], v_pool.shape[2]
+    flat = batch.single_keys.view(-1)
+    k = k_pool.index_select(0, flat).view(n, S, K, -1).transpose(1, 2)  # (n, K, S, E)
+    v = v_pool.index_select(0, flat).view(n, S, K, Ev).transpose(1, 2)  # (n, K, S, Ev)
+    extra = {} if softcap is None else {"softcap": softcap}
+    o, _ = functional.attend(qs, k, v, batch.single_mask(window), scale=scale, **extra)
+    return o[:, :, 0].transpose(0, 1)  # (H, n, Ev)
 
 
 class PagedLayer:
@@ -372,6 +419,5 @@ class PagedKVCache:
             single_keys=torch.tensor(keys, dtype=torch.long, device=device).view(singles, width),
             single_lengths=torch.tensor(lengths, dtype=torch.long, device=device),
             chunks=chunks,
-            _masks={},
         )
         return self.batch

@@ -29,6 +29,7 @@
 #define NO_KEY 1     /* some query may attend no key: its row is zero */
 #define NON_FINITE 2 /* some output value is NaN or infinite */
 #define NO_MEMORY 4  /* a buffer could not be allocated: nothing was written */
+#define BAD_INDEX 8  /* a paged key outside its table or the pool: nothing was written */
 
 /* The dots of x (n floats) with four rows (bf16 or float32), as four lanes. */
 static inline __m128 dot4(const float *x, const void *r0, const void *r1, const void *r2,
@@ -68,11 +69,12 @@ static inline float dot1(const float *x, const void *w, int64_t n, int bf16) {
 }
 
 /* One (sequence, key/value head): G queries q (G, E), keys/values at k/v (S rows `ks`/`vs`
- * elements apart), allowed[s] != 0 where a key may be attended (NULL: all, else `ms` apart),
- * into out (G, Ev). */
+ * elements apart; key s is row rows[s] where rows is given, a block table's slots, else row s),
+ * allowed[s] != 0 where a key may be attended (NULL: all, else `ms` apart), into out (G, Ev). */
 static inline __attribute__((always_inline)) int one_head(const void *q, int64_t G, int64_t E,
                                                           const void *k, int64_t ks, const void *v,
                                                           int64_t vs, int64_t Ev, int64_t S,
+                                                          const int32_t *rows,
                                                           const uint8_t *allowed, int64_t ms,
                                                           float scale, float cap, void *out,
                                                           int bf16) {
@@ -86,7 +88,7 @@ static inline __attribute__((always_inline)) int one_head(const void *q, int64_t
   const char *kb = (const char *)k, *vb = (const char *)v;
   int64_t n = 0;
   for (int64_t s = 0; s < S; s++)
-    if (!allowed || allowed[s * ms]) kept[n++] = (int32_t)s;
+    if (!allowed || allowed[s * ms]) kept[n++] = rows ? rows[s] : (int32_t)s;
   const float factor = cap > 0.f ? scale * 2.f / cap : scale; /* (2 / c: the capped form) */
   for (int64_t i = 0; i < G * E; i++) qf[i] = load1(q, i, bf16) * factor;
   for (int64_t i = 0; i < G * Ev; i++) acc[i] = 0.f;
@@ -168,15 +170,15 @@ static inline __attribute__((always_inline)) int one_head(const void *q, int64_t
 
 /* The same with a constant dtype, so each gets its own loops. */
 static int one_head_float(const void *q, int64_t G, int64_t E, const void *k, int64_t ks,
-                          const void *v, int64_t vs, int64_t Ev, int64_t S, const uint8_t *allowed,
-                          int64_t ms, float scale, float cap, void *out) {
-  return one_head(q, G, E, k, ks, v, vs, Ev, S, allowed, ms, scale, cap, out, 0);
+                          const void *v, int64_t vs, int64_t Ev, int64_t S, const int32_t *rows,
+                          const uint8_t *allowed, int64_t ms, float scale, float cap, void *out) {
+  return one_head(q, G, E, k, ks, v, vs, Ev, S, rows, allowed, ms, scale, cap, out, 0);
 }
 
 static int one_head_bf16(const void *q, int64_t G, int64_t E, const void *k, int64_t ks,
-                         const void *v, int64_t vs, int64_t Ev, int64_t S, const uint8_t *allowed,
-                         int64_t ms, float scale, float cap, void *out) {
-  return one_head(q, G, E, k, ks, v, vs, Ev, S, allowed, ms, scale, cap, out, 1);
+                         const void *v, int64_t vs, int64_t Ev, int64_t S, const int32_t *rows,
+                         const uint8_t *allowed, int64_t ms, float scale, float cap, void *out) {
+  return one_head(q, G, E, k, ks, v, vs, Ev, S, rows, allowed, ms, scale, cap, out, 1);
 }
 
 /* q (B, K, G, E) contiguous; k/v (B, K, S, E/Ev) with rows contiguous and the given element
@@ -199,8 +201,49 @@ int attnkit_one_query_attention(const void *q, int64_t B, int64_t K, int64_t G, 
     const int64_t b = (task) / K, h = (task) % K;                                               \
     flags |= (bf16 ? one_head_bf16 : one_head_float)(                                           \
         (const char *)q + (task) * G * E * size, G, E, (const char *)k + (b * kb + h * kh) * size, \
-        ks, (const char *)v + (b * vb + h * vh) * size, vs, Ev, S, mask ? mask + b * mb : NULL,  \
+        ks, (const char *)v + (b * vb + h * vh) * size, vs, Ev, S, NULL,                         \
+        mask ? mask + b * mb : NULL,                                                             \
         msk, scale, cap, (char *)out + (task) * G * Ev * size);                                       \
+  } while (0)
+  if (parallel) {
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flags)
+    for (int64_t task = 0; task < tasks; task++) ONE_TASK(task);
+  } else {
+    for (int64_t task = 0; task < tasks; task++) ONE_TASK(task);
+  }
+#undef ONE_TASK
+  return flags;
+}
+
+/* The same over a paged cache: every sequence's keys/values are rows of one pool, k/v (slots, K,
+ * E/Ev) with rows `ks`/`vs` and heads `kh`/`vh` elements apart; sequence b attends keys
+ * first[b] .. first[b] + count[b] - 1, the slots of its key j at rows[b * width + j] (its block
+ * table spelled out), so no key is copied; every such row must be below `slots`. q and out as
+ * above. */
+int attnkit_paged_one_query_attention(const void *q, int64_t B, int64_t K, int64_t G, int64_t E,
+                                      const void *k, int64_t kh, int64_t ks, const void *v,
+                                      int64_t vh, int64_t vs, int64_t Ev, const int32_t *rows,
+                                      int64_t width, const int64_t *first, const int64_t *count,
+                                      int64_t slots, float scale, float cap, void *out, int bf16,
+                                      int threads) {
+  const int64_t size = bf16 ? 2 : 4, tasks = B * K;
+  int64_t keys = 0;
+  for (int64_t b = 0; b < B; b++) {
+    if (first[b] < 0 || count[b] < 0 || first[b] + count[b] > width) return BAD_INDEX;
+    for (int64_t j = first[b]; j < first[b] + count[b]; j++)
+      if (rows[b * width + j] < 0 || rows[b * width + j] >= slots) return BAD_INDEX;
+    keys += count[b];
+  }
+  int flags = 0;
+  (void)threads;
+  const int parallel = tasks > 1 && threads > 1 && keys * K * E >= PARALLEL_MIN;
+#define ONE_TASK(task)                                                                           \
+  do {                                                                                           \
+    const int64_t b = (task) / K, h = (task) % K;                                               \
+    flags |= (bf16 ? one_head_bf16 : one_head_float)(                                           \
+        (const char *)q + (task) * G * E * size, G, E, (const char *)k + h * kh * size, ks,      \
+        (const char *)v + h * vh * size, vs, Ev, count[b], rows + b * width + first[b], NULL, 0, \
+        scale, cap, (char *)out + (task) * G * Ev * size);                                       \
   } while (0)
   if (parallel) {
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flags)
