@@ -197,7 +197,7 @@ class Engine:
         self._step_lock = threading.Lock()  # one step (or abort) at a time
         self._aborts: set[str] = set()  # asked for during a step
         self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._stopping = self._cancel = False
         self._hits = self._queries = self._preemptions = 0
 
     # ------------------------------------------------------------------ requests
