@@ -101,8 +101,12 @@ def flex_attention(
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     q, k, v = query.to(wide), key.to(wide), value.to(wide)
     mods = _mods(score_mod, block_mask, H)
-    mods.fused = (score_mod is None or mods.slopes is not None) and E == value.shape[-1]
-    plan = tiles.tile_plan(block_mask, L, S, B * H)
+    mods.fused = (score_mod is None or mods.slopes is not None) and value.shape[-1] == E
+    plan = tiles.tile_plan(block_mask, L, S, B * H, fused=mods.fused)
+    if mods.fused and mods.slopes is not None:
+        rows = max(r1 - r0 for r0, r1, _ in plan.rows)
+        mods.table = tiles.alibi_table(mods.slopes.to(q.device), rows, L, S, q.dtype)
+        mods.table_shift = L - 1
     caps = captured_tensors(score_mod) if score_mod is not None else []
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *caps))
     if needs_grad:
