@@ -283,3 +283,22 @@ def test_left_padded_batch_decodes_each_row_as_alone() -> None:
     batch = lm.generate(ids, 5, attention_mask=mask, pad_token_id=0, eos_token_id=[])
     assert torch.equal(batch[0, 3:], lm.generate(short, 5, eos_token_id=[])[0])
     assert torch.equal(batch[1], lm.generate(long, 5, eos_token_id=[])[0])
+
+
+def test_a_copied_layer_keeps_working_through_the_op_after_the_original_is_gone() -> None:
+    import copy
+    import gc
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(D, H, causal=True, score_mod="alibi").eval()
+    twin = copy.deepcopy(layer)
+    assert twin.variant.key != layer.variant.key
+    x = torch.randn(1, 6, D)
+    with torch.no_grad():
+        q, k, v = twin.project_qkv(x)
+        want = layer(x)[0]
+    del layer
+    gc.collect()
+    out = torch.ops.attnkit.flex_layer(q, k, v, None, None, [], twin.variant.key, (D // H) ** -0.5)
+    with torch.no_grad():
+        assert_close(twin.out_proj(out.transpose(1, 2).flatten(-2)), want, atol=1e-6, rtol=1e-6)
