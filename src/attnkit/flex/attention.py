@@ -23,6 +23,7 @@ import functools
 import inspect
 import math
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -84,11 +85,14 @@ def flex_attention(
     """
     B, H, L, S, E = _check_inputs(query, key, value, enable_gqa)
     block_mask = as_block_mask(block_mask)
+    tile = (min(B, 2), min(H, 2), min(L, 2), min(S, 3), query.dtype, query.device)
     if block_mask is not None:
         _check_block_mask(block_mask, B, H, L, S)
-        probe_mask_mod(block_mask.mask_mod, B, H, L, S, query.device)
+        mask_mod = block_mask.mask_mod
+        _once(mask_mod, tile, lambda: probe_mask_mod(mask_mod, B, H, L, S, query.device))
     if score_mod is not None:
-        _probe_score_mod(score_mod, B, H, L, S, query)
+        mod = score_mod
+        _once(mod, tile, lambda: _probe_score_mod(mod, B, H, L, S, query))
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
@@ -238,6 +242,23 @@ class _FlexFunction(torch.autograd.Function):
             spec.captured,
         )  # fmt: skip
         return (None, dq, dk, dv, *dcaps)
+
+
+#: The probe tiles each modification has passed (see :func:`_once`).
+_PROBED: weakref.WeakKeyDictionary[Any, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _once(fn: Any, tile: tuple[Any, ...], probe: Callable[[], None]) -> None:
+    """Run ``probe`` unless ``fn`` passed it on the same probe tile before (the probe runs a
+    few small calls, a noticeable share of a short attention call)."""
+    try:
+        seen = _PROBED.setdefault(fn, set())
+    except TypeError:  # (not weakly referenceable: probe every time)
+        probe()
+        return
+    if tile not in seen:
+        probe()
+        seen.add(tile)
 
 
 def _mods(score_mod: ScoreMod | None, block_mask: BlockMask | None, H: int) -> tiles.Mods:
