@@ -27,6 +27,13 @@ def test_vs_quick_table_and_json(tmp_path, capsys):
         assert abs(r["speedup"] - r["peer_s"] / r["attnkit_s"]) < 1e-12
         assert "max diff" in r["note"] and float(r["note"].rsplit(" ", 1)[1]) < 1e-4
         assert job in out
+    flex_peer = "torch flex_attention (compiled)"  # not compiled in --quick without --flex
+    for job in ("flex window fwd", "flex window first call", "flex alibi+causal fwd"):
+        r = rows[(job, flex_peer)]
+        assert r["attnkit_s"] > 0 and r["peer_s"] is None and "not asked" in r["note"]
+    backward = rows[("flex window fwd+bwd", "SDPA dense mask")]
+    assert backward["peer_s"] > 0 and float(backward["note"].rsplit(" ", 1)[1]) < 1e-4
+    assert "flex window fwd+bwd" in out
     minilm = rows[("MiniLM encode", "sentence-transformers")]
     assert minilm["peer_s"] > 0 and float(minilm["note"].rsplit(" ", 1)[1]) < 1e-5
     decode = rows[("decode llama-tiny", "transformers LlamaForCausalLM")]

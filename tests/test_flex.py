@@ -415,3 +415,24 @@ def test_public_names() -> None:
     for name in ("causal", "causal_mask", "alibi", "relative_bias", "softcap", "prefix_lm",
                  "sliding_window", "document", "padding", "dilated"):  # fmt: skip
         assert callable(getattr(P, name))
+
+
+@pytest.mark.slow
+def test_flex_speed_rows_carry_the_fields_of_a_vs_row() -> None:
+    from attnkit.bench.flex_speed import FlexSpeedJob, flex_rows
+    from attnkit.bench.pages import _flex_tables
+    from attnkit.bench.vs import VsRow
+
+    job = FlexSpeedJob(**{**FlexSpeedJob.quick().__dict__, "flex": False, "seq_len": 128,
+                          "window": 16, "alibi_len": 64})  # fmt: skip
+    rows = flex_rows(job)
+    assert [r["job"] for r in rows] == [
+        "flex window fwd", "flex window first call", "flex alibi+causal fwd",
+        "flex window fwd+bwd",
+    ]  # fmt: skip
+    for row in rows:
+        VsRow(**row)  # (the fields attnkit bench --vs takes)
+        assert row["attnkit_s"] > 0
+    assert rows[-1]["peer_s"] > 0 and rows[0]["peer_s"] is None
+    table = _flex_tables({"rows": rows}, "flex.json")[0]
+    assert [c[0] for c in table.rows] == [r["job"] for r in rows]

@@ -273,3 +273,32 @@ def test_every_named_variant_builds_a_model_that_runs() -> None:
         with torch.no_grad():
             out = lm(ids)
         assert out.shape == (1, 6, V) and torch.isfinite(out).all(), name
+
+
+def test_left_padded_batch_decodes_each_row_as_alone() -> None:
+    lm = _lm(position="none", score_mod="alibi")
+    short, long = torch.randint(0, V, (1, 4)), torch.randint(0, V, (1, 7))
+    ids = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
+    batch = lm.generate(ids, 5, attention_mask=mask, pad_token_id=0, eos_token_id=[])
+    assert torch.equal(batch[0, 3:], lm.generate(short, 5, eos_token_id=[])[0])
+    assert torch.equal(batch[1], lm.generate(long, 5, eos_token_id=[])[0])
+
+
+def test_a_copied_layer_keeps_working_through_the_op_after_the_original_is_gone() -> None:
+    import copy
+    import gc
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(D, H, causal=True, score_mod="alibi").eval()
+    twin = copy.deepcopy(layer)
+    assert twin.variant.key != layer.variant.key
+    x = torch.randn(1, 6, D)
+    with torch.no_grad():
+        q, k, v = twin.project_qkv(x)
+        want = layer(x)[0]
+    del layer
+    gc.collect()
+    out = torch.ops.attnkit.flex_layer(q, k, v, None, None, [], twin.variant.key, (D // H) ** -0.5)
+    with torch.no_grad():
+        assert_close(twin.out_proj(out.transpose(1, 2).flatten(-2)), want, atol=1e-6, rtol=1e-6)

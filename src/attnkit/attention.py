@@ -376,7 +376,9 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache.update(k, v)  # (B, K, cached + L, E)
         return_weights = options.get("return_weights", False)
         if self.variant is not None:
-            return self._attend_variant(q, k, v, mask, kv_cache, cache_position, return_weights)
+            return self._attend_variant(
+                self.variant, q, k, v, mask, kv_cache, cache_position, return_weights
+            )
         if (
             q.shape[-2] == 1
             and kv_cache is not None
@@ -408,6 +410,7 @@ class MultiHeadAttention(nn.Module):
 
     def _attend_variant(
         self,
+        variant: FlexVariant,
         q: Tensor,
         k: Tensor,
         v: Tensor,
@@ -421,7 +424,6 @@ class MultiHeadAttention(nn.Module):
         Queries sit at the end of the keys (bottom-right, as the causal mask), or at their
         ``cache_position`` slots, whose slot mask is already in ``mask``.
         """
-        assert self.variant is not None
         unbatched = q.dim() == 3
         if unbatched:  # (H, L, E): one sequence
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -431,7 +433,7 @@ class MultiHeadAttention(nn.Module):
             q_positions = cache_position
         elif L != S:
             q_positions = torch.arange(S - L, S, device=q.device)
-        out, weights = self.variant.attend(
+        out, weights = variant.attend(
             q,
             k,
             v,

@@ -17,7 +17,7 @@ from typing import NoReturn
 COMMANDS: dict[str, str] = {
     "lab": "train a small transformer on a built-in task and write a report with pictures",
     "complexity": "FLOPs and memory of multi-head attention, per component, with formulas",
-    "plot": "write the blog's pictures (scaling, softmax, positions, rotary) as PNG files",
+    "plot": "write the blog's pictures (scaling, softmax, positions, rotary, masks) as PNG files",
     "explain": "attention maps and similarity from a real pretrained model (all-MiniLM-L6-v2)",
     "bench": "benchmark attnkit's attention against torch SDPA and the textbook implementation",
     "tour": "measure every claim of the blog on attnkit's modules; write a report and claims.json",

@@ -246,8 +246,9 @@ class TransformerConfig:
             absolute (a cached decoding step sees its query's own position).
         mask_mod: An attention variant that says which keys a query may see (prefix-LM,
             sliding window, dilated), as ``score_mod``; a callable is
-            ``mask_mod(b, h, q_idx, kv_idx) -> bool``. With ``causal`` it is combined with the
-            causal mask (a prefix-LM's mask is causal after its prefix by itself).
+            ``mask_mod(b, h, q_idx, kv_idx) -> bool``. The named masks are causal by themselves
+            (a prefix-LM after its prefix); a callable is combined with the causal mask when
+            ``causal``.
 
     Raises:
         TypeError: If a size is not an int or ``rope_scaling`` not a dict.

@@ -82,6 +82,12 @@ class FlexVariant(nn.Module):
         self.key = f"variant-{next(_KEYS)}"
         _LIVE[self.key] = self
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy (deepcopy, pickle) is a layer of its own: its own key for the custom op.
+        super().__setstate__(state)
+        self.key = f"variant-{next(_KEYS)}"
+        _LIVE[self.key] = self
+
     def captured(self) -> list[Tensor]:
         """The tensors the mods read that may need gradients (inputs of the custom op)."""
         return [] if self.bias_table is None else [self.bias_table]

@@ -7,7 +7,8 @@ Every JSON file of the results folder is read (:func:`load_tables`):
   long-sequence, decoding and peer tables;
 * a report of ``python -m attnkit.bench.attention`` gives the core table, one of
   ``python -m attnkit.bench.quantization`` (its ``speed`` section) the quantization table, one of
-  ``python -m attnkit.bench.quantization.layouts`` the layout and GGUF tables;
+  ``python -m attnkit.bench.quantization.layouts`` the layout and GGUF tables, one of
+  ``python -m attnkit.bench.flex_speed`` the FlexAttention table (structured attention);
 * a file of ``"tables"`` (records transcribed from earlier measurement notes) gives its tables
   as they are, each naming its machine from the file's ``"machines"``;
 * a file of ``"items"`` is the list of what was tried and did not help.
@@ -346,8 +347,37 @@ def _record_tables(data: dict[str, Any], source: str) -> list[Table]:
     return out
 
 
+def _flex_tables(report: dict[str, Any], source: str) -> list[Table]:
+    """``python -m attnkit.bench.flex_speed``: attnkit.flex against compiled FlexAttention and
+    dense-mask SDPA."""
+    cells = []
+    for r in report["rows"]:
+        ours, theirs, goal = r["attnkit_s"], r["peer_s"], r.get("goal")
+        x = theirs / ours if ours and theirs else None
+        target = (
+            "-"
+            if goal is None
+            else f">= {goal:g}x: "
+            + ("-" if x is None else "met" if x >= goal else f"{1 - x / goal:.0%} short")
+        )
+        cells.append([r["job"], _amount(ours, "s"), r["peer"], _amount(theirs, "s"), _x(x),
+                      target, r["note"]])  # fmt: skip
+    context = (
+        "`python -m attnkit.bench.flex_speed`: `attnkit.flex.flex_attention` against torch's "
+        "compiled `flex_attention` (warm, and the first call with compilation) and dense-mask "
+        "SDPA, fp32, batch 1, side by side in one process, interleaved rounds, medians; x = peer "
+        "time / attnkit time (above 1: attnkit is faster)."
+    )
+    return [
+        Table("flex", "structured", "FlexAttention's API without compiling",
+              report.get("machine", {}), ["job", "attnkit", "peer", "peer's", "x", "target",
+              "note"], cells, context, source)
+    ]  # fmt: skip
+
+
 _ADAPTERS: dict[str, Callable[[dict[str, Any], str], list[Table]]] = {
     "attention.json": _attention_tables,
+    "flex.json": _flex_tables,
     "quantization.json": _quantization_tables,
     "quantization-layouts.json": _layout_tables,
     "speculative.json": _speculative_tables,

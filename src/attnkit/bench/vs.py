@@ -10,6 +10,10 @@ warm-up call each that also checks the results agree), with both absolute times 
   CPU; its compile time is in the note);
 * ``documents fwd`` / ``documents fwd+bwd``: causal attention within packed documents
   (``segment_ids``), same peers;
+* ``flex window fwd`` / ``flex window first call`` / ``flex alibi+causal fwd`` / ``flex window
+  fwd+bwd``: :func:`attnkit.flex.flex_attention` against torch's compiled FlexAttention (warm,
+  and the first call with its compilation) and, with the backward, dense-mask SDPA
+  (:mod:`attnkit.bench.flex_speed`; goals 1.5x, 1.0x and 12x);
 * ``ring fwd+bwd`` / ``ring memory``: causal :func:`attnkit.distributed.ring_attention` on
   2 gloo processes against one process on the whole sequence (N=16384, 8 heads, E=64, fp32,
   one thread per process; :mod:`attnkit.bench.ring`): the slowest rank's time, and the largest
@@ -41,7 +45,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -98,6 +102,8 @@ class VsConfig:
         ring_len: Whole sequence of the ring rows.
         ring_world: Processes of the ring rows.
         speculative_model: Model of the prompt lookup row (:mod:`attnkit.bench.speculative`).
+        flex_quick: The flex rows at :meth:`attnkit.bench.flex_speed.FlexSpeedJob.quick`'s
+            sizes instead of the full ones.
     """
 
     attention: AttentionJob = field(default_factory=AttentionJob)
@@ -113,6 +119,7 @@ class VsConfig:
     ring_len: int = 16384
     ring_world: int = 2
     speculative_model: str = "llama-135m"
+    flex_quick: bool = False
 
     @classmethod
     def quick(cls, *, flex: bool = False) -> VsConfig:
@@ -130,6 +137,7 @@ class VsConfig:
             prefill_prompts=(16,),
             ring_len=512,
             speculative_model="llama-tiny",
+            flex_quick=True,
         )
 
 
@@ -410,6 +418,18 @@ def _sentence_rows(config: VsConfig) -> list[VsRow]:
 
 register("window", lambda config: _structured_rows("window", config))
 register("documents", lambda config: _structured_rows("documents", config))
+
+
+def _flex_rows(config: VsConfig) -> list[VsRow]:
+    """:mod:`attnkit.flex` against compiled FlexAttention and dense-mask SDPA (see
+    :mod:`attnkit.bench.flex_speed`); the compiled peer only with ``config.flex``."""
+    from attnkit.bench.flex_speed import FlexSpeedJob, flex_rows
+
+    job = FlexSpeedJob.quick() if config.flex_quick else FlexSpeedJob(repeats=config.repeats)
+    return [VsRow(**row) for row in flex_rows(replace(job, flex=config.flex))]
+
+
+register("flex", _flex_rows)
 register("sentence", _sentence_rows)
 
 

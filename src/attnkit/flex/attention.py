@@ -23,6 +23,7 @@ import functools
 import inspect
 import math
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -84,11 +85,14 @@ def flex_attention(
     """
     B, H, L, S, E = _check_inputs(query, key, value, enable_gqa)
     block_mask = as_block_mask(block_mask)
+    tile = (min(B, 2), min(H, 2), min(L, 2), min(S, 3), query.dtype, query.device)
     if block_mask is not None:
         _check_block_mask(block_mask, B, H, L, S)
-        probe_mask_mod(block_mask.mask_mod, B, H, L, S, query.device)
+        mask_mod = block_mask.mask_mod
+        _once(mask_mod, tile, lambda: probe_mask_mod(mask_mod, B, H, L, S, query.device))
     if score_mod is not None:
-        _probe_score_mod(score_mod, B, H, L, S, query)
+        mod = score_mod
+        _once(mod, tile, lambda: _probe_score_mod(mod, B, H, L, S, query))
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
@@ -102,7 +106,11 @@ def flex_attention(
     q, k, v = query.to(wide), key.to(wide), value.to(wide)
     mods = _mods(score_mod, block_mask, H)
     mods.fused = (score_mod is None or mods.slopes is not None) and value.shape[-1] == E
-    plan = tiles.tile_plan(block_mask, L, S, B * H)
+    plan = tiles.tile_plan(block_mask, L, S, B * H, fused=mods.fused)
+    if mods.fused and mods.slopes is not None:
+        rows = max(r1 - r0 for r0, r1, _ in plan.rows)
+        mods.table = tiles.alibi_table(mods.slopes.to(q.device), rows, L, S, q.dtype)
+        mods.table_shift = L - 1
     caps = captured_tensors(score_mod) if score_mod is not None else []
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *caps))
     if needs_grad:
@@ -234,6 +242,23 @@ class _FlexFunction(torch.autograd.Function):
             spec.captured,
         )  # fmt: skip
         return (None, dq, dk, dv, *dcaps)
+
+
+#: The probe tiles each modification has passed (see :func:`_once`).
+_PROBED: weakref.WeakKeyDictionary[Any, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _once(fn: Any, tile: tuple[Any, ...], probe: Callable[[], None]) -> None:
+    """Run ``probe`` unless ``fn`` passed it on the same probe tile before (the probe runs a
+    few small calls, a noticeable share of a short attention call)."""
+    try:
+        seen = _PROBED.setdefault(fn, set())
+    except TypeError:  # (not weakly referenceable: probe every time)
+        probe()
+        return
+    if tile not in seen:
+        probe()
+        seen.add(tile)
 
 
 def _mods(score_mod: ScoreMod | None, block_mask: BlockMask | None, H: int) -> tiles.Mods:

@@ -12,6 +12,7 @@ the gradients of tensors the ``score_mod`` captured by autograd through its call
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,9 +49,16 @@ class TilePlan:
     rows: tuple[tuple[int, int, tuple[Chunk, ...]], ...]
 
 
-def tile_plan(block_mask: BlockMask | None, L: int, S: int, heads: int) -> TilePlan:
+def tile_plan(
+    block_mask: BlockMask | None, L: int, S: int, heads: int, *, fused: bool = False
+) -> TilePlan:
     """The :class:`TilePlan` of ``block_mask`` (None: every pair allowed), with states merged
-    over batch and heads (a block full for some and empty for others is partial)."""
+    over batch and heads (a block full for some and empty for others is partial).
+
+    For the fused kernel (``fused``) a chunk is a run of full blocks (no mask at all) or of
+    blocks that need one, of any length (the kernel tiles them itself); otherwise chunks hold
+    at most :func:`attnkit.kernels.policy.flex_chunk_keys` keys.
+    """
     if block_mask is None:
         rows, cols = policy.flex_block_rows(L), S
         states = torch.full((-(-L // rows), 1), FULL, dtype=torch.int8)
@@ -62,26 +70,31 @@ def tile_plan(block_mask: BlockMask | None, L: int, S: int, heads: int) -> TileP
         states = torch.full(full.shape, PARTIAL, dtype=torch.int8)
         states[full] = FULL
         states[empty] = EMPTY
-    most = max(cols, policy.flex_chunk_keys(heads, rows) // cols * cols)
+    most = S if fused else max(cols, policy.flex_chunk_keys(heads, rows) // cols * cols)
+    step = max(1, most // cols)
     plan = []
-    table = states.tolist()
-    for i, line in enumerate(table):
+    for i, line in enumerate(states.tolist()):
         r0, r1 = i * rows, min(L, (i + 1) * rows)
         live = [j for j, s in enumerate(line) if s != EMPTY]
         chunks: list[Chunk] = []
         if live:
             lo, hi = live[0], live[-1] + 1
-            for j0 in range(lo, hi, most // cols):
-                j1 = min(hi, j0 + most // cols)
+            bounds = [lo]
+            for j in range(lo + 1, hi):  # (cut where fullness changes, or at the chunk size)
+                if (fused and (line[j] == FULL) != (line[j - 1] == FULL)) or j - bounds[-1] >= step:
+                    bounds.append(j)
+            bounds.append(hi)
+            for j0, j1 in itertools.pairwise(bounds):
+                if all(line[j] == EMPTY for j in range(j0, j1)):
+                    continue
                 c0, c1 = j0 * cols, min(S, j1 * cols)
                 masked = tuple(
                     (j * cols - c0, min(S, (j + 1) * cols) - c0, line[j])
                     for j in range(j0, j1)
                     if line[j] != FULL
                 )
-                if any(line[j] != EMPTY for j in range(j0, j1)):
-                    has_full = any(line[j] == FULL for j in range(j0, j1))
-                    chunks.append(Chunk(c0, c1, masked, has_full))
+                has_full = any(line[j] == FULL for j in range(j0, j1))
+                chunks.append(Chunk(c0, c1, masked, has_full))
         plan.append((r0, r1, tuple(chunks)))
     return TilePlan(tuple(plan))
 
@@ -102,6 +115,9 @@ class Mods:
     #: each tile is one call of that kernel with the bias and mask as its additive
     #: ``attn_mask``, forward and backward.
     fused: bool = False
+    #: ALiBi biases of every offset, ``(H, rows, S + L)`` (see :func:`alibi_table`).
+    table: Tensor | None = None
+    table_shift: int = 0  # (``L - 1``: the table's column of offset 0)
 
 
 def _scores(s: Tensor, mods: Mods, idx: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
@@ -268,10 +284,11 @@ def _bias_tile(
     Lt, St = q.shape[2], kv.shape[3]
     tile = None
     if mods.slopes is not None:
-        slopes = mods.slopes.to(q.device, dtype).view(1, -1, 1, 1)
-        tile = slopes * (kv - q).to(dtype)  # (1, H, Lt, St)
+        tile = _alibi_tile(mods, int(q[0, 0, 0, 0]), Lt, int(kv[0, 0, 0, 0]), St, dtype)
     if not chunk.masked:
         return tile, None
+    if tile is not None:
+        tile = tile.clone()  # (a view of the shared table)
     parts: list[tuple[int, int, Tensor | None]] = []
     shape = [1, 1] if tile is None else list(tile.shape[:2])
     for a, z, state in chunk.masked:
@@ -292,6 +309,22 @@ def _bias_tile(
             tile[..., a:z].masked_fill_(~allowed, float("-inf"))
     empty = None if chunk.has_full else (tile == float("-inf")).all(dim=-1, keepdim=True)
     return tile, empty
+
+
+def alibi_table(slopes: Tensor, rows: int, L: int, S: int, dtype: torch.dtype) -> Tensor:
+    """``table[h, i, x] = slopes[h] * (x - (L - 1) - i)``, ``(H, rows, S + L)``: the ALiBi bias
+    of query ``r0 + i`` and key ``c`` is ``table[h, i, c - r0 + L - 1]``, so every tile's bias is
+    a view of it (the bias depends only on the offset ``kv - q``)."""
+    x = torch.arange(S + L, device=slopes.device).view(1, -1) - (L - 1)
+    offsets = (x - torch.arange(rows, device=slopes.device).view(-1, 1)).to(dtype)  # (rows, S+L)
+    return slopes.to(dtype).view(-1, 1, 1) * offsets
+
+
+def _alibi_tile(mods: Mods, r0: int, Lt: int, c0: int, St: int, dtype: torch.dtype) -> Tensor:
+    """The ALiBi bias ``(1, H, Lt, St)`` of queries ``r0:r0 + Lt`` and keys ``c0:c0 + St``."""
+    assert mods.table is not None and mods.slopes is not None
+    x0 = c0 - r0 + mods.table_shift
+    return mods.table[:, :Lt, x0 : x0 + St].unsqueeze(0)
 
 
 def _grouped(tile: Tensor | None, K: int, G: int) -> Tensor | None:

@@ -1,4 +1,4 @@
-"""``attnkit tour``: every claim of the blog (and two on today's variants), measured on attnkit's
+"""``attnkit tour``: every claim of the blog (and five on today's variants), measured on attnkit's
 own modules.
 
 * :mod:`attnkit.tour.claims`: one check per claim; each measures and returns a
