@@ -40,6 +40,20 @@ def test_summary_counts_only_the_requests_that_finished() -> None:
     assert report["errors"] == ["RuntimeError: HTTP 500"]
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_distinct_prompts_share_no_prefix(endpoint: str) -> None:
+    same = LoadConfig(url="http://x", model="m", prompt="Hi", endpoint=endpoint)
+    distinct = LoadConfig(
+        url="http://x", model="m", prompt="Hi", endpoint=endpoint, distinct_prompts=True
+    )
+
+    def text(body: dict) -> str:
+        return body["prompt"] if endpoint == "completions" else body["messages"][0]["content"]
+
+    assert text(same.body(0)) == text(same.body(3)) == "Hi"
+    assert [text(distinct.body(i)) for i in (0, 3)] == ["Request 0: Hi", "Request 3: Hi"]
+
+
 def test_bad_options_are_named() -> None:
     with pytest.raises(ValueError, match="concurrency must be an int >= 1, got 0"):
         LoadConfig(url="http://x", model="m", concurrency=0)

@@ -59,6 +59,8 @@ class LoadConfig:
         requests: Requests to send in all.
         max_tokens: ``max_tokens`` of each request.
         prompt: The prompt (a user message for ``chat``).
+        distinct_prompts: Start request ``i``'s prompt with ``"Request i: "``, so that no two
+            requests share a prefix and no server's prefix cache shortens their prefill.
         endpoint: ``"completions"`` or ``"chat"``.
         temperature: Sampling temperature (0: greedy).
         ignore_eos: Ask the server to ignore end-of-sequence tokens (a server extension).
@@ -75,6 +77,7 @@ class LoadConfig:
     requests: int = 16
     max_tokens: int = 64
     prompt: str = DEFAULT_PROMPT
+    distinct_prompts: bool = False
     endpoint: str = "completions"
     temperature: float = 0.0
     ignore_eos: bool = False
@@ -99,8 +102,8 @@ class LoadConfig:
         url = self.url.rstrip("/")
         return url if url.endswith("/v1") else url + "/v1"
 
-    def body(self) -> dict[str, Any]:
-        """The JSON body of each request."""
+    def body(self, index: int = 0) -> dict[str, Any]:
+        """The JSON body of request ``index``."""
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": self.max_tokens,
@@ -110,10 +113,11 @@ class LoadConfig:
         }
         if self.ignore_eos:
             body["ignore_eos"] = True
+        prompt = f"Request {index}: {self.prompt}" if self.distinct_prompts else self.prompt
         if self.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": self.prompt}]
+            body["messages"] = [{"role": "user", "content": prompt}]
         else:
-            body["prompt"] = self.prompt
+            body["prompt"] = prompt
         return body
 
 
@@ -168,12 +172,12 @@ def _piece(chunk: dict[str, Any]) -> str:
     return text
 
 
-async def _one(client: Any, config: LoadConfig, t0: float) -> RequestResult:
+async def _one(client: Any, config: LoadConfig, t0: float, index: int) -> RequestResult:
     path = "/chat/completions" if config.endpoint == "chat" else "/completions"
     result = RequestResult(start=time.perf_counter() - t0)
     usage: dict[str, Any] | None = None
     try:
-        async with client.stream("POST", config.base + path, json=config.body()) as response:
+        async with client.stream("POST", config.base + path, json=config.body(index)) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 raise RuntimeError(f"HTTP {response.status_code}: {body[:200]}")
@@ -218,13 +222,13 @@ async def _run(config: LoadConfig, progress: bool) -> tuple[list[RequestResult],
     async with httpx.AsyncClient(headers=headers, timeout=config.timeout, limits=limits) as client:
         t0 = time.perf_counter()
 
-        async def limited() -> RequestResult:
+        async def limited(index: int) -> RequestResult:
             async with gate:
-                result = await _one(client, config, t0)
+                result = await _one(client, config, t0, index)
             bar.update(1)
             return result
 
-        results = await asyncio.gather(*(limited() for _ in range(config.requests)))
+        results = await asyncio.gather(*(limited(i) for i in range(config.requests)))
         wall = time.perf_counter() - t0
     bar.close()
     return list(results), wall
@@ -302,6 +306,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (64)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt of every request")
     parser.add_argument(
+        "--distinct-prompts",
+        action="store_true",
+        help="start each prompt with its request's number (no shared prefix to cache)",
+    )
+    parser.add_argument(
         "--endpoint",
         choices=ENDPOINTS,
         default="completions",
@@ -336,6 +345,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         requests=args.requests,
         max_tokens=args.max_tokens,
         prompt=args.prompt,
+        distinct_prompts=args.distinct_prompts,
         endpoint=args.endpoint,
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
