@@ -76,7 +76,8 @@ def _kernels(weight: Tensor, x: Tensor) -> dict[str, Kernel]:
         unpack_int4,
         unpack_int4_scales,
     )
-    from attnkit.quantize import Int4Linear, Int8Linear, _fbgemm_pack, int8_kernels
+    from attnkit.quantize import Int4Linear, Int8Linear, int8_kernels
+    from attnkit.quantized.int8 import _fbgemm_pack
 
     out_features, in_features = weight.shape
     x64, xb = x.double(), x.bfloat16()
