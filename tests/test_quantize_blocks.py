@@ -132,3 +132,17 @@ def test_int8_activations_equal_the_rounded_activations_product(layout: str, row
     assert not torch.equal(got, exact)  # (the rounding shows)
     with pytest.raises(ValueError, match=r"activations must be one of \('float', 'int8'\)"):
         set_activations(model, "bf16")
+
+
+@pytest.mark.slow
+def test_compiled_generation_runs_the_block_layers_as_eager_does() -> None:
+    from attnkit.config import FAMILIES, TransformerConfig
+    from attnkit.models import TransformerLM
+
+    torch.manual_seed(0)
+    config = TransformerConfig(256, 64, 2, 2, ffn_dim=128, max_seq_len=64, **FAMILIES["llama"])
+    lm = quantize(TransformerLM(config).eval(), "int4", layout="q4_1")
+    assert isinstance(lm.lm_head, BlockLinear)
+    prompt = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+    eager = lm.generate(prompt, 6, eos_token_id=[], compile=False)
+    assert torch.equal(lm.generate(prompt, 6, eos_token_id=[], compile=True), eager)
