@@ -196,3 +196,47 @@ def test_kernel_rows_time_every_kernel_against_its_rounding() -> None:
         assert all(r["relative_error"] < 1e-2 for r in mine), mine
     # 96 inputs: int4 groups of 32 only (96 is no multiple of 64).
     assert not any(r["kernel"].startswith("int4 g64") for r in rows if r["matrix"] == "b")
+
+
+def test_layout_rows_match_a_direct_computation(trained: tuple[Path, dict]) -> None:
+    from attnkit.bench.quantization import layouts
+    from attnkit.quantize import quantize
+
+    out, _ = trained
+    _, held = bq.english_text()
+    rows = {r["variant"]: r for r in layouts.layout_rows(out, held, tokens=4 * 32, context=32)}
+    assert set(rows) == set(layouts.LAYOUT_VARIANTS)
+    ids = quality._byte_ids(held)[: 4 * 32].reshape(4, 32)
+    ref = TransformerLM.from_pretrained(out)
+    q = quantize(TransformerLM.from_pretrained(out), "int4", layout="q4_0")
+    with torch.no_grad():
+        a, b = ref(ids).double()[:, :-1], q(ids).double()[:, :-1]
+    agree = (a.argmax(-1) == b.argmax(-1)).double().mean().item()
+    target = ids[:, 1:].flatten()
+    change = (
+        F.cross_entropy(b.flatten(0, 1), target).exp()
+        / F.cross_entropy(a.flatten(0, 1), target).exp()
+    ).item() - 1
+    row = rows["int4 q4_0"]
+    assert row["top1_agreement"] == pytest.approx(agree, abs=1e-6)
+    assert row["perplexity_change"] == pytest.approx(change, abs=1e-4)
+    linears = sum(1 for m in q.modules() if hasattr(m, "layout"))
+    assert row["layers"] == {"q4_0": linears} and row["tokens"] == 4 * 32
+
+
+@pytest.mark.slow
+def test_gguf_rows_compare_native_and_dequantized_files(tmp_path: Path) -> None:
+    pytest.importorskip("gguf")
+    from attnkit.bench.quantization import layouts
+
+    config = TransformerConfig(
+        256, 64, 2, 2, num_kv_heads=1, ffn_dim=128, max_seq_len=64, **FAMILIES["llama"]
+    )
+    rows = layouts.gguf_rows("small", new=3, rounds=1, where=tmp_path, config=config)
+    assert [r["precision"] for r in rows] == list(layouts.GGUF_TYPES)
+    for r in rows:
+        assert r["logits_relative_error"] <= 1e-3
+        # (int8 activations: the activations' rounding on top of the weights')
+        assert r["logits_relative_error"] < r["int8_activations_logits_relative_error"] < 0.1
+        assert r["layers"].get(r["precision"], 0) > 0 and set(r["layers"]) == {r["precision"]}
+        assert r["speedup"] == pytest.approx(r["native_tokens_per_s"] / r["fp32_tokens_per_s"])

@@ -111,3 +111,38 @@ def test_int4_layouts_and_the_default_group_of_32(layout: str, kind: type) -> No
     assert isinstance(model[0], kind) and model[0].group_size == 32
     if layout.startswith("q4"):
         assert model[0].layout == layout
+
+
+@pytest.mark.parametrize("layout", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_int8_activations_equal_the_rounded_activations_product(layout: str, rows: int) -> None:
+    from attnkit.kernels.linear import round_activations
+    from attnkit.quantized.block import set_activations
+
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(21, 96, generator=gen)
+    model = nn.Sequential(BlockLinear.from_weight(weight, layout=layout))  # type: ignore[arg-type]
+    x = torch.randn(rows, 96, generator=gen)
+    with torch.no_grad():
+        exact = model(x)
+        set_activations(model, "int8")
+        got = model(x)
+    want = round_activations(x).double() @ _reference(weight, layout, 32).T
+    assert_close(got.double(), want, rtol=0, atol=2e-5 * want.abs().max().item())
+    assert not torch.equal(got, exact)  # (the rounding shows)
+    with pytest.raises(ValueError, match=r"activations must be one of \('float', 'int8'\)"):
+        set_activations(model, "bf16")
+
+
+@pytest.mark.slow
+def test_compiled_generation_runs_the_block_layers_as_eager_does() -> None:
+    from attnkit.config import FAMILIES, TransformerConfig
+    from attnkit.models import TransformerLM
+
+    torch.manual_seed(0)
+    config = TransformerConfig(256, 64, 2, 2, ffn_dim=128, max_seq_len=64, **FAMILIES["llama"])
+    lm = quantize(TransformerLM(config).eval(), "int4", layout="q4_1")
+    assert isinstance(lm.lm_head, BlockLinear)
+    prompt = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+    eager = lm.generate(prompt, 6, eos_token_id=[], compile=False)
+    assert torch.equal(lm.generate(prompt, 6, eos_token_id=[], compile=True), eager)

@@ -16,8 +16,8 @@ rate: the time of ``new`` tokens minus the time of one, over ``new - 1``):
 * llama.cpp ``q8_0`` vs attnkit int8 weight-only (``quantize="int8"``, its default kernel;
   eager and compiled),
 * llama.cpp ``q4_0`` (a scale per 32 weights) and ``q4_1`` (a scale and a minimum per 32) vs
-  attnkit int4 weight-only (``quantize="int4"``: a scale and an offset per group of 128 inputs,
-  or 64 where 128 does not divide; compiled).
+  attnkit int4 weight-only (``quantize="int4"``: a scale and an offset per group of 32 inputs;
+  compiled).
 
 The GGUF files: ``--gguf PRECISION=FILE`` (e.g. converted with llama.cpp's own
 ``convert_hf_to_gguf.py --outtype f32|bf16|q8_0``), or, for the precisions not given, written

@@ -246,20 +246,26 @@ def _layout_tables(report: dict[str, Any], source: str) -> list[Table]:
     if rows:
         cells = [
             [r["precision"], f"{r['logits_relative_error']:.1e}",
-             f"{r['native_tokens_per_s']:.1f}", f"{r['fp32_tokens_per_s']:.1f}",
-             _x(r["speedup"])]
+             f"{r['int8_activations_logits_relative_error']:.1e}",
+             f"{r['native_tokens_per_s']:.1f}",
+             f"{r['native_int8_activations_tokens_per_s']:.1f}",
+             f"{r['fp32_tokens_per_s']:.1f}", _x(r["speedup"]),
+             _x(r["int8_activations_speedup"])]
             for r in rows
         ]  # fmt: skip
         context = (
-            "`python -m attnkit.bench.quantization.layouts` (gguf): the 135M Llama shape with "
-            "random weights written as GGUF files, loaded natively (block layers) and with "
+            "`python -m attnkit.bench.quantization.layouts` (gguf): the "
+            f"{rows[0].get('shape', 'llama-135m')} Llama shape with random weights written as "
+            "GGUF files, loaded natively (block layers) and with "
             "`dequantize=True` (fp32); largest logit difference over the largest logit, eager "
             "decode steps in interleaved rounds, medians."
         )
         out.append(
             Table("quantization-gguf", "quantization", "GGUF block files loaded natively",
-                  machine, ["file", "logits rel. error", "native tok/s", "fp32 tok/s",
-                            "native x fp32"], cells, context, source)
+                  machine, ["file", "rel. error (float act.)", "rel. error (int8 act.)",
+                            "native tok/s (float act.)", "native tok/s (int8 act.)",
+                            "fp32 tok/s", "x fp32 (float act.)", "x fp32 (int8 act.)"],
+                  cells, context, source)
         )  # fmt: skip
     return out
 

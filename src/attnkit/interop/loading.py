@@ -198,7 +198,8 @@ def _block_linear(blocks: NativeBlocks, bias: Tensor | None) -> nn.Module:
 
     layout: Any = blocks.layout
     layer = BlockLinear.from_codes(blocks.codes, blocks.scales, blocks.offsets, layout=layout)
-    layer.bias = None if bias is None else bias  # (the model's own parameter, filled as loaded)
+    # The model's own bias parameter, filled as it is loaded (any earlier value kept).
+    layer.bias = bias if isinstance(bias, nn.Parameter) or bias is None else nn.Parameter(bias)
     return layer
 
 

@@ -40,10 +40,10 @@ def declare(lib: ctypes.CDLL) -> None:
     call = lib.attnkit_int4_linear
     call.argtypes = [pointer, int64, int64, pointer, pointer, int64, int64, pointer, flag]
     call.restype = flag
-    call = lib.attnkit_block_linear
-    call.argtypes = [pointer, int64, int64, pointer, pointer, pointer, int64, flag, int64]
-    call.argtypes += [pointer, flag]
-    call.restype = flag
+    for call in (lib.attnkit_block_linear, lib.attnkit_block_linear_rounded):
+        call.argtypes = [pointer, int64, int64, pointer, pointer, pointer, int64, flag, int64]
+        call.argtypes += [pointer, flag]
+        call.restype = flag
     call = lib.attnkit_capped_softmax
     call.argtypes = [pointer, *[int64] * 5, flag, int64, floats, flag, flag]
     call.restype = flag

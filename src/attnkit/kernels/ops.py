@@ -51,13 +51,21 @@ def _(x: Tensor, codes: Tensor, scales: Tensor, out: int) -> Tensor:
 
 
 _OPS.define(
-    "block_dot_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int bits) -> Tensor"
+    "block_dot_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int bits, "
+    "bool rounded=False) -> Tensor"
 )
 _OPS.impl("block_dot_linear", block_dot_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("attnkit::block_dot_linear", lib=_OPS)
-def _(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor | None, bits: int) -> Tensor:
+def _(
+    x: Tensor,
+    codes: Tensor,
+    scales: Tensor,
+    offsets: Tensor | None,
+    bits: int,
+    rounded: bool = False,
+) -> Tensor:
     return x.new_empty(x.shape[0], codes.shape[0])
 
 

@@ -33,11 +33,16 @@ from attnkit.decoding import linear
 from attnkit.kernels import policy
 from attnkit.kernels.block_linear import BLOCK, block_product, pack_nibbles, unpack_nibbles
 from attnkit.kernels.build import kernels_available
+from attnkit.kernels.linear import round_activations
 from attnkit.quantized.base import GROUP_SIZES, _by_row_blocks, _describe, _finish, _frozen
 
-__all__ = ["BLOCK_LAYOUTS", "BlockLayout", "BlockLinear"]
+__all__ = ["ACTIVATIONS", "BLOCK_LAYOUTS", "BlockLayout", "BlockLinear", "set_activations"]
 
 BlockLayout = Literal["q8_0", "q4_0", "q4_1"]
+#: How a :class:`BlockLinear` takes its activations: ``"float"`` as they are (exact: the float
+#: product of the dequantized weight), ``"int8"`` rounded per block of 32 for integer dots
+#: (faster where integer dots outrun float ones, less exact).
+ACTIVATIONS = ("float", "int8")
 #: The block layouts, by GGUF's names.
 BLOCK_LAYOUTS: tuple[BlockLayout, ...] = ("q8_0", "q4_0", "q4_1")
 
@@ -127,6 +132,7 @@ class BlockLinear(nn.Module):
         )
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.kernel = "block" if kernels_available() else "dequantize"
+        self.activations = "float"  # (see ACTIVATIONS and set_activations)
 
     @classmethod
     def from_codes(
@@ -238,16 +244,19 @@ class BlockLinear(nn.Module):
             and self.scales.dtype == torch.float16  # (not cast, e.g. by .to(torch.bfloat16))
             and self.kernel == "block"
         )
+        rounded = self.activations == "int8"
         if native and policy.block_kernel_rows(x2.shape[0]):
             xf = x2.float()
             if torch.compiler.is_compiling():  # (one opaque op of the graph)
                 y = torch.ops.attnkit.block_dot_linear(
-                    xf, self.codes, self.scales, self.offsets, self.bits
+                    xf, self.codes, self.scales, self.offsets, self.bits, rounded
                 )
             else:
-                y = block_product(xf.contiguous(), self.codes, self.scales, self.offsets, self.bits)
+                y = block_product(
+                    xf.contiguous(), self.codes, self.scales, self.offsets, self.bits, rounded
+                )
         elif native:  # (a prompt: the float product, a block of output rows at a time)
-            xf = x2.float()
+            xf = round_activations(x2) if rounded else x2.float()
             y = _by_row_blocks(
                 xf,
                 self.out_features,
@@ -259,4 +268,23 @@ class BlockLinear(nn.Module):
         return _finish(self, y, x, shape)
 
     def extra_repr(self) -> str:
-        return _describe(self, f"{self.layout} group_size={self.group_size}")
+        return _describe(
+            self, f"{self.layout} group_size={self.group_size}, activations={self.activations}"
+        )
+
+
+def set_activations(model: nn.Module, activations: str) -> nn.Module:
+    """Set how every :class:`BlockLinear` of ``model`` takes its activations (one of
+    :data:`ACTIVATIONS`) and return ``model``: the explicit choice between exactness
+    (``"float"``, the default) and the integer dots' speed (``"int8"``).
+
+    Raises:
+        ValueError: For another value.
+    """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    for m in model.modules():
+        if isinstance(m, BlockLinear):
+            m.activations = activations
+    model.__dict__.pop("_attnkit_step", None)  # (a compiled step holds the former choice)
+    return model

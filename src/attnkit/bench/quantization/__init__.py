@@ -4,7 +4,10 @@
   (and torchao's int8) against transformers, with their share of the read-bandwidth bound;
 * :mod:`~attnkit.bench.quantization.quality`: top-1 agreement and perplexity change on English
   text, and the loading peak memory;
-* :mod:`~attnkit.bench.quantization.kernels`: every one-row product kernel per weight matrix.
+* :mod:`~attnkit.bench.quantization.kernels`: every one-row product kernel per weight matrix;
+* :mod:`~attnkit.bench.quantization.layouts`: quality per layout (int8 per channel or in blocks,
+  int4 groups) and GGUF block files loaded natively against their dequantized models
+  (``python -m attnkit.bench.quantization.layouts``).
 
 ``python -m attnkit.bench.quantization --help`` runs the sections and writes JSON.
 """

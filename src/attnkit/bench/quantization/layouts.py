@@ -17,7 +17,8 @@ Sections (``--skip NAME`` leaves one out):
 * ``gguf``: a ``--shape`` model with random weights written as ``Q8_0``, ``Q4_0`` and ``Q4_1``
   GGUF files; each loaded natively (block layers) and with ``dequantize=True`` (fp32): the
   largest logit difference relative to the largest dequantized logit (target: <= 1e-3) and
-  decode-step tokens/s side by side in interleaved rounds, medians (target: native >= 2x fp32).
+  decode-step tokens/s side by side in interleaved rounds, medians (target: native >= 2x fp32);
+  the native layers with float32 activations (exact) and with int8 ones (faster, less exact).
 
 Writes JSON (default ``benchmarks/results/quantization-layouts.json``).
 """
@@ -41,8 +42,10 @@ from attnkit.bench.decoding.models import QUANT_MODELS
 from attnkit.bench.quantization.quality import _windows, english_text, text_ids, train_text_lm
 from attnkit.bench.quantization.speed import quantization_quality
 from attnkit.bench.results import RESULTS, bench_parser, write_report
+from attnkit.config import TransformerConfig
 from attnkit.models import TransformerLM
 from attnkit.quantize import quantize
+from attnkit.quantized.block import set_activations
 
 __all__ = ["LAYOUT_VARIANTS", "gguf_rows", "layout_counts", "layout_rows"]
 
@@ -140,15 +143,21 @@ def _rate(lm: nn.Module, prompt: torch.Tensor, new: int) -> float:
 
 @torch.no_grad()
 def gguf_rows(
-    shape: str = "llama-135m", *, new: int = 16, rounds: int = 5, where: Path | None = None
+    shape: str = "llama-135m",
+    *,
+    new: int = 16,
+    rounds: int = 5,
+    where: Path | None = None,
+    config: TransformerConfig | None = None,
 ) -> list[dict[str, Any]]:
     """For each of :data:`GGUF_TYPES`: the ``shape`` model (random weights) as a GGUF file,
     loaded natively and with ``dequantize=True``; their logits' largest difference over the
     largest dequantized logit, bytes held by the linears, and decode-step rates side by side
-    (interleaved rounds, medians). Needs the ``gguf`` package."""
+    (interleaved rounds, medians); ``config`` replaces the shape's (``shape`` labels it). Needs
+    the ``gguf`` package."""
     from attnkit.bench.llamacpp import write_gguf
 
-    config, prompt_len, _ = QUANT_MODELS[shape]
+    config, prompt_len, _ = QUANT_MODELS[shape] if config is None else (config, 8, 0)
     torch.manual_seed(0)
     model = TransformerLM(config).eval()
     prompt = torch.randint(0, int(config.vocab_size or 2), (1, min(prompt_len, 32)))
@@ -159,21 +168,34 @@ def gguf_rows(
             path = write_gguf(model, Path(folder) / f"{precision}.gguf", precision)
             native = TransformerLM.from_pretrained(path)
             floats = TransformerLM.from_pretrained(path, dequantize=True)
-            want, got = floats(prompt), native(prompt)
-            error = float((got - want).abs().max() / want.abs().max())
-            rates: dict[str, list[float]] = {"native": [], "fp32": []}
+            errors = {"float": 0.0, "int8": 0.0}
+            for activations in errors:
+                set_activations(native, activations)
+                for ids in (prompt, prompt[:, :1]):  # (a prompt's GEMM path, one row's kernel)
+                    want, got = floats(ids), native(ids)
+                    error = float((got - want).abs().max() / want.abs().max())
+                    errors[activations] = max(errors[activations], error)
+            rates: dict[str, list[float]] = {"native": [], "native int8": [], "fp32": []}
             for _ in range(rounds):  # (interleaved)
+                set_activations(native, "float")
                 rates["native"].append(_rate(native, prompt, new))
+                set_activations(native, "int8")
+                rates["native int8"].append(_rate(native, prompt, new))
                 rates["fp32"].append(_rate(floats, prompt, new))
+            set_activations(native, "float")
             median = {k: statistics.median(v) for k, v in rates.items()}
             out.append(
                 {
                     "precision": precision,
+                    "shape": shape,
                     "file_bytes": path.stat().st_size,
-                    "logits_relative_error": error,
+                    "logits_relative_error": errors["float"],
+                    "int8_activations_logits_relative_error": errors["int8"],
                     "native_tokens_per_s": median["native"],
+                    "native_int8_activations_tokens_per_s": median["native int8"],
                     "fp32_tokens_per_s": median["fp32"],
                     "speedup": median["native"] / median["fp32"],
+                    "int8_activations_speedup": median["native int8"] / median["fp32"],
                     "layers": layout_counts(native),
                 }
             )

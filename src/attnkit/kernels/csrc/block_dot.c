@@ -161,3 +161,97 @@ int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t 
   free(xsum);
   return 0;
 }
+
+/* The rounded variant: the activations rounded to int8 per block of 32 (quantize_blocks, as
+ * int8_dot.c rounds them, x ~ xs[b] * xq), each block's products summed in integers, then
+ *
+ *   8 bits: y = sum_b d[g] * xs[b] * (q . xq)
+ *   4 bits: y = sum_b d[g] * xs[b] * (q . xq) + m[g] * xs[b] * sum(xq of the block)
+ *
+ * Faster where integer dots outrun float ones, and less exact: the activations' rounding adds
+ * its error to the weights'. */
+static inline float row8_rounded(const int8_t *w, const uint16_t *d, const int8_t *xq,
+                                 const float *xs, int64_t groups, int64_t per) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    const float scale = half_to_float(d[g]);
+    for (int64_t b = g * per; b < (g + 1) * per; b++) {
+      const __m256i c = _mm256_loadu_si256((const __m256i *)(w + b * BLOCK));
+      const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
+      _mm_prefetch((const char *)(w + b * BLOCK + PREFETCH), _MM_HINT_T0);
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c));
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * xs[b]), acc);
+    }
+  }
+  return lanes_sum(acc);
+}
+
+static inline float row4_rounded(const uint8_t *w, const uint16_t *d, const uint16_t *m,
+                                 const int8_t *xq, const float *xs, const float *xsum,
+                                 int64_t groups, int64_t per) {
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  float shift = 0.f;
+  for (int64_t g = 0; g < groups; g++) {
+    const float scale = half_to_float(d[g]);
+    const float low = m ? half_to_float(m[g]) : -8.f * scale;
+    for (int64_t b = g * per; b < (g + 1) * per; b++) {
+      const uint8_t *q = w + b * (BLOCK / 2);
+      _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);
+      const __m128i v = _mm_loadu_si128((const __m128i *)q);
+      /* inputs 0-15 (low nibbles), then 16-31 (high ones): the activations' order */
+      const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nibble),
+                                         _mm_and_si128(v, nibble));
+      const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones));
+      acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * xs[b]), acc);
+      shift += low * xs[b] * xsum[b];
+    }
+  }
+  return lanes_sum(acc) + shift;
+}
+
+/* attnkit_block_linear with the activations rounded to int8 (above); the same arguments and
+ * results, 1 when the rounded activations' scratch cannot be allocated. */
+int attnkit_block_linear_rounded(const float *x, int64_t rows, int64_t n, const uint8_t *w,
+                                 const uint16_t *d, const uint16_t *m, int64_t out, int bits,
+                                 int64_t group, float *y, int threads) {
+  const int64_t blocks = n / BLOCK, per = group / BLOCK, groups = n / group;
+  int8_t *xq = malloc((size_t)(rows * n + 1));
+  float *xs = malloc((size_t)(2 * rows * blocks + 1) * sizeof(float));
+  if (!xq || !xs) {
+    free(xq);
+    free(xs);
+    return 1;
+  }
+  float *xsum = xs + rows * blocks; /* each block's sum of codes */
+  for (int64_t r = 0; r < rows; r++) {
+    quantize_blocks(x + r * n, n, xq + r * n, xs + r * blocks);
+    for (int64_t b = 0; b < blocks; b++) {
+      int sum = 0;
+      for (int i = 0; i < BLOCK; i++) sum += xq[r * n + b * BLOCK + i];
+      xsum[r * blocks + b] = (float)sum;
+    }
+  }
+  const int64_t row_bytes = bits == 8 ? n : n / 2;
+  (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
+  for (int64_t o = 0; o < out; o++) {
+    const uint8_t *codes = w + o * row_bytes;
+    const uint16_t *scales = d + o * groups;
+    for (int64_t r = 0; r < rows; r++) {
+      y[r * out + o] =
+          bits == 8
+              ? row8_rounded((const int8_t *)codes, scales, xq + r * n, xs + r * blocks, groups,
+                             per)
+              : row4_rounded(codes, scales, m ? m + o * groups : NULL, xq + r * n,
+                             xs + r * blocks, xsum + r * blocks, groups, per);
+    }
+  }
+  free(xq);
+  free(xs);
+  return 0;
+}
