@@ -113,16 +113,19 @@ def _cases(L: int, S: int) -> dict[str, tuple[Any, Any]]:
     }
 
 
-_SHAPES = [(40, 40, 32, 4), (40, 70, 64, 2), (33, 33, 128, 1)]  # (L, S, E, K)
+# (L, S, E, K, Ev): Ev == E takes torch's fused tile kernel where the mods allow it
+_SHAPES = [(40, 40, 32, 4, 32), (40, 70, 64, 2, 32), (33, 33, 128, 1, 128)]
 
 
 @pytest.mark.parametrize(
-    ("name", "L", "S", "E", "K"),
+    ("name", "L", "S", "E", "K", "Ev"),
     [(name, *_SHAPES[i % len(_SHAPES)]) for i, name in enumerate(_cases(8, 8))],
 )
-def test_forward_and_lse_equal_torch_eager(name: str, L: int, S: int, E: int, K: int) -> None:
+def test_forward_and_lse_equal_torch_eager(
+    name: str, L: int, S: int, E: int, K: int, Ev: int
+) -> None:
     score_mod, mask_mod = _cases(L, S)[name]
-    q, k, v = _inputs(L, S, E=E, K=K, Ev=E // 2)
+    q, k, v = _inputs(L, S, E=E, K=K, Ev=Ev)
     out, lse = _ours(q, k, v, score_mod, mask_mod)
     want, want_lse = _torch(q, k, v, score_mod, mask_mod)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=0)
@@ -436,3 +439,18 @@ def test_flex_speed_rows_carry_the_fields_of_a_vs_row() -> None:
     assert rows[-1]["peer_s"] > 0 and rows[0]["peer_s"] is None
     table = _flex_tables({"rows": rows}, "flex.json")[0]
     assert [c[0] for c in table.rows] == [r["job"] for r in rows]
+
+
+@pytest.mark.parametrize("mask", [P.causal(), and_masks(P.causal(), P.prefix_lm(0))])
+def test_causal_diagonal_tiles_without_grouping(mask: Any) -> None:
+    """ALiBi on a causal band: diagonal tiles use the fused kernel's own causal masking."""
+    L = 50
+    q, k, v = (t.double().requires_grad_() for t in _inputs(L, L))
+    bm = create_block_mask(mask, B, H, L, L, BLOCK_SIZE=16)
+    g = torch.randn(B, H, L, 16, dtype=torch.float64)
+    out = flex_attention(q, k, v, P.alibi(H), bm)
+    want = _explicit(q, k, v, P.alibi(H), mask)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+    got = torch.autograd.grad(out, [q, k, v], g)
+    for a, b in zip(got, torch.autograd.grad(want, [q, k, v], g), strict=True):
+        assert _rel(a, b) <= 1e-4

@@ -105,7 +105,11 @@ def flex_attention(
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     q, k, v = query.to(wide), key.to(wide), value.to(wide)
     mods = _mods(score_mod, block_mask, H)
-    mods.fused = (score_mod is None or mods.slopes is not None) and value.shape[-1] == E
+    mods.fused = (
+        (score_mod is None or mods.slopes is not None)
+        and value.shape[-1] == E
+        and q.device.type == "cpu"  # (torch's fused flash kernel of the tiles is its CPU one)
+    )
     plan = tiles.tile_plan(block_mask, L, S, B * H, fused=mods.fused)
     if mods.fused and mods.slopes is not None:
         rows = max(r1 - r0 for r0, r1, _ in plan.rows)

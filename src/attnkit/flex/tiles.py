@@ -327,6 +327,31 @@ def _alibi_tile(mods: Mods, r0: int, Lt: int, c0: int, St: int, dtype: torch.dty
     return mods.table[:, :Lt, x0 : x0 + St].unsqueeze(0)
 
 
+def _causal_square(chunk: Chunk, r0: int, r1: int, mods: Mods) -> bool:
+    """Whether ``chunk`` of queries ``r0:r1`` is their diagonal square under a band mask that
+    is plain causal there (offsets ``0 .. >= r1 - r0 - 1``): the fused kernel's ``is_causal``
+    then masks it, skipping the blocks above the diagonal and building no mask."""
+    band = getattr(mods.mask_mod, "band", None)
+    return (
+        band is not None
+        and band[0] == 0
+        and band[1] >= r1 - r0 - 1
+        and (chunk.c0, chunk.c1) == (r0, r1)
+        and not chunk.has_full
+    )
+
+
+def _causal_bias(
+    mods: Mods, idx: tuple[Tensor, Tensor, Tensor, Tensor], dtype: torch.dtype
+) -> tuple[Tensor | None, None]:
+    """The bias of a :func:`_causal_square` chunk (no mask: the kernel's ``is_causal`` masks)."""
+    if mods.slopes is None:
+        return None, None
+    _, _, q, kv = idx
+    Lt, St = q.shape[2], kv.shape[3]
+    return _alibi_tile(mods, int(q[0, 0, 0, 0]), Lt, int(kv[0, 0, 0, 0]), St, dtype), None
+
+
 def _grouped(tile: Tensor | None, K: int, G: int) -> Tensor | None:
     """``tile (Bm, Hm, Lt, St)`` in the layout of queries grouped by key head,
     ``(Bm, K or 1, G * Lt, St)``."""
@@ -358,8 +383,13 @@ def forward_fused(
         for chunk in chunks:
             kc, vc = k[:, :, chunk.c0 : chunk.c1], v[:, :, chunk.c0 : chunk.c1]
             idx = index_tensors(B, H, rows, torch.arange(chunk.c0, chunk.c1, device=dev))
-            tile, empty = _bias_tile(chunk, mods, idx, q.dtype)
-            o, lse_c = _flash(qt, kc, vc, 0.0, False, attn_mask=_grouped(tile, K, G), scale=scale)
+            causal = G == 1 and _causal_square(chunk, r0, r1, mods)
+            tile, empty = (
+                _causal_bias(mods, idx, q.dtype)
+                if causal
+                else _bias_tile(chunk, mods, idx, q.dtype)
+            )
+            o, lse_c = _flash(qt, kc, vc, 0.0, causal, attn_mask=_grouped(tile, K, G), scale=scale)
             o, lse_c = o.reshape(B, H, Lt, Ev), lse_c.reshape(B, H, Lt, 1)
             if empty is not None:
                 o = o.masked_fill(empty, 0.0)
@@ -413,9 +443,14 @@ def backward_fused(
             c0, c1 = chunk.c0, chunk.c1
             kc, vc = k[:, :, c0:c1], v[:, :, c0:c1]
             idx = index_tensors(B, H, rows, torch.arange(c0, c1, device=dev))
-            tile, _ = _bias_tile(chunk, mods, idx, q.dtype)
+            causal = G == 1 and _causal_square(chunk, r0, r1, mods)
+            tile, _ = (
+                _causal_bias(mods, idx, q.dtype)
+                if causal
+                else _bias_tile(chunk, mods, idx, q.dtype)
+            )
             dqc, dkc, dvc = _flash_backward(
-                dot, qt, kc, vc, ot, lt, 0.0, False, attn_mask=_grouped(tile, K, G), scale=scale
+                dot, qt, kc, vc, ot, lt, 0.0, causal, attn_mask=_grouped(tile, K, G), scale=scale
             )
             dq_t = dqc if dq_t is None else dq_t + dqc
             dk[:, :, c0:c1] += dkc
