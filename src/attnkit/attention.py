@@ -354,11 +354,11 @@ class MultiHeadAttention(nn.Module):
                     raise ValueError("rotary positions need self-attention (same query/key tokens)")
                 q, k = rotary(q, positions), rotary(k, positions)
         causal, window = self.causal, self.window
-        if attending:
+        if kv_cache is not None and not isinstance(kv_cache, KVCache):  # attending
             # The cache's layout is its own (e.g. the serving engine's block tables): it stores
             # the keys/values and runs each sequence's attention itself.
             scale = functional.resolve_scale(self.scale, q.shape[-1])
-            out = kv_cache.attend(  # type: ignore[union-attr]
+            out = kv_cache.attend(
                 q, k, v, scale=scale, window=window, softcap=self.softcap
             )  # (B, H, L, E)
             return self.out_proj(merge_heads(out)), None

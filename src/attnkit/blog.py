@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from attnkit.attention import LayerOptions, MultiHeadAttention, split_heads
 from attnkit.blocks import TransformerLayer
+from attnkit.cache import KVCache
 from attnkit.functional import attend
 from attnkit.positional import RotaryEmbedding, SinusoidalPositionalEncoding
 
@@ -450,7 +451,11 @@ class PositionalTransformerBlock(TransformerBlock):
         continue after the cached ones."""
         if isinstance(self.position, SinusoidalPositionalEncoding):
             kv_cache = options.get("kv_cache")
-            if options.get("positions") is None and kv_cache is not None and kv_cache.length:
+            if (
+                options.get("positions") is None
+                and isinstance(kv_cache, KVCache)
+                and kv_cache.length
+            ):
                 start = kv_cache.length
                 options["positions"] = torch.arange(start, start + x.shape[-2], device=x.device)
             x = self.position(x, options.get("positions"))

@@ -370,7 +370,8 @@ def _recompute_grads(
     """
     inputs = [t.detach().requires_grad_() for t in (q, k, v, *captured)]
     with torch.enable_grad():
-        out = _flex(_LIVE[variant], *inputs[:3], q_positions, mask, inputs[3:], scale)
+        qi, ki, vi = inputs[0], inputs[1], inputs[2]
+        out = _flex(_LIVE[variant], qi, ki, vi, q_positions, mask, inputs[3:], scale)
         grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
     return [
         torch.zeros_like(t, memory_format=torch.contiguous_format) if g is None else g.contiguous()

@@ -56,6 +56,11 @@ class Preset:
     def __repr__(self) -> str:
         return self.__name__
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        """The mask (``b, h, q_idx, kv_idx``) or score modification (``score, b, h, q_idx,
+        kv_idx``); each preset defines its own."""
+        raise NotImplementedError
+
 
 class _Causal(Preset):
     def __init__(self) -> None:

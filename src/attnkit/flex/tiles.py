@@ -241,6 +241,8 @@ def backward(
             St = c1 - c0
             idx = index_tensors(B, H, rows, torch.arange(c0, c1, device=dev))
             s_raw = torch.matmul(qt, kc.transpose(-1, -2)).view(B, H, Lt, St)
+            s_in: Tensor | None
+            s_mod: Tensor | None
             if autograd:
                 assert mods.score_mod is not None
                 with torch.enable_grad():

@@ -94,12 +94,12 @@ class _Guard:
             expected = f"Bearer {self.api_key}".encode()
             if not hmac.compare_digest(given.encode("latin-1"), expected):
                 what = "no API key" if not given else "a wrong API key"
-                body = error_body(
+                unauthorized = error_body(
                     f"the request has {what}; send 'Authorization: Bearer <key>'",
                     type="authentication_error",
                     code="invalid_api_key",
                 )
-                await self._refuse(send, 401, body)
+                await self._refuse(send, 401, unauthorized)
                 return
         too_big = error_body(
             f"the request body is larger than this server's limit of {self.max_bytes} bytes",

@@ -29,6 +29,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -112,6 +113,19 @@ class EngineStats:
     kv_bytes_per_token: int
 
 
+class _ModelConfig(Protocol):
+    """The sizes the engine reads from its model's ``config`` (a
+    :class:`attnkit.TransformerConfig`)."""
+
+    max_seq_len: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None
+    head_dim: int | None
+    dim: int
+
+
 @dataclass(eq=False)
 class _Request:
     id: str
@@ -164,11 +178,13 @@ class Engine:
         sizes = {"max_batch": max_batch, "block_size": block_size, "prefill_chunk": prefill_chunk}
         if kv_cache_tokens is not None:
             sizes["kv_cache_tokens"] = kv_cache_tokens
-        bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int)}
+        bad: dict[str, int] = {
+            k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int)
+        }
         bad |= {k: v for k, v in sizes.items() if k not in bad and v < 1}
         if bad:
             raise ValueError(f"Engine sizes must be positive ints, got {bad}")
-        config = model.config
+        config = cast(_ModelConfig, model.config)
         self.model = model.eval()
         self.max_context: int = int(config.max_seq_len)
         self.vocab_size: int = int(config.vocab_size)

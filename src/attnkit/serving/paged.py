@@ -225,7 +225,6 @@ def paged_attention(
     _, H, T, _ = q.shape
     K, Ev = k_pool.shape[1], v_pool.shape[2]
     out = q.new_empty(1, H, T, Ev)
-    extra = {} if softcap is None else {"softcap": softcap}
     n = batch.singles
     if n:
         one = _one_token_attention(q[0, :, :n], k_pool, v_pool, batch, scale, window, softcap)
@@ -236,7 +235,9 @@ def paged_attention(
         k = k_pool.index_select(0, keys).view(1, S, K, -1).transpose(1, 2)  # (1, K, S, E)
         v = v_pool.index_select(0, keys).view(1, S, K, Ev).transpose(1, 2)  # (1, K, S, Ev)
         qc = q[:, :, first : first + length]  # (1, H, length, E)
-        o, _ = functional.attend(qc, k, v, None, causal=True, window=window, scale=scale, **extra)
+        o, _ = functional.attend(
+            qc, k, v, None, causal=True, window=window, scale=scale, softcap=softcap
+        )
         out[:, :, first : first + length] = o
     return out
 
@@ -272,8 +273,7 @@ def _one_token_attention(
     flat = batch.single_keys.view(-1)
     k = k_pool.index_select(0, flat).view(n, S, K, -1).transpose(1, 2)  # (n, K, S, E)
     v = v_pool.index_select(0, flat).view(n, S, K, Ev).transpose(1, 2)  # (n, K, S, Ev)
-    extra = {} if softcap is None else {"softcap": softcap}
-    o, _ = functional.attend(qs, k, v, batch.single_mask(window), scale=scale, **extra)
+    o, _ = functional.attend(qs, k, v, batch.single_mask(window), scale=scale, softcap=softcap)
     return o[:, :, 0].transpose(0, 1)  # (H, n, Ev)
 
 

@@ -243,6 +243,7 @@ def score_bias(
         ax.set_title(f"head {h}", fontsize=10)
         ax.set_xlabel("key kv_idx", fontsize=9)
         ax.set_ylabel("query q_idx", fontsize=9)
+    assert image is not None  # H >= 1: the first axes holds a head
     fig.colorbar(image, ax=list(axes), label="added to the score", shrink=0.85)
     fig.suptitle(title if title is not None else f"Bias of {_name(score_mod)}")
     return fig
