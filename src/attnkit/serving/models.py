@@ -166,10 +166,13 @@ def load_model(
 
         return EncoderModel(name, SentenceEncoder.from_pretrained(path), created)
 
-    from attnkit import TransformerLM
+    from attnkit import TransformerLM, decoding
 
     chat, tokenizer = _tokenizers(path)
     lm = TransformerLM.from_pretrained(path, dtype=dtype, quantize=quantize)  # type: ignore[arg-type]
+    # The weights laid out for few-row products, as `attnkit generate` lays them out: every
+    # engine step multiplies one row per running request.
+    decoding.prepare(lm, batch=max_batch)
     stop: list[int] = list(chat.stop_ids) if chat is not None else []
     eos = lm.generation_config.get("eos_token_id")
     for i in [eos] if isinstance(eos, int) else list(eos or []):
