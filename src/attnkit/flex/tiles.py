@@ -150,40 +150,32 @@ def _mask(
     return s
 
 
-def forward(
-    q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, mods: Mods, scale: float
-) -> tuple[Tensor, Tensor]:
-    """Attention over the tiles of ``plan``.
+Index = tuple[Tensor, Tensor, Tensor, Tensor]
+# One tile of the forward: (grouped query rows, key chunk, value chunk, chunk, r0, r1, index
+# tensors) -> (output (B, H, Lt, Ev), log-sum-exp (B, H, Lt, 1), -inf where nothing attended).
+TileFn = Callable[[Tensor, Tensor, Tensor, Chunk, int, int, Index], tuple[Tensor, Tensor]]
 
-    Shape:
-        q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` ->
-        out ``(B, H, L, Ev)``, lse ``(B, H, L)`` (natural log; ``-inf`` for rows that attend
-        nothing, whose output is zero).
-    """
+
+def _online(q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, tile: TileFn) -> tuple[Tensor, Tensor]:
+    """Run ``tile`` over every chunk of ``plan`` and merge the chunks of each query block by an
+    online softmax; returns :func:`forward`'s ``(out, lse)``."""
     B, H, L, E = q.shape
     K, Ev = k.shape[1], v.shape[-1]
     G = H // K
     out = q.new_zeros(B, H, L, Ev)
     lse = q.new_full((B, H, L), float("-inf"))
-    qs = q * scale
     dev = q.device
     for r0, r1, chunks in plan.rows:
         if not chunks:
             continue
         Lt = r1 - r0
-        qt = qs[:, :, r0:r1].reshape(B, K, G * Lt, E)  # (B, K, G*Lt, E)
+        qt = q[:, :, r0:r1].reshape(B, K, G * Lt, E)  # (B, K, G*Lt, E)
         rows = torch.arange(r0, r1, device=dev)
         lse_run = acc = None
         for chunk in chunks:
             kc, vc = k[:, :, chunk.c0 : chunk.c1], v[:, :, chunk.c0 : chunk.c1]
-            St = chunk.c1 - chunk.c0
             idx = index_tensors(B, H, rows, torch.arange(chunk.c0, chunk.c1, device=dev))
-            s = torch.matmul(qt, kc.transpose(-1, -2)).view(B, H, Lt, St)
-            s = _mask(_scores(s, mods, idx), chunk, mods, idx)
-            lse_c = torch.logsumexp(s, dim=-1, keepdim=True)  # (B, H, Lt, 1)
-            p = torch.softmax(s, dim=-1)  # (NaN rows where every key is masked)
-            o = torch.matmul(p.view(B, K, G * Lt, St), vc).view(B, H, Lt, Ev)
-            o = torch.where(lse_c == float("-inf"), 0.0, o)
+            o, lse_c = tile(qt, kc, vc, chunk, r0, r1, idx)
             if acc is None:
                 lse_run, acc = lse_c, o
                 continue
@@ -198,6 +190,34 @@ def forward(
         out[:, :, r0:r1] = acc
         lse[:, :, r0:r1] = lse_run.squeeze(-1)
     return out, lse
+
+
+def forward(
+    q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, mods: Mods, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Attention over the tiles of ``plan``.
+
+    Shape:
+        q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` ->
+        out ``(B, H, L, Ev)``, lse ``(B, H, L)`` (natural log; ``-inf`` for rows that attend
+        nothing, whose output is zero).
+    """
+    B, H = q.shape[0], q.shape[1]
+    K, Ev = k.shape[1], v.shape[-1]
+    G = H // K
+
+    def tile(
+        qt: Tensor, kc: Tensor, vc: Tensor, chunk: Chunk, r0: int, r1: int, idx: Index
+    ) -> tuple[Tensor, Tensor]:
+        Lt, St = r1 - r0, chunk.c1 - chunk.c0
+        s = torch.matmul(qt, kc.transpose(-1, -2)).view(B, H, Lt, St)
+        s = _mask(_scores(s, mods, idx), chunk, mods, idx)
+        lse_c = torch.logsumexp(s, dim=-1, keepdim=True)  # (B, H, Lt, 1)
+        p = torch.softmax(s, dim=-1)  # (NaN rows where every key is masked)
+        o = torch.matmul(p.view(B, K, G * Lt, St), vc).view(B, H, Lt, Ev)
+        return torch.where(lse_c == float("-inf"), 0.0, o), lse_c
+
+    return _online(q * scale, k, v, plan, tile)
 
 
 def backward(
@@ -369,47 +389,26 @@ def forward_fused(
     q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, mods: Mods, scale: float
 ) -> tuple[Tensor, Tensor]:
     """:func:`forward` for :attr:`Mods.fused` modifications: one fused kernel call per tile."""
-    B, H, L, E = q.shape
+    B, H = q.shape[0], q.shape[1]
     K, Ev = k.shape[1], v.shape[-1]
     G = H // K
-    out = q.new_zeros(B, H, L, Ev)
-    lse = q.new_full((B, H, L), float("-inf"))
-    dev = q.device
-    for r0, r1, chunks in plan.rows:
-        if not chunks:
-            continue
+
+    def tile(
+        qt: Tensor, kc: Tensor, vc: Tensor, chunk: Chunk, r0: int, r1: int, idx: Index
+    ) -> tuple[Tensor, Tensor]:
         Lt = r1 - r0
-        qt = q[:, :, r0:r1].reshape(B, K, G * Lt, E)  # (B, K, G*Lt, E)
-        rows = torch.arange(r0, r1, device=dev)
-        lse_run = acc = None
-        for chunk in chunks:
-            kc, vc = k[:, :, chunk.c0 : chunk.c1], v[:, :, chunk.c0 : chunk.c1]
-            idx = index_tensors(B, H, rows, torch.arange(chunk.c0, chunk.c1, device=dev))
-            causal = G == 1 and _causal_square(chunk, r0, r1, mods)
-            tile, empty = (
-                _causal_bias(mods, idx, q.dtype)
-                if causal
-                else _bias_tile(chunk, mods, idx, q.dtype)
-            )
-            o, lse_c = _flash(qt, kc, vc, 0.0, causal, attn_mask=_grouped(tile, K, G), scale=scale)
-            o, lse_c = o.reshape(B, H, Lt, Ev), lse_c.reshape(B, H, Lt, 1)
-            if empty is not None:
-                o = o.masked_fill(empty, 0.0)
-                lse_c = lse_c.masked_fill(empty, float("-inf"))
-            if acc is None:
-                lse_run, acc = lse_c, o
-                continue
-            assert lse_run is not None
-            lse_new = torch.logaddexp(lse_run, lse_c)
-            known = lse_new > float("-inf")
-            a_old = torch.where(known, torch.exp(lse_run - lse_new), 0.0)
-            a_new = torch.where(known, torch.exp(lse_c - lse_new), 0.0)
-            acc = acc * a_old + o * a_new
-            lse_run = lse_new
-        assert lse_run is not None and acc is not None
-        out[:, :, r0:r1] = acc
-        lse[:, :, r0:r1] = lse_run.squeeze(-1)
-    return out, lse
+        causal = G == 1 and _causal_square(chunk, r0, r1, mods)
+        bias, empty = (
+            _causal_bias(mods, idx, q.dtype) if causal else _bias_tile(chunk, mods, idx, q.dtype)
+        )
+        o, lse_c = _flash(qt, kc, vc, 0.0, causal, attn_mask=_grouped(bias, K, G), scale=scale)
+        o, lse_c = o.reshape(B, H, Lt, Ev), lse_c.reshape(B, H, Lt, 1)
+        if empty is not None:
+            o = o.masked_fill(empty, 0.0)
+            lse_c = lse_c.masked_fill(empty, float("-inf"))
+        return o, lse_c
+
+    return _online(q, k, v, plan, tile)
 
 
 def backward_fused(
