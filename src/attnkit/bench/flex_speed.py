@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.bench.flex import flex_or_reason
+from attnkit.bench.flex import FlexFn, flex_or_reason
 from attnkit.bench.results import bench_parser, parse_with_threads, write_report
 from attnkit.flex import create_block_mask, flex_attention
 from attnkit.flex import presets as P
@@ -105,6 +105,28 @@ def _row(
     }
 
 
+def _race(
+    ours: Callable[[], Tensor],
+    peer: FlexFn,
+    qkv: tuple[Tensor, Tensor, Tensor],
+    want: Tensor,
+    repeats: int,
+) -> tuple[float, float, float]:
+    """Time ``ours`` against ``peer(*qkv)`` (no grad), interleaved round by round.
+
+    Returns:
+        ``(ours median seconds, peer median seconds, peer's largest difference from want)``.
+    """
+
+    def theirs() -> Tensor:
+        with torch.no_grad():
+            return peer(*qkv)
+
+    diff = float((theirs() - want).abs().max())
+    samples = time_interleaved({"ours": ours, "theirs": theirs}, repeats=repeats)
+    return _median(samples["ours"]), _median(samples["theirs"]), diff
+
+
 def _inputs(n: int, spec: FlexSpeedJob, *, grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     shape = (1, spec.heads, n, spec.head_dim)
     return tuple(torch.randn(shape, requires_grad=grad) for _ in range(3))  # type: ignore[return-value]
@@ -147,21 +169,14 @@ def _window_rows(job: FlexSpeedJob) -> list[dict[str, Any]]:
             _row("flex window fwd", FLEX, _median(ours_s), None, f"{sizes}; {why}", 1.5, job),
             _row("flex window first call", FLEX, first, None, f"{sizes}; {why}", None, job),
         ]
-    fn = peer
-
-    def theirs() -> Tensor:
-        with torch.no_grad():
-            return fn(q, k, v)
-
-    diff = float((theirs() - want).abs().max())
-    samples = time_interleaved({"ours": ours, "theirs": theirs}, repeats=job.repeats)
+    ours_t, peer_t, diff = _race(ours, peer, (q, k, v), want, job.repeats)
     note = f"{sizes}; max diff {diff:.1e}"
     return [
         _row(
             "flex window fwd",
             FLEX,
-            _median(samples["ours"]),
-            _median(samples["theirs"]),
+            ours_t,
+            peer_t,
             note,
             1.5,
             job,
@@ -197,16 +212,9 @@ def _alibi_row(job: FlexSpeedJob) -> dict[str, Any]:
         (ours_s,) = time_interleaved({"ours": ours}, repeats=job.repeats).values()
         return _row("flex alibi+causal fwd", FLEX, _median(ours_s), None, f"{sizes}; {why}",
                     1.0, job)  # fmt: skip
-    fn = peer
-
-    def theirs() -> Tensor:
-        with torch.no_grad():
-            return fn(q, k, v)
-
-    diff = float((theirs() - want).abs().max())
-    samples = time_interleaved({"ours": ours, "theirs": theirs}, repeats=job.repeats)
-    return _row("flex alibi+causal fwd", FLEX, _median(samples["ours"]),
-                _median(samples["theirs"]), f"{sizes}; max diff {diff:.1e}", 1.0, job)  # fmt: skip
+    ours_t, peer_t, diff = _race(ours, peer, (q, k, v), want, job.repeats)
+    return _row("flex alibi+causal fwd", FLEX, ours_t, peer_t, f"{sizes}; max diff {diff:.1e}",
+                1.0, job)  # fmt: skip
 
 
 def _backward_row(job: FlexSpeedJob) -> dict[str, Any]:
