@@ -338,8 +338,26 @@ def _flex_layer_backward(
     variant: str,
     scale: float,
 ) -> list[Tensor]:
-    return _worker().submit(_recompute_grads, grad, q, k, v, q_positions, mask, captured, variant,
-                            scale).result()  # fmt: skip
+    """The gradients of :func:`_flex` by autograd through :mod:`attnkit.flex`'s own backward.
+
+    A custom op's kernel runs below autograd (the dispatcher excludes its keys in the calling
+    thread), so the recomputation runs in a worker thread, whose dispatch state is fresh.
+    """
+
+    def recompute() -> list[Tensor]:
+        inputs = [t.detach().requires_grad_() for t in (q, k, v, *captured)]
+        with torch.enable_grad():
+            qi, ki, vi = inputs[0], inputs[1], inputs[2]
+            out = _flex(_LIVE[variant], qi, ki, vi, q_positions, mask, inputs[3:], scale)
+            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+        return [
+            torch.zeros_like(t, memory_format=torch.contiguous_format)
+            if g is None
+            else g.contiguous()
+            for t, g in zip(inputs, grads, strict=True)
+        ]
+
+    return _worker().submit(recompute).result()
 
 
 def _worker() -> ThreadPoolExecutor:
@@ -350,33 +368,6 @@ def _worker() -> ThreadPoolExecutor:
 
 
 _POOL: ThreadPoolExecutor | None = None
-
-
-def _recompute_grads(
-    grad: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_positions: Tensor | None,
-    mask: Tensor | None,
-    captured: list[Tensor],
-    variant: str,
-    scale: float,
-) -> list[Tensor]:
-    """The gradients of :func:`_flex` by autograd through :mod:`attnkit.flex`'s own backward.
-
-    A custom op's kernel runs below autograd (the dispatcher excludes its keys in the calling
-    thread), so this runs in a worker thread, whose dispatch state is fresh.
-    """
-    inputs = [t.detach().requires_grad_() for t in (q, k, v, *captured)]
-    with torch.enable_grad():
-        qi, ki, vi = inputs[0], inputs[1], inputs[2]
-        out = _flex(_LIVE[variant], qi, ki, vi, q_positions, mask, inputs[3:], scale)
-        grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
-    return [
-        torch.zeros_like(t, memory_format=torch.contiguous_format) if g is None else g.contiguous()
-        for t, g in zip(inputs, grads, strict=True)
-    ]
 
 
 @_flex_layer_backward.register_fake
