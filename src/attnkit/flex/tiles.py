@@ -385,6 +385,16 @@ def _grouped(tile: Tensor | None, K: int, G: int) -> Tensor | None:
     return tile.reshape(Bm, K, G * Lt, St)
 
 
+def _fused_tile_mask(
+    chunk: Chunk, r0: int, r1: int, mods: Mods, idx: Index, dtype: torch.dtype, G: int
+) -> tuple[bool, Tensor | None, Tensor | None]:
+    """How the fused kernel masks one tile: ``(causal, bias, empty)`` (its own causal flag on a
+    causal square without query groups, else the additive bias tile and the rows it empties)."""
+    causal = G == 1 and _causal_square(chunk, r0, r1, mods)
+    bias, empty = _causal_bias(mods, idx, dtype) if causal else _bias_tile(chunk, mods, idx, dtype)
+    return causal, bias, empty
+
+
 def forward_fused(
     q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, mods: Mods, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -397,10 +407,7 @@ def forward_fused(
         qt: Tensor, kc: Tensor, vc: Tensor, chunk: Chunk, r0: int, r1: int, idx: Index
     ) -> tuple[Tensor, Tensor]:
         Lt = r1 - r0
-        causal = G == 1 and _causal_square(chunk, r0, r1, mods)
-        bias, empty = (
-            _causal_bias(mods, idx, q.dtype) if causal else _bias_tile(chunk, mods, idx, q.dtype)
-        )
+        causal, bias, empty = _fused_tile_mask(chunk, r0, r1, mods, idx, q.dtype, G)
         o, lse_c = _flash(qt, kc, vc, 0.0, causal, attn_mask=_grouped(bias, K, G), scale=scale)
         o, lse_c = o.reshape(B, H, Lt, Ev), lse_c.reshape(B, H, Lt, 1)
         if empty is not None:
@@ -444,12 +451,7 @@ def backward_fused(
             c0, c1 = chunk.c0, chunk.c1
             kc, vc = k[:, :, c0:c1], v[:, :, c0:c1]
             idx = index_tensors(B, H, rows, torch.arange(c0, c1, device=dev))
-            causal = G == 1 and _causal_square(chunk, r0, r1, mods)
-            tile, _ = (
-                _causal_bias(mods, idx, q.dtype)
-                if causal
-                else _bias_tile(chunk, mods, idx, q.dtype)
-            )
+            causal, tile, _ = _fused_tile_mask(chunk, r0, r1, mods, idx, q.dtype, G)
             dqc, dkc, dvc = _flash_backward(
                 dot, qt, kc, vc, ot, lt, 0.0, causal, attn_mask=_grouped(tile, K, G), scale=scale
             )
