@@ -36,9 +36,12 @@ _OPS.define("int8_dot_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor")
 _OPS.impl("int8_dot_linear", int8_dot_linear, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("attnkit::int8_dot_linear", lib=_OPS)
-def _(x: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
+def _rows_by_codes(x: Tensor, codes: Tensor, *rest: object, **named: object) -> Tensor:
+    """The fake of a product with a weight of one row of codes per output: ``(rows, out)``."""
     return x.new_empty(x.shape[0], codes.shape[0])
+
+
+torch.library.register_fake("attnkit::int8_dot_linear", _rows_by_codes, lib=_OPS)
 
 
 _OPS.define("int4_dot_linear(Tensor x, Tensor codes, Tensor scales, int out) -> Tensor")
@@ -57,16 +60,7 @@ _OPS.define(
 _OPS.impl("block_dot_linear", block_dot_linear, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("attnkit::block_dot_linear", lib=_OPS)
-def _(
-    x: Tensor,
-    codes: Tensor,
-    scales: Tensor,
-    offsets: Tensor | None,
-    bits: int,
-    rounded: bool = False,
-) -> Tensor:
-    return x.new_empty(x.shape[0], codes.shape[0])
+torch.library.register_fake("attnkit::block_dot_linear", _rows_by_codes, lib=_OPS)
 
 
 _OPS.define("float_dot_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")

@@ -194,6 +194,37 @@ class _Choice:
         }
 
 
+@dataclass
+class _Reply:
+    """One generation request's reply in the making: what the whole and the streamed answer
+    both read."""
+
+    http: Request
+    model: DecoderModel
+    request: Any
+    choices: list[_Choice]
+    queue: asyncio.Queue[Any]
+    start: float
+    rid: str
+    created: int
+    chat: bool
+
+    @property
+    def endpoint(self) -> str:
+        """The metrics' endpoint label."""
+        return "chat" if self.chat else "completions"
+
+    def body(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """A response body (or a chunk's) of object type ``obj`` with these ``choices``."""
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model.name,
+            "choices": choices,
+        }
+
+
 def _completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
     """Logprob entries in the legacy completions layout."""
     offsets, at = [], offset
@@ -357,9 +388,10 @@ class _Server:
         return choices
 
     async def _events(
-        self, model: DecoderModel, choices: list[_Choice], queue: asyncio.Queue[Any], start: float
+        self, reply: _Reply
     ) -> AsyncIterator[tuple[_Choice, str, list[dict[str, Any]]]]:
         """``(choice, new text, new logprob entries)`` until every choice has finished."""
+        model, choices, queue, start = reply.model, reply.choices, reply.queue, reply.start
         by_id = {c.request_id: c for c in choices}
         while any(c.finish_reason is None for c in choices):
             event = await queue.get()
@@ -420,10 +452,10 @@ class _Server:
         choices = self._submit(model, prompts, request, limits, on_event)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        reply = _Reply(http, model, request, choices, queue, start, rid, created, chat)
         if request.stream:
-            stream = self._stream(http, model, request, choices, queue, start, rid, created, chat)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        return await self._whole(http, model, request, choices, queue, start, rid, created, chat)
+            return StreamingResponse(self._stream(reply), media_type="text/event-stream")
+        return await self._whole(reply)
 
     def _abort_unfinished(self, model: DecoderModel, choices: list[_Choice]) -> int:
         unfinished = [c for c in choices if c.finish_reason is None]
@@ -431,23 +463,12 @@ class _Server:
             model.engine.abort(choice.request_id)
         return len(unfinished)
 
-    async def _whole(
-        self,
-        http: Request,
-        model: DecoderModel,
-        request: Any,
-        choices: list[_Choice],
-        queue: asyncio.Queue[Any],
-        start: float,
-        rid: str,
-        created: int,
-        chat: bool,
-    ) -> Response:
-        endpoint = "chat" if chat else "completions"
+    async def _whole(self, reply: _Reply) -> Response:
+        http, model, choices, chat = reply.http, reply.model, reply.choices, reply.chat
         texts = {c.index: "" for c in choices}
 
         async def collect() -> None:
-            async for choice, piece, _ in self._events(model, choices, queue, start):
+            async for choice, piece, _ in self._events(reply):
                 texts[choice.index] += piece
 
         async def watch() -> None:  # returns once the client is gone
@@ -463,10 +484,10 @@ class _Server:
                 collector.cancel()
             self._abort_unfinished(model, choices)
         if not collector.done() or collector.cancelled():
-            self.metrics.request(model.name, endpoint, "abort")
+            self.metrics.request(model.name, reply.endpoint, "abort")
             return Response(status_code=499)
         collector.result()  # re-raise what went wrong while collecting
-        self.metrics.request(model.name, endpoint, "ok")
+        self.metrics.request(model.name, reply.endpoint, "ok")
         out_choices = []
         for c in choices:
             if chat:
@@ -489,41 +510,18 @@ class _Server:
                         "finish_reason": c.finish_reason,
                     }
                 )
-        body = {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": model.name,
-            "choices": out_choices,
-            "usage": self._usage(choices, request.n),
-        }
+        body = reply.body("chat.completion" if chat else "text_completion", out_choices)
+        body["usage"] = self._usage(choices, reply.request.n)
         return JSONResponse(body)
 
-    async def _stream(
-        self,
-        http: Request,
-        model: DecoderModel,
-        request: Any,
-        choices: list[_Choice],
-        queue: asyncio.Queue[Any],
-        start: float,
-        rid: str,
-        created: int,
-        chat: bool,
-    ) -> AsyncIterator[bytes]:
-        endpoint = "chat" if chat else "completions"
+    async def _stream(self, reply: _Reply) -> AsyncIterator[bytes]:
+        model, request, choices, chat = reply.model, reply.request, reply.choices, reply.chat
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
         offsets = {c.index: 0 for c in choices}
 
         def chunk(choices_json: list[dict[str, Any]], usage: Any = None) -> bytes:
-            body: dict[str, Any] = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model.name,
-                "choices": choices_json,
-            }
+            body = reply.body(obj, choices_json)
             if include_usage:
                 body["usage"] = usage
             return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -542,7 +540,7 @@ class _Server:
                         for c in choices
                     ]
                 )
-            async for choice, piece, entries in self._events(model, choices, queue, start):
+            async for choice, piece, entries in self._events(reply):
                 if not piece and not entries and choice.finish_reason is None:
                     continue
                 if chat:
@@ -565,7 +563,7 @@ class _Server:
             # Reached on completion, and when the client goes away (the response task is
             # cancelled): unfinished engine requests are aborted, which frees their blocks.
             self._abort_unfinished(model, choices)
-            self.metrics.request(model.name, endpoint, "ok" if finished else "abort")
+            self.metrics.request(model.name, reply.endpoint, "ok" if finished else "abort")
 
     # ---- embeddings ------------------------------------------------------------------------
 

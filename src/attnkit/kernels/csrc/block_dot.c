@@ -125,13 +125,50 @@ static inline float row4(const uint8_t *w, const uint16_t *d, const uint16_t *m,
   return lanes_sum(_mm256_add_ps(acc[0], acc[1])) + shift;
 }
 
+static inline float row8_rounded(const int8_t *w, const uint16_t *d, const int8_t *xq,
+                                 const float *xs, int64_t groups, int64_t per);
+static inline float row4_rounded(const uint8_t *w, const uint16_t *d, const uint16_t *m,
+                                 const int8_t *xq, const float *xs, const float *xsum,
+                                 int64_t groups, int64_t per);
+
+/* y (rows, out): every activation row times every weight row, on `threads` threads. The float
+ * activations x with their groups' sums xsum (4 bits), or (x NULL) the rounded ones xq with
+ * their blocks' scales xs and sums of codes xsum. */
+static inline void products(const float *x, const int8_t *xq, const float *xs,
+                            const float *xsum, int64_t rows, int64_t n, const uint8_t *w,
+                            const uint16_t *d, const uint16_t *m, int64_t out, int bits,
+                            int64_t group, float *y, int threads) {
+  const int64_t per = group / BLOCK, groups = n / group, blocks = n / BLOCK;
+  const int64_t row_bytes = bits == 8 ? n : n / 2;
+  (void)threads; /* (unused where built without OpenMP) */
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
+  for (int64_t o = 0; o < out; o++) {
+    const uint8_t *codes = w + o * row_bytes;
+    const uint16_t *scales = d + o * groups;
+    const uint16_t *low = m ? m + o * groups : NULL;
+    /* (the row's codes stay in cache for the activation rows after the first) */
+    for (int64_t r = 0; r < rows; r++) {
+      if (x)
+        y[r * out + o] = bits == 8 ? row8((const int8_t *)codes, scales, x + r * n, groups, per)
+                                   : row4(codes, scales, low, x + r * n, xsum + r * groups,
+                                          groups, per);
+      else
+        y[r * out + o] =
+            bits == 8 ? row8_rounded((const int8_t *)codes, scales, xq + r * n, xs + r * blocks,
+                                     groups, per)
+                      : row4_rounded(codes, scales, low, xq + r * n, xs + r * blocks,
+                                     xsum + r * blocks, groups, per);
+    }
+  }
+}
+
 /* y (rows, out) = x (rows, n) @ W.T for the block-quantized W above (bits 8 or 4; offsets m
  * NULL for 8 bits and for symmetric 4 bits), on `threads` threads. n is a multiple of group,
  * group a multiple of 32. 0 on success, 1 when the block sums' scratch cannot be allocated. */
 int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t *w,
                          const uint16_t *d, const uint16_t *m, int64_t out, int bits,
                          int64_t group, float *y, int threads) {
-  const int64_t per = group / BLOCK, groups = n / group;
+  const int64_t groups = n / group;
   float *xsum = NULL;
   if (bits == 4) {
     xsum = malloc((size_t)(rows * groups + 1) * sizeof(float));
@@ -144,20 +181,7 @@ int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t 
         xsum[r * groups + g] = lanes_sum(s);
       }
   }
-  const int64_t row_bytes = bits == 8 ? n : n / 2;
-  (void)threads; /* (unused where built without OpenMP) */
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
-  for (int64_t o = 0; o < out; o++) {
-    const uint8_t *codes = w + o * row_bytes;
-    const uint16_t *scales = d + o * groups;
-    /* (the row's codes stay in cache for the activation rows after the first) */
-    for (int64_t r = 0; r < rows; r++) {
-      y[r * out + o] =
-          bits == 8 ? row8((const int8_t *)codes, scales, x + r * n, groups, per)
-                    : row4(codes, scales, m ? m + o * groups : NULL, x + r * n,
-                           xsum + r * groups, groups, per);
-    }
-  }
+  products(x, NULL, NULL, xsum, rows, n, w, d, m, out, bits, group, y, threads);
   free(xsum);
   return 0;
 }
@@ -219,7 +243,7 @@ static inline float row4_rounded(const uint8_t *w, const uint16_t *d, const uint
 int attnkit_block_linear_rounded(const float *x, int64_t rows, int64_t n, const uint8_t *w,
                                  const uint16_t *d, const uint16_t *m, int64_t out, int bits,
                                  int64_t group, float *y, int threads) {
-  const int64_t blocks = n / BLOCK, per = group / BLOCK, groups = n / group;
+  const int64_t blocks = n / BLOCK;
   int8_t *xq = malloc((size_t)(rows * n + 1));
   float *xs = malloc((size_t)(2 * rows * blocks + 1) * sizeof(float));
   if (!xq || !xs) {
@@ -236,21 +260,7 @@ int attnkit_block_linear_rounded(const float *x, int64_t rows, int64_t n, const 
       xsum[r * blocks + b] = (float)sum;
     }
   }
-  const int64_t row_bytes = bits == 8 ? n : n / 2;
-  (void)threads;
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
-  for (int64_t o = 0; o < out; o++) {
-    const uint8_t *codes = w + o * row_bytes;
-    const uint16_t *scales = d + o * groups;
-    for (int64_t r = 0; r < rows; r++) {
-      y[r * out + o] =
-          bits == 8
-              ? row8_rounded((const int8_t *)codes, scales, xq + r * n, xs + r * blocks, groups,
-                             per)
-              : row4_rounded(codes, scales, m ? m + o * groups : NULL, xq + r * n,
-                             xs + r * blocks, xsum + r * blocks, groups, per);
-    }
-  }
+  products(NULL, xq, xs, xsum, rows, n, w, d, m, out, bits, group, y, threads);
   free(xq);
   free(xs);
   return 0;

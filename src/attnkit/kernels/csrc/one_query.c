@@ -181,6 +181,47 @@ static int one_head_bf16(const void *q, int64_t G, int64_t E, const void *k, int
   return one_head(q, G, E, k, ks, v, vs, Ev, S, rows, allowed, ms, scale, cap, out, 1);
 }
 
+/* One call's heads for run_heads: task = b * K + h. A dense call's sequence b attends S keys
+ * (rows NULL) at element offsets b * kb / b * vb under its mask row (or none); a paged call's
+ * (paged set, kb = vb = 0, mask NULL) attends count[b] keys, the pool rows at
+ * rows + b * width + first[b]. */
+struct heads {
+  const char *q, *k, *v;
+  char *out;
+  int64_t K, G, E, Ev, size, kb, kh, ks, vb, vh, vs, S, mb, msk, width;
+  const uint8_t *mask;
+  const int32_t *rows;
+  const int64_t *first, *count;
+  float scale, cap;
+  int bf16, paged;
+};
+
+static inline int one_task(const struct heads *p, int64_t task) {
+  const int64_t b = task / p->K, h = task % p->K;
+  const int paged = p->paged;
+  return (p->bf16 ? one_head_bf16 : one_head_float)(
+      p->q + task * p->G * p->E * p->size, p->G, p->E,
+      p->k + (b * p->kb + h * p->kh) * p->size, p->ks,
+      p->v + (b * p->vb + h * p->vh) * p->size, p->vs, p->Ev, paged ? p->count[b] : p->S,
+      paged ? p->rows + b * p->width + p->first[b] : NULL,
+      p->mask ? p->mask + b * p->mb : NULL, p->msk, p->scale, p->cap,
+      p->out + task * p->G * p->Ev * p->size);
+}
+
+/* Runs every task of a call and returns the or of their flags; in a serial loop outside any parallel region unless
+ * `parallel`: an OpenMP region, even of one thread, costs more than a small call's work. */
+static int run_heads(const struct heads *p, int64_t tasks, int parallel, int threads) {
+  int flags = 0;
+  (void)threads; /* (unused where built without OpenMP) */
+  if (parallel) {
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flags)
+    for (int64_t task = 0; task < tasks; task++) flags |= one_task(p, task);
+  } else {
+    for (int64_t task = 0; task < tasks; task++) flags |= one_task(p, task);
+  }
+  return flags;
+}
+
 /* q (B, K, G, E) contiguous; k/v (B, K, S, E/Ev) with rows contiguous and the given element
  * strides for b, h and s; mask (B or 1, S) bytes with strides mb (0: broadcast) and msk, or NULL;
  * out (B, K, G, Ev) contiguous; all bf16 or all float32; cap > 0 soft-caps the scores (0: no
@@ -191,28 +232,11 @@ int attnkit_one_query_attention(const void *q, int64_t B, int64_t K, int64_t G, 
                                 const uint8_t *mask, int64_t mb, int64_t msk, float scale,
                                 float cap, void *out, int bf16, int threads) {
   const int64_t size = bf16 ? 2 : 4, tasks = B * K;
-  int flags = 0;
-  (void)threads; /* (unused where built without OpenMP) */
-  /* (A serial loop outside any parallel region when one thread will do: an OpenMP region, even
-   * of one thread, costs more than a small call's work.) */
-  const int parallel = tasks > 1 && threads > 1 && tasks * S * E >= PARALLEL_MIN;
-#define ONE_TASK(task)                                                                           \
-  do {                                                                                           \
-    const int64_t b = (task) / K, h = (task) % K;                                               \
-    flags |= (bf16 ? one_head_bf16 : one_head_float)(                                           \
-        (const char *)q + (task) * G * E * size, G, E, (const char *)k + (b * kb + h * kh) * size, \
-        ks, (const char *)v + (b * vb + h * vh) * size, vs, Ev, S, NULL,                         \
-        mask ? mask + b * mb : NULL,                                                             \
-        msk, scale, cap, (char *)out + (task) * G * Ev * size);                                       \
-  } while (0)
-  if (parallel) {
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flags)
-    for (int64_t task = 0; task < tasks; task++) ONE_TASK(task);
-  } else {
-    for (int64_t task = 0; task < tasks; task++) ONE_TASK(task);
-  }
-#undef ONE_TASK
-  return flags;
+  const struct heads p = {.q = q, .k = k, .v = v, .out = out, .K = K, .G = G, .E = E, .Ev = Ev,
+                          .size = size, .kb = kb, .kh = kh, .ks = ks, .vb = vb, .vh = vh,
+                          .vs = vs, .S = S, .mb = mb, .msk = msk, .mask = mask, .scale = scale,
+                          .cap = cap, .bf16 = bf16};
+  return run_heads(&p, tasks, tasks > 1 && threads > 1 && tasks * S * E >= PARALLEL_MIN, threads);
 }
 
 /* The same over a paged cache: every sequence's keys/values are rows of one pool, k/v (slots, K,
@@ -234,23 +258,9 @@ int attnkit_paged_one_query_attention(const void *q, int64_t B, int64_t K, int64
       if (rows[b * width + j] < 0 || rows[b * width + j] >= slots) return BAD_INDEX;
     keys += count[b];
   }
-  int flags = 0;
-  (void)threads;
-  const int parallel = tasks > 1 && threads > 1 && keys * K * E >= PARALLEL_MIN;
-#define ONE_TASK(task)                                                                           \
-  do {                                                                                           \
-    const int64_t b = (task) / K, h = (task) % K;                                               \
-    flags |= (bf16 ? one_head_bf16 : one_head_float)(                                           \
-        (const char *)q + (task) * G * E * size, G, E, (const char *)k + h * kh * size, ks,      \
-        (const char *)v + h * vh * size, vs, Ev, count[b], rows + b * width + first[b], NULL, 0, \
-        scale, cap, (char *)out + (task) * G * Ev * size);                                       \
-  } while (0)
-  if (parallel) {
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : flags)
-    for (int64_t task = 0; task < tasks; task++) ONE_TASK(task);
-  } else {
-    for (int64_t task = 0; task < tasks; task++) ONE_TASK(task);
-  }
-#undef ONE_TASK
-  return flags;
+  const struct heads p = {.q = q, .k = k, .v = v, .out = out, .K = K, .G = G, .E = E, .Ev = Ev,
+                          .size = size, .kh = kh, .ks = ks, .vh = vh, .vs = vs, .width = width,
+                          .rows = rows, .first = first, .count = count, .scale = scale,
+                          .cap = cap, .bf16 = bf16, .paged = 1};
+  return run_heads(&p, tasks, tasks > 1 && threads > 1 && keys * K * E >= PARALLEL_MIN, threads);
 }
