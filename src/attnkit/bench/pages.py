@@ -106,6 +106,20 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
+def _report_table(
+    report: dict[str, Any],
+    source: str,
+    id: str,
+    topic: str,
+    title: str,
+    columns: list[str],
+    rows: list[list[str]],
+    context: str,
+) -> list[Table]:
+    """The one table of a report that gives one, on the machine the report names."""
+    return [Table(id, topic, title, report.get("machine", {}), columns, rows, context, source)]
+
+
 def _vs_tables(report: dict[str, Any], source: str) -> list[Table]:
     """The ``attnkit bench --vs`` report split by topic."""
     machine = report.get("machine", {})
@@ -185,10 +199,8 @@ def _attention_tables(report: dict[str, Any], source: str) -> list[Table]:
         "`python -m attnkit.bench.attention`: causal multi-head self-attention, fp32, the same "
         "inputs through each implementation, interleaved rounds, medians."
     )
-    return [
-        Table("attention", "core", "Causal self-attention", report.get("machine", {}),
-              columns, cells, context, source)
-    ]  # fmt: skip
+    return _report_table(report, source, "attention", "core", "Causal self-attention", columns,
+                         cells, context)  # fmt: skip
 
 
 def _quantization_tables(report: dict[str, Any], source: str) -> list[Table]:
@@ -214,10 +226,8 @@ def _quantization_tables(report: dict[str, Any], source: str) -> list[Table]:
         "the weights' bytes per step over the measured read bandwidth "
         f"({speed['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s)."
     )
-    return [
-        Table("quantization-speed", "quantization", "Decode steps by weight type",
-              report.get("machine", {}), columns, cells, context, source)
-    ]  # fmt: skip
+    return _report_table(report, source, "quantization-speed", "quantization",
+                         "Decode steps by weight type", columns, cells, context)  # fmt: skip
 
 
 def _layout_tables(report: dict[str, Any], source: str) -> list[Table]:
@@ -296,10 +306,8 @@ def _speculative_tables(report: dict[str, Any], source: str) -> list[Table]:
         "most proposals are kept; the drafts-fail row samples, so its proposals are rejected. "
         "kept = share of the proposed tokens the model kept."
     )
-    return [
-        Table("speculative", "decoding", "Speculative decoding", report.get("machine", {}),
-              columns, cells, context, source)
-    ]  # fmt: skip
+    return _report_table(report, source, "speculative", "decoding", "Speculative decoding",
+                         columns, cells, context)  # fmt: skip
 
 
 def _serving_engine_tables(report: dict[str, Any], source: str) -> list[Table]:
@@ -330,10 +338,9 @@ def _serving_engine_tables(report: dict[str, Any], source: str) -> list[Table]:
         f"prompt tokens and {t['max_tokens']} new ones, sent one at a time then all at once, "
         "interleaved rounds, medians."
     )
-    return [
-        Table("serving-engine", "serving", "Continuous batching, paged KV cache, prefix cache",
-              report.get("machine", {}), ["measure", "result", "target"], rows, context, source)
-    ]  # fmt: skip
+    return _report_table(report, source, "serving-engine", "serving",
+                         "Continuous batching, paged KV cache, prefix cache",
+                         ["measure", "result", "target"], rows, context)  # fmt: skip
 
 
 def _record_tables(data: dict[str, Any], source: str) -> list[Table]:
@@ -374,11 +381,10 @@ def _flex_tables(report: dict[str, Any], source: str) -> list[Table]:
         "SDPA, fp32, batch 1, side by side in one process, interleaved rounds, medians; x = peer "
         "time / attnkit time (above 1: attnkit is faster)."
     )
-    return [
-        Table("flex", "structured", "FlexAttention's API without compiling",
-              report.get("machine", {}), ["job", "attnkit", "peer", "peer's", "x", "target",
-              "note"], cells, context, source)
-    ]  # fmt: skip
+    return _report_table(report, source, "flex", "structured",
+                         "FlexAttention's API without compiling",
+                         ["job", "attnkit", "peer", "peer's", "x", "target", "note"], cells,
+                         context)  # fmt: skip
 
 
 _ADAPTERS: dict[str, Callable[[dict[str, Any], str], list[Table]]] = {

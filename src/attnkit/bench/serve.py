@@ -29,7 +29,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -337,21 +337,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
-    """The :class:`LoadConfig` of parsed options (``ValueError`` naming a bad one)."""
-    return LoadConfig(
-        url=args.url,
-        model=args.model,
-        concurrency=args.concurrency,
-        requests=args.requests,
-        max_tokens=args.max_tokens,
-        prompt=args.prompt,
-        distinct_prompts=args.distinct_prompts,
-        endpoint=args.endpoint,
-        temperature=args.temperature,
-        ignore_eos=args.ignore_eos,
-        api_key=args.api_key,
-        timeout=args.timeout,
-    )
+    """The :class:`LoadConfig` of parsed options (``ValueError`` naming a bad one): each field
+    is the option of its name (``max_tokens`` is ``--max-tokens``)."""
+    return LoadConfig(**{f.name: getattr(args, f.name) for f in fields(LoadConfig)})
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+from attnkit.commands.options import add_dtype_option, add_quantize_option
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,17 +67,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--repetition-penalty", type=float, default=None, help="> 1 discourages repeats"
     )
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    parser.add_argument(
-        "--dtype", choices=DTYPES, default="float32", help="parameter dtype (default: float32)"
-    )
+    add_dtype_option(parser, "parameter dtype (default: float32)")
     parser.add_argument(
         "--system", default=None, metavar="TEXT", help="a system message (generate: implies --chat)"
     )
-    parser.add_argument(
-        "--quantize",
-        choices=("int8", "int4"),
-        default=None,
-        help="weight-only quantization of the linears after loading (default: none)",
+    add_quantize_option(
+        parser, "weight-only quantization of the linears after loading (default: none)"
     )
     parser.add_argument(
         "--compile",

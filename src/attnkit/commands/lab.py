@@ -47,6 +47,9 @@ FIELD_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("training", "--eval-every", int, "evaluate every N steps (50)"),
     ("training", "--save-every", int, "checkpoint every N steps (0: at the end only)"),
 )
+# The field a FIELD_OPTIONS flag overrides has the flag's name (``--ffn-dim``: ``ffn_dim``), but
+# for these.
+FIELD_RENAMES = {"layers": "num_layers", "heads": "num_heads"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,28 +136,12 @@ def _config(args: argparse.Namespace) -> LabConfig:
     if args.task not in TASKS:
         raise ValueError(f"unknown task {args.task!r}; valid tasks: {', '.join(TASKS)}")
     base = with_overrides(LabConfig(task=args.task), **TASK_DEFAULTS[args.task])
+    fields: dict[str, object] = {}
+    for _, flag, _, _ in FIELD_OPTIONS:
+        dest = flag.removeprefix("--").replace("-", "_")  # where argparse stored the value
+        fields[FIELD_RENAMES.get(dest, dest)] = getattr(args, dest)
     return with_overrides(
-        base,
-        seed=args.seed,
-        positions=args.positions,
-        dim=args.dim,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        ffn_dim=args.ffn_dim,
-        dropout=args.dropout,
-        seq_len=args.seq_len,
-        num_symbols=args.num_symbols,
-        max_seq_len=args.max_seq_len,
-        rope_base=args.rope_base,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        eval_size=args.eval_size,
-        eval_every=args.eval_every,
-        save_every=args.save_every,
-        dtype=args.dtype,
+        base, seed=args.seed, positions=args.positions, dtype=args.dtype, **fields
     )
 
 

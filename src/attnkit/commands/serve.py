@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+from attnkit.commands.options import add_dtype_option, add_quantize_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,15 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the names requests give the models, one per MODEL (default: folder names)",
     )
-    parser.add_argument(
-        "--dtype", choices=DTYPES, default="float32", help="decoder parameter dtype (float32)"
-    )
-    parser.add_argument(
-        "--quantize",
-        choices=("int8", "int4"),
-        default=None,
-        help="weight-only quantization of the decoders' linears (default: none)",
-    )
+    add_dtype_option(parser, "decoder parameter dtype (float32)")
+    add_quantize_option(parser, "weight-only quantization of the decoders' linears (default: none)")
     parser.add_argument(
         "--max-batch", type=int, default=16, help="most requests running at once per model (16)"
     )

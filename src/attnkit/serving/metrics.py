@@ -9,7 +9,7 @@ Needs ``prometheus-client`` (the ``serve`` extra).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -73,40 +73,37 @@ class ServerMetrics:
 
     def __init__(self, engines: Callable[[], Iterable[tuple[str, Any]]] = lambda: ()) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
+        self.requests = self._counter(
             "attnkit_requests",
             "requests by endpoint and outcome: ok, abort (the client went away), client_error "
             "(a 4xx), error (a 5xx)",
-            ["model", "endpoint", "outcome"],
-            registry=self.registry,
+            "endpoint",
+            "outcome",
         )
-        self.prompt_tokens = Counter(
-            "attnkit_prompt_tokens", "prompt tokens read", ["model"], registry=self.registry
+        self.prompt_tokens = self._counter("attnkit_prompt_tokens", "prompt tokens read")
+        self.cached_tokens = self._counter(
+            "attnkit_prompt_tokens_cached", "prompt tokens served from the prefix cache"
         )
-        self.cached_tokens = Counter(
-            "attnkit_prompt_tokens_cached",
-            "prompt tokens served from the prefix cache",
-            ["model"],
-            registry=self.registry,
-        )
-        self.generated_tokens = Counter(
-            "attnkit_generated_tokens", "tokens generated", ["model"], registry=self.registry
-        )
-        self.ttft = Histogram(
+        self.generated_tokens = self._counter("attnkit_generated_tokens", "tokens generated")
+        self.ttft = self._histogram(
             "attnkit_time_to_first_token_seconds",
             "time from a request's arrival to its first generated token",
-            ["model"],
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
+            TTFT_BUCKETS,
         )
-        self.token_latency = Histogram(
+        self.token_latency = self._histogram(
             "attnkit_time_per_output_token_seconds",
             "time between consecutive generated tokens of a request",
-            ["model"],
-            buckets=TOKEN_BUCKETS,
-            registry=self.registry,
+            TOKEN_BUCKETS,
         )
         self.registry.register(_EngineCollector(engines))
+
+    def _counter(self, name: str, documentation: str, *labels: str) -> Counter:
+        """A counter of this server's registry, labelled by ``model`` and then ``labels``."""
+        return Counter(name, documentation, ["model", *labels], registry=self.registry)
+
+    def _histogram(self, name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
+        """A histogram of this server's registry, labelled by ``model``."""
+        return Histogram(name, documentation, ["model"], buckets=buckets, registry=self.registry)
 
     def request(self, model: str, endpoint: str, outcome: str) -> None:
         """Count one finished (or refused) request."""

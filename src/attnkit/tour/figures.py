@@ -34,6 +34,13 @@ def _title(ax: Any, title: str) -> None:
     ax.legend(fontsize=8)
 
 
+def _log_log(ax: Any, xs: list[Any], labels: list[str], xlabel: str, ylabel: str) -> None:
+    """Log-log axes ticked at the measured ``xs`` alone (no minor ticks between them)."""
+    ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel)
+    ax.set_xticks(xs, labels)
+    ax.minorticks_off()
+
+
 def draw_scaled_scores(result: ClaimResult) -> Figure:
     """Claim 1: the std of the scores against d, with and without the scale."""
     rows = result.measured["per_dim"]
@@ -282,9 +289,7 @@ def draw_qk_norm(result: ClaimResult) -> Figure:
     ax.plot(gains, plain, "o-", color="#d62728", label=f"no qk-norm (slope {m['plain_slope']:.2f})")
     ax.plot(gains, [plain[0] * (g / gains[0]) ** 2 for g in gains], "k:", lw=1, label="∝ g²")
     ax.plot(gains, [r["normed_std"] for r in rows], "o-", color="#1f77b4", label="RMSNorm on q, k")
-    ax.set(xscale="log", yscale="log", xlabel="gain g of the tokens", ylabel="std of the scores")
-    ax.set_xticks(gains, [f"{g:g}" for g in gains])
-    ax.minorticks_off()
+    _log_log(ax, gains, [f"{g:g}" for g in gains], "gain g of the tokens", "std of the scores")
     _title(ax, "Scores read from the weights as the activations grow")
     return fig
 
@@ -337,10 +342,8 @@ def draw_window_cost(result: ClaimResult) -> Figure:
             label=f"causal (slope {m['causal_slope']:.2f})")  # fmt: skip
     ax.plot(ns, [r["window_blocks"] for r in rows], "o-", color="#1f77b4",
             label=f"window {m['window']} (slope {m['window_slope']:.2f})")  # fmt: skip
-    ax.set(xscale="log", yscale="log", xlabel="sequence length N",
-           ylabel=f"computed blocks of {m['block_size']}²")  # fmt: skip
-    ax.set_xticks(ns, [str(n) for n in ns])
-    ax.minorticks_off()
+    _log_log(ax, ns, [str(n) for n in ns], "sequence length N",
+             f"computed blocks of {m['block_size']}²")  # fmt: skip
     _title(ax, "Blocks a block mask computes")
     return fig
 

@@ -14,6 +14,12 @@
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
 from attnkit.bench.quantization.kernels import kernel_rows, model_matrices
 from attnkit.bench.quantization.quality import (
     QUALITY_LM,
@@ -40,6 +46,7 @@ __all__ = [
     "load_peak",
     "minilm_cosines",
     "model_matrices",
+    "parse_sections",
     "quality_rows",
     "quantization_quality",
     "quantize_rows",
@@ -50,3 +57,24 @@ __all__ = [
     "torchao_variants",
     "train_text_lm",
 ]
+
+
+def parse_sections(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, sections: Sequence[str], out: Path
+) -> argparse.Namespace:
+    """Add the options that end both quantization benchmarks' command lines, parse ``argv`` and
+    apply ``--threads``.
+
+    The options: ``--threads`` (torch intra-op threads, 1 unless given; 0 keeps torch's choice),
+    ``--skip SECTION`` (repeatable, one of ``sections``) and ``--out`` (the JSON file, ``out``
+    unless given).
+    """
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)"
+    )
+    parser.add_argument("--skip", action="append", default=[], choices=sections)
+    parser.add_argument("--out", type=Path, default=out)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args

@@ -271,14 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--only", action="append", default=[], help="speed: only this variant (repeatable)"
     )
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)"
-    )
-    parser.add_argument("--skip", action="append", default=[], choices=SECTIONS)
-    parser.add_argument("--out", type=Path, default=RESULTS / "quantization.json")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = bq.parse_sections(parser, argv, SECTIONS, RESULTS / "quantization.json")
     _, held_out = bq.english_text()
     result: dict[str, Any] = {}
     targets: list[dict[str, Any]] = []

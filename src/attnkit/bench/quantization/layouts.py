@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from attnkit.bench.decoding.models import QUANT_MODELS
+from attnkit.bench.quantization import parse_sections
 from attnkit.bench.quantization.quality import _windows, english_text, text_ids, train_text_lm
 from attnkit.bench.quantization.speed import quantization_quality
 from attnkit.bench.results import RESULTS, bench_parser, write_report
@@ -234,14 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--shape", default="llama-135m", choices=sorted(QUANT_MODELS))
     parser.add_argument("--new", type=int, default=16, help="gguf: tokens per timed decode")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)"
-    )
-    parser.add_argument("--skip", action="append", default=[], choices=SECTIONS)
-    parser.add_argument("--out", type=Path, default=RESULTS / "quantization-layouts.json")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_sections(parser, argv, SECTIONS, RESULTS / "quantization-layouts.json")
     result: dict[str, Any] = {}
     if "layouts" not in args.skip:
         lm_dir = Path(args.lm_dir)
