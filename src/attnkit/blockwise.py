@@ -55,7 +55,7 @@ from torch import Tensor
 
 from attnkit.kernels import attention as attention_kernels
 from attnkit.kernels import policy
-from attnkit.masks import Structure, offset_mask
+from attnkit.masks import Span, Structure, offset_mask
 
 __all__ = [
     "TileRun",
@@ -91,8 +91,8 @@ class TileRun:
             every pair is allowed.
         causal: ``allowed`` is exactly top-left causal on square tiles, which the kernel's
             ``is_causal`` computes without a mask and skipping the blocks above the diagonal.
-        shared: Arguments of :func:`attnkit.masks.offset_mask` when ``allowed`` is shared by
-            every tile (positional constraints only), so the additive mask comes from a cache.
+        shared: The :class:`~attnkit.masks.Span` of every tile when ``allowed`` is shared by
+            them all (positional constraints only), so the additive mask comes from a cache.
         empty: Bool ``(count or 1, 1, rows, 1)``: queries that may attend no key of the span
             (their output is set to zero, which the kernel gives only for finite queries), or
             ``None`` when every query has a key.
@@ -109,7 +109,7 @@ class TileRun:
     width: int
     allowed: Tensor | None
     causal: bool = False
-    shared: tuple[int, int, int, bool, int | None, Any] | None = None
+    shared: Span | None = None
     empty: Tensor | None = None
 
 
@@ -212,7 +212,7 @@ def plan_runs(
             if has_cut:
                 allowed = _tile_masks(L, S, tile, rules)
             else:
-                shared = (h, w, off, causal, window, device)
+                shared = Span(h, w, off, causal, window, device)
                 band = offset_mask(*shared)
                 allowed = None if band is None else band.unsqueeze(0)
             square = causal and off == 0 and h == w and (window is None or window >= h)
@@ -340,9 +340,7 @@ def attend_positional(
     Shape:
         q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
     """
-    out: Tensor = _PositionalFlash.apply(
-        q, k, v, structure.causal, structure.window, scale, products
-    )
+    out: Tensor = _PositionalFlash.apply(q, k, v, structure, scale, products)
     return out
 
 
@@ -352,20 +350,11 @@ class _PositionalFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool,
-        window: int | None,
-        scale: float,
-        products: str,
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, structure: Structure, scale: float, products: str
     ) -> Tensor:
-        out, lse = attention_kernels.flash_attention(
-            q, k, v, scale=scale, causal=causal, window=window, products=products
-        )
+        ctx.options = {"scale": scale, "causal": structure.causal, "window": structure.window}
+        out, lse = attention_kernels.flash_attention(q, k, v, products=products, **ctx.options)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = {"scale": scale, "causal": causal, "window": window}
         return out
 
     @staticmethod
@@ -374,7 +363,7 @@ class _PositionalFlash(torch.autograd.Function):
         dq, dk, dv = attention_kernels.flash_attention_backward(
             grad_out, q, k, v, out, lse, **ctx.options
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 class _FlashRuns(torch.autograd.Function):
@@ -556,17 +545,9 @@ def _tile_masks(L: int, S: int, tile: TileRun, rules: Structure) -> Tensor | Non
 
 
 @functools.lru_cache(maxsize=256)
-def _offset_additive(
-    rows: int,
-    width: int,
-    offset: int,
-    causal: bool,
-    window: int | None,
-    device: Any,
-    dtype: torch.dtype,
-) -> Tensor | None:
+def _offset_additive(span: Span, dtype: torch.dtype) -> Tensor | None:
     """:func:`attnkit.masks.offset_mask` as the kernel's additive mask in ``dtype`` (cached)."""
-    band = offset_mask(rows, width, offset, causal, window, device)
+    band = offset_mask(*span)
     return None if band is None else _additive(band.unsqueeze(0), dtype)
 
 
@@ -593,7 +574,7 @@ def _kernel_mask(r: TileRun, dtype: torch.dtype) -> Tensor | None:
     if r.causal or r.allowed is None:
         return None
     if r.shared is not None:
-        return _offset_additive(*r.shared, dtype)
+        return _offset_additive(r.shared, dtype)
     return _additive(r.allowed, dtype)
 
 

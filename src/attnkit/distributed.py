@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from attnkit.functional import check_heads
 from attnkit.kernels import attention as attention_kernels
 from attnkit.kernels import build, policy
 
@@ -45,7 +46,7 @@ __all__ = [
 
 Layout = Literal["contiguous", "zigzag"]
 #: The ways a sequence can be laid out over the ranks.
-LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -491,22 +492,12 @@ def ring_attention(
         q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
 
     Raises:
-        TypeError: Non-tensor or non-float inputs, or mismatched dtypes/devices.
-        ValueError: Inputs not 4-d, mismatched batch/head/length/dims, ``H % K != 0``,
-            ``causal`` with ``L != S``, an odd zigzag shard, a bad ``scale``, ``layout`` or
-            ``chunk``.
+        TypeError: Non-tensor or non-float inputs, or mismatched dtypes.
+        ValueError: Inputs not 4-d or on different devices, mismatched batch/head/length/dims,
+            ``H % K != 0``, ``causal`` with ``L != S``, an odd zigzag shard, a bad ``scale``,
+            ``layout`` or ``chunk``.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be floating point, got {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be (B, heads, length, dim), got {tuple(t.shape)}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.device == k.device == v.device:
-        raise TypeError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    check_heads(q, k, v, ("q", "k", "v"))
     (B, H, L, E), (Bk, K, S, Ek) = q.shape, k.shape
     if Bk != B or v.shape[:3] != k.shape[:3] or Ek != E:
         raise ValueError(

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, overload
 
 import torch
 import torch.nn.functional as F
@@ -177,10 +177,6 @@ def attend(
         dropout=dropout_p > 0.0,
         softcap=softcap is not None,
     )
-    if plan.path == "capped":
-        assert softcap is not None
-        return _attend_capped(q, k, v, mask, rules, scale, dropout_p, softcap, plan.capped,
-                              return_weights)  # fmt: skip
     tiles = None
     if plan.path in ("flash", "tiles"):
         tiles = sparse.tile_plan(L, S, rules, math.prod(q.shape[:-3]), q.device, plan.rows)
@@ -189,8 +185,13 @@ def attend(
     if tiles is not None:
         out = attend_tiles(q, k, v, tiles, scale=scale, dropout_p=dropout_p, kernels=plan.tiles)
         return out, None
-    return _attend_dense(q, k, v, mask, rules, scale, dropout_p, explicit=plan.path == "explicit",
-                         return_weights=return_weights)  # fmt: skip
+    call = _Call(q, k, v, mask, rules, scale, dropout_p, return_weights)
+    if plan.path == "capped":
+        assert softcap is not None
+        out, weights = _attend_capped(call, softcap, plan.capped)
+    else:
+        out, weights = _attend_dense(call, explicit=plan.path == "explicit")
+    return out, weights if return_weights else None
 
 
 def _checked(
@@ -237,20 +238,26 @@ def _call_fields(q: Tensor, k: Tensor, v: Tensor, rules: M.Structure) -> dict[st
     }
 
 
-def _attend_dense(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    rules: M.Structure,
-    scale: float,
-    dropout_p: float,
-    *,
-    explicit: bool,
-    return_weights: bool,
-) -> tuple[Tensor, Tensor | None]:
+class _Call(NamedTuple):
+    """A checked :func:`attend` call on one of its dense paths (:func:`_attend_dense`,
+    :func:`_attend_capped`): the arguments as :func:`attend`'s, ``mask`` bool or
+    :func:`attnkit.masks.as_additive`, ``rules`` its checked structure."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Tensor | None
+    rules: M.Structure
+    scale: float
+    dropout_p: float
+    return_weights: bool
+
+
+def _attend_dense(call: _Call, *, explicit: bool) -> tuple[Tensor, Tensor | None]:
     """:func:`attend` on torch's fused kernel, or the explicit math (``explicit``), with the
-    structure folded into one bool constraint; arguments as :func:`attend`'s, checked."""
+    structure folded into one bool constraint; ``(out, weights or None)``, weights only from
+    the explicit math."""
+    q, k, v, mask, rules, scale, dropout_p, _ = call
     L, S = q.shape[-2], k.shape[-2]
     gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
     # Plain causal stays is_causal where L == S (top-left and bottom-right alignment coincide).
@@ -274,8 +281,7 @@ def _attend_dense(
         )
         return out, None
 
-    out, weights = _without_leaks(run, q, k, v, allowed, scale=scale)
-    return out, weights if return_weights else None
+    return _without_leaks(run, q, k, v, allowed, scale=scale)
 
 
 def one_query(
@@ -601,23 +607,12 @@ def _fused_attention(
     return out
 
 
-def _attend_capped(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    rules: M.Structure,
-    scale: float,
-    dropout_p: float,
-    softcap: float,
-    kernel: str,
-    return_weights: bool,
-) -> tuple[Tensor, Tensor | None]:
+def _attend_capped(call: _Call, softcap: float, kernel: str) -> tuple[Tensor, Tensor | None]:
     """:func:`attend` with soft-capped scores: :func:`attnkit.softcap.capped_attention` on the
     policy's ``kernel`` (:func:`~attnkit.kernels.policy.capped_kernel`), which reads only the
     key span each chunk of queries may attend, under the non-finite rules of
-    :func:`_without_leaks` (arguments as :func:`attend`'s, checked; ``mask`` bool or
-    :func:`attnkit.masks.as_additive`)."""
+    :func:`_without_leaks`; ``(out, weights or None)``."""
+    q, k, v, mask, rules, scale, dropout_p, return_weights = call
     L, S = q.shape[-2], k.shape[-2]
     grads = _grads(q, k, v)
 
@@ -648,10 +643,9 @@ def _attend_capped(
             kernel=kernel,
         )
 
-    out, weights = _without_leaks(
+    return _without_leaks(
         run, q, k, v, allowed, scale=scale, softcap=softcap, search_first=search_first
     )
-    return out, weights if return_weights else None
 
 
 def _explicit_attention(
@@ -693,6 +687,30 @@ def _explicit_attention(
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return (weights @ v).to(dtype), weights.to(dtype)  # (..., H, L, Ev), (..., H, L, S)
+
+
+def check_heads(
+    q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("query", "key", "value")
+) -> None:
+    """The first checks of an entry point that takes ``(B, heads, length, E)`` inputs only:
+    three float tensors of 4 dims, of one dtype and on one device (``names`` in the errors).
+
+    Raises:
+        TypeError: Non-tensor or non-float inputs, mixed dtypes.
+        ValueError: Inputs that are not 4-dim, mixed devices.
+    """
+    for name, t in zip(names, (q, k, v), strict=True):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor, got dtype {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-dim (B, heads, length, E), got {tuple(t.shape)}")
+    together = ", ".join(names)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"{together} dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"{together} devices differ: {q.device}, {k.device}, {v.device}")
 
 
 def check_inputs(

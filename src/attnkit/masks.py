@@ -21,7 +21,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypedDict
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ Align = Literal["bottom_right", "top_left"]
 
 __all__ = [
     "NonFinite",
+    "Span",
     "Structure",
     "StructureArgs",
     "allowed",
@@ -546,6 +547,20 @@ def allowed(mask: Tensor) -> Tensor:
 def row_has_key(mask: Tensor) -> Tensor:
     """Bool ``(..., L, 1)``: does each query row have at least one allowed key?"""
     return allowed(mask).any(dim=-1, keepdim=True)
+
+
+class Span(NamedTuple):
+    """A span of ``width`` keys starting ``offset`` positions after the first of ``rows``
+    consecutive queries, under the positional constraints ``causal`` and ``window``: the
+    arguments of :func:`offset_mask`, and the key of the caches of what is built from its
+    mask (a call repeats the same few spans)."""
+
+    rows: int
+    width: int
+    offset: int
+    causal: bool
+    window: int | None
+    device: Any
 
 
 @functools.lru_cache(maxsize=256)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +37,7 @@ from torch import Tensor
 
 from attnkit.kernels import attention as attention_kernels
 from attnkit.kernels import policy
-from attnkit.masks import Structure, offset_mask
+from attnkit.masks import Span, Structure, offset_mask
 
 __all__ = ["capped_attention", "decode_step"]
 
@@ -186,7 +185,7 @@ def capped_attention(
                 s.addcmul_(s, s, value=0)
             s.sigmoid_().mul_(_scalar(2 * softcap, s.dtype, s.device))
         s5 = s.view(B, K, G, r, w)
-        band = _positional(r, w, lo - p0, rules.causal, rules.window, q.device, compute)
+        band = _positional(Span(r, w, lo - p0, rules.causal, rules.window, q.device), compute)
         ok = empty = None
         if grads or rules.batched or bmask is not None or fmask is not None:
             ok = band.ok
@@ -382,18 +381,11 @@ class _Band:
 
 
 @functools.lru_cache(maxsize=256)
-def _positional(
-    rows: int,
-    width: int,
-    offset: int,
-    causal: bool,
-    window: int | None,
-    device: Any,
-    dtype: torch.dtype,
-) -> _Band:
-    """The :class:`_Band` of a span starting ``offset`` keys after the chunk's first query
-    position (cached: a prefill repeats the same few shapes)."""
-    ok = offset_mask(rows, width, offset, causal, window, device)
+def _positional(span: Span, dtype: torch.dtype) -> _Band:
+    """The :class:`_Band` of a chunk's key span (cached: a prefill repeats the same few
+    shapes)."""
+    ok = offset_mask(*span)
+    rows, width, device = span.rows, span.width, span.device
     if ok is None:
         return _Band(None, (), None)
     cut_columns = (~ok).any(dim=0).tolist()

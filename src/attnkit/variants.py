@@ -34,7 +34,8 @@ __all__ = ["FlexVariant", "explicit_attention"]
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
-# key -> variant, for the custom op (its graph holds the key, a string).
+# key -> variant: the custom op's graph holds the key, a string, and its kernel (:func:`_flex`,
+# also the eager call) looks the variant up by it.
 _LIVE: "weakref.WeakValueDictionary[str, FlexVariant]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
@@ -203,7 +204,7 @@ class FlexVariant(nn.Module):
             out = torch.ops.attnkit.flex_layer(q, k, v, q_positions, mask, captured, self.key,
                                                scale)  # fmt: skip
             return out, None
-        return _flex(self, q, k, v, q_positions, mask, captured, scale), None
+        return _flex(q, k, v, q_positions, mask, captured, self.key, scale), None
 
     def extra_repr(self) -> str:
         def text(spec: Any) -> str:
@@ -227,24 +228,27 @@ def _as_4d(mask: Tensor | None, L: int, S: int) -> Tensor | None:
 
 
 def _flex(
-    variant: FlexVariant,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     q_positions: Tensor | None,
     mask: Tensor | None,
     captured: list[Tensor],
+    variant: str,
     scale: float,
 ) -> Tensor:
-    """:func:`attnkit.flex.flex_attention` with the variant's mods and block mask."""
+    """:func:`attnkit.flex.flex_attention` with the mods and block mask of the variant whose
+    ``key`` is ``variant``: an eager call, and the kernel of the custom op
+    ``attnkit::flex_layer``."""
     from attnkit.flex import create_block_mask, flex_attention
 
+    layer = _LIVE[variant]
     B, H, L, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    score_mod, mask_mod = variant.mods(captured, q_positions, _as_4d(mask, L, S))
+    score_mod, mask_mod = layer.mods(captured, q_positions, _as_4d(mask, L, S))
     block_mask = None
     if mask_mod is not None:
         # Per batch entry / head only where something can differ between them.
-        custom = callable(variant.mask_spec)
+        custom = callable(layer.mask_spec)
         batched = custom or (mask is not None and mask.dim() == 4 and mask.shape[0] > 1)
         heads = custom or (mask is not None and mask.dim() >= 3 and mask.shape[-3] > 1)
         block_mask = create_block_mask(
@@ -298,63 +302,43 @@ def explicit_attention(
 # The custom ops: one opaque call per layer under torch.compile.
 
 
-@torch.library.custom_op("attnkit::flex_layer", mutates_args=())
-def _flex_layer(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_positions: Tensor | None,
-    mask: Tensor | None,
-    captured: list[Tensor],
-    variant: str,
-    scale: float,
-) -> Tensor:
-    return _flex(_LIVE[variant], q, k, v, q_positions, mask, captured, scale)
+_flex_layer = torch.library.custom_op("attnkit::flex_layer", _flex, mutates_args=())
 
 
 @_flex_layer.register_fake
-def _flex_layer_fake(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_positions: Tensor | None,
-    mask: Tensor | None,
-    captured: list[Tensor],
-    variant: str,
-    scale: float,
-) -> Tensor:
+def _flex_layer_fake(q: Tensor, k: Tensor, v: Tensor, *_: object) -> Tensor:
+    # (the output's shape is the queries' with the values' head dim; the rest do not change it)
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 @torch.library.custom_op("attnkit::flex_layer_backward", mutates_args=())
 def _flex_layer_backward(
     grad: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    inputs: list[Tensor],
     q_positions: Tensor | None,
     mask: Tensor | None,
-    captured: list[Tensor],
     variant: str,
     scale: float,
 ) -> list[Tensor]:
-    """The gradients of :func:`_flex` by autograd through :mod:`attnkit.flex`'s own backward.
+    """The gradients of :func:`_flex` for its differentiable ``inputs`` (``q``, ``k``, ``v``
+    and the captured tensors, in that order), by autograd through :mod:`attnkit.flex`'s own
+    backward.
 
     A custom op's kernel runs below autograd (the dispatcher excludes its keys in the calling
     thread), so the recomputation runs in a worker thread, whose dispatch state is fresh.
     """
 
     def recompute() -> list[Tensor]:
-        inputs = [t.detach().requires_grad_() for t in (q, k, v, *captured)]
+        leaves = [t.detach().requires_grad_() for t in inputs]
         with torch.enable_grad():
-            qi, ki, vi = inputs[0], inputs[1], inputs[2]
-            out = _flex(_LIVE[variant], qi, ki, vi, q_positions, mask, inputs[3:], scale)
-            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+            q, k, v, *captured = leaves
+            out = _flex(q, k, v, q_positions, mask, captured, variant, scale)
+            grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
         return [
             torch.zeros_like(t, memory_format=torch.contiguous_format)
             if g is None
             else g.contiguous()
-            for t, g in zip(inputs, grads, strict=True)
+            for t, g in zip(leaves, grads, strict=True)
         ]
 
     return _worker().submit(recompute).result()
@@ -371,20 +355,8 @@ _POOL: ThreadPoolExecutor | None = None
 
 
 @_flex_layer_backward.register_fake
-def _flex_layer_backward_fake(
-    grad: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_positions: Tensor | None,
-    mask: Tensor | None,
-    captured: list[Tensor],
-    variant: str,
-    scale: float,
-) -> list[Tensor]:
-    return [
-        torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, *captured)
-    ]
+def _flex_layer_backward_fake(grad: Tensor, inputs: list[Tensor], *_: object) -> list[Tensor]:
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -396,7 +368,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 def _backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
     q, k, v, q_positions, *captured = ctx.saved_tensors
     grads = torch.ops.attnkit.flex_layer_backward(
-        grad, q, k, v, q_positions, ctx.mask, captured, ctx.variant, ctx.scale
+        grad, [q, k, v, *captured], q_positions, ctx.mask, ctx.variant, ctx.scale
     )
     return grads[0], grads[1], grads[2], None, None, list(grads[3:]), None, None
 

@@ -122,8 +122,7 @@ def flex_attention(
         out, lse = _FlexFunction.apply(spec, q, k, v, *caps)
     else:
         with torch.no_grad():
-            run = tiles.forward_fused if mods.fused else tiles.forward
-            out, lse = run(q, k, v, plan, mods, scale)
+            out, lse = tiles.forward(q, k, v, plan, mods, scale)
     out = out.to(dtype)
     return (out, lse.float()) if return_lse else out
 
@@ -225,8 +224,7 @@ class _FlexFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, spec: _Spec, q: Tensor, k: Tensor, v: Tensor, *caps: Tensor) -> Any:
-        run = tiles.forward_fused if spec.mods.fused else tiles.forward
-        out, lse = run(q, k, v, spec.plan, spec.mods, spec.scale)
+        out, lse = tiles.forward(q, k, v, spec.plan, spec.mods, spec.scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
         ctx.mark_non_differentiable(lse)
@@ -236,11 +234,6 @@ class _FlexFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> Any:
         q, k, v, out, lse = ctx.saved_tensors
         spec: _Spec = ctx.spec
-        if spec.mods.fused:
-            dq, dk, dv = tiles.backward_fused(
-                q, k, v, out, lse, grad_out.contiguous(), spec.plan, spec.mods, spec.scale
-            )
-            return (None, dq, dk, dv, *([None] * len(spec.captured)))
         dq, dk, dv, dcaps = tiles.backward(
             q, k, v, out, lse, grad_out.contiguous(), spec.plan, spec.mods, spec.scale,
             spec.captured,
@@ -280,17 +273,7 @@ def _mods(score_mod: ScoreMod | None, block_mask: BlockMask | None, H: int) -> t
 def _check_inputs(
     q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool
 ) -> tuple[int, int, int, int, int]:
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a float tensor, got dtype {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-dim (B, heads, length, E), got {tuple(t.shape)}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"query, key, value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.device == k.device == v.device:
-        raise ValueError(f"query, key, value devices differ: {q.device}, {k.device}, {v.device}")
+    functional.check_heads(q, k, v)
     B, H, L, E = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(f"batch sizes differ: query {B}, key {k.shape[0]}, value {v.shape[0]}")

@@ -81,18 +81,32 @@ def causal() -> Preset:
     return causal_mask
 
 
-class _Window(Preset):
+class _Counted(Preset):
+    """A mask of one whole-number parameter ``n``, named ``kind(n)``: ``n`` must be an int of at
+    least :attr:`least` (:attr:`needs` says so in the error)."""
+
+    kind: str
+    least: int = 1
+    needs: str
+
+    def __init__(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < self.least:
+            raise ValueError(f"{self.kind} needs {self.needs}, got {n!r}")
+        super().__init__(self.kind, f"{self.kind}({n})")
+        self.n = n
+
+
+class _Window(_Counted):
+    kind, needs = "sliding_window", "a positive int window"
+
     def __init__(self, window: int) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"sliding_window needs a positive int window, got {window!r}")
-        super().__init__("sliding_window", f"sliding_window({window})")
-        self.window = window
+        super().__init__(window)
         self.structure = {"causal": True, "window": window}
         self.band = (0.0, float(window - 1))
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         d = q_idx - kv_idx
-        return (d >= 0) & (d < self.window)
+        return (d >= 0) & (d < self.n)
 
 
 def sliding_window(window: int) -> Preset:
@@ -101,15 +115,11 @@ def sliding_window(window: int) -> Preset:
     return _Window(window)
 
 
-class _PrefixLM(Preset):
-    def __init__(self, prefix: int) -> None:
-        if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
-            raise ValueError(f"prefix_lm needs a prefix length >= 0, got {prefix!r}")
-        super().__init__("prefix_lm", f"prefix_lm({prefix})")
-        self.prefix = prefix
+class _PrefixLM(_Counted):
+    kind, least, needs = "prefix_lm", 0, "a prefix length >= 0"
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return (kv_idx < self.prefix) | (q_idx >= kv_idx)
+        return (kv_idx < self.n) | (q_idx >= kv_idx)
 
 
 def prefix_lm(prefix: int) -> Preset:
@@ -117,16 +127,12 @@ def prefix_lm(prefix: int) -> Preset:
     return _PrefixLM(prefix)
 
 
-class _Dilated(Preset):
-    def __init__(self, dilation: int) -> None:
-        if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 1:
-            raise ValueError(f"dilated needs a positive int dilation, got {dilation!r}")
-        super().__init__("dilated", f"dilated({dilation})")
-        self.dilation = dilation
+class _Dilated(_Counted):
+    kind, needs = "dilated", "a positive int dilation"
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         d = q_idx - kv_idx
-        return (d >= 0) & (d % self.dilation == 0)
+        return (d >= 0) & (d % self.n == 0)
 
 
 def dilated(dilation: int) -> Preset:

@@ -192,109 +192,6 @@ def _online(q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, tile: TileFn) -> tu
     return out, lse
 
 
-def forward(
-    q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, mods: Mods, scale: float
-) -> tuple[Tensor, Tensor]:
-    """Attention over the tiles of ``plan``.
-
-    Shape:
-        q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` ->
-        out ``(B, H, L, Ev)``, lse ``(B, H, L)`` (natural log; ``-inf`` for rows that attend
-        nothing, whose output is zero).
-    """
-    B, H = q.shape[0], q.shape[1]
-    K, Ev = k.shape[1], v.shape[-1]
-    G = H // K
-
-    def tile(
-        qt: Tensor, kc: Tensor, vc: Tensor, chunk: Chunk, r0: int, r1: int, idx: Index
-    ) -> tuple[Tensor, Tensor]:
-        Lt, St = r1 - r0, chunk.c1 - chunk.c0
-        s = torch.matmul(qt, kc.transpose(-1, -2)).view(B, H, Lt, St)
-        s = _mask(_scores(s, mods, idx), chunk, mods, idx)
-        lse_c = torch.logsumexp(s, dim=-1, keepdim=True)  # (B, H, Lt, 1)
-        p = torch.softmax(s, dim=-1)  # (NaN rows where every key is masked)
-        o = torch.matmul(p.view(B, K, G * Lt, St), vc).view(B, H, Lt, Ev)
-        return torch.where(lse_c == float("-inf"), 0.0, o), lse_c
-
-    return _online(q * scale, k, v, plan, tile)
-
-
-def backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    grad_out: Tensor,
-    plan: TilePlan,
-    mods: Mods,
-    scale: float,
-    captured: Sequence[Tensor],
-) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
-    """Gradients of :func:`forward`'s output for ``grad_out``, recomputed tile by tile from
-    ``lse``: ``(dq, dk, dv, d captured)`` (``captured``: tensors the ``score_mod`` reads that
-    need gradients; None where one received none)."""
-    B, H, _, E = q.shape
-    K, Ev = k.shape[1], v.shape[-1]
-    G = H // K
-    dev = q.device
-    qs = q * scale
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dcap: list[Tensor | None] = [None] * len(captured)
-    delta = (grad_out * out).sum(dim=-1)  # (B, H, L)
-    lse = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
-    autograd = mods.score_mod is not None and not mods.identity_grad
-    for r0, r1, chunks in plan.rows:
-        if not chunks:
-            continue
-        Lt = r1 - r0
-        qt = qs[:, :, r0:r1].reshape(B, K, G * Lt, E)
-        dot = grad_out[:, :, r0:r1].reshape(B, K, G * Lt, Ev)
-        lse_t = lse[:, :, r0:r1].unsqueeze(-1)
-        delta_t = delta[:, :, r0:r1].unsqueeze(-1)
-        rows = torch.arange(r0, r1, device=dev)
-        dq_t = torch.zeros(B, K, G * Lt, E, dtype=q.dtype, device=dev)
-        for chunk in chunks:
-            c0, c1 = chunk.c0, chunk.c1
-            kc, vc = k[:, :, c0:c1], v[:, :, c0:c1]
-            St = c1 - c0
-            idx = index_tensors(B, H, rows, torch.arange(c0, c1, device=dev))
-            s_raw = torch.matmul(qt, kc.transpose(-1, -2)).view(B, H, Lt, St)
-            s_in: Tensor | None
-            s_mod: Tensor | None
-            if autograd:
-                assert mods.score_mod is not None
-                with torch.enable_grad():
-                    s_in = s_raw.detach().requires_grad_()
-                    s_mod = mods.score_mod(s_in, *idx)
-                s = s_mod.detach().expand(B, H, Lt, St).clone()
-            else:
-                s_mod = s_in = None
-                s = _scores(s_raw, mods, idx)
-            s = _mask(s, chunk, mods, idx)
-            p = s.sub_(lse_t).exp_()  # (B, H, Lt, St)
-            pk = p.view(B, K, G * Lt, St)
-            dv[:, :, c0:c1] += torch.matmul(pk.transpose(-1, -2), dot)
-            dp = torch.matmul(dot, vc.transpose(-1, -2)).view(B, H, Lt, St)
-            ds = p.mul_(dp.sub_(delta_t))  # (B, H, Lt, St)
-            if autograd:
-                assert s_mod is not None and s_in is not None
-                wanted = [s_in, *captured]
-                grads = torch.autograd.grad(
-                    s_mod, wanted, grad_outputs=ds.sum_to_size(s_mod.shape), allow_unused=True
-                )
-                for n, g in enumerate(grads[1:]):
-                    if g is not None:
-                        dcap[n] = g if dcap[n] is None else dcap[n] + g  # type: ignore[operator]
-                ds = grads[0] if grads[0] is not None else torch.zeros_like(ds)
-            dsk = ds.reshape(B, K, G * Lt, St)
-            dq_t += torch.matmul(dsk, kc)
-            dk[:, :, c0:c1] += torch.matmul(dsk.transpose(-1, -2), qt)
-        dq[:, :, r0:r1] = dq_t.view(B, H, Lt, E) * scale
-    return dq, dk, dv, dcap
-
-
 def _bias_tile(
     chunk: Chunk, mods: Mods, idx: tuple[Tensor, Tensor, Tensor, Tensor], dtype: torch.dtype
 ) -> tuple[Tensor | None, Tensor | None]:
@@ -395,15 +292,22 @@ def _fused_tile_mask(
     return causal, bias, empty
 
 
-def forward_fused(
+def forward(
     q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, mods: Mods, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """:func:`forward` for :attr:`Mods.fused` modifications: one fused kernel call per tile."""
+    """Attention over the tiles of ``plan``; :attr:`Mods.fused` modifications make one fused
+    kernel call per tile.
+
+    Shape:
+        q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` ->
+        out ``(B, H, L, Ev)``, lse ``(B, H, L)`` (natural log; ``-inf`` for rows that attend
+        nothing, whose output is zero).
+    """
     B, H = q.shape[0], q.shape[1]
     K, Ev = k.shape[1], v.shape[-1]
     G = H // K
 
-    def tile(
+    def fused_tile(
         qt: Tensor, kc: Tensor, vc: Tensor, chunk: Chunk, r0: int, r1: int, idx: Index
     ) -> tuple[Tensor, Tensor]:
         Lt = r1 - r0
@@ -415,10 +319,56 @@ def forward_fused(
             lse_c = lse_c.masked_fill(empty, float("-inf"))
         return o, lse_c
 
-    return _online(q, k, v, plan, tile)
+    def tile(
+        qt: Tensor, kc: Tensor, vc: Tensor, chunk: Chunk, r0: int, r1: int, idx: Index
+    ) -> tuple[Tensor, Tensor]:
+        Lt, St = r1 - r0, chunk.c1 - chunk.c0
+        s = torch.matmul(qt, kc.transpose(-1, -2)).view(B, H, Lt, St)
+        s = _mask(_scores(s, mods, idx), chunk, mods, idx)
+        lse_c = torch.logsumexp(s, dim=-1, keepdim=True)  # (B, H, Lt, 1)
+        p = torch.softmax(s, dim=-1)  # (NaN rows where every key is masked)
+        o = torch.matmul(p.view(B, K, G * Lt, St), vc).view(B, H, Lt, Ev)
+        return torch.where(lse_c == float("-inf"), 0.0, o), lse_c
+
+    if mods.fused:
+        return _online(q, k, v, plan, fused_tile)
+    return _online(q * scale, k, v, plan, tile)
 
 
-def backward_fused(
+# One tile of a backward: (key chunk, value chunk, chunk, index tensors) -> the gradients of
+# the query block's rows ``(B, K, G*Lt, E)`` (a tensor of the tile's own: later tiles of the
+# block are added to it in place) and of the chunk's keys and values ``(B, K, St, E or Ev)``.
+BackwardTileFn = Callable[[Tensor, Tensor, Chunk, Index], tuple[Tensor, Tensor, Tensor]]
+
+
+def _tiled_backward(
+    q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, rows: Callable[[int, int], BackwardTileFn]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Run the tile backward that ``rows(r0, r1)`` gives for each query block of ``plan`` (it
+    slices the block's rows once) over each chunk of the block, summing the block's query
+    gradients and each chunk's key and value gradients; returns ``(dq, dk, dv)``."""
+    B, H, _, E = q.shape
+    dev = q.device
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for r0, r1, chunks in plan.rows:
+        if not chunks:
+            continue
+        tile = rows(r0, r1)
+        queries = torch.arange(r0, r1, device=dev)
+        dq_t = None
+        for chunk in chunks:
+            c0, c1 = chunk.c0, chunk.c1
+            idx = index_tensors(B, H, queries, torch.arange(c0, c1, device=dev))
+            dqc, dkc, dvc = tile(k[:, :, c0:c1], v[:, :, c0:c1], chunk, idx)
+            dq_t = dqc if dq_t is None else dq_t.add_(dqc)
+            dk[:, :, c0:c1] += dkc
+            dv[:, :, c0:c1] += dvc
+        assert dq_t is not None
+        dq[:, :, r0:r1] = dq_t.reshape(B, H, r1 - r0, E)
+    return dq, dk, dv
+
+
+def backward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -428,36 +378,87 @@ def backward_fused(
     plan: TilePlan,
     mods: Mods,
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`backward` for :attr:`Mods.fused` modifications: the fused kernel's backward per
-    tile, with the whole rows' output and log-sum-exp."""
-    B, H, _, E = q.shape
-    K, Ev = k.shape[1], v.shape[-1]
+    captured: Sequence[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
+    """Gradients of :func:`forward`'s output for ``grad_out``, recomputed tile by tile from
+    ``lse``: ``(dq, dk, dv, d captured)`` (``captured``: tensors the ``score_mod`` reads that
+    need gradients; None where one received none).
+
+    :attr:`Mods.fused` modifications take the fused kernel's backward per tile, with the whole
+    rows' output and log-sum-exp; the captured tensors get none (a fused modification is an
+    additive bias that needs no gradient).
+    """
+    B, H = q.shape[0], q.shape[1]
+    K = k.shape[1]
     G = H // K
-    dev = q.device
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     lse = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
-    for r0, r1, chunks in plan.rows:
-        if not chunks:
-            continue
-        Lt = r1 - r0
-        qt = q[:, :, r0:r1].reshape(B, K, G * Lt, E)
-        dot = grad_out[:, :, r0:r1].reshape(B, K, G * Lt, Ev)
-        ot = out[:, :, r0:r1].reshape(B, K, G * Lt, Ev)
-        lt = lse[:, :, r0:r1].reshape(B, K, G * Lt)
-        rows = torch.arange(r0, r1, device=dev)
-        dq_t = None
-        for chunk in chunks:
-            c0, c1 = chunk.c0, chunk.c1
-            kc, vc = k[:, :, c0:c1], v[:, :, c0:c1]
-            idx = index_tensors(B, H, rows, torch.arange(c0, c1, device=dev))
-            causal, tile, _ = _fused_tile_mask(chunk, r0, r1, mods, idx, q.dtype, G)
+    dcap: list[Tensor | None] = [None] * len(captured)
+
+    def grouped(x: Tensor, r0: int, r1: int) -> Tensor:
+        """Rows ``r0:r1`` of ``x (B, H, L, D)`` grouped by key head: ``(B, K, G * Lt, D)``."""
+        return x[:, :, r0:r1].reshape(B, K, G * (r1 - r0), x.shape[-1])
+
+    def fused_rows(r0: int, r1: int) -> BackwardTileFn:
+        qt, dot, ot = grouped(q, r0, r1), grouped(grad_out, r0, r1), grouped(out, r0, r1)
+        lt = lse[:, :, r0:r1].reshape(B, K, G * (r1 - r0))
+
+        def tile(kc: Tensor, vc: Tensor, chunk: Chunk, idx: Index) -> tuple[Tensor, Tensor, Tensor]:
+            causal, bias, _ = _fused_tile_mask(chunk, r0, r1, mods, idx, q.dtype, G)
             dqc, dkc, dvc = _flash_backward(
-                dot, qt, kc, vc, ot, lt, 0.0, causal, attn_mask=_grouped(tile, K, G), scale=scale
+                dot, qt, kc, vc, ot, lt, 0.0, causal, attn_mask=_grouped(bias, K, G), scale=scale
             )
-            dq_t = dqc if dq_t is None else dq_t + dqc
-            dk[:, :, c0:c1] += dkc
-            dv[:, :, c0:c1] += dvc
-        assert dq_t is not None
-        dq[:, :, r0:r1] = dq_t.reshape(B, H, Lt, E)
-    return dq, dk, dv
+            return dqc, dkc, dvc
+
+        return tile
+
+    if mods.fused:
+        dq, dk, dv = _tiled_backward(q, k, v, plan, fused_rows)
+        return dq, dk, dv, dcap
+
+    qs = q * scale
+    delta = (grad_out * out).sum(dim=-1)  # (B, H, L)
+    autograd = mods.score_mod is not None and not mods.identity_grad
+
+    def score_rows(r0: int, r1: int) -> BackwardTileFn:
+        Lt = r1 - r0
+        qt, dot = grouped(qs, r0, r1), grouped(grad_out, r0, r1)
+        lse_t = lse[:, :, r0:r1].unsqueeze(-1)
+        delta_t = delta[:, :, r0:r1].unsqueeze(-1)
+
+        def tile(kc: Tensor, vc: Tensor, chunk: Chunk, idx: Index) -> tuple[Tensor, Tensor, Tensor]:
+            St = chunk.c1 - chunk.c0
+            s_raw = torch.matmul(qt, kc.transpose(-1, -2)).view(B, H, Lt, St)
+            s_in: Tensor | None
+            s_mod: Tensor | None
+            if autograd:
+                assert mods.score_mod is not None
+                with torch.enable_grad():
+                    s_in = s_raw.detach().requires_grad_()
+                    s_mod = mods.score_mod(s_in, *idx)
+                s = s_mod.detach().expand(B, H, Lt, St).clone()
+            else:
+                s_mod = s_in = None
+                s = _scores(s_raw, mods, idx)
+            s = _mask(s, chunk, mods, idx)
+            p = s.sub_(lse_t).exp_()  # (B, H, Lt, St)
+            pk = p.view(B, K, G * Lt, St)
+            dvc = torch.matmul(pk.transpose(-1, -2), dot)
+            dp = torch.matmul(dot, vc.transpose(-1, -2)).view(B, H, Lt, St)
+            ds = p.mul_(dp.sub_(delta_t))  # (B, H, Lt, St)
+            if autograd:
+                assert s_mod is not None and s_in is not None
+                wanted = [s_in, *captured]
+                grads = torch.autograd.grad(
+                    s_mod, wanted, grad_outputs=ds.sum_to_size(s_mod.shape), allow_unused=True
+                )
+                for n, g in enumerate(grads[1:]):
+                    if g is not None:
+                        dcap[n] = g if dcap[n] is None else dcap[n] + g  # type: ignore[operator]
+                ds = grads[0] if grads[0] is not None else torch.zeros_like(ds)
+            dsk = ds.reshape(B, K, G * Lt, St)
+            return torch.matmul(dsk, kc), torch.matmul(dsk.transpose(-1, -2), qt), dvc
+
+        return tile
+
+    dq, dk, dv = _tiled_backward(q, k, v, plan, score_rows)
+    return dq.mul_(scale), dk, dv, dcap

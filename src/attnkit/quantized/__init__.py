@@ -9,28 +9,10 @@
   and ``q4_1``, f16 scales per group of 32 (or more) inputs, float32 activations.
 """
 
+from attnkit.quantized import int8
 from attnkit.quantized.block import BLOCK_LAYOUTS, BlockLayout, BlockLinear
 from attnkit.quantized.int4 import Int4Linear
-from attnkit.quantized.int8 import (
-    INT8_KERNELS,
-    Int8Kernel,
-    Int8Linear,
-    choose_int8_kernel,
-    default_int8_kernel,
-    int8_kernel_seconds,
-    int8_kernels,
-)
+from attnkit.quantized.int8 import *  # noqa: F403  (the int8 layer and its kernels: int8.__all__)
 
-__all__ = [
-    "BLOCK_LAYOUTS",
-    "INT8_KERNELS",
-    "BlockLayout",
-    "BlockLinear",
-    "Int4Linear",
-    "Int8Kernel",
-    "Int8Linear",
-    "choose_int8_kernel",
-    "default_int8_kernel",
-    "int8_kernel_seconds",
-    "int8_kernels",
-]
+__all__ = ["BLOCK_LAYOUTS", "BlockLayout", "BlockLinear", "Int4Linear"]
+__all__ += int8.__all__
