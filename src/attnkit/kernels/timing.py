@@ -67,7 +67,7 @@ def fp32_row() -> dict[str, Callable[[], Any]]:
     xs = [torch.randn(rows, 576, generator=gen) for rows in FP32_ROW_ROWS]
     rowmajor = _copies(lambda: torch.randn(1536, 576, generator=gen), FP32_ROW_BYTES)
 
-    def each(product: Callable[[torch.Tensor, torch.Tensor], Any]) -> Callable[[Any], None]:
+    def each(product: Callable[[torch.Tensor, torch.Tensor], Any]) -> Callable[[Any], Any]:
         return lambda w: [product(x, w) for x in xs]
 
     calls: dict[str, Callable[[], Any]] = {
