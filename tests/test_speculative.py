@@ -62,6 +62,21 @@ def test_greedy_equals_plain_greedy(lm: TransformerLM, kind: str) -> None:
     assert stats.rounds < 40  # proposals were kept: fewer model forwards than tokens
 
 
+def test_self_draft_reads_the_models_cache(lm: TransformerLM) -> None:
+    # The prompt and the kept tokens are in the model's cache: the self-draft feeds one token a
+    # forward (never the prompt), and the output is still plain greedy decoding's.
+    ids = _repetitive(seed=7)
+    draft = lm.self_draft("int8")
+    lengths: list[int] = []
+    hook = draft.register_forward_pre_hook(lambda _, args: lengths.append(args[0].shape[1]))
+    try:
+        got = lm.generate(ids, 30, assistant_model="int8")
+    finally:
+        hook.remove()
+    assert torch.equal(got, lm.generate(ids, 30))
+    assert lengths and set(lengths) == {1}
+
+
 @pytest.mark.parametrize("kind", ["lookup", "draft"])
 def test_repetition_penalty_sees_the_proposed_tokens(lm: TransformerLM, kind: str) -> None:
     ids = _repetitive(seed=6)

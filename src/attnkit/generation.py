@@ -391,7 +391,13 @@ def _stream(
             proposer = speculative.PromptLookup()
         else:
             proposer = speculative.DraftModel(
-                draft, B, P + max_new_tokens, process, greedy=greedy, generator=generator
+                draft,
+                B,
+                P + max_new_tokens,
+                process,
+                greedy=greedy,
+                generator=generator,
+                model_cache=isinstance(options.get("assistant_model"), str),  # (a self-draft)
             )
         return speculative.decode(
             lm,

@@ -201,6 +201,9 @@ class PromptLookup:
         tokens, lengths = _pad_rows(rows, ids.device)
         return Proposal(tokens, lengths)
 
+    def start(self, caches: list[KVCache]) -> None:
+        """Nothing read from the model's caches."""
+
     def rollback(self, length: int) -> None:
         """Nothing cached."""
 
@@ -209,7 +212,16 @@ class PromptLookup:
 
 
 class DraftModel:
-    """Propose with a draft decoder, one token at a time with its own KV cache.
+    """Propose with a draft decoder, one token at a time with its own KV cache, or with the
+    model's (``model_cache``).
+
+    With ``model_cache`` (a self-draft: the model's own layers with quantized weights, so the
+    caches have the same shapes) the draft reads the model's keys and values of every position
+    the model has computed and writes its own only for the tokens it proposes, which the model's
+    verifying forward then overwrites. Its own keys and values of those positions would be near
+    copies of the model's, and computing them costs a second prefill of the prompt and a second
+    forward of every kept token; proposals are only proposals, so the output is the model's
+    either way.
 
     Args:
         draft: The draft (same vocabulary as the model).
@@ -218,6 +230,7 @@ class DraftModel:
         process: The logits processing of the model's tokens, applied to the draft's too.
         greedy: Propose argmax tokens (a point mass); else sample them from ``q``.
         generator: The sampling's generator.
+        model_cache: Read and write the model's caches (handed over by :meth:`start`).
     """
 
     def __init__(
@@ -229,12 +242,19 @@ class DraftModel:
         *,
         greedy: bool,
         generator: torch.Generator | None = None,
+        model_cache: bool = False,
     ) -> None:
         self.draft, self.process, self.greedy, self.generator = draft, process, greedy, generator
-        self.caches = draft.make_kv_caches(batch_size, capacity)
+        self.model_cache = model_cache
+        self.caches = [] if model_cache else draft.make_kv_caches(batch_size, capacity)
         self.length = 0  # positions of the sequence in the draft's cache
         self.was_training = draft.training
         draft.eval()
+
+    def start(self, caches: list[KVCache]) -> None:
+        """The model's caches after the prompt: kept to read and write with ``model_cache``."""
+        if self.model_cache:
+            self.caches = caches
 
     def propose(
         self, ids: Tensor, positions: Tensor, full_mask: Tensor | None, k: int, active: Tensor
@@ -244,6 +264,8 @@ class DraftModel:
         tokens: list[Tensor] = []
         probs: list[Tensor] = []
         history = ids
+        if self.model_cache:  # (the model's cache holds every position but the last token's)
+            self.length = self.caches[0].length if self.caches else 0
         step_ids, step_pos = ids[:, self.length :], positions[:, self.length :]
         for _ in range(k):
             end = self.length + step_ids.shape[1]
@@ -270,7 +292,10 @@ class DraftModel:
         return Proposal(torch.stack(tokens, dim=1), ids.new_full((B,), k), q_all)
 
     def rollback(self, length: int) -> None:
-        """Forget cached positions from ``length`` on (those past the kept tokens)."""
+        """Forget cached positions from ``length`` on (those past the kept tokens); the model's
+        caches, with ``model_cache``, are the model's to cut."""
+        if self.model_cache:
+            return
         self.length = min(self.length, length)
         truncate_caches(self.caches, self.length)
 
@@ -387,6 +412,7 @@ def decode(
         with torch.inference_mode():
             raw = lm(ids, mask, positions=positions, kv_caches=caches, logits_to_keep=1)
         logits = process(raw[:, -1], ids)
+        proposer.start(caches)
         first = logits.argmax(dim=-1) if greedy else _sample(logits, generator)
         columns = first[:, None]
         produced = 0
@@ -408,6 +434,7 @@ def decode(
             step_ids = torch.cat([ids[:, -1:], proposal.tokens], dim=1)  # (B, k + 1)
             step_pos = positions[:, -1:] + torch.arange(k + 1, device=ids.device)  # (B, k + 1)
             mask = None if full_mask is None else full_mask[:, : S + k]
+            truncate_caches(caches, S - 1)  # (a draft that shares them wrote its proposals)
             with torch.inference_mode():
                 raw = lm(step_ids, mask, positions=step_pos, kv_caches=caches)  # (B, k + 1, V)
             history = torch.cat([ids, proposal.tokens], dim=1)

@@ -512,7 +512,8 @@ register(
     Choice(
         "linear.fp32_row",
         ("stream", "transposed"),
-        "An eager float32 product of one row: attnkit's stream over the row-major weight, or "
+        "An eager float32 product of one row, and of the few rows a speculative round verifies "
+        "(the weight's layout serves both): attnkit's stream over the row-major weight, or "
         "F.linear (MKL) over a column-major one; which reads a weight faster depends on the CPU.",
         lambda caps: "transposed" if caps.matrix_tiles else "stream",
         timing.fp32_row,

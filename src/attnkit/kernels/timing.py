@@ -52,17 +52,29 @@ def _walk(call: Callable[[torch.Tensor], Any], weights: list[torch.Tensor]) -> C
     return run
 
 
+#: Rows of the float32 products :func:`fp32_row` times on each weight: a decoding step's one row
+#: and a speculative round's few (the layout it chooses serves both).
+FP32_ROW_ROWS = (1, 4)
+#: Bytes of weights :func:`fp32_row` walks: past the last-level caches of most CPUs, so each
+#: product reads its weight from memory, as a model's step does.
+FP32_ROW_BYTES = 128 << 20
+
+
 def fp32_row() -> dict[str, Callable[[], Any]]:
-    """One float32 row times row-major weights through attnkit's stream, and times column-major
-    ones through ``F.linear`` (MKL reads those as one stream too)."""
+    """Float32 rows (:data:`FP32_ROW_ROWS`) times row-major weights through attnkit's stream,
+    and times column-major ones through ``F.linear`` (MKL reads those as one stream too)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 576, generator=gen)
-    rowmajor = _copies(lambda: torch.randn(1536, 576, generator=gen))
+    xs = [torch.randn(rows, 576, generator=gen) for rows in FP32_ROW_ROWS]
+    rowmajor = _copies(lambda: torch.randn(1536, 576, generator=gen), FP32_ROW_BYTES)
+
+    def each(product: Callable[[torch.Tensor, torch.Tensor], Any]) -> Callable[[Any], Any]:
+        return lambda w: [product(x, w) for x in xs]
+
     calls: dict[str, Callable[[], Any]] = {
-        "transposed": _walk(lambda w: F.linear(x, w), [w.t().contiguous().t() for w in rowmajor])
+        "transposed": _walk(each(F.linear), [w.t().contiguous().t() for w in rowmajor])
     }
     if _kernels():
-        calls["stream"] = _walk(lambda w: linear.float_dot_linear(x, w), rowmajor)
+        calls["stream"] = _walk(each(linear.float_dot_linear), rowmajor)
     return calls
 
 

@@ -47,83 +47,83 @@ static inline float half_to_float(uint16_t h) {
   return f;
 }
 
-/* Eight int8 codes as floats. */
-static inline __m256 widen8(const int8_t *q) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+/* Weight rows a tile multiplies with each activation vector: the activations are loaded once for
+ * them, and each row keeps one accumulator (with the activations' four vectors and the codes
+ * being widened, they fill AVX2's sixteen registers). */
+#define OUTS 4
+
+/* x (count blocks of 32) in the order tile_rows widens 8-bit codes: each block's activations
+ * 0, 4, ..., 28, then 1, 5, ..., 29, then 2, 6, ..., then 3, 7, ... */
+static void interleave_blocks(const float *x, int64_t count, float *out) {
+  for (int64_t b = 0; b < count; b++)
+    for (int k = 0; k < 4; k++)
+      for (int i = 0; i < 8; i++) out[b * BLOCK + k * 8 + i] = x[b * BLOCK + 4 * i + k];
 }
 
-/* Eight 4-bit codes (bytes 0-7 of v, one code a byte) as floats. */
-static inline __m256 widen_nibbles(__m128i v) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-}
-
-/* The products of a group's codes (widened by `widen`, four vectors of eight a block) and its
- * activations, summed over the group's blocks: four independent sums (one per vector of a
- * block), so consecutive blocks do not wait on one another's additions. */
-#define GROUP_SUM(FIRST_BLOCK, PER, LOAD4, x, out)                                  \
-  do {                                                                              \
-    __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;                     \
-    for (int64_t b = (FIRST_BLOCK); b < (FIRST_BLOCK) + (PER); b++) {               \
-      __m256 c0, c1, c2, c3;                                                        \
-      LOAD4(b, c0, c1, c2, c3);                                                     \
-      const float *xb = (x) + b * BLOCK;                                            \
-      t0 = _mm256_fmadd_ps(c0, _mm256_loadu_ps(xb), t0);                            \
-      t1 = _mm256_fmadd_ps(c1, _mm256_loadu_ps(xb + 8), t1);                        \
-      t2 = _mm256_fmadd_ps(c2, _mm256_loadu_ps(xb + 16), t2);                       \
-      t3 = _mm256_fmadd_ps(c3, _mm256_loadu_ps(xb + 24), t3);                       \
-    }                                                                               \
-    (out) = _mm256_add_ps(_mm256_add_ps(t0, t1), _mm256_add_ps(t2, t3));            \
-  } while (0)
-
-/* One output of an 8-bit row: sum over groups of d * (q . x); two running sums (even and odd
- * groups) for the same reason. */
-static inline float row8(const int8_t *w, const uint16_t *d, const float *x, int64_t groups,
-                         int64_t per) {
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-#define LOAD8(b, c0, c1, c2, c3)                                  \
-  do {                                                            \
-    const int8_t *q = w + (b) * BLOCK;                            \
-    _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);      \
-    c0 = widen8(q), c1 = widen8(q + 8), c2 = widen8(q + 16);      \
-    c3 = widen8(q + 24);                                          \
-  } while (0)
+/* The outputs of T (<= OUTS) consecutive weight rows (codes `row_bytes` apart, scales and
+ * offsets `groups` apart) with one activation row x (8 bits: interleave_blocks' order): each
+ * block's codes are widened (`bits` 8 or 4) and multiplied by the block's activations, the block's sum scaled into the row's
+ * accumulator; 4-bit rows add m times the group's activation sum (xsum) per group. The next
+ * tile's codes are prefetched as the tile reads its own. */
+/* (F16C's conversion for the scales: every CPU with AVX2 has it) */
+#define TILE_TARGET __attribute__((target("avx2,fma,f16c")))
+static inline __attribute__((always_inline)) TILE_TARGET void tile_rows(
+    const uint8_t *w, int64_t row_bytes, const uint16_t *d, const uint16_t *m, const float *x,
+    const float *xsum, int64_t groups, int64_t per, int bits, int T, float *out) {
+  const __m256i nibble = _mm256_set1_epi32(0x0f);
+  const int64_t block_bytes = bits == 8 ? BLOCK : BLOCK / 2;
+  __m256 acc[OUTS];
+  float shift[OUTS];
+  for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), shift[t] = 0.f;
   for (int64_t g = 0; g < groups; g++) {
-    __m256 t;
-    GROUP_SUM(g * per, per, LOAD8, x, t);
-    acc[g & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(half_to_float(d[g])), acc[g & 1]);
+    float scale[OUTS];
+    for (int t = 0; t < T; t++) {
+      scale[t] = _cvtsh_ss(d[t * groups + g]);
+      if (bits == 4)
+        shift[t] += (m ? _cvtsh_ss(m[t * groups + g]) : -8.f * scale[t]) * xsum[g];
+    }
+    for (int64_t b = g * per; b < (g + 1) * per; b++) {
+      const float *xb = x + b * BLOCK;
+      const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+      const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+      for (int t = 0; t < T; t++) {
+        const uint8_t *q = w + t * row_bytes + b * block_bytes;
+        _mm_prefetch((const char *)(q + OUTS * row_bytes), _MM_HINT_T0);
+        __m256 c0, c1, c2, c3;
+        if (bits == 8) { /* byte k of each 32-bit lane, sign-extended by shifts: no shuffles */
+          const __m256i v = _mm256_loadu_si256((const __m256i *)q);
+          c0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
+          c1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));
+          c2 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24));
+          c3 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+        } else { /* each byte widened once: its low nibble, and its high one shifted down */
+          const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+          const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+          c0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nibble));
+          c1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nibble));
+          c2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+          c3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+        }
+        const __m256 s0 = _mm256_fmadd_ps(c2, x2, _mm256_mul_ps(c0, x0));
+        const __m256 s1 = _mm256_fmadd_ps(c3, x3, _mm256_mul_ps(c1, x1));
+        acc[t] = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), _mm256_set1_ps(scale[t]), acc[t]);
+      }
+    }
   }
-#undef LOAD8
-  return lanes_sum(_mm256_add_ps(acc[0], acc[1]));
+  for (int t = 0; t < T; t++) out[t] = lanes_sum(acc[t]) + shift[t];
 }
 
-/* One output of a 4-bit row: sum over groups of d * (q . x) + m * sum(x of the group), with
- * xsum the row's group sums and m = -8 d where there are no offsets. */
-static inline float row4(const uint8_t *w, const uint16_t *d, const uint16_t *m, const float *x,
-                         const float *xsum, int64_t groups, int64_t per) {
-  const __m128i nibble = _mm_set1_epi8(0x0f);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  float shift = 0.f;
-#define LOAD4BIT(b, c0, c1, c2, c3)                                           \
-  do {                                                                        \
-    const uint8_t *q = w + (b) * (BLOCK / 2);                                 \
-    _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);                  \
-    const __m128i v = _mm_loadu_si128((const __m128i *)q);                    \
-    const __m128i lo = _mm_and_si128(v, nibble);                              \
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);           \
-    c0 = widen_nibbles(lo), c1 = widen_nibbles(_mm_srli_si128(lo, 8));        \
-    c2 = widen_nibbles(hi), c3 = widen_nibbles(_mm_srli_si128(hi, 8));        \
-  } while (0)
-  for (int64_t g = 0; g < groups; g++) {
-    __m256 t;
-    GROUP_SUM(g * per, per, LOAD4BIT, x, t);
-    const float scale = half_to_float(d[g]);
-    acc[g & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(scale), acc[g & 1]);
-    const float low = m ? half_to_float(m[g]) : -8.f * scale;
-    shift += low * xsum[g];
+/* tile_rows for a whole tile and for one row, per bit count (constants in each copy). */
+#define TILE_ROWS(NAME, BITS, T)                                                              \
+  static TILE_TARGET void NAME(const uint8_t *w, int64_t row_bytes, const uint16_t *d,         \
+                               const uint16_t *m, const float *x, const float *xsum,          \
+                               int64_t groups, int64_t per, float *out) {                     \
+    tile_rows(w, row_bytes, d, m, x, xsum, groups, per, BITS, T, out);                        \
   }
-#undef LOAD4BIT
-  return lanes_sum(_mm256_add_ps(acc[0], acc[1])) + shift;
-}
+TILE_ROWS(tile8, 8, OUTS)
+TILE_ROWS(tile4, 4, OUTS)
+TILE_ROWS(one8, 8, 1)
+TILE_ROWS(one4, 4, 1)
 
 static inline float row8_rounded(const int8_t *w, const uint16_t *d, const int8_t *xq,
                                  const float *xs, int64_t groups, int64_t per);
@@ -141,35 +141,59 @@ static inline void products(const float *x, const int8_t *xq, const float *xs,
   const int64_t per = group / BLOCK, groups = n / group, blocks = n / BLOCK;
   const int64_t row_bytes = bits == 8 ? n : n / 2;
   (void)threads; /* (unused where built without OpenMP) */
+  if (x) { /* float activations: tiles of OUTS weight rows, then the last rows one at a time */
+    const int64_t tiles = out / OUTS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
+    for (int64_t k = 0; k < tiles + out % OUTS; k++) {
+      const int64_t o = k < tiles ? k * OUTS : tiles * OUTS + (k - tiles);
+      const int T = k < tiles ? OUTS : 1;
+      const uint16_t *low = m ? m + o * groups : NULL;
+      for (int64_t r = 0; r < rows; r++) {
+        float sums[OUTS];
+        const float *xr = x + r * n, *sr = xsum ? xsum + r * groups : NULL;
+        if (bits == 8)
+          (T == OUTS ? tile8 : one8)(w + o * row_bytes, row_bytes, d + o * groups, NULL, xr, sr,
+                                     groups, per, sums);
+        else
+          (T == OUTS ? tile4 : one4)(w + o * row_bytes, row_bytes, d + o * groups, low, xr, sr,
+                                     groups, per, sums);
+        for (int t = 0; t < T; t++) y[r * out + o + t] = sums[t];
+      }
+    }
+    return;
+  }
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
   for (int64_t o = 0; o < out; o++) {
     const uint8_t *codes = w + o * row_bytes;
     const uint16_t *scales = d + o * groups;
     const uint16_t *low = m ? m + o * groups : NULL;
     /* (the row's codes stay in cache for the activation rows after the first) */
-    for (int64_t r = 0; r < rows; r++) {
-      if (x)
-        y[r * out + o] = bits == 8 ? row8((const int8_t *)codes, scales, x + r * n, groups, per)
-                                   : row4(codes, scales, low, x + r * n, xsum + r * groups,
-                                          groups, per);
-      else
-        y[r * out + o] =
-            bits == 8 ? row8_rounded((const int8_t *)codes, scales, xq + r * n, xs + r * blocks,
-                                     groups, per)
-                      : row4_rounded(codes, scales, low, xq + r * n, xs + r * blocks,
-                                     xsum + r * blocks, groups, per);
-    }
+    for (int64_t r = 0; r < rows; r++)
+      y[r * out + o] =
+          bits == 8 ? row8_rounded((const int8_t *)codes, scales, xq + r * n, xs + r * blocks,
+                                   groups, per)
+                    : row4_rounded(codes, scales, low, xq + r * n, xs + r * blocks,
+                                   xsum + r * blocks, groups, per);
   }
 }
 
 /* y (rows, out) = x (rows, n) @ W.T for the block-quantized W above (bits 8 or 4; offsets m
  * NULL for 8 bits and for symmetric 4 bits), on `threads` threads. n is a multiple of group,
- * group a multiple of 32. 0 on success, 1 when the block sums' scratch cannot be allocated. */
+ * group a multiple of 32. 0 on success, 1 when the scratch (the activations interleaved for 8
+ * bits, the group sums for 4) cannot be allocated. */
 int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t *w,
                          const uint16_t *d, const uint16_t *m, int64_t out, int bits,
                          int64_t group, float *y, int threads) {
   const int64_t groups = n / group;
   float *xsum = NULL;
+  if (bits == 8) {
+    float *xi = malloc((size_t)(rows * n + 1) * sizeof(float));
+    if (!xi) return 1;
+    interleave_blocks(x, rows * n / BLOCK, xi);
+    products(xi, NULL, NULL, NULL, rows, n, w, d, m, out, bits, group, y, threads);
+    free(xi);
+    return 0;
+  }
   if (bits == 4) {
     xsum = malloc((size_t)(rows * groups + 1) * sizeof(float));
     if (!xsum) return 1;
