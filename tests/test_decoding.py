@@ -406,6 +406,36 @@ def test_prepare_lays_a_batch_out_for_the_kernel(monkeypatch: pytest.MonkeyPatch
 
 
 @needs_kernels
+@pytest.mark.parametrize("batch_stream", [False, True])
+def test_a_full_batch_step_streams_as_the_policy_says(
+    batch_stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A continuous batch of PROMPT_ROWS or more sequences is laid out as a smaller one (its
+    steps drain to a few rows, which stream); a step of PROMPT_ROWS float32 rows streams where
+    the policy chose it (``linear.fp32_batch``), else runs the GEMM; more rows always do."""
+    _plan(monkeypatch, kernels=True, fp32_row="transposed", fp32_batch_stream=batch_stream)
+    w = torch.randn(24, 40)
+    full = policy.PROMPT_ROWS
+    assert decoding.layout_for(w, batch=full) == decoding.layout_for(w, batch=2) == "stream"
+    assert decoding.layout_for(w, batch=4 * full) == "stream"
+    assert policy.most_stream_rows(torch.float32) == (full if batch_stream else full - 1)
+    assert policy.most_stream_rows(torch.float32, compiled=True) == full - 1
+    assert policy.most_stream_rows(torch.bfloat16) == full - 1
+    layer = decoding.PreparedLinear.from_linear(nn.Linear(40, 24), batch=full)
+    calls: list[int] = []
+    monkeypatch.setattr(
+        decoding, "float_dot_linear", lambda x, w, b: calls.append(len(x)) or F.linear(x, w, b)
+    )
+    with torch.no_grad():
+        for n in (1, full - 1, full, full + 1):
+            x = torch.randn(n, 40)
+            assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+            streams = 1 < n < full or (n == full and batch_stream)  # (one row: fp32_row)
+            assert decoding._streams(x, w, None, False) is streams
+    assert calls == ([1, full - 1, full] if batch_stream else [1, full - 1])
+
+
+@needs_kernels
 @pytest.mark.parametrize("row_kernel", [False, True])
 def test_a_compiled_bf16_row_runs_the_kernel_as_the_policy_says(
     row_kernel: bool, monkeypatch: pytest.MonkeyPatch

@@ -88,6 +88,8 @@ class PreparedLinear(nn.Linear):
     """
 
     layout: Layout = "linear"
+    #: The most rows an eager ``"stream"`` product streams (:func:`policy.most_stream_rows`).
+    stream_rows: int = UPCAST_ROWS - 1
 
     @classmethod
     @torch.no_grad()
@@ -102,6 +104,7 @@ class PreparedLinear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new.layout = layout_for(linear.weight, compiled=compiled, batch=batch)
+        new.stream_rows = policy.most_stream_rows(linear.weight.dtype)
         if new.layout == "transposed" and linear.weight.stride() != (1, linear.out_features):
             # Column-major storage of the same (out, in) values.
             new.weight.data = linear.weight.data.t().contiguous().t()
@@ -113,7 +116,7 @@ class PreparedLinear(nn.Linear):
         """Shape: ``(*, in) -> (*, out)``."""
         if (
             self.layout == "stream"
-            and x.numel() < UPCAST_ROWS * self.in_features
+            and x.numel() <= self.stream_rows * self.in_features
             and not (torch.is_grad_enabled() and _needs_grad(x, self.weight, self.bias))
             and not torch.compiler.is_compiling()
             and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
@@ -222,7 +225,7 @@ def _streams(x: Tensor, weight: Tensor, bias: Tensor | None, compiling: bool) ->
         and weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.is_contiguous()
-        and 0 < x.numel() < UPCAST_ROWS * x.shape[-1]
+        and x.numel() > 0
         and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))
         and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)
     )
@@ -232,7 +235,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` through the kernel the policy chooses
     (:mod:`attnkit.kernels.policy`, ``attnkit kernels`` shows the choices):
 
-    * fewer than :data:`UPCAST_ROWS` rows of a :data:`KERNEL_DTYPES` weight without gradients:
+    * the rows of a decoding step (:func:`attnkit.kernels.policy.most_stream_rows`) of a
+      :data:`KERNEL_DTYPES` weight without gradients:
       :func:`attnkit.kernels.linear.float_dot_linear` where the policy streams them (in compiled
       graphs as the op ``attnkit::float_dot_linear``; a single row there only where the policy
       measured the op faster than inductor's reduction);
@@ -247,12 +251,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Shape: x ``(*, in)``, weight ``(out, in)`` -> ``(*, out)``.
     """
     compiling = torch.compiler.is_compiling()
-    if _onednn_prompt(x, weight, bias):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if _streams(x, weight, bias, compiling):
+    if _streams(x, weight, bias, compiling):  # (before the GEMM: a full batch's step may stream)
         if not compiling:
             return float_dot_linear(x, weight, bias)
         return torch.ops.attnkit.float_dot_linear(x, weight, bias)
+    if _onednn_prompt(x, weight, bias):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if (
         weight.dtype == torch.bfloat16
         and not compiling

@@ -112,6 +112,9 @@ class LinearPlan:
         fp32_prompt_onednn: Prompts' float32 GEMMs run oneDNN's (``linear.fp32_prompt``).
         bf16_upcast: Prompts' bf16 GEMMs run in float32 (``linear.bf16_prompt``).
         norm_row_kernel: One float32 row's RMSNorm runs the kernel (``rows.norm_row``).
+        fp32_batch_stream: An eager float32 product of ``PROMPT_ROWS`` rows (a full batch's
+            decoding step) streams rather than running the prompts' GEMM
+            (``linear.fp32_batch``).
     """
 
     kernels: bool
@@ -122,3 +125,4 @@ class LinearPlan:
     fp32_prompt_onednn: bool = False
     bf16_upcast: bool = False
     norm_row_kernel: bool = False
+    fp32_batch_stream: bool = False

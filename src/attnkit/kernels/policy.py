@@ -88,6 +88,7 @@ __all__ = [
     "int8_kernel_rows",
     "int8pack_takes",
     "linear_plan",
+    "most_stream_rows",
     "norm_row_kernel",
     "one_query_kernel",
     "provide_attention_kernel",
@@ -548,6 +549,18 @@ register(
 )
 register(
     Choice(
+        "linear.fp32_batch",
+        ("gemm", "stream"),
+        "An eager float32 product of as many rows as a full continuous batch decodes: the "
+        "prompts' blocked GEMM, or attnkit's stream (each weight row dotted with every row while "
+        "it is in cache); where one overtakes the other depends on the CPU's vectors and cores.",
+        lambda caps: "gemm" if caps.matrix_tiles else "stream",
+        lambda: timing.fp32_batch(PROMPT_ROWS, onednn=choose("linear.fp32_prompt") == "onednn"),
+        margin=1.05,
+    )
+)
+register(
+    Choice(
         "linear.bf16_prompt",
         ("bf16", "upcast"),
         "A prompt's bf16 GEMM: as it is, or in float32 and rounded back, which wins where the "
@@ -632,18 +645,30 @@ def linear_plan(*, compiled: bool = False) -> LinearPlan:
             fp32_prompt_onednn=choose("linear.fp32_prompt") == "onednn",
             bf16_upcast=choose("linear.bf16_prompt") == "upcast",
             norm_row_kernel=kernels and choose("rows.norm_row") == "kernel",
+            fp32_batch_stream=kernels and choose("linear.fp32_batch") == "stream",
         )
         _PLAN = plan
         return plan
 
 
+def most_stream_rows(dtype: torch.dtype, *, compiled: bool = False) -> int:
+    """The most rows of a ``dtype`` product that attnkit's streaming kernel may take: those of a
+    decoding step, fewer than :data:`PROMPT_ROWS`, and :data:`PROMPT_ROWS` themselves in an
+    eager float32 product where ``linear.fp32_batch`` chose the stream (a full continuous
+    batch's step of that many sequences)."""
+    eager_fp32 = dtype == torch.float32 and not compiled
+    return PROMPT_ROWS if eager_fp32 and linear_plan().fp32_batch_stream else PROMPT_ROWS - 1
+
+
 def stream_rows(dtype: torch.dtype, rows: int, *, compiled: bool = False) -> bool:
-    """Whether a product of ``rows`` rows (fewer than :data:`PROMPT_ROWS`) with ``dtype``
+    """Whether a product of ``rows`` rows (at most :func:`most_stream_rows`) with ``dtype``
     weights runs attnkit's streaming kernel: bf16 and float32 where the kernels run, except an
     eager float32 row where ``linear.fp32_row`` chose MKL, and a compiled single row of a dtype
     ``linear.compiled_row.*`` left to inductor's reduction."""
     plan = linear_plan()
-    if not plan.kernels or dtype not in (torch.bfloat16, torch.float32) or rows >= PROMPT_ROWS:
+    if not plan.kernels or dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if rows > most_stream_rows(dtype, compiled=compiled):
         return False
     if rows >= 2:
         return True
@@ -657,8 +682,13 @@ def weight_layout(dtype: torch.dtype, *, cpu: bool, compiled: bool, batch: int) 
     ``"stream"`` (row-major, attnkit's kernel reads it) where CPU steps stream (a compiled step
     of one row may still run inductor's reduction over it), ``"transposed"`` (column-major,
     MKL's one-row product reads it as one stream) for other eager float32 CPU steps, else
-    ``"linear"`` (as it is)."""
-    rows = max(2, batch) if compiled else batch  # (a compiled single row reads row-major)
+    ``"linear"`` (as it is).
+
+    Steps of ``batch`` sequences bring any number of rows up to ``batch`` (a continuous batch
+    fills and drains), so a larger batch is laid out for the most rows that stream
+    (:func:`most_stream_rows`): more rows run a blocked GEMM, which takes either layout."""
+    rows = min(batch, most_stream_rows(dtype, compiled=compiled))
+    rows = max(2, rows) if compiled else rows  # (a compiled single row reads row-major)
     if cpu and stream_rows(dtype, rows):
         return "stream"
     if cpu and not compiled and dtype == torch.float32:

@@ -78,6 +78,22 @@ def fp32_row() -> dict[str, Callable[[], Any]]:
     return calls
 
 
+def fp32_batch(rows: int, *, onednn: bool) -> dict[str, Callable[[], Any]]:
+    """``rows`` float32 rows (a full batch's decoding step) times row-major weights through the
+    prompts' GEMM (oneDNN's where ``onednn``, else ``F.linear``) and through attnkit's stream."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 576, generator=gen)
+    weights = _copies(lambda: torch.randn(1536, 576, generator=gen))
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if onednn and op is not None and torch.backends.mkldnn.is_available():
+        calls = {"gemm": _walk(lambda w: op(x, w, None, "none", [], ""), weights)}
+    else:
+        calls = {"gemm": _walk(lambda w: F.linear(x, w), weights)}
+    if _kernels():
+        calls["stream"] = _walk(lambda w: linear.float_dot_linear(x, w), weights)
+    return calls
+
+
 def compiled_row(dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
     """One row of ``dtype`` times weights in a compiled graph: the kernel's op against inductor's
     streaming reduction (what :func:`attnkit.decoding.linear` compiles for either)."""

@@ -224,8 +224,10 @@ def paged_attention(
     """
     _, H, T, _ = q.shape
     K, Ev = k_pool.shape[1], v_pool.shape[2]
-    out = q.new_empty(1, H, T, Ev)
     n = batch.singles
+    if n == T:  # only decoding sequences: their output as it is (its heads then merge as a view)
+        return _one_token_attention(q[0], k_pool, v_pool, batch, scale, window, softcap)[None]
+    out = q.new_empty(1, H, T, Ev)
     if n:
         one = _one_token_attention(q[0, :, :n], k_pool, v_pool, batch, scale, window, softcap)
         out[0, :, :n] = one  # (H, n, Ev)
