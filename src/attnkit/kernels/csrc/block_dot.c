@@ -7,8 +7,10 @@
  *   4 bits: w[o, i] = d[o, g] * q[o, i] + m,    q in 0..15; m = -8 d without offsets (Q4_0)
  *
  * The activations stay float32: each block's codes are widened to floats and multiplied by the
- * activations (float32 sums), and the group's scale goes on once per block. The offset's term
- * is m times the group's activation sum, computed once per row. This keeps the result the float
+ * activations (float32 sums), and the group's scale goes on once per group. The offset's term
+ * is m times the group's activation sum, computed once per activation row. Weight rows go a
+ * tile of TILE at a time, so each block of activations loaded serves every row of the tile (the
+ * weight streams from memory once; the activations stay in cache). This keeps the result the float
  * product of the dequantized weight up to float32 summation order: no rounding of the
  * activations (compare int8_dot.c and int4_dot.c, which round them to int8 for integer dots).
  *
@@ -49,7 +51,9 @@ static inline float half_to_float(uint16_t h) {
   return f;
 }
 
-#define TILE 4   /* weight rows a pass: each loaded activation block serves all of them */
+/* Weight rows a pass: each loaded activation block serves all of them. Four rows' sums, the
+ * block of activations and the widened codes fit AVX2's sixteen vector registers. */
+#define TILE 4
 #define CHUNK 64 /* groups whose scales a pass widens to floats at once */
 
 /* Eight IEEE halves as floats (half_to_float's steps, eight lanes at once). */
@@ -126,14 +130,44 @@ static inline __attribute__((always_inline)) void block_sums(const int R, const 
   }
 }
 
+/* block_sums for the rounded activations (xq, with the block's scale xs): each weight row's
+ * block summed in integers, then scaled by xs. */
+static inline __attribute__((always_inline)) void rounded_block_sums(
+    const int R, const int8_t *xq, const float *xs, const uint8_t *w, int64_t row_bytes,
+    int64_t b, int bits, __m256 *s) {
+  const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
+  const __m256 scale = _mm256_broadcast_ss(xs + b);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < R; i++) {
+    __m256i pairs;
+    if (bits == 8) {
+      const uint8_t *q = w + i * row_bytes + b * BLOCK;
+      _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);
+      const __m256i c = _mm256_loadu_si256((const __m256i *)q);
+      pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c));
+    } else {
+      const uint8_t *q = w + i * row_bytes + b * (BLOCK / 2);
+      _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);
+      const __m128i v = _mm_loadu_si128((const __m128i *)q), nibble = _mm_set1_epi8(0x0f);
+      /* inputs 0-15 (low nibbles), then 16-31 (high ones): the activations' order */
+      const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nibble),
+                                         _mm_and_si128(v, nibble));
+      pairs = _mm256_maddubs_epi16(c, x);
+    }
+    s[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale);
+  }
+}
+
 /* `R` (at most TILE) outputs o..o+R-1 for every activation row: sum over groups of
- * d * (q . x) (+ m * sum(x of the group) for 4 bits, xsum holding the rows' group sums). The
+ * d * (q . x) (+ m * sum(x of the group) for 4 bits, xsum holding the rows' group sums), with
+ * the float activations x or (x NULL) the rounded ones xq and their blocks' scales xs. The
  * rows' scales (and offsets) are widened to floats a chunk of groups at a time; each block of
  * activations is loaded once for the R weight rows, whose sums stay in registers. */
-static inline __attribute__((always_inline)) void tile_float(
-    const int R, const float *x, const float *xsum, int64_t rows, int64_t n, const uint8_t *w,
-    int64_t row_bytes, const uint16_t *d, const uint16_t *m, int64_t groups, int64_t per,
-    int bits, float *y, int64_t out) {
+static inline __attribute__((always_inline)) void tile(
+    const int R, const float *x, const int8_t *xq, const float *xs, const float *xsum,
+    int64_t rows, int64_t n, const uint8_t *w, int64_t row_bytes, const uint16_t *d,
+    const uint16_t *m, int64_t groups, int64_t per, int bits, float *y, int64_t out) {
+  const int64_t blocks = n / BLOCK;
   float scale[TILE][CHUNK], low[TILE][CHUNK];
   for (int64_t g0 = 0; g0 < groups; g0 += CHUNK) {
     const int64_t count = groups - g0 < CHUNK ? groups - g0 : CHUNK;
@@ -144,15 +178,18 @@ static inline __attribute__((always_inline)) void tile_float(
         for (int64_t g = 0; g < count; g++) low[i][g] = -8.f * scale[i][g];
     }
     for (int64_t r = 0; r < rows; r++) {
-      const float *xr = x + r * n;
+      const float *xr = x ? x + r * n : NULL, *xsr = xs ? xs + r * blocks : NULL;
+      const int8_t *xqr = xq ? xq + r * n : NULL;
       __m256 acc[TILE];
       for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
       for (int64_t g = 0; g < count; g++) {
         const int64_t first = (g0 + g) * per;
         __m256 t[TILE], s[TILE];
-        block_sums(R, xr, w, row_bytes, first, bits, PREFETCH, t);
+        if (x) block_sums(R, xr, w, row_bytes, first, bits, PREFETCH, t);
+        else rounded_block_sums(R, xqr, xsr, w, row_bytes, first, bits, t);
         for (int64_t b = first + 1; b < first + per; b++) {
-          block_sums(R, xr, w, row_bytes, b, bits, PREFETCH, s);
+          if (x) block_sums(R, xr, w, row_bytes, b, bits, PREFETCH, s);
+          else rounded_block_sums(R, xqr, xsr, w, row_bytes, b, bits, s);
           for (int i = 0; i < R; i++) t[i] = _mm256_add_ps(t[i], s[i]);
         }
         for (int i = 0; i < R; i++)
@@ -167,30 +204,38 @@ static inline __attribute__((always_inline)) void tile_float(
   }
 }
 
-/* y (rows, out) for the float activations x (rows, n) with their groups' sums xsum (4 bits):
- * TILE weight rows a pass, on `threads` threads. */
-static void float_products(const float *x, const float *xsum, int64_t rows, int64_t n,
-                           const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t out,
-                           int bits, int64_t group, float *y, int threads) {
+/* The tile for R rows of `bits` bits with float (x) or rounded (xq, xs) activations: each
+ * combination its own copy, its branches decided when compiled. */
+#define TILE_CALL(R, BITS, ROUNDED, o)                                                          \
+  tile(R, ROUNDED ? NULL : x, ROUNDED ? xq : NULL, ROUNDED ? xs : NULL, xsum, rows, n,       \
+       w + (o) * row_bytes, row_bytes, d + (o) * groups, m ? m + (o) * groups : NULL, groups, \
+       per, BITS, y + (o), out)
+
+/* y (rows, out) for the float activations x (rows, n) or (x NULL) the rounded ones xq with
+ * their blocks' scales xs, xsum the rows' group sums of the activations (4 bits): TILE weight
+ * rows a pass, on `threads` threads. */
+static void products(const float *x, const int8_t *xq, const float *xs, const float *xsum,
+                     int64_t rows, int64_t n, const uint8_t *w, const uint16_t *d,
+                     const uint16_t *m, int64_t out, int bits, int64_t group, float *y,
+                     int threads) {
   const int64_t per = group / BLOCK, groups = n / group, tiles = (out + TILE - 1) / TILE;
   const int64_t row_bytes = bits == 8 ? n : n / 2;
   (void)threads; /* (unused where built without OpenMP) */
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
   for (int64_t t = 0; t < tiles; t++) {
     const int64_t o = t * TILE;
-    const uint16_t *low = m ? m + o * groups : NULL;
-    if (o + TILE <= out && bits == 8)
-      tile_float(TILE, x, xsum, rows, n, w + o * row_bytes, row_bytes, d + o * groups, low,
-                 groups, per, 8, y + o, out);
-    else if (o + TILE <= out)
-      tile_float(TILE, x, xsum, rows, n, w + o * row_bytes, row_bytes, d + o * groups, low,
-                 groups, per, 4, y + o, out);
-    else /* (the last rows, one at a time) */
-      for (int64_t i = o; i < out; i++)
-        tile_float(1, x, xsum, rows, n, w + i * row_bytes, row_bytes, d + i * groups,
-                   m ? m + i * groups : NULL, groups, per, bits, y + i, out);
+    if (o + TILE > out) /* (the last rows, one at a time) */
+      for (int64_t i = o; i < out; i++) {
+        if (x) TILE_CALL(1, bits, 0, i);
+        else TILE_CALL(1, bits, 1, i);
+      }
+    else if (x && bits == 8) TILE_CALL(TILE, 8, 0, o);
+    else if (x) TILE_CALL(TILE, 4, 0, o);
+    else if (bits == 8) TILE_CALL(TILE, 8, 1, o);
+    else TILE_CALL(TILE, 4, 1, o);
   }
 }
+#undef TILE_CALL
 
 /* y (rows, out) = x (rows, n) @ W.T for the block-quantized W above (bits 8 or 4; offsets m
  * NULL for 8 bits and for symmetric 4 bits), on `threads` threads. n is a multiple of group,
@@ -211,7 +256,7 @@ int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t 
         xsum[r * groups + g] = lanes_sum(s);
       }
   }
-  float_products(x, xsum, rows, n, w, d, m, out, bits, group, y, threads);
+  products(x, NULL, NULL, xsum, rows, n, w, d, m, out, bits, group, y, threads);
   free(xsum);
   return 0;
 }
@@ -219,101 +264,40 @@ int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t 
 /* The rounded variant: the activations rounded to int8 per block of 32 (quantize_blocks, as
  * int8_dot.c rounds them, x ~ xs[b] * xq), each block's products summed in integers, then
  *
- *   8 bits: y = sum_b d[g] * xs[b] * (q . xq)
- *   4 bits: y = sum_b d[g] * xs[b] * (q . xq) + m[g] * xs[b] * sum(xq of the block)
+ *   8 bits: y = sum_g d[g] * sum_(b in g) xs[b] * (q . xq)
+ *   4 bits: the same + sum_g m[g] * sum_(b in g) xs[b] * sum(xq of the block)
  *
- * Faster where integer dots outrun float ones, and less exact: the activations' rounding adds
- * its error to the weights'. */
-static inline float row8_rounded(const int8_t *w, const uint16_t *d, const int8_t *xq,
-                                 const float *xs, int64_t groups, int64_t per) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; g++) {
-    const float scale = half_to_float(d[g]);
-    for (int64_t b = g * per; b < (g + 1) * per; b++) {
-      const __m256i c = _mm256_loadu_si256((const __m256i *)(w + b * BLOCK));
-      const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
-      _mm_prefetch((const char *)(w + b * BLOCK + PREFETCH), _MM_HINT_T0);
-      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c));
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-      acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * xs[b]), acc);
-    }
-  }
-  return lanes_sum(acc);
-}
-
-static inline float row4_rounded(const uint8_t *w, const uint16_t *d, const uint16_t *m,
-                                 const int8_t *xq, const float *xs, const float *xsum,
-                                 int64_t groups, int64_t per) {
-  const __m128i nibble = _mm_set1_epi8(0x0f);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  float shift = 0.f;
-  for (int64_t g = 0; g < groups; g++) {
-    const float scale = half_to_float(d[g]);
-    const float low = m ? half_to_float(m[g]) : -8.f * scale;
-    for (int64_t b = g * per; b < (g + 1) * per; b++) {
-      const uint8_t *q = w + b * (BLOCK / 2);
-      _mm_prefetch((const char *)(q + PREFETCH), _MM_HINT_T0);
-      const __m128i v = _mm_loadu_si128((const __m128i *)q);
-      /* inputs 0-15 (low nibbles), then 16-31 (high ones): the activations' order */
-      const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nibble),
-                                         _mm_and_si128(v, nibble));
-      const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones));
-      acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * xs[b]), acc);
-      shift += low * xs[b] * xsum[b];
-    }
-  }
-  return lanes_sum(acc) + shift;
-}
-
-/* y (rows, out) for the rounded activations xq with their blocks' scales xs and sums of codes
- * xsum: every activation row times every weight row, on `threads` threads. */
-static void rounded_products(const int8_t *xq, const float *xs, const float *xsum, int64_t rows,
-                             int64_t n, const uint8_t *w, const uint16_t *d, const uint16_t *m,
-                             int64_t out, int bits, int64_t group, float *y, int threads) {
-  const int64_t per = group / BLOCK, groups = n / group, blocks = n / BLOCK;
-  const int64_t row_bytes = bits == 8 ? n : n / 2;
-  (void)threads; /* (unused where built without OpenMP) */
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
-  for (int64_t o = 0; o < out; o++) {
-    const uint8_t *codes = w + o * row_bytes;
-    const uint16_t *scales = d + o * groups;
-    const uint16_t *low = m ? m + o * groups : NULL;
-    /* (the row's codes stay in cache for the activation rows after the first) */
-    for (int64_t r = 0; r < rows; r++)
-      y[r * out + o] =
-          bits == 8 ? row8_rounded((const int8_t *)codes, scales, xq + r * n, xs + r * blocks,
-                                   groups, per)
-                    : row4_rounded(codes, scales, low, xq + r * n, xs + r * blocks,
-                                   xsum + r * blocks, groups, per);
-  }
-}
-
-/* attnkit_block_linear with the activations rounded to int8 (above); the same arguments and
- * results, 1 when the rounded activations' scratch cannot be allocated. */
+ * The offsets' term takes each group's sum of the rounded activations, worked out once per
+ * activation row. Faster where integer dots outrun float ones, and less exact: the
+ * activations' rounding adds its error to the weights'.
+ *
+ * attnkit_block_linear with the activations rounded to int8; the same arguments and results, 1
+ * when the rounded activations' scratch cannot be allocated. */
 int attnkit_block_linear_rounded(const float *x, int64_t rows, int64_t n, const uint8_t *w,
                                  const uint16_t *d, const uint16_t *m, int64_t out, int bits,
                                  int64_t group, float *y, int threads) {
-  const int64_t blocks = n / BLOCK;
+  const int64_t blocks = n / BLOCK, groups = n / group, per = group / BLOCK;
   int8_t *xq = malloc((size_t)(rows * n + 1));
-  float *xs = malloc((size_t)(2 * rows * blocks + 1) * sizeof(float));
+  float *xs = malloc((size_t)(rows * (blocks + groups) + 1) * sizeof(float));
   if (!xq || !xs) {
     free(xq);
     free(xs);
     return 1;
   }
-  float *xsum = xs + rows * blocks; /* each block's sum of codes */
+  float *xsum = xs + rows * blocks; /* each group's sum of the rounded activations */
   for (int64_t r = 0; r < rows; r++) {
     quantize_blocks(x + r * n, n, xq + r * n, xs + r * blocks);
-    for (int64_t b = 0; b < blocks; b++) {
-      int sum = 0;
-      for (int i = 0; i < BLOCK; i++) sum += xq[r * n + b * BLOCK + i];
-      xsum[r * blocks + b] = (float)sum;
+    for (int64_t g = 0; g < groups; g++) {
+      float total = 0.f;
+      for (int64_t b = g * per; b < (g + 1) * per; b++) {
+        int sum = 0;
+        for (int i = 0; i < BLOCK; i++) sum += xq[r * n + b * BLOCK + i];
+        total += xs[r * blocks + b] * (float)sum;
+      }
+      xsum[r * groups + g] = total;
     }
   }
-  rounded_products(xq, xs, xsum, rows, n, w, d, m, out, bits, group, y, threads);
+  products(NULL, xq, xs, xsum, rows, n, w, d, m, out, bits, group, y, threads);
   free(xq);
   free(xs);
   return 0;
