@@ -21,6 +21,7 @@ from attnkit.kernels.build import library, require_cpu
 
 __all__ = [
     "BLOCK",
+    "TILE_ROWS",
     "BlockWeight",
     "block_dot_linear",
     "block_product",
@@ -30,6 +31,9 @@ __all__ = [
 
 #: Inputs per block: the kernel reads codes and scales a block at a time.
 BLOCK = 32
+#: The weight rows the kernel can multiply a pass (each block of activations it loads serves
+#: them all; fewer rows read fewer streams of codes at once).
+TILE_ROWS = (2, 4)
 
 
 def pack_nibbles(codes: Tensor) -> Tensor:
@@ -96,11 +100,20 @@ class BlockWeight:
         scales: Float16 ``(out, groups)``; the group size is ``n // groups``, a multiple of 32.
         offsets: Float16 ``(out, groups)`` (4 bits only), or None: ``-8 * scales`` for 4 bits.
         bits: 8 or 4.
+        tile: Weight rows the kernel multiplies a pass, 2 or 4
+            (:func:`attnkit.kernels.policy.block_tile_rows` measures which serves this machine).
     """
 
-    __slots__ = ("args", "codes", "offsets", "out", "scales")
+    __slots__ = ("args", "codes", "offsets", "out", "scales", "tile")
 
-    def __init__(self, codes: Tensor, scales: Tensor, offsets: Tensor | None, bits: int) -> None:
+    def __init__(
+        self,
+        codes: Tensor,
+        scales: Tensor,
+        offsets: Tensor | None,
+        bits: int,
+        tile: int = TILE_ROWS[-1],
+    ) -> None:
         # (held, so that no other tensor takes their memory while the pointers are kept)
         self.codes, self.scales = codes.contiguous(), scales.contiguous()
         self.offsets = None if offsets is None else offsets.contiguous()
@@ -116,6 +129,7 @@ class BlockWeight:
             bits,
             n // scales.shape[1],
         )
+        self.tile = tile
 
     def holds(self, codes: Tensor, scales: Tensor, offsets: Tensor | None) -> bool:
         """Whether this computes with these tensors' current data (False where preparing it
@@ -171,6 +185,7 @@ def block_product(x: Tensor, weight: BlockWeight, rounded: bool = False) -> Tens
     rows = x.shape[0]
     y = torch.empty(rows, weight.out)
     call = lib.attnkit_block_linear_rounded if rounded else lib.attnkit_block_linear
-    if call(x.data_ptr(), rows, *weight.args, y.data_ptr(), torch.get_num_threads()):
+    threads = torch.get_num_threads()
+    if call(x.data_ptr(), rows, *weight.args, y.data_ptr(), threads, weight.tile):
         raise MemoryError(f"block_dot_linear could not allocate {rows} rows of block sums")
     return y

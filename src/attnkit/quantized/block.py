@@ -244,7 +244,8 @@ class BlockLinear(nn.Module):
         (prepared again where they were replaced or moved; never kept for a copy of them)."""
         prepared = self.__dict__.get("_block_weight")
         if prepared is None or not prepared.holds(self.codes, self.scales, self.offsets):
-            prepared = BlockWeight(self.codes, self.scales, self.offsets, self.bits)
+            tile = policy.block_tile_rows(self.bits)
+            prepared = BlockWeight(self.codes, self.scales, self.offsets, self.bits, tile)
             if prepared.holds(self.codes, self.scales, self.offsets):
                 self.__dict__["_block_weight"] = prepared  # (not a parameter or buffer)
         return prepared

@@ -51,8 +51,10 @@ static inline float half_to_float(uint16_t h) {
   return f;
 }
 
-/* Weight rows a pass: each loaded activation block serves all of them. Four rows' sums, the
- * block of activations and the widened codes fit AVX2's sixteen vector registers. */
+/* The most weight rows a pass (the caller's `tile`, 2 or 4): each loaded activation block
+ * serves all of them. Four rows' sums, the block of activations and the widened codes fit
+ * AVX2's sixteen vector registers; fewer rows read fewer streams of codes at once, which some
+ * memory systems serve faster (the policy measures it). */
 #define TILE 4
 #define CHUNK 64 /* groups whose scales a pass widens to floats at once */
 
@@ -163,7 +165,7 @@ static inline __attribute__((always_inline)) void rounded_block_sums(
  * the float activations x or (x NULL) the rounded ones xq and their blocks' scales xs. The
  * rows' scales (and offsets) are widened to floats a chunk of groups at a time; each block of
  * activations is loaded once for the R weight rows, whose sums stay in registers. */
-static inline __attribute__((always_inline)) void tile(
+static inline __attribute__((always_inline)) void run_tile(
     const int R, const float *x, const int8_t *xq, const float *xs, const float *xsum,
     int64_t rows, int64_t n, const uint8_t *w, int64_t row_bytes, const uint16_t *d,
     const uint16_t *m, int64_t groups, int64_t per, int bits, float *y, int64_t out) {
@@ -207,29 +209,35 @@ static inline __attribute__((always_inline)) void tile(
 /* The tile for R rows of `bits` bits with float (x) or rounded (xq, xs) activations: each
  * combination its own copy, its branches decided when compiled. */
 #define TILE_CALL(R, BITS, ROUNDED, o)                                                          \
-  tile(R, ROUNDED ? NULL : x, ROUNDED ? xq : NULL, ROUNDED ? xs : NULL, xsum, rows, n,       \
+  run_tile(R, ROUNDED ? NULL : x, ROUNDED ? xq : NULL, ROUNDED ? xs : NULL, xsum, rows, n,   \
        w + (o) * row_bytes, row_bytes, d + (o) * groups, m ? m + (o) * groups : NULL, groups, \
        per, BITS, y + (o), out)
 
 /* y (rows, out) for the float activations x (rows, n) or (x NULL) the rounded ones xq with
- * their blocks' scales xs, xsum the rows' group sums of the activations (4 bits): TILE weight
- * rows a pass, on `threads` threads. */
+ * their blocks' scales xs, xsum the rows' group sums of the activations (4 bits): `tile` weight
+ * rows a pass (2 or 4; others run 4), on `threads` threads. */
 static void products(const float *x, const int8_t *xq, const float *xs, const float *xsum,
                      int64_t rows, int64_t n, const uint8_t *w, const uint16_t *d,
                      const uint16_t *m, int64_t out, int bits, int64_t group, float *y,
-                     int threads) {
-  const int64_t per = group / BLOCK, groups = n / group, tiles = (out + TILE - 1) / TILE;
+                     int threads, int tile) {
+  const int64_t per = group / BLOCK, groups = n / group;
   const int64_t row_bytes = bits == 8 ? n : n / 2;
+  const int64_t step = tile == 2 ? 2 : TILE, tiles = (out + step - 1) / step;
   (void)threads; /* (unused where built without OpenMP) */
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
   for (int64_t t = 0; t < tiles; t++) {
-    const int64_t o = t * TILE;
-    if (o + TILE > out) /* (the last rows, one at a time) */
+    const int64_t o = t * step;
+    if (o + step > out) /* (the last rows, one at a time) */
       for (int64_t i = o; i < out; i++) {
         if (x) TILE_CALL(1, bits, 0, i);
         else TILE_CALL(1, bits, 1, i);
       }
-    else if (x && bits == 8) TILE_CALL(TILE, 8, 0, o);
+    else if (step == 2) {
+      if (x && bits == 8) TILE_CALL(2, 8, 0, o);
+      else if (x) TILE_CALL(2, 4, 0, o);
+      else if (bits == 8) TILE_CALL(2, 8, 1, o);
+      else TILE_CALL(2, 4, 1, o);
+    } else if (x && bits == 8) TILE_CALL(TILE, 8, 0, o);
     else if (x) TILE_CALL(TILE, 4, 0, o);
     else if (bits == 8) TILE_CALL(TILE, 8, 1, o);
     else TILE_CALL(TILE, 4, 1, o);
@@ -238,11 +246,12 @@ static void products(const float *x, const int8_t *xq, const float *xs, const fl
 #undef TILE_CALL
 
 /* y (rows, out) = x (rows, n) @ W.T for the block-quantized W above (bits 8 or 4; offsets m
- * NULL for 8 bits and for symmetric 4 bits), on `threads` threads. n is a multiple of group,
- * group a multiple of 32. 0 on success, 1 when the block sums' scratch cannot be allocated. */
+ * NULL for 8 bits and for symmetric 4 bits), on `threads` threads, `tile` weight rows a pass.
+ * n is a multiple of group, group a multiple of 32. 0 on success, 1 when the block sums'
+ * scratch cannot be allocated. */
 int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t *w,
                          const uint16_t *d, const uint16_t *m, int64_t out, int bits,
-                         int64_t group, float *y, int threads) {
+                         int64_t group, float *y, int threads, int tile) {
   const int64_t groups = n / group;
   float *xsum = NULL;
   if (bits == 4) {
@@ -256,7 +265,7 @@ int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t 
         xsum[r * groups + g] = lanes_sum(s);
       }
   }
-  products(x, NULL, NULL, xsum, rows, n, w, d, m, out, bits, group, y, threads);
+  products(x, NULL, NULL, xsum, rows, n, w, d, m, out, bits, group, y, threads, tile);
   free(xsum);
   return 0;
 }
@@ -275,7 +284,7 @@ int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t 
  * when the rounded activations' scratch cannot be allocated. */
 int attnkit_block_linear_rounded(const float *x, int64_t rows, int64_t n, const uint8_t *w,
                                  const uint16_t *d, const uint16_t *m, int64_t out, int bits,
-                                 int64_t group, float *y, int threads) {
+                                 int64_t group, float *y, int threads, int tile) {
   const int64_t blocks = n / BLOCK, groups = n / group, per = group / BLOCK;
   int8_t *xq = malloc((size_t)(rows * n + 1));
   float *xs = malloc((size_t)(rows * (blocks + groups) + 1) * sizeof(float));
@@ -297,7 +306,7 @@ int attnkit_block_linear_rounded(const float *x, int64_t rows, int64_t n, const 
       xsum[r * groups + g] = total;
     }
   }
-  products(NULL, xq, xs, xsum, rows, n, w, d, m, out, bits, group, y, threads);
+  products(NULL, xq, xs, xsum, rows, n, w, d, m, out, bits, group, y, threads, tile);
   free(xq);
   free(xs);
   return 0;
