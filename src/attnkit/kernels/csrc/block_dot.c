@@ -9,7 +9,7 @@
  * The activations stay float32: each block's codes are widened to floats and multiplied by the
  * activations (float32 sums), and the group's scale goes on once per group. The offset's term
  * is m times the group's activation sum, computed once per activation row. Weight rows go a
- * tile of TILE at a time, so each block of activations loaded serves every row of the tile (the
+ * few at a time (a tile), so each block of activations loaded serves every row of the tile (the
  * weight streams from memory once; the activations stay in cache). This keeps the result the float
  * product of the dequantized weight up to float32 summation order: no rounding of the
  * activations (compare int8_dot.c and int4_dot.c, which round them to int8 for integer dots).
@@ -106,7 +106,8 @@ static inline void codes4(const uint8_t *w, int64_t b, int64_t ahead, __m256 c[4
 static inline float dot(const float *a, const float *b, int64_t count) {
   __m256 s = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= count; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+  for (; i + 8 <= count; i += 8)
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
   float total = lanes_sum(s);
   for (; i < count; i++) total += a[i] * b[i];
   return total;
