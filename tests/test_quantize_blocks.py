@@ -9,7 +9,14 @@ from torch import nn
 from torch.testing import assert_close
 
 from attnkit import quantize as quantize_module
-from attnkit.kernels.block_linear import block_dot_linear, pack_nibbles, unpack_nibbles
+from attnkit.kernels.block_linear import (
+    TILE_ROWS,
+    BlockWeight,
+    block_dot_linear,
+    block_product,
+    pack_nibbles,
+    unpack_nibbles,
+)
 from attnkit.quantize import BlockLinear, Int4Linear, Int8Linear, layer_error, quantize
 
 
@@ -46,6 +53,42 @@ def test_block_linear_equals_float64_dequantized_math(layout: str, group: int, r
     with torch.no_grad():  # (few rows: the kernel; more: the dequantized product)
         got = layer(x)
     assert_close(got.double(), want, rtol=0, atol=2e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("layout", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("tile", TILE_ROWS)
+def test_block_kernel_over_many_groups_and_a_partial_tile(
+    layout: str, activations: str, tile: int
+) -> None:
+    from attnkit.kernels.linear import round_activations
+
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(7, 32 * 70, generator=gen)  # (more groups than a pass widens at once)
+    layer = BlockLinear.from_weight(weight, layout=layout)  # type: ignore[arg-type]
+    x = torch.randn(2, weight.shape[1], generator=gen)
+    rounded = activations == "int8"
+    prepared = BlockWeight(layer.codes, layer.scales, layer.offsets, layer.bits, tile)
+    got = block_product(x, prepared, rounded)
+    want = (round_activations(x) if rounded else x).double() @ _reference(weight, layout, 32).T
+    assert_close(got.double(), want, rtol=0, atol=2e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("layout", ["q8_0", "q4_1"])
+def test_the_kernel_follows_codes_loaded_or_replaced(layout: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    first, second, third = (
+        BlockLinear.from_weight(torch.randn(9, 64, generator=gen), layout=layout)  # type: ignore[arg-type]
+        for _ in range(3)
+    )
+    x = torch.randn(1, 64, generator=gen)
+    with torch.no_grad():
+        first(x)  # (prepares the kernel's weight)
+        first.load_state_dict(second.state_dict())  # (copied into the same tensors)
+        assert torch.equal(first(x), second(x))
+        first.codes, first.scales = third.codes, third.scales  # (replaced)
+        first.offsets = third.offsets
+        assert torch.equal(first(x), third(x))
 
 
 def test_block_kernel_checks_its_inputs() -> None:

@@ -42,7 +42,7 @@ def declare(lib: ctypes.CDLL) -> None:
     call.restype = flag
     for call in (lib.attnkit_block_linear, lib.attnkit_block_linear_rounded):
         call.argtypes = [pointer, int64, int64, pointer, pointer, pointer, int64, flag, int64]
-        call.argtypes += [pointer, flag]
+        call.argtypes += [pointer, flag, flag]
         call.restype = flag
     call = lib.attnkit_capped_softmax
     call.argtypes = [pointer, *[int64] * 5, flag, int64, floats, flag, flag]

@@ -19,10 +19,21 @@ from torch import Tensor
 
 from attnkit.kernels.build import library, require_cpu
 
-__all__ = ["BLOCK", "block_dot_linear", "block_product", "pack_nibbles", "unpack_nibbles"]
+__all__ = [
+    "BLOCK",
+    "TILE_ROWS",
+    "BlockWeight",
+    "block_dot_linear",
+    "block_product",
+    "pack_nibbles",
+    "unpack_nibbles",
+]
 
 #: Inputs per block: the kernel reads codes and scales a block at a time.
 BLOCK = 32
+#: The weight rows the kernel can multiply a pass (each block of activations it loads serves
+#: them all; fewer rows read fewer streams of codes at once).
+TILE_ROWS = (2, 4)
 
 
 def pack_nibbles(codes: Tensor) -> Tensor:
@@ -79,6 +90,58 @@ def _check(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor | None, bit
     require_cpu("block_dot_linear", x, codes, scales, *([] if offsets is None else [offsets]))
 
 
+class BlockWeight:
+    """A block-quantized weight prepared for :func:`block_product`: its tensors (contiguous) and
+    the kernel's arguments that depend only on them, worked out once rather than on every call
+    (a decoding step multiplies by every layer's weight, one row at a time).
+
+    Args:
+        codes: ``(out, n)`` int8 (8 bits) or :func:`pack_nibbles`' ``(out, n // 2)`` uint8.
+        scales: Float16 ``(out, groups)``; the group size is ``n // groups``, a multiple of 32.
+        offsets: Float16 ``(out, groups)`` (4 bits only), or None: ``-8 * scales`` for 4 bits.
+        bits: 8 or 4.
+        tile: Weight rows the kernel multiplies a pass, 2 or 4
+            (:func:`attnkit.kernels.policy.block_tile_rows` measures which serves this machine).
+    """
+
+    __slots__ = ("args", "codes", "offsets", "out", "scales", "tile")
+
+    def __init__(
+        self,
+        codes: Tensor,
+        scales: Tensor,
+        offsets: Tensor | None,
+        bits: int,
+        tile: int = TILE_ROWS[-1],
+    ) -> None:
+        # (held, so that no other tensor takes their memory while the pointers are kept)
+        self.codes, self.scales = codes.contiguous(), scales.contiguous()
+        self.offsets = None if offsets is None else offsets.contiguous()
+        self.out = codes.shape[0]
+        n = codes.shape[1] * 8 // bits
+        # (the C functions' arguments after the activations' pointer and rows)
+        self.args = (
+            n,
+            self.codes.data_ptr(),
+            self.scales.data_ptr(),
+            None if self.offsets is None else self.offsets.data_ptr(),
+            self.out,
+            bits,
+            n // scales.shape[1],
+        )
+        self.tile = tile
+
+    def holds(self, codes: Tensor, scales: Tensor, offsets: Tensor | None) -> bool:
+        """Whether this computes with these tensors' current data (False where preparing it
+        copied them: they were not contiguous)."""
+        _, held_codes, held_scales, held_offsets, *_ = self.args
+        return (
+            held_codes == codes.data_ptr()
+            and held_scales == scales.data_ptr()
+            and held_offsets == (None if offsets is None else offsets.data_ptr())
+        )
+
+
 def block_dot_linear(
     x: Tensor,
     codes: Tensor,
@@ -111,44 +174,18 @@ def block_dot_linear(
     """
     _check(x, codes, scales, offsets, bits)
     library()
-    return block_product(
-        x.contiguous(),
-        codes.contiguous(),
-        scales.contiguous(),
-        None if offsets is None else offsets.contiguous(),
-        bits,
-        rounded,
-    )
+    return block_product(x.contiguous(), BlockWeight(codes, scales, offsets, bits), rounded)
 
 
-def block_product(
-    x: Tensor,
-    codes: Tensor,
-    scales: Tensor,
-    offsets: Tensor | None,
-    bits: int,
-    rounded: bool = False,
-) -> Tensor:
-    """:func:`block_dot_linear` without its checks, for callers that hold the invariants
-    (contiguous CPU tensors of the right dtypes and shapes, the kernels loaded)."""
+def block_product(x: Tensor, weight: BlockWeight, rounded: bool = False) -> Tensor:
+    """:func:`block_dot_linear` of ``x`` and a prepared ``weight``, without the checks: for
+    callers that hold the invariants (``x`` a contiguous float32 CPU tensor whose rows fit the
+    weight, the kernels loaded)."""
     lib = library()
-    n = x.shape[1]
-    out = codes.shape[0]
-    y = x.new_empty(x.shape[0], out)
+    rows = x.shape[0]
+    y = torch.empty(rows, weight.out)
     call = lib.attnkit_block_linear_rounded if rounded else lib.attnkit_block_linear
-    failed = call(
-        x.data_ptr(),
-        x.shape[0],
-        n,
-        codes.data_ptr(),
-        scales.data_ptr(),
-        None if offsets is None else offsets.data_ptr(),
-        out,
-        bits,
-        n // scales.shape[1],
-        y.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if failed:
-        raise MemoryError(f"block_dot_linear could not allocate {x.shape[0]} rows of block sums")
+    threads = torch.get_num_threads()
+    if call(x.data_ptr(), rows, *weight.args, y.data_ptr(), threads, weight.tile):
+        raise MemoryError(f"block_dot_linear could not allocate {rows} rows of block sums")
     return y

@@ -18,12 +18,13 @@ and row kernels (docs/guide/kernels.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from attnkit.kernels import attention, build, linear, timing
+from attnkit.kernels import attention, block_linear, build, linear, timing
 from attnkit.kernels.plans import AttentionCall, AttentionPlan, LinearPlan, TileKernels
 from attnkit.kernels.probe import capabilities
 from attnkit.kernels.timing import provide_attention_kernel
@@ -69,6 +70,7 @@ __all__ = [
     "bf16_structured",
     "block_kernel_rows",
     "block_sparse",
+    "block_tile_rows",
     "capped_chunk_rows",
     "capped_flash_rows",
     "capped_kernel",
@@ -595,6 +597,19 @@ register(
         lambda caps: "attnkit" if build.kernels_available() else "dequantize",
     )
 )
+for _bits, _rows in ((8, "2"), (4, "4")):
+    register(
+        Choice(
+            f"block_linear.q{_bits}_tile",
+            tuple(str(t) for t in block_linear.TILE_ROWS),
+            f"Weight rows the {_bits}-bit block kernel (GGUF's q{_bits} layouts) multiplies a "
+            "pass: more reuse each loaded block of activations, fewer read fewer streams of "
+            "codes at once, which some memory systems serve faster.",
+            lambda caps, _rows=_rows: _rows,  # type: ignore[misc]
+            functools.partial(timing.block_tiles, _bits),
+            margin=1.03,
+        )
+    )
 register(
     Choice(
         "rows.norm_row",
@@ -768,6 +783,12 @@ def block_kernel_rows(rows: int) -> bool:
     of the dequantized weight, a block of output rows at a time): up to
     :data:`BLOCK_KERNEL_ROWS` rows, in compiled graphs (one op) and eager calls alike."""
     return rows <= BLOCK_KERNEL_ROWS
+
+
+def block_tile_rows(bits: int) -> int:
+    """Weight rows the block kernel of ``bits`` bits (8 or 4) multiplies a pass on this machine
+    (one of :data:`attnkit.kernels.block_linear.TILE_ROWS`)."""
+    return int(choose(f"block_linear.q{bits}_tile"))
 
 
 def int4_kernel() -> str:

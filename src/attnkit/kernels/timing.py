@@ -13,12 +13,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from attnkit.kernels import attention, build, linear, rows
+from attnkit.kernels import attention, block_linear, build, linear, rows
 
 __all__ = [
     "bf16_causal",
     "bf16_prompt",
     "bf16_structured",
+    "block_tiles",
     "compiled_row",
     "flash_bf16_products",
     "fp32_prompt",
@@ -91,6 +92,31 @@ def fp32_batch(rows: int, *, onednn: bool) -> dict[str, Callable[[], Any]]:
         calls = {"gemm": _walk(lambda w: F.linear(x, w), weights)}
     if _kernels():
         calls["stream"] = _walk(lambda w: linear.float_dot_linear(x, w), weights)
+    return calls
+
+
+def block_tiles(bits: int) -> dict[str, Callable[[], Any]]:
+    """One float32 row times ``bits``-bit block-quantized weights (groups of 32, a decoding
+    step's shape), the kernel taking each count of :data:`block_linear.TILE_ROWS` weight rows a
+    pass."""
+    if not _kernels():
+        return {}
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 576, generator=gen)
+    width = 576 if bits == 8 else 288
+    codes = _copies(lambda: torch.randint(0, 16, (1536, width), generator=gen, dtype=torch.uint8))
+    scales = (torch.rand(1536, 18, generator=gen) / 64).half()
+    calls: dict[str, Callable[[], Any]] = {}
+    for tile in block_linear.TILE_ROWS:
+        weights = [
+            block_linear.BlockWeight(
+                c.view(torch.int8) if bits == 8 else c, scales, None, bits, tile
+            )
+            for c in codes
+        ]
+        calls[str(tile)] = functools.partial(
+            lambda ws: [block_linear.block_product(x, w) for w in ws], weights
+        )
     return calls
 
 

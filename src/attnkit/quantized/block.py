@@ -31,7 +31,13 @@ from torch import Tensor, nn
 
 from attnkit.decoding import linear
 from attnkit.kernels import policy
-from attnkit.kernels.block_linear import BLOCK, block_product, pack_nibbles, unpack_nibbles
+from attnkit.kernels.block_linear import (
+    BLOCK,
+    BlockWeight,
+    block_product,
+    pack_nibbles,
+    unpack_nibbles,
+)
 from attnkit.kernels.build import kernels_available
 from attnkit.kernels.linear import round_activations
 from attnkit.quantized.base import GROUP_SIZES, _by_row_blocks, _describe, _finish, _frozen
@@ -233,13 +239,24 @@ class BlockLinear(nn.Module):
         """The float32 weight this module computes with. Shape: ``(out, in)``."""
         return self._weight_rows(0, self.out_features)
 
+    def _prepared(self) -> BlockWeight:
+        """The weight as the kernel takes it, kept while it computes with the layer's tensors
+        (prepared again where they were replaced or moved; never kept for a copy of them)."""
+        prepared = self.__dict__.get("_block_weight")
+        if prepared is None or not prepared.holds(self.codes, self.scales, self.offsets):
+            tile = policy.block_tile_rows(self.bits)
+            prepared = BlockWeight(self.codes, self.scales, self.offsets, self.bits, tile)
+            if prepared.holds(self.codes, self.scales, self.offsets):
+                self.__dict__["_block_weight"] = prepared  # (not a parameter or buffer)
+        return prepared
+
     def forward(self, x: Tensor) -> Tensor:
         """Shape: ``(*, in) -> (*, out)``."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         native = (
-            x2.device.type == "cpu"
-            and self.codes.device.type == "cpu"
+            x2.is_cpu
+            and self.codes.is_cpu
             and not x2.requires_grad
             and self.scales.dtype == torch.float16  # (not cast, e.g. by .to(torch.bfloat16))
             and self.kernel == "block"
@@ -252,9 +269,7 @@ class BlockLinear(nn.Module):
                     xf, self.codes, self.scales, self.offsets, self.bits, rounded
                 )
             else:
-                y = block_product(
-                    xf.contiguous(), self.codes, self.scales, self.offsets, self.bits, rounded
-                )
+                y = block_product(xf.contiguous(), self._prepared(), rounded)
         elif native:  # (a prompt: the float product, a block of output rows at a time)
             xf = round_activations(x2) if rounded else x2.float()
             y = _by_row_blocks(
