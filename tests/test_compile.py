@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+from attnkit.kernels import policy
 from attnkit.models import TransformerEncoder, TransformerLM
 from attnkit.positional import (
     LearnedPositionalEmbedding,
@@ -41,6 +42,9 @@ def _tiny(kind: str, position: str, **options: object) -> nn.Module:
 
 def _compiled(model: nn.Module, backend: str = "eager") -> nn.Module:
     torch._dynamo.reset()  # each test captures afresh (no cache hits from another model)
+    # The kernels' plan is decided eagerly (a trace reads the plan decided before it), so the
+    # compiled model and the eager one it is compared with run the same kernels.
+    policy.linear_plan()
     return torch.compile(model, fullgraph=True, backend=backend)  # type: ignore[return-value]
 
 

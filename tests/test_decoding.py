@@ -419,7 +419,6 @@ def test_a_full_batch_step_streams_as_the_policy_says(
     assert decoding.layout_for(w, batch=full) == decoding.layout_for(w, batch=2) == "stream"
     assert decoding.layout_for(w, batch=4 * full) == "stream"
     assert policy.most_stream_rows(torch.float32) == (full if batch_stream else full - 1)
-    assert policy.most_stream_rows(torch.float32, compiled=True) == full - 1
     assert policy.most_stream_rows(torch.bfloat16) == full - 1
     layer = decoding.PreparedLinear.from_linear(nn.Linear(40, 24), batch=full)
     calls: list[int] = []

@@ -666,13 +666,14 @@ def linear_plan(*, compiled: bool = False) -> LinearPlan:
         return plan
 
 
-def most_stream_rows(dtype: torch.dtype, *, compiled: bool = False) -> int:
+def most_stream_rows(dtype: torch.dtype) -> int:
     """The most rows of a ``dtype`` product that attnkit's streaming kernel may take: those of a
-    decoding step, fewer than :data:`PROMPT_ROWS`, and :data:`PROMPT_ROWS` themselves in an
-    eager float32 product where ``linear.fp32_batch`` chose the stream (a full continuous
-    batch's step of that many sequences)."""
-    eager_fp32 = dtype == torch.float32 and not compiled
-    return PROMPT_ROWS if eager_fp32 and linear_plan().fp32_batch_stream else PROMPT_ROWS - 1
+    decoding step, fewer than :data:`PROMPT_ROWS`, and :data:`PROMPT_ROWS` themselves in a
+    float32 product where ``linear.fp32_batch`` chose the stream (a full continuous batch's step
+    of that many sequences). Eager and compiled products take the same rows, so a compiled
+    model computes what the eager one does."""
+    fp32_batch = dtype == torch.float32 and linear_plan().fp32_batch_stream
+    return PROMPT_ROWS if fp32_batch else PROMPT_ROWS - 1
 
 
 def stream_rows(dtype: torch.dtype, rows: int, *, compiled: bool = False) -> bool:
@@ -683,7 +684,7 @@ def stream_rows(dtype: torch.dtype, rows: int, *, compiled: bool = False) -> boo
     plan = linear_plan()
     if not plan.kernels or dtype not in (torch.bfloat16, torch.float32):
         return False
-    if rows > most_stream_rows(dtype, compiled=compiled):
+    if rows > most_stream_rows(dtype):
         return False
     if rows >= 2:
         return True
@@ -702,7 +703,7 @@ def weight_layout(dtype: torch.dtype, *, cpu: bool, compiled: bool, batch: int) 
     Steps of ``batch`` sequences bring any number of rows up to ``batch`` (a continuous batch
     fills and drains), so a larger batch is laid out for the most rows that stream
     (:func:`most_stream_rows`): more rows run a blocked GEMM, which takes either layout."""
-    rows = min(batch, most_stream_rows(dtype, compiled=compiled))
+    rows = min(batch, most_stream_rows(dtype))
     rows = max(2, rows) if compiled else rows  # (a compiled single row reads row-major)
     if cpu and stream_rows(dtype, rows):
         return "stream"
