@@ -163,13 +163,16 @@ def test_rolled_back_model_cache_gives_the_uncached_logits(lm: TransformerLM) ->
     assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_lookup_takes_the_most_recent_longest_ngram() -> None:
+def test_lookup_takes_the_most_recent_longest_ngram_and_loops_a_short_one() -> None:
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     # no earlier "5 2 3"; "2 3" was most recently followed by 7 8
     assert lookup(tokens, 2) == [7, 8]
     assert lookup([4, 5, 6, 4, 5], 3) == [6, 4, 5]
     assert lookup([1, 2, 3], 4) == []
-    assert lookup([1, 2, 3, 1, 2, 3], 4, max_ngram=3) == [1, 2, 3]
+    # no occurrence with a full continuation: the nearest one's continuation, looped on
+    assert lookup([1, 2, 3, 1, 2, 3], 4, max_ngram=3) == [1, 2, 3, 1]
+    assert lookup([1, 2, 9, 1, 2], 5) == [9, 1, 2, 9, 1]
+    assert lookup([8, 5, 5], 4) == [5, 5, 5, 5]
     assert lookup([6, 5, 5, 5, 5, 5, 5], 3) == [5, 5, 5]  # a full continuation over the nearest
     assert lookup([1, 2, 9, 1, 2], 3) == [9, 1, 2]
     assert lookup([7], 4) == []

@@ -151,22 +151,25 @@ def lookup(tokens: list[int], num_tokens: int, max_ngram: int = MAX_NGRAM) -> li
     """Up to ``num_tokens`` tokens that followed an earlier occurrence of the last n-gram of
     ``tokens``, trying ``n = max_ngram`` down to 1; ``[]`` when none occurs.
 
-    The most recent occurrence with ``num_tokens`` tokens after it wins; without one, the one
-    with the most (a run of one token repeated has its most recent occurrence right before the
-    end, with one token after it).
+    The most recent occurrence with ``num_tokens`` tokens after it wins. Without one, every
+    occurrence lies so close to the end that the text since it is a loop in the making: the
+    most recent occurrence's continuation is copied on past the end as that loop repeats (an
+    overlapping copy, as LZ77 decodes one), so a run of one token proposes ``num_tokens`` more
+    of it instead of one.
     """
     size = len(tokens)
     for n in range(min(max_ngram, size - 1), 0, -1):
         tail = tokens[size - n :]
-        best: list[int] = []
+        nearest = -1
         for start in range(size - n - 1, -1, -1):  # most recent first, the tail itself excluded
             if tokens[start : start + n] == tail:
-                found = tokens[start + n : start + n + num_tokens]
-                if len(found) == num_tokens:
-                    return found
-                best = found if len(found) > len(best) else best
-        if best:
-            return best
+                begin = start + n
+                if begin + num_tokens <= size:
+                    return tokens[begin : begin + num_tokens]
+                nearest = begin if nearest < 0 else nearest
+        if nearest >= 0:
+            period = size - nearest
+            return [tokens[nearest + i % period] for i in range(num_tokens)]
     return []
 
 
