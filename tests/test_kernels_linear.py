@@ -282,8 +282,9 @@ def test_float_products_keep_non_finite_values_and_ignore_threads_and_strides(
 def test_a_float_rows_product_does_not_depend_on_the_rows_beside_it(
     dtype: torch.dtype, float_dots: bool
 ) -> None:
-    """Rows go through the kernel a few at a time (narrow dots: two, and an odd one alone; wide
-    dots: up to eight, whose inputs go in chunks where they would not stay in L1): each row's
+    """Rows go through the kernel a few at a time (narrow dots: up to four against three outputs,
+    a lone row against eight; wide dots: up to eight, whose inputs go in chunks where they would
+    not stay in L1), and 70 outputs leave partial tiles: each row's
     result is the same bits as the row's product by itself (a sequence decodes the same alone or
     batched)."""
     gen = torch.Generator().manual_seed(11)

@@ -3,13 +3,16 @@
  *
  * y[r, o] = bias[o] + sum_i x[r, i] * w[o, i], summed in float32, w row-major (out, n).
  *
- * Decoding reads every weight once, so the speed is the weight's read bandwidth. Each OpenMP
- * thread takes a contiguous range of output rows and reads it as one sequential stream, one
- * output row after the other, prefetching 4 KiB ahead (far enough to hide the memory's latency
- * at the stream's rate); the rows of x (a few) are dotted with each weight row while it is in
- * L1, two at a time (row_dot2). The AVX512 dots take up to eight rows of x a pass, so a batch's
- * rows share each weight load. Whether one row runs here or through MKL, and whether a compiled
- * row runs here or through inductor's reduction, is attnkit's policy's choice, measured.
+ * Decoding reads every weight once, so the speed of one row is the weight's read bandwidth; a few
+ * rows (a verified proposal, a server's batch) also spend arithmetic on each weight read. The AVX2
+ * products take the weight in tiles of TILE_OUT output rows (contiguous in memory) and the
+ * activations TILE_ROWS rows a pass: a pass keeps TILE_OUT x TILE_ROWS sums in registers, so each
+ * weight vector load serves TILE_ROWS FMAs and each activation load TILE_OUT. A single row takes
+ * ROW_TILE_OUT output rows a tile instead, for more independent sums in flight. Each OpenMP thread
+ * takes a contiguous range of tiles, one sequential stream; each pass over a tile prefetches the
+ * next tile, so the memory reads one tile ahead while the arithmetic of the passes runs.
+ * Whether rows run here or through MKL, and whether a compiled row runs here or through
+ * inductor's reduction, is attnkit's policy's choice, measured.
  *
  * bf16 is float32's upper half, so a bf16 value widens by a 16-bit shift; results are rounded
  * back to bf16 to nearest even (a NaN stays a NaN).
@@ -21,71 +24,78 @@
 
 #include "simd.h"
 
-#define PREFETCH 4096 /* bytes ahead */
+#define PREFETCH 4096 /* bytes ahead (AVX512 dots) */
 #define PARALLEL_MIN (1 << 16) /* products (weights x rows) worth a second thread */
+#define TILE_OUT 3 /* output rows of an AVX2 tile */
+#define TILE_ROWS 4 /* activation rows of an AVX2 pass (TILE_OUT x TILE_ROWS sums in registers) */
+#define ROW_TILE_OUT 8 /* output rows of an AVX2 tile when there is one activation row */
 
-/* One weight row's dot with one float32 activation row (inlined with a constant bf16, so each
- * caller gets its own loop). */
-static inline float row_dot(const float *x, const void *w, int64_t n, int bf16) {
-  const char *bytes = (const char *)w;
-  const int64_t size = bf16 ? 2 : 4;
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    /* (a prefetch past the end of the weight is harmless: it never faults) */
-    for (int64_t line = 0; line < 32 * size; line += 64)
-      _mm_prefetch(bytes + i * size + PREFETCH + line, _MM_HINT_T0);
-    a0 = _mm256_fmadd_ps(load8(w, i, bf16), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(load8(w, i + 8, bf16), _mm256_loadu_ps(x + i + 8), a1);
-    a2 = _mm256_fmadd_ps(load8(w, i + 16, bf16), _mm256_loadu_ps(x + i + 16), a2);
-    a3 = _mm256_fmadd_ps(load8(w, i + 24, bf16), _mm256_loadu_ps(x + i + 24), a3);
+/* y[at] = v + bias[o] (bias may be NULL), bf16 (rounded to nearest even) or float32. */
+static inline void store(void *y, int64_t at, float v, const void *bias, int64_t o, int bf16) {
+  if (bf16) {
+    const float b = bias ? bf16_to_float(((const uint16_t *)bias)[o]) : 0.f;
+    ((uint16_t *)y)[at] = float_to_bf16(v + b);
+  } else {
+    ((float *)y)[at] = v + (bias ? ((const float *)bias)[o] : 0.f);
   }
-  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load8(w, i, bf16), _mm256_loadu_ps(x + i), a0);
-  float sum = lanes_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; i < n; i++) sum += load1(w, i, bf16) * x[i];
-  return sum;
 }
 
-/* Two activation rows' dots with one weight row: each weight vector is loaded (and widened)
- * once for both, and each row's sums run exactly as row_dot's (the same operations in the same
- * order), so a row's result does not depend on the rows beside it. Rows share the weight's
- * loads and widening, the cost a pass pays beside its sums. */
-static inline void row_dot2(const float *x0, const float *x1, const void *w, int64_t n, int bf16,
-                            float *s0, float *s1) {
-  const char *bytes = (const char *)w;
+/* The sums of O weight rows (n apart) with R activation rows (n apart) into y (rows `out`
+ * apart), O <= TILE_OUT and R <= TILE_ROWS (or O <= ROW_TILE_OUT and R = 1), with AVX2 FMAs; prefetches `ahead` bytes past each
+ * weight row when `ahead` > 0. Each sum (o, r) has one accumulator of 8 lanes stepping through
+ * the inputs 8 at a time, then its lanes' sum, then the last n % 8 inputs one by one: the same
+ * operations in the same order whatever O, R and the rows beside it, so a row's result does not
+ * depend on the batch it came in. Inlined with constant O, R and bf16 (see TILE below), so the
+ * loops over them unroll and the sums stay in registers. */
+static inline __attribute__((always_inline)) void tile_dots(const float *x, int R, const char *w,
+                                                            int64_t n, int O, int bf16,
+                                                            int64_t ahead, const void *bias,
+                                                            int64_t o0, int64_t out, void *y) {
   const int64_t size = bf16 ? 2 : 4;
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  __m256 acc[ROW_TILE_OUT][TILE_ROWS];
+  for (int o = 0; o < O; o++)
+    for (int r = 0; r < R; r++) acc[o][r] = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    for (int64_t line = 0; line < 32 * size; line += 64)
-      _mm_prefetch(bytes + i * size + PREFETCH + line, _MM_HINT_T0);
-    const __m256 w0 = load8(w, i, bf16), w1 = load8(w, i + 8, bf16);
-    const __m256 w2 = load8(w, i + 16, bf16), w3 = load8(w, i + 24, bf16);
-    a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + i), a0);
-    b0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + i), b0);
-    a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + i + 8), a1);
-    b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + i + 8), b1);
-    a2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x0 + i + 16), a2);
-    b2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x1 + i + 16), b2);
-    a3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x0 + i + 24), a3);
-    b3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x1 + i + 24), b3);
-  }
   for (; i + 8 <= n; i += 8) {
-    const __m256 w0 = load8(w, i, bf16);
-    a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + i), a0);
-    b0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + i), b0);
+    if (ahead > 0 && i % 16 == 0) /* (a line of float32 weights; past the end never faults) */
+      for (int o = 0; o < O; o++) _mm_prefetch(w + (o * n + i) * size + ahead, _MM_HINT_T0);
+    __m256 wv[ROW_TILE_OUT];
+    for (int o = 0; o < O; o++) wv[o] = load8(w + o * n * size, i, bf16);
+    for (int r = 0; r < R; r++) {
+      const __m256 xv = _mm256_loadu_ps(x + r * n + i);
+      for (int o = 0; o < O; o++) acc[o][r] = _mm256_fmadd_ps(wv[o], xv, acc[o][r]);
+    }
   }
-  float sum0 = lanes_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  float sum1 = lanes_sum(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
-  for (; i < n; i++) {
-    const float v = load1(w, i, bf16);
-    sum0 += v * x0[i];
-    sum1 += v * x1[i];
-  }
-  *s0 = sum0;
-  *s1 = sum1;
+  for (int o = 0; o < O; o++)
+    for (int r = 0; r < R; r++) {
+      float sum = lanes_sum(acc[o][r]);
+      for (int64_t j = i; j < n; j++) sum += load1(w + o * n * size, j, bf16) * x[r * n + j];
+      store(y, r * out + o0 + o, sum, bias, o0 + o, bf16);
+    }
 }
+
+/* tile_dots for each O, R and weight type (constant in each copy). */
+typedef void (*tile_fn)(const float *, const char *, int64_t, int64_t, const void *, int64_t,
+                        int64_t, void *);
+#define TILE(O, R, B, NAME)                                                                   \
+  static void NAME(const float *x, const char *w, int64_t n, int64_t ahead, const void *bias,  \
+                   int64_t o0, int64_t out, void *y) {                                         \
+    tile_dots(x, R, w, n, O, B, ahead, bias, o0, out, y);                                      \
+  }
+#define TILES_OF(B, P)                                                                        \
+  TILE(1, 1, B, P##1_1) TILE(1, 2, B, P##1_2) TILE(1, 3, B, P##1_3) TILE(1, 4, B, P##1_4)      \
+  TILE(2, 1, B, P##2_1) TILE(2, 2, B, P##2_2) TILE(2, 3, B, P##2_3) TILE(2, 4, B, P##2_4)      \
+  TILE(3, 1, B, P##3_1) TILE(3, 2, B, P##3_2) TILE(3, 3, B, P##3_3) TILE(3, 4, B, P##3_4)      \
+  TILE(4, 1, B, P##4_1) TILE(5, 1, B, P##5_1) TILE(6, 1, B, P##6_1) TILE(7, 1, B, P##7_1)      \
+  TILE(8, 1, B, P##8_1)                                                                       \
+  static const tile_fn P[ROW_TILE_OUT + 1][TILE_ROWS + 1] = {                                 \
+      {NULL},                                                                                 \
+      {NULL, P##1_1, P##1_2, P##1_3, P##1_4},                                                 \
+      {NULL, P##2_1, P##2_2, P##2_3, P##2_4},                                                 \
+      {NULL, P##3_1, P##3_2, P##3_3, P##3_4},                                                 \
+      {NULL, P##4_1}, {NULL, P##5_1}, {NULL, P##6_1}, {NULL, P##7_1}, {NULL, P##8_1}};
+TILES_OF(0, float_tiles)
+TILES_OF(1, bf16_tiles)
 
 #define WIDE __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define WIDE_ROWS 8 /* activation rows a pass */
@@ -105,9 +115,8 @@ static inline WIDE __attribute__((always_inline)) __m512 load16(const void *w, i
  * row's result does not depend on the rows beside it. The accumulators start at zero for i0 = 0,
  * else from `state` (2 R vectors of 16 floats, 64-byte aligned), and go back there unless
  * i1 = n, where their sums go to `sums`: a product split into input ranges sums in the same
- * order as one over all n. With eight
- * rows a pass a step loads 2 weight and 16 activation vectors, where row_dot2's loads 4 and 8 for
- * two rows a pass (8 rows: 48 loads per 32 weights, against 18). The weight is prefetched
+ * order as one over all n. With eight rows a pass a step loads 2 weight and 16 activation
+ * vectors for 16 FMAs. The weight is prefetched
  * `ahead` bytes ahead, into L2 only (leaving L1 to the activations, which every weight row
  * meets again). */
 static inline WIDE __attribute__((always_inline)) void dots_wide(const float *x, int R,
@@ -219,34 +228,27 @@ int attnkit_float_wide(int wanted) {
   return wide;
 }
 
-/* y[at] = v + bias[o] (bias may be NULL), bf16 (rounded to nearest even) or float32. */
-static inline void store(void *y, int64_t at, float v, const void *bias, int64_t o, int bf16) {
-  if (bf16) {
-    const float b = bias ? bf16_to_float(((const uint16_t *)bias)[o]) : 0.f;
-    ((uint16_t *)y)[at] = float_to_bf16(v + b);
-  } else {
-    ((float *)y)[at] = v + (bias ? ((const float *)bias)[o] : 0.f);
-  }
-}
-
 /* y (rows, out) = x (rows, n) @ w.T + bias, x float32, w, bias and y bf16 or all float32, with
- * the dots of dots_wide or of row_dot2 / row_dot. */
+ * the dots of dots_wide or of tile_dots. */
 static void products(const float *x, int64_t rows, int64_t n, const void *w, const void *bias,
                      int64_t out, void *y, int bf16, int threads) {
   const int64_t size = bf16 ? 2 : 4;
   (void)threads; /* (unused where built without OpenMP) */
   if (!attnkit_float_wide(-1)) {
+    const tile_fn(*tiles)[TILE_ROWS + 1] = bf16 ? bf16_tiles : float_tiles;
+    const int64_t width = rows == 1 ? ROW_TILE_OUT : TILE_OUT;
+    const int64_t count = (out + width - 1) / width;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * out * n >= PARALLEL_MIN)
-    for (int64_t o = 0; o < out; o++) {
-      const char *row = (const char *)w + o * n * size;
-      int64_t r = 0;
-      for (; r + 2 <= rows; r += 2) {
-        float s0, s1;
-        row_dot2(x + r * n, x + (r + 1) * n, row, n, bf16, &s0, &s1);
-        store(y, r * out + o, s0, bias, o, bf16);
-        store(y, (r + 1) * out + o, s1, bias, o, bf16);
+    for (int64_t t = 0; t < count; t++) {
+      const int64_t o0 = t * width;
+      const int O = out - o0 >= width ? (int)width : (int)(out - o0);
+      const char *tile = (const char *)w + o0 * n * size;
+      for (int64_t r = 0; r < rows; r += TILE_ROWS) {
+        const int R = rows - r >= TILE_ROWS ? TILE_ROWS : (int)(rows - r);
+        /* every pass prefetches the next tile: a line already on its way costs little, and a
+         * prefetch the memory system dropped in one pass is asked for again in the next */
+        tiles[O][R](x + r * n, tile, n, width * n * size, bias, o0, out, (char *)y + r * out * size);
       }
-      if (r < rows) store(y, r * out + o, row_dot(x + r * n, row, n, bf16), bias, o, bf16);
     }
     return;
   }
