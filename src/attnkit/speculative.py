@@ -80,7 +80,8 @@ class Decoder(Protocol):
 
 @dataclass
 class SpeculationStats:
-    """Counts of one generation: proposed tokens verified and kept (per unfinished row), rounds.
+    """Counts of one generation: proposed tokens verified and kept (per unfinished row), rounds
+    (forwards that verified a proposal; a step without one is a plain step, not counted).
 
     Pass one as ``generate(..., speculation_stats=stats)`` to read the acceptance rate after.
     """
@@ -434,6 +435,18 @@ def decode(
             k = min(length.propose(), max_new_tokens - produced - 1)
             proposal = proposer.propose(ids, positions, full_mask, k, unfinished)
             k = proposal.tokens.shape[1]
+            if k == 0:  # nothing proposed (paused, or no match): a plain decoding step
+                mask = None if full_mask is None else full_mask[:, :S]
+                with torch.inference_mode():
+                    raw = lm(
+                        ids[:, -1:], mask, positions=positions[:, -1:], kv_caches=caches,
+                        logits_to_keep=1,
+                    )  # fmt: skip
+                logits = process(raw[:, -1], ids)
+                token = logits.argmax(dim=-1) if greedy else _sample(logits, generator)
+                columns = token[:, None]
+                proposer.rollback(S)
+                continue
             step_ids = torch.cat([ids[:, -1:], proposal.tokens], dim=1)  # (B, k + 1)
             step_pos = positions[:, -1:] + torch.arange(k + 1, device=ids.device)  # (B, k + 1)
             mask = None if full_mask is None else full_mask[:, : S + k]
