@@ -41,12 +41,13 @@ static inline void store(void *y, int64_t at, float v, const void *bias, int64_t
 }
 
 /* The sums of O weight rows (n apart) with R activation rows (n apart) into y (rows `out`
- * apart), O <= TILE_OUT and R <= TILE_ROWS (or O <= ROW_TILE_OUT and R = 1), with AVX2 FMAs; prefetches `ahead` bytes past each
- * weight row when `ahead` > 0. Each sum (o, r) has one accumulator of 8 lanes stepping through
- * the inputs 8 at a time, then its lanes' sum, then the last n % 8 inputs one by one: the same
- * operations in the same order whatever O, R and the rows beside it, so a row's result does not
- * depend on the batch it came in. Inlined with constant O, R and bf16 (see TILE below), so the
- * loops over them unroll and the sums stay in registers. */
+ * apart), O <= TILE_OUT and R <= TILE_ROWS (or O <= ROW_TILE_OUT and R = 1), with AVX2 FMAs,
+ * prefetching `ahead` bytes past each weight row as it goes. Each sum (o, r) has one
+ * accumulator of 8 lanes stepping through the inputs 8 at a time, then its lanes' sum, then the
+ * last n % 8 inputs one by one: the same operations in the same order whatever O, R and the
+ * rows beside it, so a row's result does not depend on the batch it came in. Inlined with
+ * constant O, R and bf16 (see TILE below), so the loops over them unroll and the sums stay in
+ * registers. */
 static inline __attribute__((always_inline)) void tile_dots(const float *x, int R, const char *w,
                                                             int64_t n, int O, int bf16,
                                                             int64_t ahead, const void *bias,
@@ -57,7 +58,7 @@ static inline __attribute__((always_inline)) void tile_dots(const float *x, int 
     for (int r = 0; r < R; r++) acc[o][r] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if (ahead > 0 && i % 16 == 0) /* (a line of float32 weights; past the end never faults) */
+    if (i % 16 == 0) /* (a line of float32 weights; past the end never faults) */
       for (int o = 0; o < O; o++) _mm_prefetch(w + (o * n + i) * size + ahead, _MM_HINT_T0);
     __m256 wv[ROW_TILE_OUT];
     for (int o = 0; o < O; o++) wv[o] = load8(w + o * n * size, i, bf16);
@@ -247,7 +248,8 @@ static void products(const float *x, int64_t rows, int64_t n, const void *w, con
         const int R = rows - r >= TILE_ROWS ? TILE_ROWS : (int)(rows - r);
         /* every pass prefetches the next tile: a line already on its way costs little, and a
          * prefetch the memory system dropped in one pass is asked for again in the next */
-        tiles[O][R](x + r * n, tile, n, width * n * size, bias, o0, out, (char *)y + r * out * size);
+        char *y_rows = (char *)y + r * out * size; /* (y's values are as wide as w's) */
+        tiles[O][R](x + r * n, tile, n, width * n * size, bias, o0, out, y_rows);
       }
     }
     return;
