@@ -117,6 +117,7 @@ class PreparedLinear(nn.Linear):
         if (
             self.layout == "stream"
             and x.numel() <= self.stream_rows * self.in_features
+            and self.weight.dtype in KERNEL_DTYPES  # (not after a cast, e.g. .double())
             and not (torch.is_grad_enabled() and _needs_grad(x, self.weight, self.bias))
             and not torch.compiler.is_compiling()
             and not is_in_torch_dispatch_mode()  # (FLOP counters, fake tensors: torch's ops)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
-from attnkit import decoding, generation
+from attnkit import decoding, fused, generation
 from attnkit import masks as M
 from attnkit import quantize as quantization
 from attnkit.blocks import TransformerLayer, make_norm
@@ -196,6 +196,14 @@ class _TransformerStack(nn.Module):
             h = self.position(h, positions)
         if self.training:  # identity in evaluation: no call per decoding step
             h = self.dropout(h)
+        elif (
+            kv_caches is not None and mask is None and cache_position is None and not return_weights
+        ):
+            # A cached step of a few tokens: every layer in one kernel call, where it serves
+            # this stack (attnkit.fused says which), else the blocks below.
+            out = fused.run(self, h, positions, kv_caches)
+            if out is not None:
+                return self.norm(out), []
         weights: list[Tensor] = []
         for i, block in enumerate(self.blocks):
             h, w = block(

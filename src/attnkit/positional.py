@@ -527,6 +527,25 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._rows(positions, x.device)
         return _rotate(x, cos, sin, self.interleaved)
 
+    def step_rows(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The full-width ``(cos, signed sin)`` rows of one sequence's ``positions``, as the
+        rotary kernel reads them (:func:`attnkit.kernels.rows.rotate`): each channel's cosine,
+        and its sine with the sign of its pair's formula. Contiguous float32.
+
+        Shape:
+            positions ``(L,)`` or ``(1, L)`` -> ``(L, E)`` each.
+
+        Raises:
+            ValueError: For negative positions, or positions of more than one sequence.
+        """
+        if positions.dim() > 2 or (positions.dim() == 2 and positions.shape[0] != 1):
+            raise ValueError(
+                f"step_rows takes positions (L,) or (1, L), got {tuple(positions.shape)}"
+            )
+        cos, sin = self._rows(positions, self.cos.device)
+        L = positions.shape[-1]
+        return cos.reshape(L, -1).contiguous(), sin.reshape(L, -1).contiguous()
+
     def _full_tables(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """:meth:`tables` at full width (see :func:`_full_width`), made once per table.
 

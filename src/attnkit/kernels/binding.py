@@ -7,7 +7,7 @@ import ctypes
 
 from torch import Tensor
 
-__all__ = ["View", "declare", "view"]
+__all__ = ["StepLayer", "StepLinear", "StepShape", "View", "declare", "view"]
 
 
 class View(ctypes.Structure):
@@ -18,6 +18,52 @@ class View(ctypes.Structure):
         ("item", ctypes.c_int64),
         ("head", ctypes.c_int64),
         ("row", ctypes.c_int64),
+    )
+
+
+class StepLinear(ctypes.Structure):
+    """csrc/step.c's ``step_linear``: one product's weight kind, sizes and pointers."""
+
+    _fields_ = (
+        ("kind", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("out", ctypes.c_int64),
+        ("group", ctypes.c_int64),
+        ("bits", ctypes.c_int64),
+        ("tile", ctypes.c_int64),
+        ("w", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    )
+
+
+class StepLayer(ctypes.Structure):
+    """csrc/step.c's ``step_layer``: a layer's norm weights and epsilons and its products."""
+
+    _fields_ = (
+        ("norm1", ctypes.c_void_p),
+        ("norm2", ctypes.c_void_p),
+        ("eps1", ctypes.c_float),
+        ("eps2", ctypes.c_float),
+        ("qkv", StepLinear),
+        ("out", StepLinear),
+        ("gate_up", StepLinear),
+        ("down", StepLinear),
+    )
+
+
+class StepShape(ctypes.Structure):
+    """csrc/step.c's ``step_shape``: the stack's sizes, attention scale and rotary layout."""
+
+    _fields_ = (
+        ("dim", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("interleaved", ctypes.c_int64),
     )
 
 
@@ -69,4 +115,8 @@ def declare(lib: ctypes.CDLL) -> None:
     call.restype = flag
     call = lib.attnkit_rotate
     call.argtypes = [pointer, *[int64] * 7, pointer, pointer, int64, pointer, flag, flag, flag]
+    call.restype = flag
+    call = lib.attnkit_decoder_step
+    call.argtypes = [ctypes.POINTER(StepLayer), int64, ctypes.POINTER(StepShape), pointer, int64]
+    call.argtypes += [int64, pointer, pointer, ctypes.POINTER(ctypes.c_void_p), int64, flag]
     call.restype = flag

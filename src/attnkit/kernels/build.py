@@ -63,6 +63,7 @@ _SOURCES = tuple(
         "one_query.c",
         "flash.c",
         "rows.c",
+        "step.c",
     )
 )
 #: Headers the sources include (hashed into the build's name with them).

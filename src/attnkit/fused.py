@@ -1,0 +1,384 @@
+"""A cached decoding step of a whole decoder stack in one kernel call.
+
+A decoding step of a small model spends most of its time between the kernels: each layer is a
+dozen Python calls (norms, four products, the rotation, the cache's copies, the attention, the
+activation, the residual adds), each a few microseconds of dispatch around a few microseconds of
+work. :func:`run` hands the stack's layers to one C function instead
+(``attnkit_decoder_step``, ``kernels/csrc/step.c``), which runs the same kernels back to back:
+the products each layer's linears run (attnkit's float32, int8, int4 and GGUF block kernels),
+the RMSNorm and rotary kernels, and the one-query attention over the cache, one query row per
+new token.
+
+It serves the stacks it can describe, and everything else runs the model's own forward
+unchanged: a :class:`~attnkit.models.TransformerLM` of pre-norm
+:class:`~attnkit.blocks.TransformerLayer` blocks with RMSNorm, one fused q/k/v projection with
+rotary positions, grouped-query attention without a window, soft cap or variant, and a SwiGLU
+feed-forward (the Llama, Mistral-without-window, Qwen2 and SmolLM families), float32
+activations, one sequence, an attnkit :class:`~attnkit.KVCache` per layer appended to (no mask,
+no ``cache_position``), no gradients, no forward hooks, and only products the policy gives to
+attnkit's kernels at this many rows (float32 linears prepared with the ``"stream"`` layout by
+:func:`attnkit.decoding.prepare`, or plain ones where the policy streams them; int8, int4 and
+block-quantized ones).
+
+The plan (each layer's weight pointers) is made once per model and checked on every call:
+a parameter that moved or a module that was replaced or hooked makes a new plan (or none). A
+step whose attention meets a non-finite score runs again through the model's forward, whose
+rules for it are the general path's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnkit import functional
+from attnkit.attention import MultiHeadAttention
+from attnkit.blocks import FeedForward, TransformerLayer
+from attnkit.cache import AttendingCache, KVCache
+from attnkit.decoding import PreparedLinear
+from attnkit.kernels import binding, build, policy
+from attnkit.kernels.linear import GROUP
+from attnkit.positional import RotaryEmbedding
+from attnkit.quantized.block import BlockLinear
+from attnkit.quantized.int4 import Int4Linear
+from attnkit.quantized.int8 import Int8Linear
+
+__all__ = ["MOST_ROWS", "FusedStep", "plan", "plan_of", "run"]
+
+# Weight kinds of csrc/step.c's step_linear.
+_FLOAT, _INT8, _INT4, _BLOCK, _BLOCK_ROUNDED = range(5)
+# Results of attnkit_decoder_step.
+_NO_MEMORY, _REDO = 1, 2
+#: The most new tokens a fused step takes (a decoding step, a speculative round's check).
+MOST_ROWS = policy.PROMPT_ROWS - 1
+
+
+class FusedStep:
+    """One model's layers as ``attnkit_decoder_step`` reads them, with what keeps them valid.
+
+    ``watch`` lists ``(tensor getter owner, name, data pointer)`` triples and ``tree`` the
+    ``(parent, name, child)`` module links the plan was made from; :meth:`current` checks both.
+    """
+
+    def __init__(
+        self,
+        layers: Any,
+        shape: binding.StepShape,
+        rotary: RotaryEmbedding,
+        kinds: list[nn.Module],
+        watch: list[tuple[dict[str, Any], str, int]],
+        tree: list[tuple[dict[str, Any], str, nn.Module]],
+        hooked: list[nn.Module],
+    ) -> None:
+        self.layers, self.shape, self.rotary = layers, shape, rotary
+        self.count = len(layers)
+        self.kinds, self.watch, self.tree, self.hooked = kinds, watch, tree, hooked
+        self.rows_ok: dict[int, bool] = {}
+
+    def current(self) -> bool:
+        """Whether the model still holds the modules and tensors the plan points at, unhooked."""
+        for parent, name, child in self.tree:
+            if parent.get(name) is not child:
+                return False
+        for tensors, name, pointer in self.watch:
+            t = tensors.get(name)
+            if t is None or t.data_ptr() != pointer:
+                return False
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.hooked)
+
+    def takes(self, rows: int) -> bool:
+        """Whether every product of the plan runs attnkit's kernel at ``rows`` rows."""
+        ok = self.rows_ok.get(rows)
+        if ok is None:
+            ok = rows <= MOST_ROWS and all(_kernel_rows(m, rows) for m in self.kinds)
+            self.rows_ok[rows] = ok
+        return ok
+
+
+def _kernel_rows(module: nn.Module, rows: int) -> bool:
+    if isinstance(module, Int8Linear):
+        return policy.int8_kernel_rows(rows, compiling=False)
+    if isinstance(module, BlockLinear):
+        return policy.block_kernel_rows(rows)
+    if isinstance(module, Int4Linear):
+        return True
+    limit = getattr(module, "stream_rows", policy.most_stream_rows(torch.float32))
+    return rows <= limit and policy.stream_rows(torch.float32, rows)
+
+
+def _tensor(owner: nn.Module, name: str, watch: list[tuple[dict[str, Any], str, int]]) -> Tensor:
+    """``owner``'s parameter or buffer ``name``, its pointer watched."""
+    tensors = owner._parameters if name in owner._parameters else owner._buffers
+    t = tensors[name]
+    if t is None:
+        raise _UnsupportedError
+    watch.append((tensors, name, t.data_ptr()))
+    return t
+
+
+class _UnsupportedError(Exception):
+    """A module the fused step does not describe."""
+
+
+def _float32(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+
+
+def _linear(m: nn.Module, watch: list[tuple[dict[str, Any], str, int]]) -> binding.StepLinear:
+    """``m`` as a ``step_linear`` (raises :class:`_UnsupportedError` for any other module)."""
+    b = None
+    if m._parameters.get("bias") is not None:
+        bias = _tensor(m, "bias", watch)
+        if not _float32(bias):
+            raise _UnsupportedError
+        b = bias.data_ptr()
+    n, out = getattr(m, "in_features", 0), getattr(m, "out_features", 0)
+    if type(m) in (nn.Linear, PreparedLinear):
+        w = _tensor(m, "weight", watch)
+        if not _float32(w) or getattr(m, "layout", "stream") != "stream":
+            raise _UnsupportedError
+        return binding.StepLinear(_FLOAT, n, out, 0, 0, 0, w.data_ptr(), None, None, b)
+    if type(m) is Int8Linear and m.kernel == "attnkit":
+        codes, scale = _tensor(m, "weight_int8", watch), _tensor(m, "scale", watch)
+        if scale.dtype != torch.float32 or not codes.is_contiguous() or codes.shape != (out, n):
+            raise _UnsupportedError
+        return binding.StepLinear(
+            _INT8, n, out, 0, 0, 0, codes.data_ptr(), scale.data_ptr(), None, b
+        )
+    if type(m) is Int4Linear and m.kernel == "int4":
+        codes, scales = _tensor(m, "codes", watch), _tensor(m, "scales", watch)
+        if scales.dtype != torch.bfloat16 or not (codes.is_contiguous() and scales.is_contiguous()):
+            raise _UnsupportedError
+        group = n // (scales.shape[1] // (2 * GROUP))
+        return binding.StepLinear(
+            _INT4, n, out, group, 4, 0, codes.data_ptr(), scales.data_ptr(), None, b
+        )
+    if type(m) is BlockLinear and m.kernel == "block" and m.scales.dtype == torch.float16:
+        for name in ("codes", "scales", "offsets"):
+            if m._parameters.get(name) is not None or m._buffers.get(name) is not None:
+                _tensor(m, name, watch)
+        weight = m._prepared()
+        if not weight.holds(m.codes, m.scales, m.offsets) or not m.codes.is_cpu:
+            raise _UnsupportedError
+        kind = _BLOCK_ROUNDED if m.activations == "int8" else _BLOCK
+        size, codes_at, scales_at, offsets_at, rows, bits, group = weight.args
+        return binding.StepLinear(
+            kind, size, rows, group, bits, weight.tile, codes_at, scales_at, offsets_at, b
+        )
+    raise _UnsupportedError
+
+
+def _norm(
+    m: nn.Module, dim: int, watch: list[tuple[dict[str, Any], str, int]]
+) -> tuple[int, float]:
+    if not isinstance(m, nn.RMSNorm) or tuple(m.normalized_shape) != (dim,):
+        raise _UnsupportedError
+    w = _tensor(m, "weight", watch)
+    if not _float32(w):
+        raise _UnsupportedError
+    return w.data_ptr(), torch.finfo(torch.float32).eps if m.eps is None else float(m.eps)
+
+
+def plan(lm: nn.Module) -> FusedStep | None:
+    """The fused step of ``lm``, or None where the module docstring's conditions do not hold."""
+    try:
+        return _plan(lm)
+    except _UnsupportedError:
+        return None
+
+
+def _plan(lm: nn.Module) -> FusedStep:
+    blocks = getattr(lm, "blocks", None)
+    rotary = getattr(lm, "rotary", None)
+    if (
+        not isinstance(blocks, nn.ModuleList)
+        or not len(blocks)
+        or not isinstance(rotary, RotaryEmbedding)
+        or getattr(lm, "rotary_local", None) is not None
+        or getattr(lm, "position", None) is not None
+        or not build.kernels_available()
+    ):
+        raise _UnsupportedError
+    dim = int(lm.dim)  # type: ignore[arg-type]
+    watch: list[tuple[dict[str, Any], str, int]] = []
+    tree: list[tuple[dict[str, Any], str, nn.Module]] = []
+    hooked: list[nn.Module] = [lm]
+    kinds: list[nn.Module] = []
+    layers = (binding.StepLayer * len(blocks))()
+    shape: binding.StepShape | None = None
+    for i, block in enumerate(blocks):
+        tree.append((blocks._modules, str(i), block))
+        attention = block._modules.get("attention")
+        ff = block._modules.get("feed_forward")
+        if (
+            type(block) is not TransformerLayer
+            or not block.norm_first
+            or block.post_attn_norm is not None
+            or block.post_ffn_norm is not None
+            or type(attention) is not MultiHeadAttention
+            or type(ff) is not FeedForward
+        ):
+            raise _UnsupportedError
+        if (
+            not attention.fused_qkv
+            or attention.q_norm is not None
+            or attention.k_norm is not None
+            or attention.rotary is not rotary
+            or attention.window is not None
+            or attention.softcap is not None
+            or attention.variant is not None
+            or attention.kernel is not functional.attend
+            or attention.embed_dim != dim
+            or attention.out_dim != dim
+            or ff.activation_name != "swiglu"
+        ):
+            raise _UnsupportedError
+        H, K, E = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        hidden = ff.linear2.in_features
+        this = binding.StepShape(
+            dim, H, K, E, hidden, functional.resolve_scale(attention.scale, E), rotary.interleaved
+        )
+        if shape is None:
+            shape = this
+        elif bytes(shape) != bytes(this):
+            raise _UnsupportedError
+        modules = {
+            "norm1": block.norm1,
+            "norm2": block.norm2,
+            "qkv": attention.qkv_proj,
+            "out": attention.out_proj,
+            "gate_up": ff.gate_up,
+            "down": ff.linear2,
+        }
+        for parent, name in (
+            (block, "attention"),
+            (block, "feed_forward"),
+            (block, "norm1"),
+            (block, "norm2"),
+            (attention, "qkv_proj"),
+            (attention, "out_proj"),
+            (ff, "gate_up"),
+            (ff, "linear2"),
+        ):
+            child = parent._modules[name]
+            assert child is not None
+            tree.append((parent._modules, name, child))
+        hooked += [block, attention, ff, *modules.values()]
+        norm1, eps1 = _norm(block.norm1, dim, watch)
+        norm2, eps2 = _norm(block.norm2, dim, watch)
+        linears = [_linear(modules[name], watch) for name in ("qkv", "out", "gate_up", "down")]
+        kinds += [modules[name] for name in ("qkv", "out", "gate_up", "down")]
+        layers[i] = binding.StepLayer(norm1, norm2, eps1, eps2, *linears)
+    assert shape is not None
+    return FusedStep(layers, shape, rotary, kinds, watch, tree, hooked)
+
+
+#: Each model's plan, or the key of a model found without one (kept beside the model, not in
+#: it: copies and pickles of a model carry no pointers).
+_PLANS: weakref.WeakKeyDictionary[nn.Module, FusedStep | tuple[int, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def plan_of(lm: nn.Module) -> FusedStep | None:
+    """``lm``'s current plan, made again where the one kept is stale."""
+    kept = _PLANS.get(lm)
+    if isinstance(kept, FusedStep) and kept.current():
+        return kept
+    # (a model without a plan is asked again only after its first block's modules change:
+    # preparing or quantizing it swaps them)
+    key = _shape_key(lm)
+    if kept is not None and not isinstance(kept, FusedStep) and kept == key:
+        return None
+    made = plan(lm)
+    _PLANS[lm] = made if made is not None else key
+    return made if made is not None and made.current() else None  # (hooks: checked each call)
+
+
+def _shape_key(lm: nn.Module) -> tuple[int, ...]:
+    blocks = getattr(lm, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or not len(blocks):
+        return (id(blocks),)
+    first = blocks[0]
+    return (id(blocks), id(first), *(id(m) for m in first.modules()))
+
+
+def run(
+    lm: nn.Module,
+    h: Tensor,
+    positions: Tensor | None,
+    kv_caches: Sequence[KVCache | AttendingCache],
+) -> Tensor | None:
+    """The stack's output for the new tokens' embeddings ``h`` ``(1, L, D)`` (before the final
+    norm), their keys and values appended to ``kv_caches``; or None, having changed nothing,
+    where the fused step does not serve this call (then the model's forward runs).
+
+    The caller has checked what its forward knows: no mask, no ``cache_position``, no weights
+    asked for, evaluation mode.
+    """
+    if torch.is_grad_enabled() or h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32:
+        return None
+    L = h.shape[1]
+    if not 1 <= L <= MOST_ROWS or not h.is_cpu:
+        return None
+    step = plan_of(lm)
+    if step is None or len(kv_caches) != step.count or not step.takes(L):
+        return None
+    first = kv_caches[0]
+    if type(first) is not KVCache:
+        return None
+    length = first.length
+    ck = first.k
+    shape = step.shape
+    if (
+        ck.dtype != torch.float32
+        or ck.shape[0] != 1
+        or ck.shape[1] != shape.kv_heads
+        or ck.shape[3] != shape.head_dim
+        or ck.stride(3) != 1
+        or ck.stride(2) != shape.head_dim
+        or length + L > first.capacity
+    ):
+        return None
+    head = ck.stride(1)
+    pointers = (ctypes.c_void_p * (2 * step.count))()
+    for i, cache in enumerate(kv_caches):
+        if type(cache) is not KVCache or cache.length != length:
+            return None
+        k, v = cache.k, cache.v
+        if k.shape != ck.shape or k.stride() != ck.stride() or v.stride() != ck.stride():
+            return None
+        if v.dtype != torch.float32 or k.dtype != torch.float32:
+            return None
+        pointers[2 * i], pointers[2 * i + 1] = k.data_ptr(), v.data_ptr()
+    if positions is None:
+        positions = torch.arange(length, length + L)
+    cos, sin = step.rotary.step_rows(positions.reshape(-1))
+    x = h.reshape(L, -1).clone()
+    result = build.library().attnkit_decoder_step(
+        step.layers,
+        step.count,
+        ctypes.byref(shape),
+        x.data_ptr(),
+        L,
+        length,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        pointers,
+        head,
+        torch.get_num_threads(),
+    )
+    if result == _REDO:
+        return None
+    if result == _NO_MEMORY:
+        raise MemoryError(f"the fused decoding step could not allocate scratch for {L} tokens")
+    for cache in kv_caches:
+        cache.__dict__["length"] = length + L  # (as KVCache.update sets it)
+    return x.view(1, L, -1)

@@ -1,0 +1,196 @@
+/* A decoding step of a whole decoder stack in one call: every layer of a pre-norm stack with
+ * RMSNorm, one fused query/key/value projection, rotary positions, grouped-query attention over
+ * a key/value cache and a SwiGLU feed-forward, for a few new tokens of one sequence.
+ *
+ * Called from Python, each layer is a dozen small calls (a norm, four products, a rotation,
+ * the cache's copies, the attention, the activation, two residual adds), and on a small model
+ * their overhead outweighs the arithmetic. Here the same kernels run back to back: the products
+ * of float_dot.c, int8_dot.c, int4_dot.c or block_dot.c (each layer's own), rms_norm and rotate
+ * of rows.c, the attention of one_query.c. Each new token attends the cached keys and the new
+ * ones up to its own (a mask row per token); a token's result does not depend on how many came
+ * with it, since every kernel computes a row alone.
+ *
+ * Nothing outside the scratch, the residual stream x and the cache slots from `length` on is
+ * written, so a caller can redo a step another way (the slots past the filled ones are free).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+/* (the kernels of the other files) */
+int attnkit_float_linear(const float *x, int64_t rows, int64_t n, const float *w,
+                         const float *bias, int64_t out, float *y, int threads);
+int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w,
+                        const float *scale, int64_t out, float *y, int threads);
+int attnkit_int4_linear(const float *x, int64_t rows, int64_t n, const uint8_t *w,
+                        const uint16_t *sm, int64_t out, int64_t group, float *y, int threads);
+int attnkit_block_linear(const float *x, int64_t rows, int64_t n, const uint8_t *w,
+                         const uint16_t *d, const uint16_t *m, int64_t out, int bits,
+                         int64_t group, float *y, int threads, int tile);
+int attnkit_block_linear_rounded(const float *x, int64_t rows, int64_t n, const uint8_t *w,
+                                 const uint16_t *d, const uint16_t *m, int64_t out, int bits,
+                                 int64_t group, float *y, int threads, int tile);
+int attnkit_rms_norm(const void *x, int64_t rows, int64_t dim, int64_t x_stride,
+                     const void *weight, void *out, float eps, int bf16, int threads);
+int attnkit_rotate(const void *x, int64_t count, int64_t heads, int64_t length, int64_t dim,
+                   int64_t item_stride, int64_t head_stride, int64_t row_stride,
+                   const float *cos, const float *signed_sin, int64_t table_item, void *out,
+                   int interleaved, int bf16, int threads);
+int attnkit_one_query_attention(const void *q, int64_t B, int64_t K, int64_t G, int64_t E,
+                                const void *k, int64_t kb, int64_t kh, int64_t ks, const void *v,
+                                int64_t vb, int64_t vh, int64_t vs, int64_t Ev, int64_t S,
+                                const uint8_t *mask, int64_t mb, int64_t msk, float scale,
+                                float cap, void *out, int bf16, int threads);
+
+/* How a product's weight is stored (attnkit.fused names them). */
+enum { FLOAT = 0, INT8 = 1, INT4 = 2, BLOCK = 3, BLOCK_ROUNDED = 4 };
+
+/* Results: 0, or why the step stopped (it wrote nothing a caller keeps). */
+#define STEP_NO_MEMORY 1 /* a scratch buffer could not be allocated */
+#define STEP_REDO 2      /* the attention met a non-finite score: the general path's rules apply */
+
+/* One product y = x @ W.T + bias: float32 activations and results; the weight as `kind` says
+ * (float32 rows; int8 codes and row scales; int4 codes and scales/offsets; block codes, scales
+ * and offsets of `bits` bits); bias float32 or NULL. */
+typedef struct {
+  int64_t kind, n, out, group, bits, tile;
+  const void *w, *scales, *offsets;
+  const float *bias;
+} step_linear;
+
+/* One layer: its norms' weights and epsilons and its four products. */
+typedef struct {
+  const float *norm1, *norm2;
+  float eps1, eps2;
+  step_linear qkv, out, gate_up, down;
+} step_layer;
+
+/* The stack's sizes: model dim, query and key/value heads, head dim, the feed-forward's hidden
+ * size, the attention's scale, whether rotary pairs are adjacent channels. */
+typedef struct {
+  int64_t dim, heads, kv_heads, head_dim, hidden;
+  float scale;
+  int64_t interleaved;
+} step_shape;
+
+static int product(const step_linear *p, const float *x, int64_t rows, float *y, int threads) {
+  int failed = 0;
+  switch (p->kind) {
+    case FLOAT: /* (the kernel adds the bias) */
+      return attnkit_float_linear(x, rows, p->n, p->w, p->bias, p->out, y, threads);
+    case INT8:
+      failed = attnkit_int8_linear(x, rows, p->n, p->w, p->scales, p->out, y, threads);
+      break;
+    case INT4:
+      failed = attnkit_int4_linear(x, rows, p->n, p->w, p->scales, p->out, p->group, y, threads);
+      break;
+    default:
+      failed = (p->kind == BLOCK ? attnkit_block_linear : attnkit_block_linear_rounded)(
+          x, rows, p->n, p->w, p->scales, p->offsets, p->out, (int)p->bits, p->group, y,
+          threads, (int)p->tile);
+  }
+  if (!failed && p->bias)
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t o = 0; o < p->out; o++) y[r * p->out + o] += p->bias[o];
+  return failed;
+}
+
+/* x += y over n values. */
+static void add_into(float *x, const float *y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; i++) x[i] += y[i];
+}
+
+/* a = silu(gate) * up for each row of gu = [gate | up] (hidden values each), silu(g) =
+ * g / (1 + exp(-g)). */
+static void swiglu(const float *gu, int64_t rows, int64_t hidden, float *a) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t r = 0; r < rows; r++) {
+    const float *gate = gu + r * 2 * hidden, *up = gate + hidden;
+    float *dst = a + r * hidden;
+    int64_t i = 0;
+    for (; i + 8 <= hidden; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 d = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_div_ps(g, d), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < hidden; i++) dst[i] = gate[i] / (1.f + exp1(-gate[i])) * up[i];
+  }
+}
+
+/* Runs `count` layers over the residual stream x (rows, dim), in place: rows new tokens at cache
+ * slots length .. length + rows - 1, whose rotary rows are cos / signed_sin (rows, head_dim) each.
+ * caches holds each layer's key and value storage (2 * count pointers, (kv_heads, capacity,
+ * head_dim) with heads `cache_head` elements apart and rows contiguous). Returns 0, or
+ * STEP_NO_MEMORY / STEP_REDO. */
+int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_shape *shape,
+                         float *x, int64_t rows, int64_t length, const float *cos,
+                         const float *signed_sin, float *const *caches, int64_t cache_head,
+                         int threads) {
+  const int64_t D = shape->dim, H = shape->heads, K = shape->kv_heads, E = shape->head_dim;
+  const int64_t F = shape->hidden, width = (H + 2 * K) * E, S = length + rows;
+  const int64_t big = D > H * E ? D : H * E;
+  /* scratch: the normed rows, q/k/v, rotated queries and keys, the attention, a product's
+   * rows, gate and up, the activation, the mask */
+  const int64_t floats = rows * (big + width + (H + K) * E + H * E + big + 2 * F + F);
+  float *work = malloc((size_t)floats * sizeof(float) + (size_t)(rows * S) + 1);
+  if (!work) return STEP_NO_MEMORY;
+  float *h = work, *qkv = h + rows * big, *q = qkv + rows * width, *k = q + rows * H * E;
+  float *att = k + rows * K * E, *y = att + rows * H * E, *gu = y + rows * big;
+  float *a = gu + rows * 2 * F;
+  uint8_t *mask = (uint8_t *)(a + rows * F);
+  for (int64_t t = 0; t < rows; t++)
+    for (int64_t j = 0; j < S; j++) mask[t * S + j] = j <= length + t;
+  int result = 0;
+  for (int64_t i = 0; i < count && !result; i++) {
+    const step_layer *l = layers + i;
+    float *kc = caches[2 * i], *vc = caches[2 * i + 1];
+    attnkit_rms_norm(x, rows, D, D, l->norm1, h, l->eps1, 0, threads);
+    if (product(&l->qkv, h, rows, qkv, threads)) {
+      result = STEP_NO_MEMORY;
+      break;
+    }
+    /* queries (rows, H, E) and keys (rows, K, E) rotated; keys and values into their slots */
+    attnkit_rotate(qkv, rows, H, 1, E, width, E, E, cos, signed_sin, E, q,
+                   (int)shape->interleaved, 0, threads);
+    attnkit_rotate(qkv + H * E, rows, K, 1, E, width, E, E, cos, signed_sin, E, k,
+                   (int)shape->interleaved, 0, threads);
+    for (int64_t t = 0; t < rows; t++)
+      for (int64_t g = 0; g < K; g++) {
+        const int64_t slot = g * cache_head + (length + t) * E;
+        memcpy(kc + slot, k + (t * K + g) * E, (size_t)E * sizeof(float));
+        memcpy(vc + slot, qkv + t * width + (H + K + g) * E, (size_t)E * sizeof(float));
+      }
+    /* each token a "sequence" of its own over the shared cache, its mask row its reach */
+    const int flags = attnkit_one_query_attention(
+        q, rows, K, H / K, E, kc, 0, cache_head, E, vc, 0, cache_head, E, E, S,
+        rows > 1 ? mask : NULL, S, 1, shape->scale, 0.f, att, 0, threads);
+    if (flags & ~1) { /* (NO_KEY cannot happen: every token attends itself) */
+      result = flags & 4 ? STEP_NO_MEMORY : STEP_REDO;
+      break;
+    }
+    if (product(&l->out, att, rows, y, threads)) {
+      result = STEP_NO_MEMORY;
+      break;
+    }
+    add_into(x, y, rows * D);
+    attnkit_rms_norm(x, rows, D, D, l->norm2, h, l->eps2, 0, threads);
+    if (product(&l->gate_up, h, rows, gu, threads)) {
+      result = STEP_NO_MEMORY;
+      break;
+    }
+    swiglu(gu, rows, F, a);
+    if (product(&l->down, a, rows, y, threads)) {
+      result = STEP_NO_MEMORY;
+      break;
+    }
+    add_into(x, y, rows * D);
+  }
+  free(work);
+  return result;
+}

@@ -1,0 +1,212 @@
+"""The fused decoding step (every layer in one kernel call): the model's own forward's results,
+rows alone or batched alike, a new plan where the model changed, and the model's forward
+wherever the step does not serve.
+
+References: the model's own layer-by-layer forward on the same weights (forced by a key mask,
+which the fused step leaves to it), and the float64 forward of the whole sequence without a
+cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from attnkit import TransformerConfig, TransformerLM, decoding, fused
+from attnkit.kernels import build
+from attnkit.quantize import quantize
+from attnkit.quantized.block import set_activations
+from tests.helpers import LLAMA_OPTIONS, VOCAB, randomize
+
+pytestmark = pytest.mark.skipif(
+    not build.kernels_available(), reason="attnkit's kernels are not built on this machine"
+)
+
+#: The weights the step multiplies: float32, per-channel int8, grouped int4, GGUF's blocks.
+WEIGHTS = ["float", "int8", "int4", "q8_0", "q4_0", "q4_1", "q8_0-rounded"]
+
+
+def _lm(weights: str = "float", seed: int = 0, **options: object) -> TransformerLM:
+    torch.manual_seed(seed)
+    settings = {**LLAMA_OPTIONS, "head_dim": 16, "ffn_dim": 96, **options}
+    config = TransformerConfig(VOCAB, 64, 2, 4, max_seq_len=64, **settings)  # type: ignore[arg-type]
+    lm = TransformerLM(config).eval()
+    randomize(lm, seed)
+    if weights == "int8":
+        quantize(lm, "int8", layout="channel", int8_kernel="attnkit")
+    elif weights == "int4":
+        quantize(lm, "int4", layout="grouped")
+    elif weights != "float":
+        quantize(lm, "int4" if weights.startswith("q4") else "int8", layout=weights[:4])  # type: ignore[arg-type]
+        if weights.endswith("rounded"):
+            set_activations(lm, "int8")
+    return decoding.prepare(lm)
+
+
+def _steps(lm: TransformerLM, prompt: torch.Tensor, steps: torch.Tensor, *, fuse: bool) -> tuple:
+    """Logits of ``steps`` fed one token at a time after ``prompt``, and the caches; the model's
+    own forward where not ``fuse`` (an all-true key mask)."""
+    caches = lm.make_kv_caches(1, 32)
+    out = []
+    with torch.inference_mode():
+        lm(prompt, kv_caches=caches)
+        for j in range(steps.shape[1]):
+            length = prompt.shape[1] + j + 1
+            mask = None if fuse else torch.ones(1, length, dtype=torch.bool)
+            out.append(lm(steps[:, j : j + 1], mask, kv_caches=caches))
+    return torch.cat(out, dim=1), caches
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_a_fused_step_gives_the_models_own_logits_and_cache(weights: str) -> None:
+    lm = _lm(weights)
+    assert fused.plan(lm) is not None
+    prompt, steps = torch.randint(0, VOCAB, (1, 7)), torch.randint(0, VOCAB, (1, 4))
+    got, caches = _steps(lm, prompt, steps, fuse=True)
+    want, want_caches = _steps(lm, prompt, steps, fuse=False)
+    # (int8-rounded activations: float32 rounding of the layers' sums may move one activation
+    # across a rounding step; the layers otherwise run the same kernels)
+    tolerance = 1e-4 if weights in ("float", "q8_0", "q4_0", "q4_1") else 2e-2
+    assert_close(got, want, rtol=tolerance, atol=tolerance)
+    for mine, theirs in zip(caches, want_caches, strict=True):
+        assert mine.length == theirs.length == 11
+        assert_close(mine.k[:, :, :11], theirs.k[:, :, :11], rtol=tolerance, atol=tolerance)
+        assert_close(mine.v[:, :, :11], theirs.v[:, :, :11], rtol=tolerance, atol=tolerance)
+
+
+def test_a_fused_step_equals_the_float64_forward_of_the_whole_sequence() -> None:
+    lm = _lm()
+    ids = torch.randint(0, VOCAB, (1, 12))
+    got, _ = _steps(lm, ids[:, :8], ids[:, 8:], fuse=True)
+    exact = copy.deepcopy(lm).double()
+    with torch.no_grad():
+        want = exact(ids)[:, 8:]
+    assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("weights", ["float", "int4", "q4_1"])
+def test_rows_alone_or_together_give_the_same_bits(weights: str) -> None:
+    """A speculative round's check (several new tokens) computes each as a step of its own
+    would: the greedy tokens of speculation are plain decoding's."""
+    lm = _lm(weights)
+    prompt, new = torch.randint(0, VOCAB, (1, 6)), torch.randint(0, VOCAB, (1, 4))
+    with torch.inference_mode():
+        together_caches = lm.make_kv_caches(1, 32)
+        lm(prompt, kv_caches=together_caches)
+        h = lm.embedding(new)
+        together = fused.run(lm, h, None, together_caches)
+        alone_caches = lm.make_kv_caches(1, 32)
+        lm(prompt, kv_caches=alone_caches)
+        alone = [fused.run(lm, h[:, j : j + 1], None, alone_caches) for j in range(4)]
+    assert together is not None and all(a is not None for a in alone)
+    assert torch.equal(torch.cat(alone, dim=1), together)  # type: ignore[arg-type]
+    for a, b in zip(alone_caches, together_caches, strict=True):
+        assert torch.equal(a.k[:, :, :10], b.k[:, :, :10])
+        assert torch.equal(a.v[:, :, :10], b.v[:, :, :10])
+
+
+def test_greedy_generation_with_fused_steps_matches_the_models_forward() -> None:
+    lm = _lm("int4")
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    got = lm.generate(prompt, 12)
+    # an all-true attention mask takes every step through the blocks
+    want = lm.generate(prompt, 12, attention_mask=torch.ones(1, 5, dtype=torch.bool))
+    assert torch.equal(got, want)
+
+
+def test_a_changed_weight_makes_a_new_plan() -> None:
+    lm = _lm()
+    prompt, steps = torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 2))
+    _steps(lm, prompt, steps, fuse=True)
+    first = fused.plan_of(lm)
+    proj = lm.blocks[1].feed_forward.linear2
+    proj.weight.data = proj.weight.data * 2  # new storage: the kept pointer is stale
+    got, _ = _steps(lm, prompt, steps, fuse=True)
+    want, _ = _steps(lm, prompt, steps, fuse=False)
+    assert fused.plan_of(lm) is not first
+    assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_that_ran_fused_steps_still_copies_and_pickles(tmp_path: object) -> None:
+    lm = _lm()
+    _steps(lm, torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 2)), fuse=True)
+    assert fused.plan_of(lm) is not None
+    twin = copy.deepcopy(lm)
+    prompt, steps = torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 2))
+    assert torch.equal(
+        _steps(twin, prompt, steps, fuse=True)[0], _steps(lm, prompt, steps, fuse=True)[0]
+    )
+    assert pickle.loads(pickle.dumps(lm)).dim == 64
+
+
+def test_a_forward_hook_still_runs() -> None:
+    lm = _lm()
+    seen: list[tuple[int, ...]] = []
+    handle = lm.blocks[0].register_forward_hook(lambda m, i, o: seen.append(tuple(o[0].shape)))
+    try:
+        _steps(lm, torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 3)), fuse=True)
+    finally:
+        handle.remove()
+    assert seen == [(1, 5, 64), (1, 1, 64), (1, 1, 64), (1, 1, 64)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"norm": "layernorm"},
+        {"activation": "gelu"},
+        {"window": 4},
+        {"attn_softcap": 20.0},
+        {"qk_norm": True},
+        {"position": "learned"},
+    ],
+    ids=lambda o: next(iter(o)),
+)
+def test_stacks_the_step_does_not_describe_run_their_blocks(options: dict[str, object]) -> None:
+    lm = _lm(**options)
+    assert fused.plan(lm) is None
+    prompt, steps = torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 2))
+    got, _ = _steps(lm, prompt, steps, fuse=True)
+    want, _ = _steps(lm, prompt, steps, fuse=False)
+    assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_calls_it_does_not_serve_are_left_to_the_blocks() -> None:
+    lm = _lm()
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    caches = lm.make_kv_caches(1, 32)
+    with torch.inference_mode():
+        lm(prompt, kv_caches=caches)
+        h = lm.embedding(torch.randint(0, VOCAB, (1, 1)))
+        assert fused.run(lm, h.double(), None, caches) is None  # float64
+        assert fused.run(lm, h.expand(2, 1, 64), None, caches) is None  # two sequences
+        many = lm.embedding(torch.randint(0, VOCAB, (1, fused.MOST_ROWS + 1)))
+        assert fused.run(lm, many, None, caches) is None  # a prompt
+    assert caches[0].length == 5
+    with torch.enable_grad():
+        assert fused.run(lm, h, None, caches) is None  # gradients
+
+
+def test_a_non_finite_score_is_left_to_the_models_rules() -> None:
+    lm = _lm()
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    caches = lm.make_kv_caches(1, 32)
+    with torch.inference_mode():
+        lm(prompt, kv_caches=caches)
+        caches[0].k[0, :, 2] = float("inf")  # a cached key whose scores are infinite
+        h = lm.embedding(torch.randint(0, VOCAB, (1, 1)))
+        assert fused.run(lm, h, None, caches) is None
+    assert all(c.length == 5 for c in caches)  # nothing counted
+
+
+def test_step_rows_reject_positions_of_several_sequences() -> None:
+    lm = _lm()
+    assert lm.rotary is not None
+    cos, sin = lm.rotary.step_rows(torch.tensor([[3, 4, 5]]))
+    assert cos.shape == sin.shape == (3, 16) and cos.is_contiguous()
+    with pytest.raises(ValueError, match=r"\(1, L\), got \(2, 3\)"):
+        lm.rotary.step_rows(torch.zeros(2, 3, dtype=torch.long))
