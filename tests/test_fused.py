@@ -15,11 +15,13 @@ import pickle
 import pytest
 import torch
 from torch.testing import assert_close
+from torch.utils.flop_counter import FlopCounterMode
 
 from attnkit import TransformerConfig, TransformerLM, decoding, fused
 from attnkit.kernels import build
 from attnkit.quantize import quantize
 from attnkit.quantized.block import set_activations
+from attnkit.serving.paged import PagedKVCache, SequenceSlice
 from tests.helpers import LLAMA_OPTIONS, VOCAB, randomize
 
 pytestmark = pytest.mark.skipif(
@@ -118,6 +120,32 @@ def test_greedy_generation_with_fused_steps_matches_the_models_forward() -> None
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_a_serving_engines_decoding_step_runs_fused_over_its_pool(weights: str) -> None:
+    """One token of each of three sequences, each over its own block table of a paged pool,
+    against each sequence's whole forward without a cache."""
+    lm = _lm(weights)
+    pool = PagedKVCache(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=16)
+    seqs = [torch.randint(0, VOCAB, (1, n)) for n in (6, 9, 3)]
+    tables = [[5, 1], [0, 7, 3], [2]]
+    ids = torch.cat([s[:, -1:] for s in seqs], dim=1)
+    positions = torch.tensor([[s.shape[1] - 1 for s in seqs]])
+    step = [SequenceSlice(t, s.shape[1] - 1, 1) for s, t in zip(seqs, tables, strict=True)]
+    with torch.inference_mode():
+        for s, t in zip(seqs, tables, strict=True):  # each prompt but its last token
+            n = s.shape[1] - 1
+            pool.plan([SequenceSlice(t, 0, n)])
+            lm(s[:, :n], positions=torch.arange(n)[None], kv_caches=pool.layers())
+        pool.plan(step)
+        assert fused.run(lm, lm.embedding(ids), positions, pool.layers()) is not None
+        pool.plan(step)  # (the same step again through the model: the same slots written)
+        at = torch.arange(3)
+        packed = lm(ids, positions=positions, kv_caches=pool.layers(), logits_at=at)[0]
+        separate = torch.stack([lm(s)[0, -1] for s in seqs])
+    tolerance = 1e-4 if weights == "float" else 2e-2
+    assert_close(packed, separate, rtol=tolerance, atol=tolerance)
+
+
 def test_a_changed_weight_makes_a_new_plan() -> None:
     lm = _lm()
     prompt, steps = torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 2))
@@ -141,6 +169,16 @@ def test_a_model_that_ran_fused_steps_still_copies_and_pickles(tmp_path: object)
         _steps(twin, prompt, steps, fuse=True)[0], _steps(lm, prompt, steps, fuse=True)[0]
     )
     assert pickle.loads(pickle.dumps(lm)).dim == 64
+
+
+def test_a_flop_counter_counts_every_layers_products() -> None:
+    lm = _lm()
+    block_weights = sum(
+        m.weight.numel() for m in lm.blocks.modules() if isinstance(m, torch.nn.Linear)
+    )
+    with FlopCounterMode(display=False) as counter:
+        _steps(lm, torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 3)), fuse=True)
+    assert counter.get_total_flops() >= 2 * block_weights * 8  # (8 tokens through the blocks)
 
 
 def test_a_forward_hook_still_runs() -> None:

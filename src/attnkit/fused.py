@@ -15,10 +15,11 @@ unchanged: a :class:`~attnkit.models.TransformerLM` of pre-norm
 rotary positions, grouped-query attention without a window, soft cap or variant, and a SwiGLU
 feed-forward (the Llama, Mistral-without-window, Qwen2 and SmolLM families), float32
 activations, one sequence, an attnkit :class:`~attnkit.KVCache` per layer appended to (no mask,
-no ``cache_position``), no gradients, no forward hooks, and only products the policy gives to
-attnkit's kernels at this many rows (float32 linears prepared with the ``"stream"`` layout by
-:func:`attnkit.decoding.prepare`, or plain ones where the policy streams them; int8, int4 and
-block-quantized ones).
+no ``cache_position``), no gradients, no forward hooks on the layers or their modules, not
+under ``torch.compile`` or a dispatch mode (FLOP counters: torch's ops), and only products the
+policy gives to attnkit's kernels at this many rows (float32 linears prepared with the
+``"stream"`` layout by :func:`attnkit.decoding.prepare`, or plain ones where the policy streams
+them; int8, int4 and block-quantized ones).
 
 The plan (each layer's weight pointers) is made once per model and checked on every call:
 a parameter that moved or a module that was replaced or hooked makes a new plan (or none). A
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit import functional
 from attnkit.attention import MultiHeadAttention
@@ -54,8 +56,9 @@ __all__ = ["MOST_ROWS", "FusedStep", "plan", "plan_of", "run"]
 _FLOAT, _INT8, _INT4, _BLOCK, _BLOCK_ROUNDED = range(5)
 # Results of attnkit_decoder_step.
 _NO_MEMORY, _REDO = 1, 2
-#: The most new tokens a fused step takes (a decoding step, a speculative round's check).
-MOST_ROWS = policy.PROMPT_ROWS - 1
+#: The most new tokens a fused step takes (a decoding step, a speculative round's check, a
+#: serving engine's batch), where every product's kernel takes that many rows.
+MOST_ROWS = policy.PROMPT_ROWS
 
 
 class FusedStep:
@@ -209,7 +212,7 @@ def _plan(lm: nn.Module) -> FusedStep:
     dim = int(lm.dim)  # type: ignore[arg-type]
     watch: list[tuple[dict[str, Any], str, int]] = []
     tree: list[tuple[dict[str, Any], str, nn.Module]] = []
-    hooked: list[nn.Module] = [lm]
+    hooked: list[nn.Module] = [rotary]  # (hooks on the model itself run either way)
     kinds: list[nn.Module] = []
     layers = (binding.StepLayer * len(blocks))()
     shape: binding.StepShape | None = None
@@ -270,7 +273,7 @@ def _plan(lm: nn.Module) -> FusedStep:
             child = parent._modules[name]
             assert child is not None
             tree.append((parent._modules, name, child))
-        hooked += [block, attention, ff, *modules.values()]
+        hooked += [block, attention, ff, ff.activation, *modules.values()]
         norm1, eps1 = _norm(block.norm1, dim, watch)
         norm2, eps2 = _norm(block.norm2, dim, watch)
         linears = [_linear(modules[name], watch) for name in ("qkv", "out", "gate_up", "down")]
@@ -310,33 +313,15 @@ def _shape_key(lm: nn.Module) -> tuple[int, ...]:
     return (id(blocks), id(first), *(id(m) for m in first.modules()))
 
 
-def run(
-    lm: nn.Module,
-    h: Tensor,
-    positions: Tensor | None,
-    kv_caches: Sequence[KVCache | AttendingCache],
-) -> Tensor | None:
-    """The stack's output for the new tokens' embeddings ``h`` ``(1, L, D)`` (before the final
-    norm), their keys and values appended to ``kv_caches``; or None, having changed nothing,
-    where the fused step does not serve this call (then the model's forward runs).
-
-    The caller has checked what its forward knows: no mask, no ``cache_position``, no weights
-    asked for, evaluation mode.
-    """
-    if torch.is_grad_enabled() or h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32:
-        return None
-    L = h.shape[1]
-    if not 1 <= L <= MOST_ROWS or not h.is_cpu:
-        return None
-    step = plan_of(lm)
-    if step is None or len(kv_caches) != step.count or not step.takes(L):
-        return None
+def _dense(
+    step: FusedStep, kv_caches: Sequence[KVCache | AttendingCache], L: int
+) -> binding.StepCache | None:
+    """An attnkit :class:`~attnkit.KVCache` per layer of one sequence, appended to: every layer
+    filled alike, room for ``L`` more."""
     first = kv_caches[0]
     if type(first) is not KVCache:
         return None
-    length = first.length
-    ck = first.k
-    shape = step.shape
+    length, ck, shape = first.length, first.k, step.shape
     if (
         ck.dtype != torch.float32
         or ck.shape[0] != 1
@@ -347,38 +332,118 @@ def run(
         or length + L > first.capacity
     ):
         return None
-    head = ck.stride(1)
-    pointers = (ctypes.c_void_p * (2 * step.count))()
+    storage = (ctypes.c_void_p * (2 * step.count))()
     for i, cache in enumerate(kv_caches):
         if type(cache) is not KVCache or cache.length != length:
             return None
         k, v = cache.k, cache.v
+        if k.dtype != torch.float32 or v.dtype != torch.float32:
+            return None
         if k.shape != ck.shape or k.stride() != ck.stride() or v.stride() != ck.stride():
             return None
-        if v.dtype != torch.float32 or k.dtype != torch.float32:
+        storage[2 * i], storage[2 * i + 1] = k.data_ptr(), v.data_ptr()
+    return binding.StepCache(
+        storage, ck.stride(1), shape.head_dim, length, first.capacity, None, None, 0, None, None
+    )
+
+
+def _paged(
+    step: FusedStep, kv_caches: Sequence[KVCache | AttendingCache], L: int
+) -> tuple[binding.StepCache, tuple[Tensor, ...]] | None:
+    """A serving engine's paged pool (an attending cache with a ``fused_step`` method) whose
+    batch brings one token of each of ``L`` sequences; with the layout's tensors (kept alive
+    for the call)."""
+    describe = getattr(kv_caches[0], "fused_step", None)
+    layout = describe() if callable(describe) else None
+    if layout is None:
+        return None
+    k_pool, _, slots, keys, first, count = layout
+    shape = step.shape
+    pool = (k_pool.shape[0], shape.kv_heads, shape.head_dim)
+    if (
+        slots.shape != (L,)
+        or keys.dim() != 2
+        or keys.shape[0] != L
+        or keys.dtype != torch.int32
+        or not slots.dtype == first.dtype == count.dtype == torch.int64
+        or not all(t.is_contiguous() and t.is_cpu for t in (slots, keys, first, count))
+    ):
+        return None
+    storage = (ctypes.c_void_p * (2 * step.count))()
+    for i, cache in enumerate(kv_caches):
+        describe = getattr(cache, "fused_step", None)
+        layer = describe() if callable(describe) else None
+        if layer is None:
             return None
-        pointers[2 * i], pointers[2 * i + 1] = k.data_ptr(), v.data_ptr()
+        for j, t in enumerate(layer[:2]):
+            if t.shape != pool or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+                return None
+            storage[2 * i + j] = t.data_ptr()
+    cache = binding.StepCache(
+        storage,
+        shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+        0,
+        pool[0],
+        slots.data_ptr(),
+        keys.data_ptr(),
+        keys.shape[1],
+        first.data_ptr(),
+        count.data_ptr(),
+    )
+    return cache, (slots, keys, first, count)
+
+
+def run(
+    lm: nn.Module,
+    h: Tensor,
+    positions: Tensor | None,
+    kv_caches: Sequence[KVCache | AttendingCache],
+) -> Tensor | None:
+    """The stack's output for the new tokens' embeddings ``h`` ``(1, L, D)`` (before the final
+    norm), their keys and values stored in ``kv_caches``; or None, having changed nothing, where
+    the fused step does not serve this call (then the model's forward runs).
+
+    The tokens are one sequence's, appended to an attnkit :class:`~attnkit.KVCache` per layer, or
+    one token each of ``L`` sequences in a serving engine's paged pool (explicit ``positions``).
+    The caller has checked what its forward knows: no mask, no ``cache_position``, no weights
+    asked for, evaluation mode.
+    """
+    if torch.is_grad_enabled() or h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32:
+        return None
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():  # (torch's ops only)
+        return None
+    L = h.shape[1]
+    if not 1 <= L <= MOST_ROWS or not h.is_cpu:
+        return None
+    step = plan_of(lm)
+    if step is None or len(kv_caches) != step.count or not step.takes(L):
+        return None
+    dense = _dense(step, kv_caches, L)
+    paged = None if dense is not None or positions is None else _paged(step, kv_caches, L)
+    cache = dense if dense is not None else None if paged is None else paged[0]
+    if cache is None:
+        return None
     if positions is None:
-        positions = torch.arange(length, length + L)
-    cos, sin = step.rotary.step_rows(positions.reshape(-1))
+        positions = torch.arange(cache.length, cache.length + L)
+    cos, sin = step.rotary.step_rows(positions)
     x = h.reshape(L, -1).clone()
     result = build.library().attnkit_decoder_step(
         step.layers,
         step.count,
-        ctypes.byref(shape),
+        ctypes.byref(step.shape),
         x.data_ptr(),
         L,
-        length,
         cos.data_ptr(),
         sin.data_ptr(),
-        pointers,
-        head,
+        ctypes.byref(cache),
         torch.get_num_threads(),
     )
     if result == _REDO:
         return None
     if result == _NO_MEMORY:
         raise MemoryError(f"the fused decoding step could not allocate scratch for {L} tokens")
-    for cache in kv_caches:
-        cache.__dict__["length"] = length + L  # (as KVCache.update sets it)
+    if dense is not None:
+        for layer in kv_caches:
+            layer.__dict__["length"] = cache.length + L  # (as KVCache.update sets it)
     return x.view(1, L, -1)

@@ -7,7 +7,7 @@ import ctypes
 
 from torch import Tensor
 
-__all__ = ["StepLayer", "StepLinear", "StepShape", "View", "declare", "view"]
+__all__ = ["StepCache", "StepLayer", "StepLinear", "StepShape", "View", "declare", "view"]
 
 
 class View(ctypes.Structure):
@@ -50,6 +50,23 @@ class StepLayer(ctypes.Structure):
         ("out", StepLinear),
         ("gate_up", StepLinear),
         ("down", StepLinear),
+    )
+
+
+class StepCache(ctypes.Structure):
+    """csrc/step.c's ``step_cache``: where a step's keys and values go and which it attends."""
+
+    _fields_ = (
+        ("storage", ctypes.POINTER(ctypes.c_void_p)),
+        ("head", ctypes.c_int64),
+        ("row", ctypes.c_int64),
+        ("length", ctypes.c_int64),
+        ("capacity", ctypes.c_int64),
+        ("slots", ctypes.c_void_p),
+        ("keys", ctypes.c_void_p),
+        ("width", ctypes.c_int64),
+        ("first", ctypes.c_void_p),
+        ("count", ctypes.c_void_p),
     )
 
 
@@ -118,5 +135,5 @@ def declare(lib: ctypes.CDLL) -> None:
     call.restype = flag
     call = lib.attnkit_decoder_step
     call.argtypes = [ctypes.POINTER(StepLayer), int64, ctypes.POINTER(StepShape), pointer, int64]
-    call.argtypes += [int64, pointer, pointer, ctypes.POINTER(ctypes.c_void_p), int64, flag]
+    call.argtypes += [pointer, pointer, ctypes.POINTER(StepCache), flag]
     call.restype = flag

@@ -315,6 +315,19 @@ class PagedLayer:
             q, k_pool, v_pool, batch, scale=scale, window=window, softcap=softcap
         )
 
+    def fused_step(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+        """What :mod:`attnkit.fused` needs to run this layer in one call with the others: its
+        keys and values ``(slots, K, E)``, each new token's slot ``(T,)``, and each token's key
+        slots as the paged kernel reads them (int32 ``(T, S)``, ``first`` and ``count``
+        ``(T,)``, the keys of the whole sequence); None unless the planned batch brings one
+        token of each sequence (a decoding step)."""
+        batch = self.cache.batch
+        if batch is None or batch.chunks or batch.singles != batch.slots.shape[0]:
+            return None
+        k_pool, v_pool = self.cache.storage[self.layer]
+        keys, first, count = batch.single_spans(None)
+        return k_pool, v_pool, batch.slots, keys, first, count
+
 
 class PagedKVCache:
     """Every layer's keys and values in one pool of blocks (see the module docstring).

@@ -6,12 +6,14 @@
  * the cache's copies, the attention, the activation, two residual adds), and on a small model
  * their overhead outweighs the arithmetic. Here the same kernels run back to back: the products
  * of float_dot.c, int8_dot.c, int4_dot.c or block_dot.c (each layer's own), rms_norm and rotate
- * of rows.c, the attention of one_query.c. Each new token attends the cached keys and the new
- * ones up to its own (a mask row per token); a token's result does not depend on how many came
- * with it, since every kernel computes a row alone.
+ * of rows.c, the attention of one_query.c. The new tokens are one sequence's over a dense cache
+ * (each attends the cached keys and the new ones up to its own, a mask row per token), or one
+ * token each of several sequences over a paged pool (a serving engine's decoding step, each
+ * token over its own block table). A token's result does not depend on how many came with it,
+ * since every kernel computes a row alone.
  *
- * Nothing outside the scratch, the residual stream x and the cache slots from `length` on is
- * written, so a caller can redo a step another way (the slots past the filled ones are free).
+ * Nothing outside the scratch, the residual stream x and the new tokens' cache slots is
+ * written, so a caller can redo a step another way (which writes the same slots).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -44,6 +46,12 @@ int attnkit_one_query_attention(const void *q, int64_t B, int64_t K, int64_t G, 
                                 int64_t vb, int64_t vh, int64_t vs, int64_t Ev, int64_t S,
                                 const uint8_t *mask, int64_t mb, int64_t msk, float scale,
                                 float cap, void *out, int bf16, int threads);
+int attnkit_paged_one_query_attention(const void *q, int64_t B, int64_t K, int64_t G, int64_t E,
+                                      const void *k, int64_t kh, int64_t ks, const void *v,
+                                      int64_t vh, int64_t vs, int64_t Ev, const int32_t *rows,
+                                      int64_t width, const int64_t *first, const int64_t *count,
+                                      int64_t slots, float scale, float cap, void *out, int bf16,
+                                      int threads);
 
 /* How a product's weight is stored (attnkit.fused names them). */
 enum { FLOAT = 0, INT8 = 1, INT4 = 2, BLOCK = 3, BLOCK_ROUNDED = 4 };
@@ -67,6 +75,22 @@ typedef struct {
   float eps1, eps2;
   step_linear qkv, out, gate_up, down;
 } step_layer;
+
+/* Where the new tokens' keys and values go and which keys each attends. A dense cache: each
+ * layer's storage (kv_heads, capacity, head_dim), the tokens at slots length .. length + rows - 1,
+ * each attending the slots up to its own. A paged pool (slots set): each layer's storage
+ * (capacity slots, kv_heads, head_dim), token t at slot slots[t], attending the slots
+ * keys[t * width + first[t]] .. keys[t * width + first[t] + count[t] - 1] (its block table
+ * spelled out, its own slot last). */
+typedef struct {
+  float *const *storage; /* 2 * count: each layer's keys and values */
+  int64_t head, row;     /* element strides of a key/value head and of a slot */
+  int64_t length, capacity;
+  const int64_t *slots;
+  const int32_t *keys;
+  int64_t width;
+  const int64_t *first, *count;
+} step_cache;
 
 /* The stack's sizes: model dim, query and key/value heads, head dim, the feed-forward's hidden
  * size, the attention's scale, whether rotary pairs are adjacent channels. */
@@ -123,33 +147,38 @@ static void swiglu(const float *gu, int64_t rows, int64_t hidden, float *a) {
   }
 }
 
-/* Runs `count` layers over the residual stream x (rows, dim), in place: rows new tokens at cache
- * slots length .. length + rows - 1, whose rotary rows are cos / signed_sin (rows, head_dim) each.
- * caches holds each layer's key and value storage (2 * count pointers, (kv_heads, capacity,
- * head_dim) with heads `cache_head` elements apart and rows contiguous). Returns 0, or
- * STEP_NO_MEMORY / STEP_REDO. */
+/* Runs `count` layers over the residual stream x (rows, dim), in place: rows new tokens whose
+ * rotary rows are cos / signed_sin (rows, head_dim) each, their keys and values stored and
+ * attended as `cache` says. Returns 0, or STEP_NO_MEMORY / STEP_REDO (also for a slot outside
+ * the storage: nothing is written then). */
 int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_shape *shape,
-                         float *x, int64_t rows, int64_t length, const float *cos,
-                         const float *signed_sin, float *const *caches, int64_t cache_head,
-                         int threads) {
+                         float *x, int64_t rows, const float *cos, const float *signed_sin,
+                         const step_cache *cache, int threads) {
   const int64_t D = shape->dim, H = shape->heads, K = shape->kv_heads, E = shape->head_dim;
-  const int64_t F = shape->hidden, width = (H + 2 * K) * E, S = length + rows;
+  const int64_t F = shape->hidden, width = (H + 2 * K) * E;
+  const int64_t length = cache->length, S = length + rows, head = cache->head, row = cache->row;
+  const int paged = cache->slots != NULL;
+  for (int64_t t = 0; t < rows; t++) {
+    const int64_t slot = paged ? cache->slots[t] : length + t;
+    if (slot < 0 || slot >= cache->capacity) return STEP_REDO;
+  }
   const int64_t big = D > H * E ? D : H * E;
   /* scratch: the normed rows, q/k/v, rotated queries and keys, the attention, a product's
-   * rows, gate and up, the activation, the mask */
+   * rows, gate and up, the activation, a dense cache's mask */
   const int64_t floats = rows * (big + width + (H + K) * E + H * E + big + 2 * F + F);
-  float *work = malloc((size_t)floats * sizeof(float) + (size_t)(rows * S) + 1);
+  const int64_t mask_bytes = paged ? 0 : rows * S;
+  float *work = malloc((size_t)floats * sizeof(float) + (size_t)mask_bytes + 1);
   if (!work) return STEP_NO_MEMORY;
   float *h = work, *qkv = h + rows * big, *q = qkv + rows * width, *k = q + rows * H * E;
   float *att = k + rows * K * E, *y = att + rows * H * E, *gu = y + rows * big;
   float *a = gu + rows * 2 * F;
   uint8_t *mask = (uint8_t *)(a + rows * F);
-  for (int64_t t = 0; t < rows; t++)
+  for (int64_t t = 0; t < rows && !paged; t++)
     for (int64_t j = 0; j < S; j++) mask[t * S + j] = j <= length + t;
   int result = 0;
   for (int64_t i = 0; i < count && !result; i++) {
     const step_layer *l = layers + i;
-    float *kc = caches[2 * i], *vc = caches[2 * i + 1];
+    float *kc = cache->storage[2 * i], *vc = cache->storage[2 * i + 1];
     attnkit_rms_norm(x, rows, D, D, l->norm1, h, l->eps1, 0, threads);
     if (product(&l->qkv, h, rows, qkv, threads)) {
       result = STEP_NO_MEMORY;
@@ -160,18 +189,30 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
                    (int)shape->interleaved, 0, threads);
     attnkit_rotate(qkv + H * E, rows, K, 1, E, width, E, E, cos, signed_sin, E, k,
                    (int)shape->interleaved, 0, threads);
-    for (int64_t t = 0; t < rows; t++)
+    for (int64_t t = 0; t < rows; t++) {
+      const int64_t slot = paged ? cache->slots[t] : length + t;
       for (int64_t g = 0; g < K; g++) {
-        const int64_t slot = g * cache_head + (length + t) * E;
-        memcpy(kc + slot, k + (t * K + g) * E, (size_t)E * sizeof(float));
-        memcpy(vc + slot, qkv + t * width + (H + K + g) * E, (size_t)E * sizeof(float));
+        const int64_t at = g * head + slot * row;
+        memcpy(kc + at, k + (t * K + g) * E, (size_t)E * sizeof(float));
+        memcpy(vc + at, qkv + t * width + (H + K + g) * E, (size_t)E * sizeof(float));
       }
-    /* each token a "sequence" of its own over the shared cache, its mask row its reach */
-    const int flags = attnkit_one_query_attention(
-        q, rows, K, H / K, E, kc, 0, cache_head, E, vc, 0, cache_head, E, E, S,
-        rows > 1 ? mask : NULL, S, 1, shape->scale, 0.f, att, 0, threads);
-    if (flags & ~1) { /* (NO_KEY cannot happen: every token attends itself) */
-      result = flags & 4 ? STEP_NO_MEMORY : STEP_REDO;
+    }
+    /* each token a "sequence" of its own: over the shared dense cache up to its own slot (its
+     * mask row), or over its own slots of the pool */
+    const int flags =
+        paged ? attnkit_paged_one_query_attention(q, rows, K, H / K, E, kc, head, row, vc, head,
+                                                  row, E, cache->keys, cache->width, cache->first,
+                                                  cache->count, cache->capacity, shape->scale,
+                                                  0.f, att, 0, threads)
+              : attnkit_one_query_attention(q, rows, K, H / K, E, kc, 0, head, row, vc, 0, head,
+                                            row, E, S, rows > 1 ? mask : NULL, S, 1,
+                                            shape->scale, 0.f, att, 0, threads);
+    if (flags & 4) {
+      result = STEP_NO_MEMORY;
+      break;
+    }
+    if (flags) { /* a non-finite score, no key, a bad table: the general path's rules */
+      result = STEP_REDO;
       break;
     }
     if (product(&l->out, att, rows, y, threads)) {
