@@ -240,6 +240,7 @@ def _plan(lm: nn.Module) -> FusedStep:
             or attention.kernel is not functional.attend
             or attention.embed_dim != dim
             or attention.out_dim != dim
+            or not attention.causal
             or ff.activation_name != "swiglu"
         ):
             raise _UnsupportedError
@@ -277,6 +278,9 @@ def _plan(lm: nn.Module) -> FusedStep:
         norm1, eps1 = _norm(block.norm1, dim, watch)
         norm2, eps2 = _norm(block.norm2, dim, watch)
         linears = [_linear(modules[name], watch) for name in ("qkv", "out", "gate_up", "down")]
+        sizes = [(p.n, p.out) for p in linears]
+        if sizes != [(dim, (H + 2 * K) * E), (H * E, dim), (dim, 2 * hidden), (hidden, dim)]:
+            raise _UnsupportedError
         kinds += [modules[name] for name in ("qkv", "out", "gate_up", "down")]
         layers[i] = binding.StepLayer(norm1, norm2, eps1, eps2, *linears)
     assert shape is not None
