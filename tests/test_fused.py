@@ -28,8 +28,9 @@ pytestmark = pytest.mark.skipif(
     not build.kernels_available(), reason="attnkit's kernels are not built on this machine"
 )
 
-#: The weights the step multiplies: float32, per-channel int8, grouped int4, GGUF's blocks.
-WEIGHTS = ["float", "int8", "int4", "q8_0", "q4_0", "q4_1", "q8_0-rounded"]
+#: The weights the step multiplies: float32, per-channel int8, grouped int4, GGUF's blocks, and
+#: a bf16 model (bf16 activations, caches and weights).
+WEIGHTS = ["float", "int8", "int4", "q8_0", "q4_0", "q4_1", "q8_0-rounded", "bf16"]
 
 
 def _lm(weights: str = "float", seed: int = 0, **options: object) -> TransformerLM:
@@ -42,6 +43,8 @@ def _lm(weights: str = "float", seed: int = 0, **options: object) -> Transformer
         quantize(lm, "int8", layout="channel", int8_kernel="attnkit")
     elif weights == "int4":
         quantize(lm, "int4", layout="grouped")
+    elif weights == "bf16":
+        lm.to(torch.bfloat16)
     elif weights != "float":
         quantize(lm, "int4" if weights.startswith("q4") else "int8", layout=weights[:4])  # type: ignore[arg-type]
         if weights.endswith("rounded"):
@@ -73,11 +76,12 @@ def test_a_fused_step_gives_the_models_own_logits_and_cache(weights: str) -> Non
     # (int8-rounded activations: float32 rounding of the layers' sums may move one activation
     # across a rounding step; the layers otherwise run the same kernels)
     tolerance = 1e-4 if weights in ("float", "q8_0", "q4_0", "q4_1") else 2e-2
+    got, want = got.float(), want.float()  # (bf16: the same kernels, one rounding apart)
     assert_close(got, want, rtol=tolerance, atol=tolerance)
     for mine, theirs in zip(caches, want_caches, strict=True):
         assert mine.length == theirs.length == 11
-        assert_close(mine.k[:, :, :11], theirs.k[:, :, :11], rtol=tolerance, atol=tolerance)
-        assert_close(mine.v[:, :, :11], theirs.v[:, :, :11], rtol=tolerance, atol=tolerance)
+        for a, b in ((mine.k, theirs.k), (mine.v, theirs.v)):
+            assert_close(a[:, :, :11].float(), b[:, :, :11].float(), rtol=tolerance, atol=tolerance)
 
 
 def test_a_fused_step_equals_the_float64_forward_of_the_whole_sequence() -> None:
@@ -90,7 +94,7 @@ def test_a_fused_step_equals_the_float64_forward_of_the_whole_sequence() -> None
     assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("weights", ["float", "int4", "q4_1"])
+@pytest.mark.parametrize("weights", ["float", "int4", "q4_1", "bf16"])
 def test_rows_alone_or_together_give_the_same_bits(weights: str) -> None:
     """A speculative round's check (several new tokens) computes each as a step of its own
     would: the greedy tokens of speculation are plain decoding's."""

@@ -13,13 +13,15 @@ It serves the stacks it can describe, and everything else runs the model's own f
 unchanged: a :class:`~attnkit.models.TransformerLM` of pre-norm
 :class:`~attnkit.blocks.TransformerLayer` blocks with RMSNorm, one fused q/k/v projection with
 rotary positions, grouped-query attention without a window, soft cap or variant, and a SwiGLU
-feed-forward (the Llama, Mistral-without-window, Qwen2 and SmolLM families), float32
-activations, one sequence, an attnkit :class:`~attnkit.KVCache` per layer appended to (no mask,
-no ``cache_position``), no gradients, no forward hooks on the layers or their modules, not
-under ``torch.compile`` or a dispatch mode (FLOP counters: torch's ops), and only products the
-policy gives to attnkit's kernels at this many rows (float32 linears prepared with the
-``"stream"`` layout by :func:`attnkit.decoding.prepare`, or plain ones where the policy streams
-them; int8, int4 and block-quantized ones).
+feed-forward (the Llama, Mistral-without-window, Qwen2 and SmolLM families); float32
+activations with float32, int8, int4 or block-quantized weights, or bf16 activations with bf16
+weights (each op's result rounded to bf16 where the model's forward rounds it); the new tokens
+of one sequence appended to an attnkit :class:`~attnkit.KVCache` per layer (no mask, no
+``cache_position``), or one token of each sequence of a serving engine's paged pool; no
+gradients, no forward hooks on the layers or their modules, not under ``torch.compile`` or a
+dispatch mode (FLOP counters: torch's ops); and only products the policy gives to attnkit's
+kernels at this many rows (float linears prepared with the ``"stream"`` layout by
+:func:`attnkit.decoding.prepare`, or plain ones where the policy streams them).
 
 The plan (each layer's weight pointers) is made once per model and checked on every call:
 a parameter that moved or a module that was replaced or hooked makes a new plan (or none). A
@@ -79,6 +81,7 @@ class FusedStep:
         hooked: list[nn.Module],
     ) -> None:
         self.layers, self.shape, self.rotary = layers, shape, rotary
+        self.dtype = torch.bfloat16 if shape.bf16 else torch.float32
         self.count = len(layers)
         self.kinds, self.watch, self.tree, self.hooked = kinds, watch, tree, hooked
         self.rows_ok: dict[int, bool] = {}
@@ -100,20 +103,20 @@ class FusedStep:
         """Whether every product of the plan runs attnkit's kernel at ``rows`` rows."""
         ok = self.rows_ok.get(rows)
         if ok is None:
-            ok = rows <= MOST_ROWS and all(_kernel_rows(m, rows) for m in self.kinds)
+            ok = rows <= MOST_ROWS and all(_kernel_rows(m, rows, self.dtype) for m in self.kinds)
             self.rows_ok[rows] = ok
         return ok
 
 
-def _kernel_rows(module: nn.Module, rows: int) -> bool:
+def _kernel_rows(module: nn.Module, rows: int, dtype: torch.dtype) -> bool:
     if isinstance(module, Int8Linear):
         return policy.int8_kernel_rows(rows, compiling=False)
     if isinstance(module, BlockLinear):
         return policy.block_kernel_rows(rows)
     if isinstance(module, Int4Linear):
         return True
-    limit = getattr(module, "stream_rows", policy.most_stream_rows(torch.float32))
-    return rows <= limit and policy.stream_rows(torch.float32, rows)
+    limit = getattr(module, "stream_rows", policy.most_stream_rows(dtype))
+    return rows <= limit and policy.stream_rows(dtype, rows)
 
 
 def _tensor(owner: nn.Module, name: str, watch: list[tuple[dict[str, Any], str, int]]) -> Tensor:
@@ -130,24 +133,29 @@ class _UnsupportedError(Exception):
     """A module the fused step does not describe."""
 
 
-def _float32(t: Tensor) -> bool:
-    return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+def _plain(t: Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.is_cpu and t.is_contiguous()
 
 
-def _linear(m: nn.Module, watch: list[tuple[dict[str, Any], str, int]]) -> binding.StepLinear:
-    """``m`` as a ``step_linear`` (raises :class:`_UnsupportedError` for any other module)."""
+def _linear(
+    m: nn.Module, watch: list[tuple[dict[str, Any], str, int]], dtype: torch.dtype
+) -> binding.StepLinear:
+    """``m`` as a ``step_linear`` of a stack whose activations are ``dtype`` (raises
+    :class:`_UnsupportedError` for any other module: bf16 stacks take bf16 float weights only)."""
     b = None
     if m._parameters.get("bias") is not None:
         bias = _tensor(m, "bias", watch)
-        if not _float32(bias):
+        if not _plain(bias, dtype):
             raise _UnsupportedError
         b = bias.data_ptr()
     n, out = getattr(m, "in_features", 0), getattr(m, "out_features", 0)
     if type(m) in (nn.Linear, PreparedLinear):
         w = _tensor(m, "weight", watch)
-        if not _float32(w) or getattr(m, "layout", "stream") != "stream":
+        if not _plain(w, dtype) or getattr(m, "layout", "stream") != "stream":
             raise _UnsupportedError
         return binding.StepLinear(_FLOAT, n, out, 0, 0, 0, w.data_ptr(), None, None, b)
+    if dtype != torch.float32:  # (the quantized kernels take float32 activations)
+        raise _UnsupportedError
     if type(m) is Int8Linear and m.kernel == "attnkit":
         codes, scale = _tensor(m, "weight_int8", watch), _tensor(m, "scale", watch)
         if scale.dtype != torch.float32 or not codes.is_contiguous() or codes.shape != (out, n):
@@ -179,12 +187,12 @@ def _linear(m: nn.Module, watch: list[tuple[dict[str, Any], str, int]]) -> bindi
 
 
 def _norm(
-    m: nn.Module, dim: int, watch: list[tuple[dict[str, Any], str, int]]
+    m: nn.Module, dim: int, watch: list[tuple[dict[str, Any], str, int]], dtype: torch.dtype
 ) -> tuple[int, float]:
     if not isinstance(m, nn.RMSNorm) or tuple(m.normalized_shape) != (dim,):
         raise _UnsupportedError
     w = _tensor(m, "weight", watch)
-    if not _float32(w):
+    if not _plain(w, dtype):
         raise _UnsupportedError
     return w.data_ptr(), torch.finfo(torch.float32).eps if m.eps is None else float(m.eps)
 
@@ -210,6 +218,11 @@ def _plan(lm: nn.Module) -> FusedStep:
     ):
         raise _UnsupportedError
     dim = int(lm.dim)  # type: ignore[arg-type]
+    # (the activations' dtype: the norms' weights')
+    dtype = getattr(getattr(blocks[0], "norm1", None), "weight", None)
+    dtype = dtype.dtype if isinstance(dtype, Tensor) else None
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise _UnsupportedError
     watch: list[tuple[dict[str, Any], str, int]] = []
     tree: list[tuple[dict[str, Any], str, nn.Module]] = []
     hooked: list[nn.Module] = [rotary]  # (hooks on the model itself run either way)
@@ -246,9 +259,9 @@ def _plan(lm: nn.Module) -> FusedStep:
             raise _UnsupportedError
         H, K, E = attention.num_heads, attention.num_kv_heads, attention.head_dim
         hidden = ff.linear2.in_features
-        this = binding.StepShape(
-            dim, H, K, E, hidden, functional.resolve_scale(attention.scale, E), rotary.interleaved
-        )
+        scale = functional.resolve_scale(attention.scale, E)
+        bf16 = dtype == torch.bfloat16
+        this = binding.StepShape(dim, H, K, E, hidden, scale, rotary.interleaved, bf16)
         if shape is None:
             shape = this
         elif bytes(shape) != bytes(this):
@@ -275,9 +288,11 @@ def _plan(lm: nn.Module) -> FusedStep:
             assert child is not None
             tree.append((parent._modules, name, child))
         hooked += [block, attention, ff, ff.activation, *modules.values()]
-        norm1, eps1 = _norm(block.norm1, dim, watch)
-        norm2, eps2 = _norm(block.norm2, dim, watch)
-        linears = [_linear(modules[name], watch) for name in ("qkv", "out", "gate_up", "down")]
+        norm1, eps1 = _norm(block.norm1, dim, watch, dtype)
+        norm2, eps2 = _norm(block.norm2, dim, watch, dtype)
+        linears = [
+            _linear(modules[name], watch, dtype) for name in ("qkv", "out", "gate_up", "down")
+        ]
         sizes = [(p.n, p.out) for p in linears]
         if sizes != [(dim, (H + 2 * K) * E), (H * E, dim), (dim, 2 * hidden), (hidden, dim)]:
             raise _UnsupportedError
@@ -327,7 +342,7 @@ def _dense(
         return None
     length, ck, shape = first.length, first.k, step.shape
     if (
-        ck.dtype != torch.float32
+        ck.dtype != step.dtype
         or ck.shape[0] != 1
         or ck.shape[1] != shape.kv_heads
         or ck.shape[3] != shape.head_dim
@@ -341,7 +356,7 @@ def _dense(
         if type(cache) is not KVCache or cache.length != length:
             return None
         k, v = cache.k, cache.v
-        if k.dtype != torch.float32 or v.dtype != torch.float32:
+        if k.dtype != step.dtype or v.dtype != step.dtype:
             return None
         if k.shape != ck.shape or k.stride() != ck.stride() or v.stride() != ck.stride():
             return None
@@ -380,7 +395,7 @@ def _paged(
         if layer is None:
             return None
         for j, t in enumerate(layer[:2]):
-            if t.shape != pool or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+            if t.shape != pool or t.dtype != step.dtype or not t.is_contiguous() or not t.is_cpu:
                 return None
             storage[2 * i + j] = t.data_ptr()
     cache = binding.StepCache(
@@ -413,7 +428,7 @@ def run(
     The caller has checked what its forward knows: no mask, no ``cache_position``, no weights
     asked for, evaluation mode.
     """
-    if torch.is_grad_enabled() or h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32:
+    if torch.is_grad_enabled() or h.dim() != 3 or h.shape[0] != 1:
         return None
     if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():  # (torch's ops only)
         return None
@@ -421,7 +436,7 @@ def run(
     if not 1 <= L <= MOST_ROWS or not h.is_cpu:
         return None
     step = plan_of(lm)
-    if step is None or len(kv_caches) != step.count or not step.takes(L):
+    if step is None or h.dtype != step.dtype or len(kv_caches) != step.count or not step.takes(L):
         return None
     dense = _dense(step, kv_caches, L)
     paged = None if dense is not None or positions is None else _paged(step, kv_caches, L)

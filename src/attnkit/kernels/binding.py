@@ -71,7 +71,8 @@ class StepCache(ctypes.Structure):
 
 
 class StepShape(ctypes.Structure):
-    """csrc/step.c's ``step_shape``: the stack's sizes, attention scale and rotary layout."""
+    """csrc/step.c's ``step_shape``: the stack's sizes, attention scale, rotary layout and
+    whether its activations are bf16."""
 
     _fields_ = (
         ("dim", ctypes.c_int64),
@@ -81,6 +82,7 @@ class StepShape(ctypes.Structure):
         ("hidden", ctypes.c_int64),
         ("scale", ctypes.c_float),
         ("interleaved", ctypes.c_int64),
+        ("bf16", ctypes.c_int64),
     )
 
 

@@ -25,6 +25,8 @@
 /* (the kernels of the other files) */
 int attnkit_float_linear(const float *x, int64_t rows, int64_t n, const float *w,
                          const float *bias, int64_t out, float *y, int threads);
+int attnkit_bf16_linear(const uint16_t *x, int64_t rows, int64_t n, const uint16_t *w,
+                        const uint16_t *bias, int64_t out, uint16_t *y, int threads);
 int attnkit_int8_linear(const float *x, int64_t rows, int64_t n, const int8_t *w,
                         const float *scale, int64_t out, float *y, int threads);
 int attnkit_int4_linear(const float *x, int64_t rows, int64_t n, const uint8_t *w,
@@ -93,71 +95,109 @@ typedef struct {
 } step_cache;
 
 /* The stack's sizes: model dim, query and key/value heads, head dim, the feed-forward's hidden
- * size, the attention's scale, whether rotary pairs are adjacent channels. */
+ * size, the attention's scale, whether rotary pairs are adjacent channels, and whether the
+ * activations, norms, float weights and caches are bf16 (else float32). */
 typedef struct {
   int64_t dim, heads, kv_heads, head_dim, hidden;
   float scale;
-  int64_t interleaved;
+  int64_t interleaved, bf16;
 } step_shape;
 
-static int product(const step_linear *p, const float *x, int64_t rows, float *y, int threads) {
+/* y = x @ W.T + bias for rows of x: bf16 rows through bf16 weights (bf16 results, as
+ * attnkit_bf16_linear rounds them), float32 rows through any kind (float32 results). */
+static int product(const step_linear *p, const void *x, int64_t rows, void *y, int bf16,
+                   int threads) {
   int failed = 0;
+  if (bf16)
+    return attnkit_bf16_linear(x, rows, p->n, p->w, (const void *)p->bias, p->out, y, threads);
+  float *yf = y;
   switch (p->kind) {
     case FLOAT: /* (the kernel adds the bias) */
-      return attnkit_float_linear(x, rows, p->n, p->w, p->bias, p->out, y, threads);
+      return attnkit_float_linear(x, rows, p->n, p->w, p->bias, p->out, yf, threads);
     case INT8:
-      failed = attnkit_int8_linear(x, rows, p->n, p->w, p->scales, p->out, y, threads);
+      failed = attnkit_int8_linear(x, rows, p->n, p->w, p->scales, p->out, yf, threads);
       break;
     case INT4:
-      failed = attnkit_int4_linear(x, rows, p->n, p->w, p->scales, p->out, p->group, y, threads);
+      failed = attnkit_int4_linear(x, rows, p->n, p->w, p->scales, p->out, p->group, yf, threads);
       break;
     default:
       failed = (p->kind == BLOCK ? attnkit_block_linear : attnkit_block_linear_rounded)(
-          x, rows, p->n, p->w, p->scales, p->offsets, p->out, (int)p->bits, p->group, y,
+          x, rows, p->n, p->w, p->scales, p->offsets, p->out, (int)p->bits, p->group, yf,
           threads, (int)p->tile);
   }
   if (!failed && p->bias)
     for (int64_t r = 0; r < rows; r++)
-      for (int64_t o = 0; o < p->out; o++) y[r * p->out + o] += p->bias[o];
+      for (int64_t o = 0; o < p->out; o++) yf[r * p->out + o] += p->bias[o];
   return failed;
 }
 
-/* x += y over n values. */
-static void add_into(float *x, const float *y, int64_t n) {
+/* Eight float32 values stored at dst[i], or rounded to bf16 as float_to_bf16 rounds them. */
+static inline void put8(void *dst, int64_t i, __m256 v, int bf16) {
+  if (!bf16) {
+    _mm256_storeu_ps((float *)dst + i, v);
+    return;
+  }
+  float f[8];
+  _mm256_storeu_ps(f, v);
+  for (int j = 0; j < 8; j++) ((uint16_t *)dst)[i + j] = float_to_bf16(f[j]);
+}
+
+static inline void put1(void *dst, int64_t i, float v, int bf16) {
+  if (bf16)
+    ((uint16_t *)dst)[i] = float_to_bf16(v);
+  else
+    ((float *)dst)[i] = v;
+}
+
+/* x += y over n values (bf16: the float32 sum rounded once, as torch adds bf16 tensors). */
+static void add_into(void *x, const void *y, int64_t n, int bf16) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; i++) x[i] += y[i];
+  for (; i + 8 <= n; i += 8) put8(x, i, _mm256_add_ps(load8(x, i, bf16), load8(y, i, bf16)), bf16);
+  for (; i < n; i++) put1(x, i, load1(x, i, bf16) + load1(y, i, bf16), bf16);
 }
 
 /* a = silu(gate) * up for each row of gu = [gate | up] (hidden values each), silu(g) =
- * g / (1 + exp(-g)). */
-static void swiglu(const float *gu, int64_t rows, int64_t hidden, float *a) {
+ * g / (1 + exp(-g)); bf16 rounds silu(g) and the product, as torch's two bf16 ops do. */
+static void swiglu(const void *gu, int64_t rows, int64_t hidden, void *a, int bf16) {
   const __m256 one = _mm256_set1_ps(1.f);
+  const int64_t size = bf16 ? 2 : 4;
+  uint16_t rounded[8];
   for (int64_t r = 0; r < rows; r++) {
-    const float *gate = gu + r * 2 * hidden, *up = gate + hidden;
-    float *dst = a + r * hidden;
+    const char *gate = (const char *)gu + r * 2 * hidden * size, *up = gate + hidden * size;
+    char *dst = (char *)a + r * hidden * size;
     int64_t i = 0;
     for (; i + 8 <= hidden; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 g = load8(gate, i, bf16);
       const __m256 d = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
-      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_div_ps(g, d), _mm256_loadu_ps(up + i)));
+      __m256 silu = _mm256_div_ps(g, d);
+      if (bf16) {
+        put8(rounded, 0, silu, 1);
+        silu = load8(rounded, 0, 1);
+      }
+      put8(dst, i, _mm256_mul_ps(silu, load8(up, i, bf16)), bf16);
     }
-    for (; i < hidden; i++) dst[i] = gate[i] / (1.f + exp1(-gate[i])) * up[i];
+    for (; i < hidden; i++) {
+      const float g = load1(gate, i, bf16);
+      float silu = g / (1.f + exp1(-g));
+      if (bf16) silu = bf16_to_float(float_to_bf16(silu));
+      put1(dst, i, silu * load1(up, i, bf16), bf16);
+    }
   }
 }
 
 /* Runs `count` layers over the residual stream x (rows, dim), in place: rows new tokens whose
- * rotary rows are cos / signed_sin (rows, head_dim) each, their keys and values stored and
- * attended as `cache` says. Returns 0, or STEP_NO_MEMORY / STEP_REDO (also for a slot outside
- * the storage: nothing is written then). */
+ * rotary rows are cos / signed_sin (rows, head_dim, float32) each, their keys and values stored
+ * and attended as `cache` says. x, the caches, the norms' weights and float weights are bf16
+ * where shape->bf16 (the products then all bf16 float weights), else float32. Returns 0, or
+ * STEP_NO_MEMORY / STEP_REDO (also for a slot outside the storage: nothing is written then). */
 int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_shape *shape,
-                         float *x, int64_t rows, const float *cos, const float *signed_sin,
+                         void *x, int64_t rows, const float *cos, const float *signed_sin,
                          const step_cache *cache, int threads) {
   const int64_t D = shape->dim, H = shape->heads, K = shape->kv_heads, E = shape->head_dim;
   const int64_t F = shape->hidden, width = (H + 2 * K) * E;
   const int64_t length = cache->length, S = length + rows, head = cache->head, row = cache->row;
-  const int paged = cache->slots != NULL;
+  const int paged = cache->slots != NULL, bf16 = (int)shape->bf16;
+  const int64_t size = bf16 ? 2 : 4;
   for (int64_t t = 0; t < rows; t++) {
     const int64_t slot = paged ? cache->slots[t] : length + t;
     if (slot < 0 || slot >= cache->capacity) return STEP_REDO;
@@ -165,36 +205,37 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
   const int64_t big = D > H * E ? D : H * E;
   /* scratch: the normed rows, q/k/v, rotated queries and keys, the attention, a product's
    * rows, gate and up, the activation, a dense cache's mask */
-  const int64_t floats = rows * (big + width + (H + K) * E + H * E + big + 2 * F + F);
+  const int64_t values = rows * (big + width + (H + K) * E + H * E + big + 2 * F + F);
   const int64_t mask_bytes = paged ? 0 : rows * S;
-  float *work = malloc((size_t)floats * sizeof(float) + (size_t)mask_bytes + 1);
+  char *work = malloc((size_t)(values * size + mask_bytes + 1));
   if (!work) return STEP_NO_MEMORY;
-  float *h = work, *qkv = h + rows * big, *q = qkv + rows * width, *k = q + rows * H * E;
-  float *att = k + rows * K * E, *y = att + rows * H * E, *gu = y + rows * big;
-  float *a = gu + rows * 2 * F;
-  uint8_t *mask = (uint8_t *)(a + rows * F);
+  char *h = work, *qkv = h + rows * big * size, *q = qkv + rows * width * size;
+  char *k = q + rows * H * E * size, *att = k + rows * K * E * size;
+  char *y = att + rows * H * E * size, *gu = y + rows * big * size;
+  char *a = gu + rows * 2 * F * size;
+  uint8_t *mask = (uint8_t *)(a + rows * F * size);
   for (int64_t t = 0; t < rows && !paged; t++)
     for (int64_t j = 0; j < S; j++) mask[t * S + j] = j <= length + t;
   int result = 0;
   for (int64_t i = 0; i < count && !result; i++) {
     const step_layer *l = layers + i;
-    float *kc = cache->storage[2 * i], *vc = cache->storage[2 * i + 1];
-    attnkit_rms_norm(x, rows, D, D, l->norm1, h, l->eps1, 0, threads);
-    if (product(&l->qkv, h, rows, qkv, threads)) {
+    char *kc = (char *)cache->storage[2 * i], *vc = (char *)cache->storage[2 * i + 1];
+    attnkit_rms_norm(x, rows, D, D, l->norm1, h, l->eps1, bf16, threads);
+    if (product(&l->qkv, h, rows, qkv, bf16, threads)) {
       result = STEP_NO_MEMORY;
       break;
     }
     /* queries (rows, H, E) and keys (rows, K, E) rotated; keys and values into their slots */
     attnkit_rotate(qkv, rows, H, 1, E, width, E, E, cos, signed_sin, E, q,
-                   (int)shape->interleaved, 0, threads);
-    attnkit_rotate(qkv + H * E, rows, K, 1, E, width, E, E, cos, signed_sin, E, k,
-                   (int)shape->interleaved, 0, threads);
+                   (int)shape->interleaved, bf16, threads);
+    attnkit_rotate(qkv + H * E * size, rows, K, 1, E, width, E, E, cos, signed_sin, E, k,
+                   (int)shape->interleaved, bf16, threads);
     for (int64_t t = 0; t < rows; t++) {
       const int64_t slot = paged ? cache->slots[t] : length + t;
       for (int64_t g = 0; g < K; g++) {
-        const int64_t at = g * head + slot * row;
-        memcpy(kc + at, k + (t * K + g) * E, (size_t)E * sizeof(float));
-        memcpy(vc + at, qkv + t * width + (H + K + g) * E, (size_t)E * sizeof(float));
+        const int64_t at = (g * head + slot * row) * size;
+        memcpy(kc + at, k + (t * K + g) * E * size, (size_t)(E * size));
+        memcpy(vc + at, qkv + (t * width + (H + K + g) * E) * size, (size_t)(E * size));
       }
     }
     /* each token a "sequence" of its own: over the shared dense cache up to its own slot (its
@@ -203,10 +244,10 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
         paged ? attnkit_paged_one_query_attention(q, rows, K, H / K, E, kc, head, row, vc, head,
                                                   row, E, cache->keys, cache->width, cache->first,
                                                   cache->count, cache->capacity, shape->scale,
-                                                  0.f, att, 0, threads)
+                                                  0.f, att, bf16, threads)
               : attnkit_one_query_attention(q, rows, K, H / K, E, kc, 0, head, row, vc, 0, head,
                                             row, E, S, rows > 1 ? mask : NULL, S, 1,
-                                            shape->scale, 0.f, att, 0, threads);
+                                            shape->scale, 0.f, att, bf16, threads);
     if (flags & 4) {
       result = STEP_NO_MEMORY;
       break;
@@ -215,22 +256,22 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
       result = STEP_REDO;
       break;
     }
-    if (product(&l->out, att, rows, y, threads)) {
+    if (product(&l->out, att, rows, y, bf16, threads)) {
       result = STEP_NO_MEMORY;
       break;
     }
-    add_into(x, y, rows * D);
-    attnkit_rms_norm(x, rows, D, D, l->norm2, h, l->eps2, 0, threads);
-    if (product(&l->gate_up, h, rows, gu, threads)) {
+    add_into(x, y, rows * D, bf16);
+    attnkit_rms_norm(x, rows, D, D, l->norm2, h, l->eps2, bf16, threads);
+    if (product(&l->gate_up, h, rows, gu, bf16, threads)) {
       result = STEP_NO_MEMORY;
       break;
     }
-    swiglu(gu, rows, F, a);
-    if (product(&l->down, a, rows, y, threads)) {
+    swiglu(gu, rows, F, a, bf16);
+    if (product(&l->down, a, rows, y, bf16, threads)) {
       result = STEP_NO_MEMORY;
       break;
     }
-    add_into(x, y, rows * D);
+    add_into(x, y, rows * D, bf16);
   }
   free(work);
   return result;
