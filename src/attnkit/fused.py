@@ -12,8 +12,9 @@ new token.
 It serves the stacks it can describe, and everything else runs the model's own forward
 unchanged: a :class:`~attnkit.models.TransformerLM` of pre-norm
 :class:`~attnkit.blocks.TransformerLayer` blocks with RMSNorm, one fused q/k/v projection with
-rotary positions, grouped-query attention without a window, soft cap or variant, and a SwiGLU
-feed-forward (the Llama, Mistral-without-window, Qwen2 and SmolLM families); float32
+rotary positions, grouped-query attention (a sliding window and a soft cap of its scores
+allowed, no other variant), and a SwiGLU feed-forward (the Llama, Mistral, Qwen2 and SmolLM
+families); float32
 activations with float32, int8, int4 or block-quantized weights, or bf16 activations with bf16
 weights (each op's result rounded to bf16 where the model's forward rounds it); the new tokens
 of one sequence appended to an attnkit :class:`~attnkit.KVCache` per layer (no mask, no
@@ -247,8 +248,6 @@ def _plan(lm: nn.Module) -> FusedStep:
             or attention.q_norm is not None
             or attention.k_norm is not None
             or attention.rotary is not rotary
-            or attention.window is not None
-            or attention.softcap is not None
             or attention.variant is not None
             or attention.kernel is not functional.attend
             or attention.embed_dim != dim
@@ -297,7 +296,9 @@ def _plan(lm: nn.Module) -> FusedStep:
         if sizes != [(dim, (H + 2 * K) * E), (H * E, dim), (dim, 2 * hidden), (hidden, dim)]:
             raise _UnsupportedError
         kinds += [modules[name] for name in ("qkv", "out", "gate_up", "down")]
-        layers[i] = binding.StepLayer(norm1, norm2, eps1, eps2, *linears)
+        window = 0 if attention.window is None else int(attention.window)
+        cap = 0.0 if attention.softcap is None else float(attention.softcap)
+        layers[i] = binding.StepLayer(norm1, norm2, eps1, eps2, window, cap, *linears)
     assert shape is not None
     return FusedStep(layers, shape, rotary, kinds, watch, tree, hooked)
 

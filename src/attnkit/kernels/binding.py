@@ -39,13 +39,16 @@ class StepLinear(ctypes.Structure):
 
 
 class StepLayer(ctypes.Structure):
-    """csrc/step.c's ``step_layer``: a layer's norm weights and epsilons and its products."""
+    """csrc/step.c's ``step_layer``: a layer's norm weights and epsilons, its attention's
+    window and soft cap, and its products."""
 
     _fields_ = (
         ("norm1", ctypes.c_void_p),
         ("norm2", ctypes.c_void_p),
         ("eps1", ctypes.c_float),
         ("eps2", ctypes.c_float),
+        ("window", ctypes.c_int64),
+        ("cap", ctypes.c_float),
         ("qkv", StepLinear),
         ("out", StepLinear),
         ("gate_up", StepLinear),

@@ -71,10 +71,13 @@ typedef struct {
   const float *bias;
 } step_linear;
 
-/* One layer: its norms' weights and epsilons and its four products. */
+/* One layer: its norms' weights and epsilons, its attention's sliding window (keys within
+ * `window` positions of the query, 0: all) and soft cap (0: none), and its four products. */
 typedef struct {
-  const float *norm1, *norm2;
+  const void *norm1, *norm2;
   float eps1, eps2;
+  int64_t window;
+  float cap;
   step_linear qkv, out, gate_up, down;
 } step_layer;
 
@@ -204,18 +207,19 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
   }
   const int64_t big = D > H * E ? D : H * E;
   /* scratch: the normed rows, q/k/v, rotated queries and keys, the attention, a product's
-   * rows, gate and up, the activation, a dense cache's mask */
+   * rows, gate and up, the activation, a paged pool's windowed key spans, a dense cache's
+   * mask */
   const int64_t values = rows * (big + width + (H + K) * E + H * E + big + 2 * F + F);
   const int64_t mask_bytes = paged ? 0 : rows * S;
-  char *work = malloc((size_t)(values * size + mask_bytes + 1));
+  char *work = malloc((size_t)(values * size + 2 * rows * 8 + mask_bytes + 1));
   if (!work) return STEP_NO_MEMORY;
   char *h = work, *qkv = h + rows * big * size, *q = qkv + rows * width * size;
   char *k = q + rows * H * E * size, *att = k + rows * K * E * size;
   char *y = att + rows * H * E * size, *gu = y + rows * big * size;
   char *a = gu + rows * 2 * F * size;
-  uint8_t *mask = (uint8_t *)(a + rows * F * size);
-  for (int64_t t = 0; t < rows && !paged; t++)
-    for (int64_t j = 0; j < S; j++) mask[t * S + j] = j <= length + t;
+  int64_t *reach_first = (int64_t *)(a + rows * F * size), *reach_count = reach_first + rows;
+  uint8_t *mask = (uint8_t *)(reach_count + rows);
+  int64_t masked = -1; /* the window the mask holds (0: none; -1: not made yet) */
   int result = 0;
   for (int64_t i = 0; i < count && !result; i++) {
     const step_layer *l = layers + i;
@@ -239,15 +243,28 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
       }
     }
     /* each token a "sequence" of its own: over the shared dense cache up to its own slot (its
-     * mask row), or over its own slots of the pool */
+     * mask row), or over its own slots of the pool; within the layer's window */
+    const int64_t w = l->window;
+    if (paged)
+      for (int64_t t = 0; t < rows; t++) {
+        const int64_t n = cache->count[t], keep = w > 0 && n > w ? w : n;
+        reach_first[t] = cache->first[t] + n - keep;
+        reach_count[t] = keep;
+      }
+    else if ((rows > 1 || w > 0) && masked != w) {
+      for (int64_t t = 0; t < rows; t++)
+        for (int64_t j = 0; j < S; j++)
+          mask[t * S + j] = j <= length + t && (w <= 0 || j > length + t - w);
+      masked = w;
+    }
     const int flags =
         paged ? attnkit_paged_one_query_attention(q, rows, K, H / K, E, kc, head, row, vc, head,
-                                                  row, E, cache->keys, cache->width, cache->first,
-                                                  cache->count, cache->capacity, shape->scale,
-                                                  0.f, att, bf16, threads)
+                                                  row, E, cache->keys, cache->width, reach_first, reach_count,
+                                                  cache->capacity, shape->scale, l->cap, att,
+                                                  bf16, threads)
               : attnkit_one_query_attention(q, rows, K, H / K, E, kc, 0, head, row, vc, 0, head,
-                                            row, E, S, rows > 1 ? mask : NULL, S, 1,
-                                            shape->scale, 0.f, att, bf16, threads);
+                                            row, E, S, rows > 1 || w > 0 ? mask : NULL, S, 1,
+                                            shape->scale, l->cap, att, bf16, threads);
     if (flags & 4) {
       result = STEP_NO_MEMORY;
       break;
