@@ -223,6 +223,7 @@ def test_a_forward_hook_still_runs() -> None:
     "options",
     [
         {"norm": "layernorm"},
+        {"norm": "rmsnorm_plus_one"},
         {"activation": "gelu"},
         {"qk_norm": True},
         {"position": "learned"},

@@ -45,7 +45,7 @@ from attnkit import functional
 from attnkit.attention import MultiHeadAttention
 from attnkit.blocks import FeedForward, TransformerLayer
 from attnkit.cache import AttendingCache, KVCache
-from attnkit.decoding import PreparedLinear
+from attnkit.decoding import PreparedLinear, PreparedRMSNorm
 from attnkit.kernels import binding, build, policy
 from attnkit.kernels.linear import GROUP
 from attnkit.positional import RotaryEmbedding
@@ -190,7 +190,8 @@ def _linear(
 def _norm(
     m: nn.Module, dim: int, watch: list[tuple[dict[str, Any], str, int]], dtype: torch.dtype
 ) -> tuple[int, float]:
-    if not isinstance(m, nn.RMSNorm) or tuple(m.normalized_shape) != (dim,):
+    # (exactly these: a subclass may compute otherwise, e.g. Gemma's 1 + weight)
+    if type(m) not in (nn.RMSNorm, PreparedRMSNorm) or tuple(m.normalized_shape) != (dim,):
         raise _UnsupportedError
     w = _tensor(m, "weight", watch)
     if not _plain(w, dtype):
