@@ -86,10 +86,10 @@ def test_a_fused_step_gives_the_models_own_logits_and_cache(weights: str) -> Non
 
 @pytest.mark.parametrize(
     "options",
-    [{"window": 4}, {"attn_softcap": 2.0}, {"window": 3, "attn_softcap": 2.0}],
-    ids=["window", "softcap", "both"],
+    [{"window": 4}, {"attn_softcap": 2.0}, {"window": 3, "attn_softcap": 2.0}, {"qk_norm": True}],
+    ids=["window", "softcap", "both", "qk_norm"],
 )
-def test_windows_and_soft_caps_run_fused(options: dict[str, object]) -> None:
+def test_windows_soft_caps_and_head_norms_run_fused(options: dict[str, object]) -> None:
     lm = _lm(**options)
     assert fused.plan(lm) is not None
     prompt, steps = torch.randint(0, VOCAB, (1, 7)), torch.randint(0, VOCAB, (1, 4))
@@ -225,7 +225,6 @@ def test_a_forward_hook_still_runs() -> None:
         {"norm": "layernorm"},
         {"norm": "rmsnorm_plus_one"},
         {"activation": "gelu"},
-        {"qk_norm": True},
         {"position": "learned"},
     ],
     ids=lambda o: next(iter(o)),

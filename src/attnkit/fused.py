@@ -12,9 +12,9 @@ new token.
 It serves the stacks it can describe, and everything else runs the model's own forward
 unchanged: a :class:`~attnkit.models.TransformerLM` of pre-norm
 :class:`~attnkit.blocks.TransformerLayer` blocks with RMSNorm, one fused q/k/v projection with
-rotary positions, grouped-query attention (a sliding window and a soft cap of its scores
-allowed, no other variant), and a SwiGLU feed-forward (the Llama, Mistral, Qwen2 and SmolLM
-families); float32
+rotary positions (RMSNorms of the query and key heads before them allowed), grouped-query
+attention (a sliding window and a soft cap of its scores allowed, no other variant), and a
+SwiGLU feed-forward (the Llama, Mistral, Qwen2, Qwen3, Phi-3 and SmolLM families); float32
 activations with float32, int8, int4 or block-quantized weights, or bf16 activations with bf16
 weights (each op's result rounded to bf16 where the model's forward rounds it); the new tokens
 of one sequence appended to an attnkit :class:`~attnkit.KVCache` per layer (no mask, no
@@ -191,7 +191,10 @@ def _norm(
     m: nn.Module, dim: int, watch: list[tuple[dict[str, Any], str, int]], dtype: torch.dtype
 ) -> tuple[int, float]:
     # (exactly these: a subclass may compute otherwise, e.g. Gemma's 1 + weight)
-    if type(m) not in (nn.RMSNorm, PreparedRMSNorm) or tuple(m.normalized_shape) != (dim,):
+    if type(m) not in (nn.RMSNorm, PreparedRMSNorm):
+        raise _UnsupportedError
+    assert isinstance(m, nn.RMSNorm)
+    if tuple(m.normalized_shape) != (dim,):
         raise _UnsupportedError
     w = _tensor(m, "weight", watch)
     if not _plain(w, dtype):
@@ -246,8 +249,6 @@ def _plan(lm: nn.Module) -> FusedStep:
             raise _UnsupportedError
         if (
             not attention.fused_qkv
-            or attention.q_norm is not None
-            or attention.k_norm is not None
             or attention.rotary is not rotary
             or attention.variant is not None
             or attention.kernel is not functional.attend
@@ -299,7 +300,18 @@ def _plan(lm: nn.Module) -> FusedStep:
         kinds += [modules[name] for name in ("qkv", "out", "gate_up", "down")]
         window = 0 if attention.window is None else int(attention.window)
         cap = 0.0 if attention.softcap is None else float(attention.softcap)
-        layers[i] = binding.StepLayer(norm1, norm2, eps1, eps2, window, cap, *linears)
+        q_norm, q_eps, k_norm, k_eps = None, 0.0, None, 0.0
+        if attention.q_norm is not None or attention.k_norm is not None:
+            if attention.q_norm is None or attention.k_norm is None:
+                raise _UnsupportedError
+            q_norm, q_eps = _norm(attention.q_norm, E, watch, dtype)
+            k_norm, k_eps = _norm(attention.k_norm, E, watch, dtype)
+            for name in ("q_norm", "k_norm"):
+                tree.append((attention._modules, name, attention._modules[name]))  # type: ignore[arg-type]
+            hooked += [attention.q_norm, attention.k_norm]
+        layers[i] = binding.StepLayer(
+            norm1, norm2, eps1, eps2, window, cap, q_eps, q_norm, k_norm, k_eps, *linears
+        )
     assert shape is not None
     return FusedStep(layers, shape, rotary, kinds, watch, tree, hooked)
 

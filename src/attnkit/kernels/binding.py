@@ -40,7 +40,7 @@ class StepLinear(ctypes.Structure):
 
 class StepLayer(ctypes.Structure):
     """csrc/step.c's ``step_layer``: a layer's norm weights and epsilons, its attention's
-    window and soft cap, and its products."""
+    window, soft cap and query/key norms, and its products."""
 
     _fields_ = (
         ("norm1", ctypes.c_void_p),
@@ -49,6 +49,10 @@ class StepLayer(ctypes.Structure):
         ("eps2", ctypes.c_float),
         ("window", ctypes.c_int64),
         ("cap", ctypes.c_float),
+        ("q_eps", ctypes.c_float),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("k_eps", ctypes.c_float),
         ("qkv", StepLinear),
         ("out", StepLinear),
         ("gate_up", StepLinear),

@@ -72,12 +72,16 @@ typedef struct {
 } step_linear;
 
 /* One layer: its norms' weights and epsilons, its attention's sliding window (keys within
- * `window` positions of the query, 0: all) and soft cap (0: none), and its four products. */
+ * `window` positions of the query, 0: all) and soft cap (0: none), the RMSNorms of its query
+ * and key heads before the rotation (weights of head_dim values; NULL: none), and its four
+ * products. */
 typedef struct {
   const void *norm1, *norm2;
   float eps1, eps2;
   int64_t window;
-  float cap;
+  float cap, q_eps;
+  const void *q_norm, *k_norm;
+  float k_eps;
   step_linear qkv, out, gate_up, down;
 } step_layer;
 
@@ -209,12 +213,13 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
   /* scratch: the normed rows, q/k/v, rotated queries and keys, the attention, a product's
    * rows, gate and up, the activation, a paged pool's windowed key spans, a dense cache's
    * mask */
-  const int64_t values = rows * (big + width + (H + K) * E + H * E + big + 2 * F + F);
+  const int64_t values = rows * (big + width + 2 * (H + K) * E + H * E + big + 2 * F + F);
   const int64_t mask_bytes = paged ? 0 : rows * S;
   char *work = malloc((size_t)(values * size + 2 * rows * 8 + mask_bytes + 1));
   if (!work) return STEP_NO_MEMORY;
   char *h = work, *qkv = h + rows * big * size, *q = qkv + rows * width * size;
-  char *k = q + rows * H * E * size, *att = k + rows * K * E * size;
+  char *k = q + rows * H * E * size, *qn = k + rows * K * E * size;
+  char *kn = qn + rows * H * E * size, *att = kn + rows * K * E * size;
   char *y = att + rows * H * E * size, *gu = y + rows * big * size;
   char *a = gu + rows * 2 * F * size;
   int64_t *reach_first = (int64_t *)(a + rows * F * size), *reach_count = reach_first + rows;
@@ -229,10 +234,25 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
       result = STEP_NO_MEMORY;
       break;
     }
-    /* queries (rows, H, E) and keys (rows, K, E) rotated; keys and values into their slots */
-    attnkit_rotate(qkv, rows, H, 1, E, width, E, E, cos, signed_sin, E, q,
+    /* queries (rows, H, E) and keys (rows, K, E) normed where the layer norms them, rotated;
+     * keys and values into their slots */
+    const char *qs = qkv, *ks = qkv + H * E * size;
+    int64_t q_item = width, k_item = width;
+    if (l->q_norm) {
+      for (int64_t t = 0; t < rows; t++)
+        attnkit_rms_norm(qkv + t * width * size, H, E, E, l->q_norm, qn + t * H * E * size,
+                         l->q_eps, bf16, threads);
+      qs = qn, q_item = H * E;
+    }
+    if (l->k_norm) {
+      for (int64_t t = 0; t < rows; t++)
+        attnkit_rms_norm(qkv + (t * width + H * E) * size, K, E, E, l->k_norm,
+                         kn + t * K * E * size, l->k_eps, bf16, threads);
+      ks = kn, k_item = K * E;
+    }
+    attnkit_rotate(qs, rows, H, 1, E, q_item, E, E, cos, signed_sin, E, q,
                    (int)shape->interleaved, bf16, threads);
-    attnkit_rotate(qkv + H * E * size, rows, K, 1, E, width, E, E, cos, signed_sin, E, k,
+    attnkit_rotate(ks, rows, K, 1, E, k_item, E, E, cos, signed_sin, E, k,
                    (int)shape->interleaved, bf16, threads);
     for (int64_t t = 0; t < rows; t++) {
       const int64_t slot = paged ? cache->slots[t] : length + t;
