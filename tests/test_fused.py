@@ -49,7 +49,9 @@ def _lm(weights: str = "float", seed: int = 0, **options: object) -> Transformer
         quantize(lm, "int4" if weights.startswith("q4") else "int8", layout=weights[:4])  # type: ignore[arg-type]
         if weights.endswith("rounded"):
             set_activations(lm, "int8")
-    return decoding.prepare(lm)
+    # (laid out for steps of two sequences: row-major float weights on every machine, where a
+    # single sequence's layout is the policy's measured choice)
+    return decoding.prepare(lm, batch=2)
 
 
 def _steps(lm: TransformerLM, prompt: torch.Tensor, steps: torch.Tensor, *, fuse: bool) -> tuple:

@@ -20,9 +20,11 @@ weights (each op's result rounded to bf16 where the model's forward rounds it); 
 of one sequence appended to an attnkit :class:`~attnkit.KVCache` per layer (no mask, no
 ``cache_position``), or one token of each sequence of a serving engine's paged pool; no
 gradients, no forward hooks on the layers or their modules, not under ``torch.compile`` or a
-dispatch mode (FLOP counters: torch's ops); and only products the policy gives to attnkit's
-kernels at this many rows (float linears prepared with the ``"stream"`` layout by
-:func:`attnkit.decoding.prepare`, or plain ones where the policy streams them).
+dispatch mode (FLOP counters: torch's ops); and only products attnkit's kernels take at this
+many rows: row-major float linears (plain, or prepared by :func:`attnkit.decoding.prepare` with
+the ``"stream"`` layout: where the policy measured MKL faster for one float32 row, a model
+prepared for one sequence keeps a column-major layout and runs its blocks), and the quantized
+ones up to the rows the policy gives their kernels.
 
 The plan (each layer's weight pointers) is made once per model and checked on every call:
 a parameter that moved or a module that was replaced or hooked makes a new plan (or none). A
@@ -116,8 +118,9 @@ def _kernel_rows(module: nn.Module, rows: int, dtype: torch.dtype) -> bool:
         return policy.block_kernel_rows(rows)
     if isinstance(module, Int4Linear):
         return True
-    limit = getattr(module, "stream_rows", policy.most_stream_rows(dtype))
-    return rows <= limit and policy.stream_rows(dtype, rows)
+    # (float weights: the stream kernel takes a step's rows whichever product the policy
+    # measured faster for a lone one, since here no Python runs between the layers)
+    return rows <= getattr(module, "stream_rows", policy.most_stream_rows(dtype))
 
 
 def _tensor(owner: nn.Module, name: str, watch: list[tuple[dict[str, Any], str, int]]) -> Tensor:
