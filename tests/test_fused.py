@@ -33,6 +33,21 @@ pytestmark = pytest.mark.skipif(
 WEIGHTS = ["float", "int8", "int4", "q8_0", "q4_0", "q4_1", "q8_0-rounded", "bf16"]
 
 
+#: Gemma 2's shape: norms scaling by 1 + weight (also of the attention's and feed-forward's
+#: outputs), a tanh-GELU gate, scaled embeddings, soft-capped scores, sliding layers between
+#: full ones.
+GEMMA2: dict[str, object] = {
+    "norm": "rmsnorm_plus_one",
+    "post_norms": True,
+    "scale_embeddings": True,
+    "activation": "geglu_tanh",
+    "attn_softcap": 3.0,
+    "window": 3,
+    "layer_types": ("sliding_attention", "full_attention"),
+    "rope_base": 50_000.0,
+}
+
+
 def _lm(weights: str = "float", seed: int = 0, **options: object) -> TransformerLM:
     torch.manual_seed(seed)
     settings = {**LLAMA_OPTIONS, "head_dim": 16, "ffn_dim": 96, **options}
@@ -88,8 +103,15 @@ def test_a_fused_step_gives_the_models_own_logits_and_cache(weights: str) -> Non
 
 @pytest.mark.parametrize(
     "options",
-    [{"window": 4}, {"attn_softcap": 2.0}, {"window": 3, "attn_softcap": 2.0}, {"qk_norm": True}],
-    ids=["window", "softcap", "both", "qk_norm"],
+    [
+        {"window": 4},
+        {"attn_softcap": 2.0},
+        {"window": 3, "attn_softcap": 2.0},
+        {"qk_norm": True},
+        GEMMA2,
+        {**GEMMA2, "qk_norm": True, "rope_local_base": 500.0},  # Gemma 3: local tables too
+    ],
+    ids=["window", "softcap", "both", "qk_norm", "gemma2", "gemma3"],
 )
 def test_windows_soft_caps_and_head_norms_run_fused(options: dict[str, object]) -> None:
     lm = _lm(**options)
@@ -225,7 +247,6 @@ def test_a_forward_hook_still_runs() -> None:
     "options",
     [
         {"norm": "layernorm"},
-        {"norm": "rmsnorm_plus_one"},
         {"activation": "gelu"},
         {"position": "learned"},
     ],

@@ -11,15 +11,17 @@ new token.
 
 It serves the stacks it can describe, and everything else runs the model's own forward
 unchanged: a :class:`~attnkit.models.TransformerLM` of pre-norm
-:class:`~attnkit.blocks.TransformerLayer` blocks with RMSNorm, one fused q/k/v projection with
-rotary positions (RMSNorms of the query and key heads before them allowed), grouped-query
-attention (a sliding window and a soft cap of its scores allowed, no other variant), and a
-SwiGLU feed-forward (the Llama, Mistral, Qwen2, Qwen3, Phi-3 and SmolLM families); float32
-activations with float32, int8, int4 or block-quantized weights, or bf16 activations with bf16
-weights (each op's result rounded to bf16 where the model's forward rounds it); the new tokens
-of one sequence appended to an attnkit :class:`~attnkit.KVCache` per layer (no mask, no
-``cache_position``), or one token of each sequence of a serving engine's paged pool; no
-gradients, no forward hooks on the layers or their modules, not under ``torch.compile`` or a
+:class:`~attnkit.blocks.TransformerLayer` blocks with RMSNorms (plain ones, or Gemma's scaling by
+1 + weight, also of the attention's and feed-forward's outputs), one fused q/k/v projection,
+RMSNorms of the query and key heads or none, rotary positions (Gemma 3's local tables on its
+sliding layers), grouped-query attention (a sliding window and a soft cap of its scores allowed,
+no other variant), and a gated feed-forward (SwiGLU, or GeGLU with the tanh GELU): the Llama,
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 and SmolLM families. Float32 activations with
+float32, int8, int4 or block-quantized weights, or bf16 activations with bf16 weights (each op's
+result rounded to bf16 where the model's forward rounds it); the new tokens of one sequence
+appended to an attnkit :class:`~attnkit.KVCache` per layer (no mask, no ``cache_position``), or
+one token of each sequence of a serving engine's paged pool; no gradients, no forward hooks on
+the layers or their modules, not under ``torch.compile`` or a
 dispatch mode (FLOP counters: torch's ops); and only products attnkit's kernels take at this
 many rows: row-major float linears (plain, or prepared by :func:`attnkit.decoding.prepare` with
 the ``"stream"`` layout: where the policy measured MKL faster for one float32 row, a model
@@ -45,7 +47,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit import functional
 from attnkit.attention import MultiHeadAttention
-from attnkit.blocks import FeedForward, TransformerLayer
+from attnkit.blocks import FeedForward, OffsetRMSNorm, TransformerLayer
 from attnkit.cache import AttendingCache, KVCache
 from attnkit.decoding import PreparedLinear, PreparedRMSNorm
 from attnkit.kernels import binding, build, policy
@@ -61,6 +63,8 @@ __all__ = ["MOST_ROWS", "FusedStep", "plan", "plan_of", "run"]
 _FLOAT, _INT8, _INT4, _BLOCK, _BLOCK_ROUNDED = range(5)
 # Results of attnkit_decoder_step.
 _NO_MEMORY, _REDO = 1, 2
+#: The gated activations csrc/step.c computes (its GATE_* codes).
+_GATES = {"swiglu": 0, "geglu_tanh": 1}
 #: The most new tokens a fused step takes (a decoding step, a speculative round's check, a
 #: serving engine's batch), where every product's kernel takes that many rows.
 MOST_ROWS = policy.PROMPT_ROWS
@@ -77,13 +81,14 @@ class FusedStep:
         self,
         layers: Any,
         shape: binding.StepShape,
-        rotary: RotaryEmbedding,
+        rotary: tuple[RotaryEmbedding, RotaryEmbedding],
         kinds: list[nn.Module],
         watch: list[tuple[dict[str, Any], str, int]],
         tree: list[tuple[dict[str, Any], str, nn.Module]],
         hooked: list[nn.Module],
     ) -> None:
-        self.layers, self.shape, self.rotary = layers, shape, rotary
+        self.layers, self.shape = layers, shape
+        self.rotary = rotary  # (the global tables' module, the local ones')
         self.dtype = torch.bfloat16 if shape.bf16 else torch.float32
         self.count = len(layers)
         self.kinds, self.watch, self.tree, self.hooked = kinds, watch, tree, hooked
@@ -191,10 +196,15 @@ def _linear(
 
 
 def _norm(
-    m: nn.Module, dim: int, watch: list[tuple[dict[str, Any], str, int]], dtype: torch.dtype
+    m: nn.Module,
+    dim: int,
+    watch: list[tuple[dict[str, Any], str, int]],
+    dtype: torch.dtype,
+    plus_one: bool,
 ) -> tuple[int, float]:
-    # (exactly these: a subclass may compute otherwise, e.g. Gemma's 1 + weight)
-    if type(m) not in (nn.RMSNorm, PreparedRMSNorm):
+    """A plain RMSNorm's weight pointer and epsilon, or Gemma's (``plus_one``)."""
+    # (exactly these types: a subclass may compute otherwise)
+    if type(m) not in ((OffsetRMSNorm,) if plus_one else (nn.RMSNorm, PreparedRMSNorm)):
         raise _UnsupportedError
     assert isinstance(m, nn.RMSNorm)
     if tuple(m.normalized_shape) != (dim,):
@@ -216,11 +226,13 @@ def plan(lm: nn.Module) -> FusedStep | None:
 def _plan(lm: nn.Module) -> FusedStep:
     blocks = getattr(lm, "blocks", None)
     rotary = getattr(lm, "rotary", None)
+    local = getattr(lm, "rotary_local", None) or rotary  # (Gemma 3's sliding layers')
     if (
         not isinstance(blocks, nn.ModuleList)
         or not len(blocks)
         or not isinstance(rotary, RotaryEmbedding)
-        or getattr(lm, "rotary_local", None) is not None
+        or not isinstance(local, RotaryEmbedding)
+        or local.interleaved != rotary.interleaved
         or getattr(lm, "position", None) is not None
         or not build.kernels_available()
     ):
@@ -233,7 +245,9 @@ def _plan(lm: nn.Module) -> FusedStep:
         raise _UnsupportedError
     watch: list[tuple[dict[str, Any], str, int]] = []
     tree: list[tuple[dict[str, Any], str, nn.Module]] = []
-    hooked: list[nn.Module] = [rotary]  # (hooks on the model itself run either way)
+    hooked: list[nn.Module] = [rotary, local]  # (hooks on the model itself run either way)
+    # Gemma's kind: every RMSNorm scales by 1 + weight; else plain ones
+    plus_one = type(getattr(blocks[0], "norm1", None)) is OffsetRMSNorm
     kinds: list[nn.Module] = []
     layers = (binding.StepLayer * len(blocks))()
     shape: binding.StepShape | None = None
@@ -244,28 +258,29 @@ def _plan(lm: nn.Module) -> FusedStep:
         if (
             type(block) is not TransformerLayer
             or not block.norm_first
-            or block.post_attn_norm is not None
-            or block.post_ffn_norm is not None
             or type(attention) is not MultiHeadAttention
             or type(ff) is not FeedForward
         ):
             raise _UnsupportedError
         if (
             not attention.fused_qkv
-            or attention.rotary is not rotary
+            or attention.rotary not in (rotary, local)
             or attention.variant is not None
             or attention.kernel is not functional.attend
             or attention.embed_dim != dim
             or attention.out_dim != dim
             or not attention.causal
-            or ff.activation_name != "swiglu"
+            or ff.activation_name not in _GATES
         ):
             raise _UnsupportedError
         H, K, E = attention.num_heads, attention.num_kv_heads, attention.head_dim
         hidden = ff.linear2.in_features
         scale = functional.resolve_scale(attention.scale, E)
         bf16 = dtype == torch.bfloat16
-        this = binding.StepShape(dim, H, K, E, hidden, scale, rotary.interleaved, bf16)
+        gate = _GATES[ff.activation_name]
+        this = binding.StepShape(
+            dim, H, K, E, hidden, scale, rotary.interleaved, bf16, plus_one, gate
+        )
         if shape is None:
             shape = this
         elif bytes(shape) != bytes(this):
@@ -292,8 +307,8 @@ def _plan(lm: nn.Module) -> FusedStep:
             assert child is not None
             tree.append((parent._modules, name, child))
         hooked += [block, attention, ff, ff.activation, *modules.values()]
-        norm1, eps1 = _norm(block.norm1, dim, watch, dtype)
-        norm2, eps2 = _norm(block.norm2, dim, watch, dtype)
+        norm1, eps1 = _norm(block.norm1, dim, watch, dtype, plus_one)
+        norm2, eps2 = _norm(block.norm2, dim, watch, dtype, plus_one)
         linears = [
             _linear(modules[name], watch, dtype) for name in ("qkv", "out", "gate_up", "down")
         ]
@@ -307,16 +322,27 @@ def _plan(lm: nn.Module) -> FusedStep:
         if attention.q_norm is not None or attention.k_norm is not None:
             if attention.q_norm is None or attention.k_norm is None:
                 raise _UnsupportedError
-            q_norm, q_eps = _norm(attention.q_norm, E, watch, dtype)
-            k_norm, k_eps = _norm(attention.k_norm, E, watch, dtype)
+            q_norm, q_eps = _norm(attention.q_norm, E, watch, dtype, plus_one)
+            k_norm, k_eps = _norm(attention.k_norm, E, watch, dtype, plus_one)
             for name in ("q_norm", "k_norm"):
                 tree.append((attention._modules, name, attention._modules[name]))  # type: ignore[arg-type]
             hooked += [attention.q_norm, attention.k_norm]
+        posts: list[tuple[int | None, float]] = []
+        for name in ("post_attn_norm", "post_ffn_norm"):
+            module = block._modules.get(name)
+            posts.append(
+                (None, 0.0) if module is None else _norm(module, dim, watch, dtype, plus_one)
+            )
+            if module is not None:
+                tree.append((block._modules, name, module))
+                hooked.append(module)
+        (post1, post_eps1), (post2, post_eps2) = posts
         layers[i] = binding.StepLayer(
-            norm1, norm2, eps1, eps2, window, cap, q_eps, q_norm, k_norm, k_eps, *linears
-        )
+            norm1, norm2, eps1, eps2, window, cap, q_eps, q_norm, k_norm, k_eps,
+            post_eps1, post1, post2, post_eps2, attention.rotary is not rotary, *linears,
+        )  # fmt: skip
     assert shape is not None
-    return FusedStep(layers, shape, rotary, kinds, watch, tree, hooked)
+    return FusedStep(layers, shape, (rotary, local), kinds, watch, tree, hooked)
 
 
 #: Each model's plan, or the key of a model found without one (kept beside the model, not in
@@ -462,7 +488,9 @@ def run(
         return None
     if positions is None:
         positions = torch.arange(cache.length, cache.length + L)
-    cos, sin = step.rotary.step_rows(positions)
+    cos, sin = step.rotary[0].step_rows(positions)
+    local = (cos, sin) if step.rotary[1] is step.rotary[0] else step.rotary[1].step_rows(positions)
+    tables = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in (cos, sin, *local)))
     x = h.reshape(L, -1).clone()
     result = build.library().attnkit_decoder_step(
         step.layers,
@@ -470,8 +498,7 @@ def run(
         ctypes.byref(step.shape),
         x.data_ptr(),
         L,
-        cos.data_ptr(),
-        sin.data_ptr(),
+        tables,
         ctypes.byref(cache),
         torch.get_num_threads(),
     )

@@ -40,7 +40,7 @@ class StepLinear(ctypes.Structure):
 
 class StepLayer(ctypes.Structure):
     """csrc/step.c's ``step_layer``: a layer's norm weights and epsilons, its attention's
-    window, soft cap and query/key norms, and its products."""
+    window, soft cap and query/key norms, its output norms, its rotary tables, its products."""
 
     _fields_ = (
         ("norm1", ctypes.c_void_p),
@@ -53,6 +53,11 @@ class StepLayer(ctypes.Structure):
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
         ("k_eps", ctypes.c_float),
+        ("post_eps1", ctypes.c_float),
+        ("post1", ctypes.c_void_p),
+        ("post2", ctypes.c_void_p),
+        ("post_eps2", ctypes.c_float),
+        ("local", ctypes.c_int64),
         ("qkv", StepLinear),
         ("out", StepLinear),
         ("gate_up", StepLinear),
@@ -78,8 +83,8 @@ class StepCache(ctypes.Structure):
 
 
 class StepShape(ctypes.Structure):
-    """csrc/step.c's ``step_shape``: the stack's sizes, attention scale, rotary layout and
-    whether its activations are bf16."""
+    """csrc/step.c's ``step_shape``: the stack's sizes, attention scale, rotary layout,
+    whether its activations are bf16, its kind of RMSNorm and its gate's activation."""
 
     _fields_ = (
         ("dim", ctypes.c_int64),
@@ -90,6 +95,8 @@ class StepShape(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("interleaved", ctypes.c_int64),
         ("bf16", ctypes.c_int64),
+        ("plus_one", ctypes.c_int64),
+        ("gate", ctypes.c_int64),
     )
 
 
@@ -144,5 +151,5 @@ def declare(lib: ctypes.CDLL) -> None:
     call.restype = flag
     call = lib.attnkit_decoder_step
     call.argtypes = [ctypes.POINTER(StepLayer), int64, ctypes.POINTER(StepShape), pointer, int64]
-    call.argtypes += [pointer, pointer, ctypes.POINTER(StepCache), flag]
+    call.argtypes += [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(StepCache), flag]
     call.restype = flag

@@ -57,9 +57,11 @@ static inline float two_products(float a, float b, float c, float d) {
 }
 
 /* Rows k = 0 .. rows - 1 of x (dim values each, x_stride elements apart) normalised into the
- * contiguous rows of out; weight (dim values, or NULL for none) has the rows' dtype. Returns 0. */
-int attnkit_rms_norm(const void *x, int64_t rows, int64_t dim, int64_t x_stride,
-                     const void *weight, void *out, float eps, int bf16, int threads) {
+ * contiguous rows of out and scaled by weight + offset (weight: dim values of the rows' dtype, or
+ * NULL for none; offset 1: Gemma's scale, 1 + weight, in float32). */
+static void norm_rows(const void *x, int64_t rows, int64_t dim, int64_t x_stride,
+                      const void *weight, float offset, void *out, float eps, int bf16,
+                      int threads) {
   (void)threads; /* (unused where built without OpenMP) */
   const int64_t size = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim >= PARALLEL_MIN)
@@ -76,17 +78,34 @@ int attnkit_rms_norm(const void *x, int64_t rows, int64_t dim, int64_t x_stride,
     for (; j < dim; j++) total += load1(row, j, bf16) * load1(row, j, bf16);
     const float scale = 1.f / sqrtf(total / (float)dim + eps);
     const __m256 by = _mm256_set1_ps(scale);
+    const __m256 shift = _mm256_set1_ps(offset);
     for (j = 0; j + 8 <= dim; j += 8) {
       __m256 v = _mm256_mul_ps(load8(row, j, bf16), by);
-      if (weight) v = _mm256_mul_ps(v, load8(weight, j, bf16));
+      if (weight && offset != 0.f)
+        v = _mm256_mul_ps(v, _mm256_add_ps(load8(weight, j, bf16), shift));
+      else if (weight)
+        v = _mm256_mul_ps(v, load8(weight, j, bf16));
       store8(dst, j, v, bf16);
     }
     for (; j < dim; j++) {
       float v = load1(row, j, bf16) * scale;
-      if (weight) v *= load1(weight, j, bf16);
+      if (weight) v *= offset != 0.f ? load1(weight, j, bf16) + offset : load1(weight, j, bf16);
       store1(dst, j, v, bf16);
     }
   }
+}
+
+/* norm_rows scaled by the weight itself. Returns 0. */
+int attnkit_rms_norm(const void *x, int64_t rows, int64_t dim, int64_t x_stride,
+                     const void *weight, void *out, float eps, int bf16, int threads) {
+  norm_rows(x, rows, dim, x_stride, weight, 0.f, out, eps, bf16, threads);
+  return 0;
+}
+
+/* norm_rows scaled by 1 + weight (Gemma's RMSNorm). Returns 0. */
+int attnkit_rms_norm_plus_one(const void *x, int64_t rows, int64_t dim, int64_t x_stride,
+                              const void *weight, void *out, float eps, int bf16, int threads) {
+  norm_rows(x, rows, dim, x_stride, weight, 1.f, out, eps, bf16, threads);
   return 0;
 }
 

@@ -1,6 +1,9 @@
 /* A decoding step of a whole decoder stack in one call: every layer of a pre-norm stack with
- * RMSNorm, one fused query/key/value projection, rotary positions, grouped-query attention over
- * a key/value cache and a SwiGLU feed-forward, for a few new tokens of one sequence.
+ * RMSNorms (plain, or Gemma's scaling by 1 + weight, with its norms of the attention's and the
+ * feed-forward's outputs), one fused query/key/value projection, optional RMSNorms of the query
+ * and key heads, rotary positions, grouped-query attention over a key/value cache (optionally
+ * windowed and soft-capped) and a gated feed-forward (SwiGLU or tanh-GeGLU), for a few new
+ * tokens.
  *
  * Called from Python, each layer is a dozen small calls (a norm, four products, a rotation,
  * the cache's copies, the attention, the activation, two residual adds), and on a small model
@@ -39,6 +42,8 @@ int attnkit_block_linear_rounded(const float *x, int64_t rows, int64_t n, const 
                                  int64_t group, float *y, int threads, int tile);
 int attnkit_rms_norm(const void *x, int64_t rows, int64_t dim, int64_t x_stride,
                      const void *weight, void *out, float eps, int bf16, int threads);
+int attnkit_rms_norm_plus_one(const void *x, int64_t rows, int64_t dim, int64_t x_stride,
+                              const void *weight, void *out, float eps, int bf16, int threads);
 int attnkit_rotate(const void *x, int64_t count, int64_t heads, int64_t length, int64_t dim,
                    int64_t item_stride, int64_t head_stride, int64_t row_stride,
                    const float *cos, const float *signed_sin, int64_t table_item, void *out,
@@ -73,15 +78,19 @@ typedef struct {
 
 /* One layer: its norms' weights and epsilons, its attention's sliding window (keys within
  * `window` positions of the query, 0: all) and soft cap (0: none), the RMSNorms of its query
- * and key heads before the rotation (weights of head_dim values; NULL: none), and its four
- * products. */
+ * and key heads before the rotation (weights of head_dim values; NULL: none), the norms of the
+ * attention's and the feed-forward's outputs before their residual adds (Gemma's; NULL: none),
+ * whether it rotates by the local tables (Gemma 3's sliding layers), and its four products. */
 typedef struct {
   const void *norm1, *norm2;
   float eps1, eps2;
   int64_t window;
   float cap, q_eps;
   const void *q_norm, *k_norm;
-  float k_eps;
+  float k_eps, post_eps1;
+  const void *post1, *post2;
+  float post_eps2;
+  int64_t local;
   step_linear qkv, out, gate_up, down;
 } step_layer;
 
@@ -102,13 +111,23 @@ typedef struct {
 } step_cache;
 
 /* The stack's sizes: model dim, query and key/value heads, head dim, the feed-forward's hidden
- * size, the attention's scale, whether rotary pairs are adjacent channels, and whether the
- * activations, norms, float weights and caches are bf16 (else float32). */
+ * size, the attention's scale, whether rotary pairs are adjacent channels, whether the
+ * activations, norms, float weights and caches are bf16 (else float32), whether its RMSNorms
+ * scale by 1 + weight (Gemma's), and the gate's activation (GATE_SILU or GATE_GELU_TANH). */
 typedef struct {
   int64_t dim, heads, kv_heads, head_dim, hidden;
   float scale;
-  int64_t interleaved, bf16;
+  int64_t interleaved, bf16, plus_one, gate;
 } step_shape;
+
+enum { GATE_SILU = 0, GATE_GELU_TANH = 1 };
+
+/* RMSNorm of rows x into out with the stack's kind of scale. */
+static void norm(const step_shape *shape, const void *x, int64_t rows, int64_t dim,
+                 int64_t stride, const void *w, void *out, float eps, int threads) {
+  (shape->plus_one ? attnkit_rms_norm_plus_one : attnkit_rms_norm)(x, rows, dim, stride, w, out,
+                                                                   eps, (int)shape->bf16, threads);
+}
 
 /* y = x @ W.T + bias for rows of x: bf16 rows through bf16 weights (bf16 results, as
  * attnkit_bf16_linear rounds them), float32 rows through any kind (float32 results). */
@@ -163,20 +182,33 @@ static void add_into(void *x, const void *y, int64_t n, int bf16) {
   for (; i < n; i++) put1(x, i, load1(x, i, bf16) + load1(y, i, bf16), bf16);
 }
 
-/* a = silu(gate) * up for each row of gu = [gate | up] (hidden values each), silu(g) =
- * g / (1 + exp(-g)); bf16 rounds silu(g) and the product, as torch's two bf16 ops do. */
-static void swiglu(const void *gu, int64_t rows, int64_t hidden, void *a, int bf16) {
-  const __m256 one = _mm256_set1_ps(1.f);
+/* The gate's activation of eight values: silu(g) = g / (1 + exp(-g)), or the tanh form of
+ * GELU, g / 2 (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3) and 1 + tanh(u) =
+ * 2 / (1 + exp(-2u)). */
+static inline __m256 gate8(__m256 g, int gate) {
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  if (gate == GATE_SILU) return _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+  const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                 _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, g));
+  const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.f), u));
+  return _mm256_div_ps(g, _mm256_add_ps(one, e)); /* (g / 2 * 2 / (1 + e)) */
+}
+
+static inline float gate1(float g, int gate) { return _mm256_cvtss_f32(gate8(_mm256_set1_ps(g), gate)); }
+
+/* a = act(gate) * up for each row of gu = [gate | up] (hidden values each), act as `gate` says;
+ * bf16 rounds act(gate) and the product, as torch's two bf16 ops do. */
+static void gated(const void *gu, int64_t rows, int64_t hidden, void *a, int bf16, int gate) {
   const int64_t size = bf16 ? 2 : 4;
   uint16_t rounded[8];
   for (int64_t r = 0; r < rows; r++) {
-    const char *gate = (const char *)gu + r * 2 * hidden * size, *up = gate + hidden * size;
+    const char *gate_in = (const char *)gu + r * 2 * hidden * size;
+    const char *up = gate_in + hidden * size;
     char *dst = (char *)a + r * hidden * size;
     int64_t i = 0;
     for (; i + 8 <= hidden; i += 8) {
-      const __m256 g = load8(gate, i, bf16);
-      const __m256 d = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
-      __m256 silu = _mm256_div_ps(g, d);
+      __m256 silu = gate8(load8(gate_in, i, bf16), gate);
       if (bf16) {
         put8(rounded, 0, silu, 1);
         silu = load8(rounded, 0, 1);
@@ -184,8 +216,7 @@ static void swiglu(const void *gu, int64_t rows, int64_t hidden, void *a, int bf
       put8(dst, i, _mm256_mul_ps(silu, load8(up, i, bf16)), bf16);
     }
     for (; i < hidden; i++) {
-      const float g = load1(gate, i, bf16);
-      float silu = g / (1.f + exp1(-g));
+      float silu = gate1(load1(gate_in, i, bf16), gate);
       if (bf16) silu = bf16_to_float(float_to_bf16(silu));
       put1(dst, i, silu * load1(up, i, bf16), bf16);
     }
@@ -193,12 +224,13 @@ static void swiglu(const void *gu, int64_t rows, int64_t hidden, void *a, int bf
 }
 
 /* Runs `count` layers over the residual stream x (rows, dim), in place: rows new tokens whose
- * rotary rows are cos / signed_sin (rows, head_dim, float32) each, their keys and values stored
- * and attended as `cache` says. x, the caches, the norms' weights and float weights are bf16
+ * rotary rows are tables[0] / tables[1] (cos and signed sin, (rows, head_dim) float32 each;
+ * tables[2] / tables[3] for the layers that rotate by the local ones), their keys and values
+ * stored and attended as `cache` says. x, the caches, the norms' weights and float weights are bf16
  * where shape->bf16 (the products then all bf16 float weights), else float32. Returns 0, or
  * STEP_NO_MEMORY / STEP_REDO (also for a slot outside the storage: nothing is written then). */
 int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_shape *shape,
-                         void *x, int64_t rows, const float *cos, const float *signed_sin,
+                         void *x, int64_t rows, const float *const *tables,
                          const step_cache *cache, int threads) {
   const int64_t D = shape->dim, H = shape->heads, K = shape->kv_heads, E = shape->head_dim;
   const int64_t F = shape->hidden, width = (H + 2 * K) * E;
@@ -229,7 +261,8 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
   for (int64_t i = 0; i < count && !result; i++) {
     const step_layer *l = layers + i;
     char *kc = (char *)cache->storage[2 * i], *vc = (char *)cache->storage[2 * i + 1];
-    attnkit_rms_norm(x, rows, D, D, l->norm1, h, l->eps1, bf16, threads);
+    const float *cos = tables[2 * l->local], *signed_sin = tables[2 * l->local + 1];
+    norm(shape, x, rows, D, D, l->norm1, h, l->eps1, threads);
     if (product(&l->qkv, h, rows, qkv, bf16, threads)) {
       result = STEP_NO_MEMORY;
       break;
@@ -240,14 +273,14 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
     int64_t q_item = width, k_item = width;
     if (l->q_norm) {
       for (int64_t t = 0; t < rows; t++)
-        attnkit_rms_norm(qkv + t * width * size, H, E, E, l->q_norm, qn + t * H * E * size,
-                         l->q_eps, bf16, threads);
+        norm(shape, qkv + t * width * size, H, E, E, l->q_norm, qn + t * H * E * size,
+             l->q_eps, threads);
       qs = qn, q_item = H * E;
     }
     if (l->k_norm) {
       for (int64_t t = 0; t < rows; t++)
-        attnkit_rms_norm(qkv + (t * width + H * E) * size, K, E, E, l->k_norm,
-                         kn + t * K * E * size, l->k_eps, bf16, threads);
+        norm(shape, qkv + (t * width + H * E) * size, K, E, E, l->k_norm, kn + t * K * E * size,
+             l->k_eps, threads);
       ks = kn, k_item = K * E;
     }
     attnkit_rotate(qs, rows, H, 1, E, q_item, E, E, cos, signed_sin, E, q,
@@ -297,18 +330,22 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
       result = STEP_NO_MEMORY;
       break;
     }
-    add_into(x, y, rows * D, bf16);
-    attnkit_rms_norm(x, rows, D, D, l->norm2, h, l->eps2, bf16, threads);
+    if (l->post1) /* (into h: the layer's first norm is used up) */
+      norm(shape, y, rows, D, D, l->post1, h, l->post_eps1, threads);
+    add_into(x, l->post1 ? h : y, rows * D, bf16);
+    norm(shape, x, rows, D, D, l->norm2, h, l->eps2, threads);
     if (product(&l->gate_up, h, rows, gu, bf16, threads)) {
       result = STEP_NO_MEMORY;
       break;
     }
-    swiglu(gu, rows, F, a, bf16);
+    gated(gu, rows, F, a, bf16, (int)shape->gate);
     if (product(&l->down, a, rows, y, bf16, threads)) {
       result = STEP_NO_MEMORY;
       break;
     }
-    add_into(x, y, rows * D, bf16);
+    if (l->post2) /* (into h: the second norm is used up) */
+      norm(shape, y, rows, D, D, l->post2, h, l->post_eps2, threads);
+    add_into(x, l->post2 ? h : y, rows * D, bf16);
   }
   free(work);
   return result;
