@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 
 #: The weights the step multiplies: float32, per-channel int8, grouped int4, GGUF's blocks, and
 #: a bf16 model (bf16 activations, caches and weights).
-WEIGHTS = ["float", "int8", "int4", "q8_0", "q4_0", "q4_1", "q8_0-rounded", "bf16"]
+WEIGHTS = ["float", "int8", "int4", "q8_0", "q4_0", "q4_1", "q8_0-rounded", "bf16", "bf16-int4"]
 
 
 #: Gemma 2's shape: norms scaling by 1 + weight (also of the attention's and feed-forward's
@@ -60,6 +60,8 @@ def _lm(weights: str = "float", seed: int = 0, **options: object) -> Transformer
         quantize(lm, "int4", layout="grouped")
     elif weights == "bf16":
         lm.to(torch.bfloat16)
+    elif weights == "bf16-int4":  # (a bf16 model's quantized copy: its self-draft)
+        quantize(lm.to(torch.bfloat16), "int4", layout="grouped")
     elif weights != "float":
         quantize(lm, "int4" if weights.startswith("q4") else "int8", layout=weights[:4])  # type: ignore[arg-type]
         if weights.endswith("rounded"):
@@ -141,7 +143,7 @@ def test_a_fused_step_equals_the_float64_forward_of_the_whole_sequence() -> None
     assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("weights", ["float", "int4", "q4_1", "bf16"])
+@pytest.mark.parametrize("weights", ["float", "int4", "q4_1", "bf16", "bf16-int4"])
 def test_rows_alone_or_together_give_the_same_bits(weights: str) -> None:
     """A speculative round's check (several new tokens) computes each as a step of its own
     would: the greedy tokens of speculation are plain decoding's."""

@@ -16,17 +16,17 @@ unchanged: a :class:`~attnkit.models.TransformerLM` of pre-norm
 RMSNorms of the query and key heads or none, rotary positions (Gemma 3's local tables on its
 sliding layers), grouped-query attention (a sliding window and a soft cap of its scores allowed,
 no other variant), and a gated feed-forward (SwiGLU, or GeGLU with the tanh GELU): the Llama,
-Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 and SmolLM families. Float32 activations with
-float32, int8, int4 or block-quantized weights, or bf16 activations with bf16 weights (each op's
-result rounded to bf16 where the model's forward rounds it); the new tokens of one sequence
-appended to an attnkit :class:`~attnkit.KVCache` per layer (no mask, no ``cache_position``), or
-one token of each sequence of a serving engine's paged pool; no gradients, no forward hooks on
-the layers or their modules, not under ``torch.compile`` or a
-dispatch mode (FLOP counters: torch's ops); and only products attnkit's kernels take at this
-many rows: row-major float linears (plain, or prepared by :func:`attnkit.decoding.prepare` with
-the ``"stream"`` layout: where the policy measured MKL faster for one float32 row, a model
-prepared for one sequence keeps a column-major layout and runs its blocks), and the quantized
-ones up to the rows the policy gives their kernels.
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 and SmolLM families. Float32 or bf16
+activations (bf16: each op's result rounded where the model's forward rounds it) with weights of
+their dtype or int8, int4 or block-quantized ones; the new tokens of one sequence appended to an
+attnkit :class:`~attnkit.KVCache` per layer (no mask, no ``cache_position``), or one token of
+each sequence of a serving engine's paged pool; no gradients, no forward hooks on the layers or
+their modules, not under ``torch.compile`` or a dispatch mode (FLOP counters: torch's ops); and
+only products attnkit's kernels take at this many rows: row-major float linears (plain, or
+prepared by :func:`attnkit.decoding.prepare` with the ``"stream"`` layout: where the policy
+measured MKL faster for one float32 row, a model prepared for one sequence keeps a column-major
+layout and runs its blocks), and the quantized ones up to the rows the policy gives their
+kernels.
 
 The plan (each layer's weight pointers) is made once per model and checked on every call:
 a parameter that moved or a module that was replaced or hooked makes a new plan (or none). A
@@ -150,7 +150,7 @@ def _linear(
     m: nn.Module, watch: list[tuple[dict[str, Any], str, int]], dtype: torch.dtype
 ) -> binding.StepLinear:
     """``m`` as a ``step_linear`` of a stack whose activations are ``dtype`` (raises
-    :class:`_UnsupportedError` for any other module: bf16 stacks take bf16 float weights only)."""
+    :class:`_UnsupportedError` for any other module); float weights and biases of ``dtype``."""
     b = None
     if m._parameters.get("bias") is not None:
         bias = _tensor(m, "bias", watch)
@@ -163,8 +163,6 @@ def _linear(
         if not _plain(w, dtype) or getattr(m, "layout", "stream") != "stream":
             raise _UnsupportedError
         return binding.StepLinear(_FLOAT, n, out, 0, 0, 0, w.data_ptr(), None, None, b)
-    if dtype != torch.float32:  # (the quantized kernels take float32 activations)
-        raise _UnsupportedError
     if type(m) is Int8Linear and m.kernel == "attnkit":
         codes, scale = _tensor(m, "weight_int8", watch), _tensor(m, "scale", watch)
         if scale.dtype != torch.float32 or not codes.is_contiguous() or codes.shape != (out, n):

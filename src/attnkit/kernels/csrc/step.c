@@ -129,31 +129,55 @@ static void norm(const step_shape *shape, const void *x, int64_t rows, int64_t d
                                                                    eps, (int)shape->bf16, threads);
 }
 
-/* y = x @ W.T + bias for rows of x: bf16 rows through bf16 weights (bf16 results, as
- * attnkit_bf16_linear rounds them), float32 rows through any kind (float32 results). */
-static int product(const step_linear *p, const void *x, int64_t rows, void *y, int bf16,
-                   int threads) {
+/* y = x @ W.T + bias for float32 rows x through a weight of any kind (float32 results). */
+static int float_product(const step_linear *p, const float *x, int64_t rows, float *y,
+                         int threads) {
   int failed = 0;
-  if (bf16)
-    return attnkit_bf16_linear(x, rows, p->n, p->w, (const void *)p->bias, p->out, y, threads);
-  float *yf = y;
   switch (p->kind) {
     case FLOAT: /* (the kernel adds the bias) */
-      return attnkit_float_linear(x, rows, p->n, p->w, p->bias, p->out, yf, threads);
+      return attnkit_float_linear(x, rows, p->n, p->w, p->bias, p->out, y, threads);
     case INT8:
-      failed = attnkit_int8_linear(x, rows, p->n, p->w, p->scales, p->out, yf, threads);
+      failed = attnkit_int8_linear(x, rows, p->n, p->w, p->scales, p->out, y, threads);
       break;
     case INT4:
-      failed = attnkit_int4_linear(x, rows, p->n, p->w, p->scales, p->out, p->group, yf, threads);
+      failed = attnkit_int4_linear(x, rows, p->n, p->w, p->scales, p->out, p->group, y, threads);
       break;
     default:
       failed = (p->kind == BLOCK ? attnkit_block_linear : attnkit_block_linear_rounded)(
-          x, rows, p->n, p->w, p->scales, p->offsets, p->out, (int)p->bits, p->group, yf,
+          x, rows, p->n, p->w, p->scales, p->offsets, p->out, (int)p->bits, p->group, y,
           threads, (int)p->tile);
   }
   if (!failed && p->bias)
     for (int64_t r = 0; r < rows; r++)
-      for (int64_t o = 0; o < p->out; o++) yf[r * p->out + o] += p->bias[o];
+      for (int64_t o = 0; o < p->out; o++) y[r * p->out + o] += p->bias[o];
+  return failed;
+}
+
+/* y = x @ W.T + bias for rows of x: float32 rows as float_product; bf16 rows through bf16
+ * weights as attnkit_bf16_linear (bf16 results), or through a quantized weight as the model's
+ * forward takes them: widened to float32, multiplied, the product rounded to bf16 and the bf16
+ * bias added (the bias has the rows' dtype). */
+static int product(const step_linear *p, const void *x, int64_t rows, void *y, int bf16,
+                   int threads) {
+  if (!bf16) return float_product(p, x, rows, y, threads);
+  if (p->kind == FLOAT)
+    return attnkit_bf16_linear(x, rows, p->n, p->w, (const void *)p->bias, p->out, y, threads);
+  const int64_t n = p->n, out = p->out;
+  float *xf = malloc((size_t)(rows * (n + out) + 1) * sizeof(float)), *yf = xf + rows * n;
+  if (!xf) return 1;
+  const uint16_t *xb = x, *bias = (const uint16_t *)p->bias;
+  uint16_t *yb = y;
+  for (int64_t i = 0; i < rows * n; i++) xf[i] = bf16_to_float(xb[i]);
+  step_linear unbiased = *p;
+  unbiased.bias = NULL;
+  const int failed = float_product(&unbiased, xf, rows, yf, threads);
+  for (int64_t r = 0; r < rows && !failed; r++)
+    for (int64_t o = 0; o < out; o++) {
+      uint16_t v = float_to_bf16(yf[r * out + o]);
+      if (bias) v = float_to_bf16(bf16_to_float(v) + bf16_to_float(bias[o]));
+      yb[r * out + o] = v;
+    }
+  free(xf);
   return failed;
 }
 
