@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -164,12 +165,32 @@ def test_rows_alone_or_together_give_the_same_bits(weights: str) -> None:
         assert torch.equal(a.v[:, :, :10], b.v[:, :, :10])
 
 
-def test_greedy_generation_with_fused_steps_matches_the_models_forward() -> None:
-    lm = _lm("int4")
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_greedy_generation_with_fused_steps_matches_the_models_forward(
+    weights: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lm = _lm(weights)
+    served: list[bool] = []
+    run = fused.run
+
+    def counted(*args: Any) -> Any:
+        out = run(*args)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused, "run", counted)
     prompt = torch.randint(0, VOCAB, (1, 5))
+    calls = []
+    handle = lm.blocks[0].register_forward_pre_hook(lambda m, args: calls.append(1))
+    try:  # (a hooked block: every step runs the blocks)
+        want = lm.generate(prompt, 12)
+    finally:
+        handle.remove()
+    assert len(calls) == 12  # the prompt and 11 steps, through the blocks
+    assert served == [False] * 12  # (declined: a hooked block)
+    served.clear()
     got = lm.generate(prompt, 12)
-    # an all-true attention mask takes every step through the blocks
-    want = lm.generate(prompt, 12, attention_mask=torch.ones(1, 5, dtype=torch.bool))
+    assert served == [True] * 12  # (the prompt and every step)
     assert torch.equal(got, want)
 
 
