@@ -89,7 +89,8 @@ def _steps(lm: TransformerLM, prompt: torch.Tensor, steps: torch.Tensor, *, fuse
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_a_fused_step_gives_the_models_own_logits_and_cache(weights: str) -> None:
     lm = _lm(weights)
-    assert fused.plan(lm) is not None
+    step = fused.plan_of(lm)
+    assert step is not None and step.takes(1)  # (so every one-token step below is fused)
     prompt, steps = torch.randint(0, VOCAB, (1, 7)), torch.randint(0, VOCAB, (1, 4))
     got, caches = _steps(lm, prompt, steps, fuse=True)
     want, want_caches = _steps(lm, prompt, steps, fuse=False)
