@@ -18,9 +18,10 @@ sliding layers), grouped-query attention (a sliding window and a soft cap of its
 no other variant), and a gated feed-forward (SwiGLU, or GeGLU with the tanh GELU): the Llama,
 Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 and SmolLM families. Float32 or bf16
 activations (bf16: each op's result rounded where the model's forward rounds it) with weights of
-their dtype or int8, int4 or block-quantized ones; the new tokens of one sequence appended to an
-attnkit :class:`~attnkit.KVCache` per layer (no mask, no ``cache_position``), or one token of
-each sequence of a serving engine's paged pool; no gradients, no forward hooks on the layers or
+their dtype or int8, int4 or block-quantized ones; the new tokens of one sequence, or one token
+of each sequence of a batch (left padding left out by a bool key mask), appended to an attnkit
+:class:`~attnkit.KVCache` per layer (no ``cache_position``), or one token of each sequence of a
+serving engine's paged pool; no gradients, no forward hooks on the layers or
 their modules, not under ``torch.compile`` or a dispatch mode (FLOP counters: torch's ops); and
 only products attnkit's kernels take at this many rows: row-major float linears (plain, or
 prepared by :func:`attnkit.decoding.prepare` with the ``"stream"`` layout: where the policy
@@ -374,17 +375,22 @@ def _shape_key(lm: nn.Module) -> tuple[int, ...]:
 
 
 def _dense(
-    step: FusedStep, kv_caches: Sequence[KVCache | AttendingCache], L: int
+    step: FusedStep,
+    kv_caches: Sequence[KVCache | AttendingCache],
+    B: int,
+    L: int,
+    mask: Tensor | None,
 ) -> binding.StepCache | None:
-    """An attnkit :class:`~attnkit.KVCache` per layer of one sequence, appended to: every layer
-    filled alike, room for ``L`` more."""
+    """An attnkit :class:`~attnkit.KVCache` per layer, appended to: every layer filled alike,
+    room for ``L`` more; ``B`` sequences (one token each where ``B > 1``); a bool key mask
+    ``(B or 1, 1, 1, length + L)`` or None."""
     first = kv_caches[0]
     if type(first) is not KVCache:
         return None
     length, ck, shape = first.length, first.k, step.shape
     if (
         ck.dtype != step.dtype
-        or ck.shape[0] != 1
+        or ck.shape[0] != B
         or ck.shape[1] != shape.kv_heads
         or ck.shape[3] != shape.head_dim
         or ck.stride(3) != 1
@@ -392,6 +398,14 @@ def _dense(
         or length + L > first.capacity
     ):
         return None
+    padding, padding_row, padding_key = None, 0, 0
+    if mask is not None:
+        if mask.shape[1:3] != (1, 1) or mask.shape[0] not in (1, B):
+            return None
+        if mask.shape[3] != length + L or not mask.is_cpu:
+            return None
+        padding, padding_key = mask.data_ptr(), mask.stride(3)
+        padding_row = mask.stride(0) if mask.shape[0] == B and B > 1 else 0
     storage = (ctypes.c_void_p * (2 * step.count))()
     for i, cache in enumerate(kv_caches):
         if type(cache) is not KVCache or cache.length != length:
@@ -403,8 +417,9 @@ def _dense(
             return None
         storage[2 * i], storage[2 * i + 1] = k.data_ptr(), v.data_ptr()
     return binding.StepCache(
-        storage, ck.stride(1), shape.head_dim, length, first.capacity, None, None, 0, None, None
-    )
+        storage, ck.stride(1), shape.head_dim, length, first.capacity, None, None, 0, None, None,
+        int(B > 1), ck.stride(0), padding, padding_row, padding_key,
+    )  # fmt: skip
 
 
 def _paged(
@@ -459,28 +474,38 @@ def run(
     h: Tensor,
     positions: Tensor | None,
     kv_caches: Sequence[KVCache | AttendingCache],
+    mask: Tensor | None = None,
 ) -> Tensor | None:
-    """The stack's output for the new tokens' embeddings ``h`` ``(1, L, D)`` (before the final
+    """The stack's output for the new tokens' embeddings ``h`` ``(B, L, D)`` (before the final
     norm), their keys and values stored in ``kv_caches``; or None, having changed nothing, where
     the fused step does not serve this call (then the model's forward runs).
 
-    The tokens are one sequence's, appended to an attnkit :class:`~attnkit.KVCache` per layer, or
-    one token each of ``L`` sequences in a serving engine's paged pool (explicit ``positions``).
-    The caller has checked what its forward knows: no mask, no ``cache_position``, no weights
-    asked for, evaluation mode.
+    The tokens are one sequence's (``B = 1``) or one of each sequence (``L = 1``, a batch's
+    step) appended to an attnkit :class:`~attnkit.KVCache` per layer, whose slots a bool key mask
+    ``(B or 1, 1, 1, S)`` may leave out (left padding); or one token each of ``L`` sequences
+    packed in one row of a serving engine's paged pool (explicit ``positions``, no mask). The
+    caller has checked what its forward knows: no ``cache_position``, no weights asked for,
+    evaluation mode.
     """
-    if torch.is_grad_enabled() or h.dim() != 3 or h.shape[0] != 1:
+    if torch.is_grad_enabled() or h.dim() != 3 or not h.is_cpu:
         return None
     if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():  # (torch's ops only)
         return None
-    L = h.shape[1]
-    if not 1 <= L <= MOST_ROWS or not h.is_cpu:
+    B, L = h.shape[:2]
+    rows = B * L
+    if not 1 <= rows <= MOST_ROWS or (B > 1 and L > 1):
+        return None
+    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4):
         return None
     step = plan_of(lm)
-    if step is None or h.dtype != step.dtype or len(kv_caches) != step.count or not step.takes(L):
+    if step is None or h.dtype != step.dtype or len(kv_caches) != step.count:
         return None
-    dense = _dense(step, kv_caches, L)
-    paged = None if dense is not None or positions is None else _paged(step, kv_caches, L)
+    if not step.takes(rows):
+        return None
+    dense = _dense(step, kv_caches, B, L, mask)
+    paged = None
+    if dense is None and B == 1 and mask is None and positions is not None:
+        paged = _paged(step, kv_caches, L)
     cache = dense if dense is not None else None if paged is None else paged[0]
     if cache is None:
         return None
@@ -488,14 +513,17 @@ def run(
         positions = torch.arange(cache.length, cache.length + L)
     cos, sin = step.rotary[0].step_rows(positions)
     local = (cos, sin) if step.rotary[1] is step.rotary[0] else step.rotary[1].step_rows(positions)
-    tables = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in (cos, sin, *local)))
-    x = h.reshape(L, -1).clone()
+    rotations = [cos, sin, *local]  # (held until the call returns)
+    if cos.shape[0] != rows:  # (one position for every sequence of a batch)
+        rotations = [t.expand(rows, -1).contiguous() for t in rotations]
+    tables = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in rotations))
+    x = h.reshape(rows, -1).clone()
     result = build.library().attnkit_decoder_step(
         step.layers,
         step.count,
         ctypes.byref(step.shape),
         x.data_ptr(),
-        L,
+        rows,
         tables,
         ctypes.byref(cache),
         torch.get_num_threads(),
@@ -503,8 +531,8 @@ def run(
     if result == _REDO:
         return None
     if result == _NO_MEMORY:
-        raise MemoryError(f"the fused decoding step could not allocate scratch for {L} tokens")
+        raise MemoryError(f"the fused decoding step could not allocate scratch for {rows} tokens")
     if dense is not None:
         for layer in kv_caches:
             layer.__dict__["length"] = cache.length + L  # (as KVCache.update sets it)
-    return x.view(1, L, -1)
+    return x.view(B, L, -1)

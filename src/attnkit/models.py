@@ -197,11 +197,14 @@ class _TransformerStack(nn.Module):
         if self.training:  # identity in evaluation: no call per decoding step
             h = self.dropout(h)
         elif (
-            kv_caches is not None and mask is None and cache_position is None and not return_weights
+            kv_caches is not None
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4))
+            and cache_position is None
+            and not return_weights
         ):
             # A cached step of a few tokens: every layer in one kernel call, where it serves
-            # this stack (attnkit.fused says which), else the blocks below.
-            out = fused.run(self, h, positions, kv_caches)
+            # this stack and this call (attnkit.fused says which), else the blocks below.
+            out = fused.run(self, h, positions, kv_caches, mask)
             if out is not None:
                 return self.norm(out), []
         weights: list[Tensor] = []

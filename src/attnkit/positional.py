@@ -528,23 +528,24 @@ class RotaryEmbedding(nn.Module):
         return _rotate(x, cos, sin, self.interleaved)
 
     def step_rows(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """The full-width ``(cos, signed sin)`` rows of one sequence's ``positions``, as the
-        rotary kernel reads them (:func:`attnkit.kernels.rows.rotate`): each channel's cosine,
-        and its sine with the sign of its pair's formula. Contiguous float32.
+        """The full-width ``(cos, signed sin)`` rows of a step's ``positions`` (one sequence's
+        tokens, or one token of each sequence), as the rotary kernel reads them
+        (:func:`attnkit.kernels.rows.rotate`): each channel's cosine, and its sine with the sign
+        of its pair's formula. Contiguous float32.
 
         Shape:
-            positions ``(L,)`` or ``(1, L)`` -> ``(L, E)`` each.
+            positions ``(L,)``, ``(1, L)`` or ``(B, 1)`` -> ``(L or B, E)`` each.
 
         Raises:
-            ValueError: For negative positions, or positions of more than one sequence.
+            ValueError: For negative positions, or several tokens of several sequences.
         """
-        if positions.dim() > 2 or (positions.dim() == 2 and positions.shape[0] != 1):
+        if positions.dim() > 2 or (positions.dim() == 2 and 1 not in positions.shape):
             raise ValueError(
-                f"step_rows takes positions (L,) or (1, L), got {tuple(positions.shape)}"
+                f"step_rows takes positions (L,), (1, L) or (B, 1), got {tuple(positions.shape)}"
             )
         cos, sin = self._rows(positions, self.cos.device)
-        L = positions.shape[-1]
-        return cos.reshape(L, -1).contiguous(), sin.reshape(L, -1).contiguous()
+        n = positions.numel()
+        return cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
 
     def _full_tables(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """:meth:`tables` at full width (see :func:`_full_width`), made once per table.

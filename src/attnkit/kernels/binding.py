@@ -79,6 +79,11 @@ class StepCache(ctypes.Structure):
         ("width", ctypes.c_int64),
         ("first", ctypes.c_void_p),
         ("count", ctypes.c_void_p),
+        ("batched", ctypes.c_int64),
+        ("batch", ctypes.c_int64),
+        ("padding", ctypes.c_void_p),
+        ("padding_row", ctypes.c_int64),
+        ("padding_key", ctypes.c_int64),
     )
 
 

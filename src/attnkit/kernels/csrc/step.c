@@ -94,12 +94,17 @@ typedef struct {
   step_linear qkv, out, gate_up, down;
 } step_layer;
 
-/* Where the new tokens' keys and values go and which keys each attends. A dense cache: each
- * layer's storage (kv_heads, capacity, head_dim), the tokens at slots length .. length + rows - 1,
- * each attending the slots up to its own. A paged pool (slots set): each layer's storage
- * (capacity slots, kv_heads, head_dim), token t at slot slots[t], attending the slots
- * keys[t * width + first[t]] .. keys[t * width + first[t] + count[t] - 1] (its block table
- * spelled out, its own slot last). */
+/* Where the new tokens' keys and values go and which keys each attends.
+ *
+ * A dense cache: each layer's storage (batch, kv_heads, capacity, head_dim), sequences `batch`
+ * elements apart. Either the rows are one sequence's tokens at slots length .. length + rows - 1
+ * (batched 0), or each row is one token of its own sequence, all at slot `length` (batched 1).
+ * A token attends the slots up to its own, where padding (NULL: everywhere) holds a nonzero
+ * byte for its sequence (padding_row apart) and the slot (padding_key apart).
+ *
+ * A paged pool (slots set): each layer's storage (capacity slots, kv_heads, head_dim), token t at
+ * slot slots[t], attending the slots keys[t * width + first[t]] .. keys[t * width + first[t] +
+ * count[t] - 1] (its block table spelled out, its own slot last). */
 typedef struct {
   float *const *storage; /* 2 * count: each layer's keys and values */
   int64_t head, row;     /* element strides of a key/value head and of a slot */
@@ -108,6 +113,9 @@ typedef struct {
   const int32_t *keys;
   int64_t width;
   const int64_t *first, *count;
+  int64_t batched, batch;
+  const uint8_t *padding;
+  int64_t padding_row, padding_key;
 } step_cache;
 
 /* The stack's sizes: model dim, query and key/value heads, head dim, the feed-forward's hidden
@@ -258,13 +266,15 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
                          const step_cache *cache, int threads) {
   const int64_t D = shape->dim, H = shape->heads, K = shape->kv_heads, E = shape->head_dim;
   const int64_t F = shape->hidden, width = (H + 2 * K) * E;
-  const int64_t length = cache->length, S = length + rows, head = cache->head, row = cache->row;
+  const int64_t length = cache->length, head = cache->head, row = cache->row;
   const int paged = cache->slots != NULL, bf16 = (int)shape->bf16;
-  const int64_t size = bf16 ? 2 : 4;
-  for (int64_t t = 0; t < rows; t++) {
-    const int64_t slot = paged ? cache->slots[t] : length + t;
-    if (slot < 0 || slot >= cache->capacity) return STEP_REDO;
-  }
+  const int batched = !paged && cache->batched;
+  const int64_t S = length + (batched ? 1 : rows), size = bf16 ? 2 : 4;
+  /* token t's slot and its sequence's storage offset (elements) */
+#define SLOT(t) (paged ? cache->slots[t] : batched ? length : length + (t))
+#define BASE(t) (batched ? (t) * cache->batch : 0)
+  for (int64_t t = 0; t < rows; t++)
+    if (SLOT(t) < 0 || SLOT(t) >= cache->capacity) return STEP_REDO;
   const int64_t big = D > H * E ? D : H * E;
   /* scratch: the normed rows, q/k/v, rotated queries and keys, the attention, a product's
    * rows, gate and up, the activation, a paged pool's windowed key spans, a dense cache's
@@ -312,9 +322,8 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
     attnkit_rotate(ks, rows, K, 1, E, k_item, E, E, cos, signed_sin, E, k,
                    (int)shape->interleaved, bf16, threads);
     for (int64_t t = 0; t < rows; t++) {
-      const int64_t slot = paged ? cache->slots[t] : length + t;
       for (int64_t g = 0; g < K; g++) {
-        const int64_t at = (g * head + slot * row) * size;
+        const int64_t at = (BASE(t) + g * head + SLOT(t) * row) * size;
         memcpy(kc + at, k + (t * K + g) * E * size, (size_t)(E * size));
         memcpy(vc + at, qkv + (t * width + (H + K + g) * E) * size, (size_t)(E * size));
       }
@@ -328,20 +337,26 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
         reach_first[t] = cache->first[t] + n - keep;
         reach_count[t] = keep;
       }
-    else if ((rows > 1 || w > 0) && masked != w) {
-      for (int64_t t = 0; t < rows; t++)
+    else if ((rows > 1 || w > 0 || cache->padding) && masked != w) {
+      for (int64_t t = 0; t < rows; t++) {
+        const int64_t own = SLOT(t);
+        const uint8_t *pad = cache->padding ? cache->padding + t * cache->padding_row : NULL;
         for (int64_t j = 0; j < S; j++)
-          mask[t * S + j] = j <= length + t && (w <= 0 || j > length + t - w);
+          mask[t * S + j] = j <= own && (w <= 0 || j > own - w) &&
+                            (!pad || pad[j * cache->padding_key] != 0);
+      }
       masked = w;
     }
     const int flags =
         paged ? attnkit_paged_one_query_attention(q, rows, K, H / K, E, kc, head, row, vc, head,
-                                                  row, E, cache->keys, cache->width, reach_first, reach_count,
-                                                  cache->capacity, shape->scale, l->cap, att,
+                                                  row, E, cache->keys, cache->width, reach_first,
+                                                  reach_count, cache->capacity, shape->scale, l->cap, att,
                                                   bf16, threads)
-              : attnkit_one_query_attention(q, rows, K, H / K, E, kc, 0, head, row, vc, 0, head,
-                                            row, E, S, rows > 1 || w > 0 ? mask : NULL, S, 1,
-                                            shape->scale, l->cap, att, bf16, threads);
+              : attnkit_one_query_attention(
+                    q, rows, K, H / K, E, kc, batched ? cache->batch : 0, head, row, vc,
+                    batched ? cache->batch : 0, head, row, E, S,
+                    rows > 1 || w > 0 || cache->padding ? mask : NULL, S, 1, shape->scale,
+                    l->cap, att, bf16, threads);
     if (flags & 4) {
       result = STEP_NO_MEMORY;
       break;
@@ -373,4 +388,6 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
   }
   free(work);
   return result;
+#undef SLOT
+#undef BASE
 }
