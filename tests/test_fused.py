@@ -268,6 +268,27 @@ def test_a_changed_weight_makes_a_new_plan() -> None:
     assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_changed_setting_or_added_norm_makes_a_new_plan() -> None:
+    lm = _lm()
+    prompt, steps = torch.randint(0, VOCAB, (1, 9)), torch.randint(0, VOCAB, (1, 3))
+    _steps(lm, prompt, steps, fuse=True)
+    first = fused.plan_of(lm)
+    for block in lm.blocks:
+        block.attention.window = 2  # (set by hand after the plan was made)
+    assert fused.plan_of(lm) is not first
+    got, _ = _steps(lm, prompt, steps, fuse=True)
+    want, _ = _steps(lm, prompt, steps, fuse=False)
+    assert_close(got, want, rtol=1e-4, atol=1e-4)
+    before, _ = _steps(_lm(), prompt, steps, fuse=True)
+    assert not torch.allclose(got, before, atol=1e-3)  # (the window changed the logits)
+    second = fused.plan_of(lm)
+    lm.blocks[0].post_attn_norm = torch.nn.RMSNorm(64)  # (a module where None was)
+    assert fused.plan_of(lm) is not second
+    got, _ = _steps(lm, prompt, steps, fuse=True)
+    want, _ = _steps(lm, prompt, steps, fuse=False)
+    assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_model_that_ran_fused_steps_still_copies_and_pickles(tmp_path: object) -> None:
     lm = _lm()
     _steps(lm, torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 2)), fuse=True)

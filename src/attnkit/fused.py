@@ -74,8 +74,12 @@ MOST_ROWS = policy.PROMPT_ROWS
 class FusedStep:
     """One model's layers as ``attnkit_decoder_step`` reads them, with what keeps them valid.
 
-    ``watch`` lists ``(tensor getter owner, name, data pointer)`` triples and ``tree`` the
-    ``(parent, name, child)`` module links the plan was made from; :meth:`current` checks both.
+    ``watch`` lists ``(parameters or buffers dict, name, data pointer)`` of every tensor the
+    plan points at, ``tree`` the ``(parent's modules dict, name, child or None)`` links it was
+    made from, ``hooked`` the modules whose forward hooks would be skipped, ``settings`` each
+    block's attributes the plan copied (window, soft cap, scale, epsilons, ...), and
+    ``linears`` the products (whose kernels decide how many rows a step may bring):
+    :meth:`current` checks all but the last on every call.
     """
 
     def __init__(
@@ -83,16 +87,18 @@ class FusedStep:
         layers: Any,
         shape: binding.StepShape,
         rotary: tuple[RotaryEmbedding, RotaryEmbedding],
-        kinds: list[nn.Module],
+        linears: list[nn.Module],
         watch: list[tuple[dict[str, Any], str, int]],
-        tree: list[tuple[dict[str, Any], str, nn.Module]],
+        tree: list[tuple[dict[str, Any], str, nn.Module | None]],
         hooked: list[nn.Module],
+        settings: list[tuple[nn.Module, tuple[Any, ...]]],
     ) -> None:
         self.layers, self.shape = layers, shape
         self.rotary = rotary  # (the global tables' module, the local ones')
         self.dtype = torch.bfloat16 if shape.bf16 else torch.float32
         self.count = len(layers)
-        self.kinds, self.watch, self.tree, self.hooked = kinds, watch, tree, hooked
+        self.linears, self.watch, self.tree, self.hooked = linears, watch, tree, hooked
+        self.settings = settings
         self.rows_ok: dict[int, bool] = {}
 
     def current(self) -> bool:
@@ -104,6 +110,9 @@ class FusedStep:
             t = tensors.get(name)
             if t is None or t.data_ptr() != pointer:
                 return False
+        for block, saved in self.settings:
+            if _settings(block) != saved:
+                return False
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return False
         return not any(m._forward_hooks or m._forward_pre_hooks for m in self.hooked)
@@ -112,7 +121,7 @@ class FusedStep:
         """Whether every product of the plan runs attnkit's kernel at ``rows`` rows."""
         ok = self.rows_ok.get(rows)
         if ok is None:
-            ok = rows <= MOST_ROWS and all(_kernel_rows(m, rows, self.dtype) for m in self.kinds)
+            ok = rows <= MOST_ROWS and all(_kernel_rows(m, rows, self.dtype) for m in self.linears)
             self.rows_ok[rows] = ok
         return ok
 
@@ -243,11 +252,12 @@ def _plan(lm: nn.Module) -> FusedStep:
     if dtype not in (torch.float32, torch.bfloat16):
         raise _UnsupportedError
     watch: list[tuple[dict[str, Any], str, int]] = []
-    tree: list[tuple[dict[str, Any], str, nn.Module]] = []
+    tree: list[tuple[dict[str, Any], str, nn.Module | None]] = []
+    settings: list[tuple[nn.Module, tuple[Any, ...]]] = []
     hooked: list[nn.Module] = [rotary, local]  # (hooks on the model itself run either way)
     # Gemma's kind: every RMSNorm scales by 1 + weight; else plain ones
     plus_one = type(getattr(blocks[0], "norm1", None)) is OffsetRMSNorm
-    kinds: list[nn.Module] = []
+    products: list[nn.Module] = []
     layers = (binding.StepLayer * len(blocks))()
     shape: binding.StepShape | None = None
     for i, block in enumerate(blocks):
@@ -314,17 +324,17 @@ def _plan(lm: nn.Module) -> FusedStep:
         sizes = [(p.n, p.out) for p in linears]
         if sizes != [(dim, (H + 2 * K) * E), (H * E, dim), (dim, 2 * hidden), (hidden, dim)]:
             raise _UnsupportedError
-        kinds += [modules[name] for name in ("qkv", "out", "gate_up", "down")]
+        products += [modules[name] for name in ("qkv", "out", "gate_up", "down")]
         window = 0 if attention.window is None else int(attention.window)
         cap = 0.0 if attention.softcap is None else float(attention.softcap)
         q_norm, q_eps, k_norm, k_eps = None, 0.0, None, 0.0
+        for name in ("q_norm", "k_norm"):  # (a norm set later is noticed too)
+            tree.append((attention._modules, name, attention._modules.get(name)))
         if attention.q_norm is not None or attention.k_norm is not None:
             if attention.q_norm is None or attention.k_norm is None:
                 raise _UnsupportedError
             q_norm, q_eps = _norm(attention.q_norm, E, watch, dtype, plus_one)
             k_norm, k_eps = _norm(attention.k_norm, E, watch, dtype, plus_one)
-            for name in ("q_norm", "k_norm"):
-                tree.append((attention._modules, name, attention._modules[name]))  # type: ignore[arg-type]
             hooked += [attention.q_norm, attention.k_norm]
         posts: list[tuple[int | None, float]] = []
         for name in ("post_attn_norm", "post_ffn_norm"):
@@ -332,16 +342,36 @@ def _plan(lm: nn.Module) -> FusedStep:
             posts.append(
                 (None, 0.0) if module is None else _norm(module, dim, watch, dtype, plus_one)
             )
+            tree.append((block._modules, name, module))
             if module is not None:
-                tree.append((block._modules, name, module))
                 hooked.append(module)
         (post1, post_eps1), (post2, post_eps2) = posts
         layers[i] = binding.StepLayer(
             norm1, norm2, eps1, eps2, window, cap, q_eps, q_norm, k_norm, k_eps,
             post_eps1, post1, post2, post_eps2, attention.rotary is not rotary, *linears,
         )  # fmt: skip
+        settings.append((block, _settings(block)))
     assert shape is not None
-    return FusedStep(layers, shape, (rotary, local), kinds, watch, tree, hooked)
+    return FusedStep(layers, shape, (rotary, local), products, watch, tree, hooked, settings)
+
+
+def _settings(block: Any) -> tuple[Any, ...]:
+    """The plain attributes of ``block`` and its modules that a plan copies."""
+    attention, ff = block.attention, block.feed_forward
+    norms = (block.norm1, block.norm2, attention.q_norm, attention.k_norm)
+    return (
+        block.norm_first,
+        attention.window,
+        attention.softcap,
+        attention.scale,
+        attention.kernel,
+        attention.variant,
+        attention.causal,
+        attention.fused_qkv,
+        ff.activation_name,
+        *(None if n is None else n.eps for n in norms),
+        *(getattr(block, name) is None for name in ("post_attn_norm", "post_ffn_norm")),
+    )
 
 
 #: Each model's plan, or the key of a model found without one (kept beside the model, not in
