@@ -91,7 +91,7 @@ class FusedStep:
         watch: list[tuple[dict[str, Any], str, int]],
         tree: list[tuple[dict[str, Any], str, nn.Module | None]],
         hooked: list[nn.Module],
-        settings: list[tuple[nn.Module, tuple[Any, ...]]],
+        settings: list[tuple[tuple[Any, ...], tuple[Any, ...]]],
     ) -> None:
         self.layers, self.shape = layers, shape
         self.rotary = rotary  # (the global tables' module, the local ones')
@@ -100,22 +100,27 @@ class FusedStep:
         self.linears, self.watch, self.tree, self.hooked = linears, watch, tree, hooked
         self.settings = settings
         self.rows_ok: dict[int, bool] = {}
+        # (flat lists, compared whole in :meth:`current`: a step checks them all)
+        self._children = [child for _, _, child in tree]
+        self._pointers = [pointer for _, _, pointer in watch]
+        self._hooks = [d for m in hooked for d in (m._forward_hooks, m._forward_pre_hooks)]
 
     def current(self) -> bool:
         """Whether the model still holds the modules and tensors the plan points at, unhooked."""
-        for parent, name, child in self.tree:
-            if parent.get(name) is not child:
-                return False
-        for tensors, name, pointer in self.watch:
-            t = tensors.get(name)
-            if t is None or t.data_ptr() != pointer:
-                return False
-        for block, saved in self.settings:
-            if _settings(block) != saved:
-                return False
+        # (modules compare by identity; a tensor replaced by None fails on data_ptr)
+        if [parent.get(name) for parent, name, _ in self.tree] != self._children:
+            return False
+        try:
+            pointers = [tensors[name].data_ptr() for tensors, name, _ in self.watch]
+        except (KeyError, AttributeError):
+            return False
+        if pointers != self._pointers:
+            return False
+        if any(_settings(*modules) != saved for modules, saved in self.settings):
+            return False
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return False
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.hooked)
+        return not any(self._hooks)  # (each module's hook dicts, filled in place)
 
     def takes(self, rows: int) -> bool:
         """Whether every product of the plan runs attnkit's kernel at ``rows`` rows."""
@@ -253,7 +258,7 @@ def _plan(lm: nn.Module) -> FusedStep:
         raise _UnsupportedError
     watch: list[tuple[dict[str, Any], str, int]] = []
     tree: list[tuple[dict[str, Any], str, nn.Module | None]] = []
-    settings: list[tuple[nn.Module, tuple[Any, ...]]] = []
+    settings: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
     hooked: list[nn.Module] = [rotary, local]  # (hooks on the model itself run either way)
     # Gemma's kind: every RMSNorm scales by 1 + weight; else plain ones
     plus_one = type(getattr(blocks[0], "norm1", None)) is OffsetRMSNorm
@@ -350,15 +355,20 @@ def _plan(lm: nn.Module) -> FusedStep:
             norm1, norm2, eps1, eps2, window, cap, q_eps, q_norm, k_norm, k_eps,
             post_eps1, post1, post2, post_eps2, attention.rotary is not rotary, *linears,
         )  # fmt: skip
-        settings.append((block, _settings(block)))
+        held = (
+            block,
+            attention,
+            ff,
+            (block.norm1, block.norm2, attention.q_norm, attention.k_norm),
+        )
+        settings.append((held, _settings(*held)))
     assert shape is not None
     return FusedStep(layers, shape, (rotary, local), products, watch, tree, hooked, settings)
 
 
-def _settings(block: Any) -> tuple[Any, ...]:
-    """The plain attributes of ``block`` and its modules that a plan copies."""
-    attention, ff = block.attention, block.feed_forward
-    norms = (block.norm1, block.norm2, attention.q_norm, attention.k_norm)
+def _settings(block: Any, attention: Any, ff: Any, norms: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The plain attributes of a block and its modules that a plan copies (read from the
+    modules themselves: the plan's module links are checked apart)."""
     return (
         block.norm_first,
         attention.window,
@@ -370,7 +380,6 @@ def _settings(block: Any) -> tuple[Any, ...]:
         attention.fused_qkv,
         ff.activation_name,
         *(None if n is None else n.eps for n in norms),
-        *(getattr(block, name) is None for name in ("post_attn_norm", "post_ffn_norm")),
     )
 
 
