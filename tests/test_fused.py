@@ -72,6 +72,21 @@ def _lm(weights: str = "float", seed: int = 0, **options: object) -> Transformer
     return decoding.prepare(lm, batch=2)
 
 
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each call of :func:`attnkit.fused.run` from here on served its step."""
+    calls: list[bool] = []
+    run = fused.run
+
+    def counted(*args: Any) -> Any:
+        out = run(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused, "run", counted)
+    return calls
+
+
 def _steps(lm: TransformerLM, prompt: torch.Tensor, steps: torch.Tensor, *, fuse: bool) -> tuple:
     """Logits of ``steps`` fed one token at a time after ``prompt``, and the caches; the model's
     own forward where not ``fuse`` (a hooked block runs every layer's modules)."""
@@ -173,18 +188,9 @@ def test_rows_alone_or_together_give_the_same_bits(weights: str) -> None:
 
 @pytest.mark.parametrize("weights", ["float", "int4"])
 def test_greedy_generation_with_fused_steps_matches_the_models_forward(
-    weights: str, monkeypatch: pytest.MonkeyPatch
+    weights: str, served: list[bool]
 ) -> None:
     lm = _lm(weights)
-    served: list[bool] = []
-    run = fused.run
-
-    def counted(*args: Any) -> Any:
-        out = run(*args)
-        served.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fused, "run", counted)
     prompt = torch.randint(0, VOCAB, (1, 5))
     calls = []
     handle = lm.blocks[0].register_forward_pre_hook(lambda m, args: calls.append(1))
@@ -201,20 +207,11 @@ def test_greedy_generation_with_fused_steps_matches_the_models_forward(
 
 
 @pytest.mark.parametrize("weights", ["float", "int4", "window"])
-def test_a_left_padded_batch_decodes_fused(weights: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_left_padded_batch_decodes_fused(weights: str, served: list[bool]) -> None:
     """Three sequences of a left-padded batch: one token of each a step, the padding left out by
     the key mask; the same tokens as the blocks' batch decoding, and as each prompt alone."""
     lm = _lm("float", window=4) if weights == "window" else _lm(weights)
     ids, mask = padded_batch()
-    served: list[bool] = []
-    run = fused.run
-
-    def counted(*args: Any) -> Any:
-        out = run(*args)
-        served.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fused, "run", counted)
     hook = lm.blocks[0].register_forward_pre_hook(lambda m, args: None)
     try:
         want = lm.generate(ids, 8, attention_mask=mask, pad_token_id=0, eos_token_id=[])
