@@ -1,6 +1,7 @@
 /* Row-wise steps of a forward pass that torch runs as several passes through fresh tensors.
  *
- * attnkit_rms_norm: RMSNorm, y = x / sqrt(mean(x^2) + eps) * w, in float32 for bf16 rows too.
+ * attnkit_rms_norm: RMSNorm, y = x / sqrt(mean(x^2) + eps) * w, in float32 for bf16 rows too;
+ * attnkit_rms_norm_plus_one: the same scaled by 1 + w (Gemma's).
  * torch's CPU rms_norm is a composite of about ten kernels (a float32 copy of a bf16 input, its
  * square, the mean, the scale, the weight, the cast back); here a row is read twice (its sum of
  * squares, then the scaled product, from L1) and written once.

@@ -219,7 +219,8 @@ static void add_into(void *x, const void *y, int64_t n, int bf16) {
  * 2 / (1 + exp(-2u)). */
 static inline __m256 gate8(__m256 g, int gate) {
   const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-  if (gate == GATE_SILU) return _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+  if (gate == GATE_SILU)
+    return _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
   const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
   const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
                                  _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, g));
@@ -227,7 +228,9 @@ static inline __m256 gate8(__m256 g, int gate) {
   return _mm256_div_ps(g, _mm256_add_ps(one, e)); /* (g / 2 * 2 / (1 + e)) */
 }
 
-static inline float gate1(float g, int gate) { return _mm256_cvtss_f32(gate8(_mm256_set1_ps(g), gate)); }
+static inline float gate1(float g, int gate) {
+  return _mm256_cvtss_f32(gate8(_mm256_set1_ps(g), gate));
+}
 
 /* a = act(gate) * up for each row of gu = [gate | up] (hidden values each), act as `gate` says;
  * bf16 rounds act(gate) and the product, as torch's two bf16 ops do. */
@@ -240,17 +243,17 @@ static void gated(const void *gu, int64_t rows, int64_t hidden, void *a, int bf1
     char *dst = (char *)a + r * hidden * size;
     int64_t i = 0;
     for (; i + 8 <= hidden; i += 8) {
-      __m256 silu = gate8(load8(gate_in, i, bf16), gate);
+      __m256 act = gate8(load8(gate_in, i, bf16), gate);
       if (bf16) {
-        put8(rounded, 0, silu, 1);
-        silu = load8(rounded, 0, 1);
+        put8(rounded, 0, act, 1);
+        act = load8(rounded, 0, 1);
       }
-      put8(dst, i, _mm256_mul_ps(silu, load8(up, i, bf16)), bf16);
+      put8(dst, i, _mm256_mul_ps(act, load8(up, i, bf16)), bf16);
     }
     for (; i < hidden; i++) {
-      float silu = gate1(load1(gate_in, i, bf16), gate);
-      if (bf16) silu = bf16_to_float(float_to_bf16(silu));
-      put1(dst, i, silu * load1(up, i, bf16), bf16);
+      float act = gate1(load1(gate_in, i, bf16), gate);
+      if (bf16) act = bf16_to_float(float_to_bf16(act));
+      put1(dst, i, act * load1(up, i, bf16), bf16);
     }
   }
 }
@@ -258,9 +261,9 @@ static void gated(const void *gu, int64_t rows, int64_t hidden, void *a, int bf1
 /* Runs `count` layers over the residual stream x (rows, dim), in place: rows new tokens whose
  * rotary rows are tables[0] / tables[1] (cos and signed sin, (rows, head_dim) float32 each;
  * tables[2] / tables[3] for the layers that rotate by the local ones), their keys and values
- * stored and attended as `cache` says. x, the caches, the norms' weights and float weights are bf16
- * where shape->bf16 (the products then all bf16 float weights), else float32. Returns 0, or
- * STEP_NO_MEMORY / STEP_REDO (also for a slot outside the storage: nothing is written then). */
+ * stored and attended as `cache` says. x, the caches, the norms' weights and float weights are
+ * bf16 where shape->bf16, else float32. Returns 0, or STEP_NO_MEMORY / STEP_REDO (also for a
+ * slot outside the storage: nothing is written then). */
 int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_shape *shape,
                          void *x, int64_t rows, const float *const *tables,
                          const step_cache *cache, int threads) {
@@ -348,10 +351,10 @@ int attnkit_decoder_step(const step_layer *layers, int64_t count, const step_sha
       masked = w;
     }
     const int flags =
-        paged ? attnkit_paged_one_query_attention(q, rows, K, H / K, E, kc, head, row, vc, head,
-                                                  row, E, cache->keys, cache->width, reach_first,
-                                                  reach_count, cache->capacity, shape->scale, l->cap, att,
-                                                  bf16, threads)
+        paged ? attnkit_paged_one_query_attention(
+                    q, rows, K, H / K, E, kc, head, row, vc, head, row, E, cache->keys,
+                    cache->width, reach_first, reach_count, cache->capacity, shape->scale, l->cap,
+                    att, bf16, threads)
               : attnkit_one_query_attention(
                     q, rows, K, H / K, E, kc, batched ? cache->batch : 0, head, row, vc,
                     batched ? cache->batch : 0, head, row, E, S,
