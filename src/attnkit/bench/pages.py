@@ -393,9 +393,37 @@ def _flex_tables(report: dict[str, Any], source: str) -> list[Table]:
                          context)  # fmt: skip
 
 
+def _fused_tables(report: dict[str, Any], source: str) -> list[Table]:
+    """``python -m attnkit.bench.fused``: the one-call decoding step against the blocks."""
+    cells = [
+        [
+            r["kind"],
+            f"{r['fused_ms']:.2f} ms",
+            f"{r['blocks_ms']:.2f} ms",
+            _x(r["speedup"]),
+            "yes" if r["identical"] else "NO",
+        ]
+        for r in report["rows"]
+    ]
+    shape = report.get("shape", {})
+    context = (
+        f"`python -m attnkit.bench.fused`: the {report['model']} Llama shape "
+        f"({shape.get('layers')} layers, D{shape.get('dim')}, random weights), a prompt of "
+        f"{report['prompt']} tokens, {report['new_tokens']} greedy new tokens; milliseconds per "
+        "decoded token (a generation's time less its first token's), each weight kind with its "
+        "every layer in one call and, in the same rounds, through its blocks (a no-op forward "
+        f"hook on the first block); {report['repeats']} interleaved rounds, medians."
+    )
+    return _report_table(report, source, "fused", "decoding",
+                         "A decoding step in one call, against the same model's blocks",
+                         ["weights", "fused", "blocks", "x", "same tokens"], cells,
+                         context)  # fmt: skip
+
+
 _ADAPTERS: dict[str, Callable[[dict[str, Any], str], list[Table]]] = {
     "attention.json": _attention_tables,
     "flex.json": _flex_tables,
+    "fused.json": _fused_tables,
     "quantization.json": _quantization_tables,
     "quantization-layouts.json": _layout_tables,
     "speculative.json": _speculative_tables,
