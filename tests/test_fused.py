@@ -308,6 +308,20 @@ def test_a_flop_counter_counts_every_layers_products() -> None:
     assert counter.get_total_flops() >= 2 * block_weights * 8  # (8 tokens through the blocks)
 
 
+def test_a_hook_declines_steps_but_keeps_the_plan() -> None:
+    """A hooked model's steps run the blocks without the plan being made again each step."""
+    lm = _lm()
+    first = fused.plan_of(lm)
+    handle = lm.blocks[1].register_forward_hook(lambda m, i, o: None)
+    try:
+        assert fused.plan_of(lm) is None
+        _steps(lm, torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 2)), fuse=True)
+        assert fused.plan_of(lm) is None
+    finally:
+        handle.remove()
+    assert fused.plan_of(lm) is first
+
+
 def test_a_forward_hook_still_runs() -> None:
     lm = _lm()
     seen: list[tuple[int, ...]] = []

@@ -76,10 +76,10 @@ class FusedStep:
 
     ``watch`` lists ``(parameters or buffers dict, name, data pointer)`` of every tensor the
     plan points at, ``tree`` the ``(parent's modules dict, name, child or None)`` links it was
-    made from, ``hooked`` the modules whose forward hooks would be skipped, ``settings`` each
-    block's attributes the plan copied (window, soft cap, scale, epsilons, ...), and
-    ``linears`` the products (whose kernels decide how many rows a step may bring):
-    :meth:`current` checks all but the last on every call.
+    made from, ``hook_modules`` the modules whose forward hooks would be skipped, ``settings``
+    each block's attributes the plan copied (window, soft cap, scale, epsilons, ...), and
+    ``linears`` the products (whose kernels decide how many rows a step may bring). On every
+    call :meth:`current` checks the tensors, links and settings, :meth:`hooked` the hooks.
     """
 
     def __init__(
@@ -97,7 +97,7 @@ class FusedStep:
         self.rotary = rotary  # (the global tables' module, the local ones')
         self.dtype = torch.bfloat16 if shape.bf16 else torch.float32
         self.count = len(layers)
-        self.linears, self.watch, self.tree, self.hooked = linears, watch, tree, hooked
+        self.linears, self.watch, self.tree, self.hook_modules = linears, watch, tree, hooked
         self.settings = settings
         self.rows_ok: dict[int, bool] = {}
         # (flat lists, compared whole in :meth:`current`: a step checks them all)
@@ -106,7 +106,8 @@ class FusedStep:
         self._hooks = [d for m in hooked for d in (m._forward_hooks, m._forward_pre_hooks)]
 
     def current(self) -> bool:
-        """Whether the model still holds the modules and tensors the plan points at, unhooked."""
+        """Whether the model still holds the modules, tensors and settings the plan copied
+        (hooks aside: :meth:`hooked`)."""
         # (modules compare by identity; a tensor replaced by None fails on data_ptr)
         if [parent.get(name) for parent, name, _ in self.tree] != self._children:
             return False
@@ -116,11 +117,13 @@ class FusedStep:
             return False
         if pointers != self._pointers:
             return False
-        if any(_settings(*modules) != saved for modules, saved in self.settings):
-            return False
+        return all(_settings(*modules) == saved for modules, saved in self.settings)
+
+    def hooked(self) -> bool:
+        """Whether a forward hook would be skipped: one on the layers' modules, or a global one."""
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-            return False
-        return not any(self._hooks)  # (each module's hook dicts, filled in place)
+            return True
+        return any(self._hooks)  # (each module's hook dicts, filled in place)
 
     def takes(self, rows: int) -> bool:
         """Whether every product of the plan runs attnkit's kernel at ``rows`` rows."""
@@ -394,7 +397,7 @@ def plan_of(lm: nn.Module) -> FusedStep | None:
     """``lm``'s current plan, made again where the one kept is stale."""
     kept = _PLANS.get(lm)
     if isinstance(kept, FusedStep) and kept.current():
-        return kept
+        return None if kept.hooked() else kept  # (a hook declines the step, not the plan)
     # (a model without a plan is asked again only after its first block's modules change:
     # preparing or quantizing it swaps them)
     key = _shape_key(lm)
@@ -402,7 +405,7 @@ def plan_of(lm: nn.Module) -> FusedStep | None:
         return None
     made = plan(lm)
     _PLANS[lm] = made if made is not None else key
-    return made if made is not None and made.current() else None  # (hooks: checked each call)
+    return None if made is None or made.hooked() else made
 
 
 def _shape_key(lm: nn.Module) -> tuple[int, ...]:
@@ -467,11 +470,14 @@ def _paged(
     """A serving engine's paged pool (an attending cache with a ``fused_step`` method) whose
     batch brings one token of each of ``L`` sequences; with the layout's tensors (kept alive
     for the call)."""
-    describe = getattr(kv_caches[0], "fused_step", None)
-    layout = describe() if callable(describe) else None
-    if layout is None:
-        return None
-    k_pool, _, slots, keys, first, count = layout
+    layers = []
+    for cache in kv_caches:
+        describe = getattr(cache, "fused_step", None)
+        layer = describe() if callable(describe) else None
+        if layer is None:
+            return None
+        layers.append(layer)
+    k_pool, _, slots, keys, first, count = layers[0]  # (the batch's layout: every layer's)
     shape = step.shape
     pool = (k_pool.shape[0], shape.kv_heads, shape.head_dim)
     if (
@@ -484,11 +490,7 @@ def _paged(
     ):
         return None
     storage = (ctypes.c_void_p * (2 * step.count))()
-    for i, cache in enumerate(kv_caches):
-        describe = getattr(cache, "fused_step", None)
-        layer = describe() if callable(describe) else None
-        if layer is None:
-            return None
+    for i, layer in enumerate(layers):
         for j, t in enumerate(layer[:2]):
             if t.shape != pool or t.dtype != step.dtype or not t.is_contiguous() or not t.is_cpu:
                 return None
