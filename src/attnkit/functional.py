@@ -169,7 +169,7 @@ def attend(
         if out is not None:
             return out, None
     rules, mask, batched = _checked(structure, q, k, mask)
-    plan = policy.attention_plan(
+    asked = policy.AttentionCall(
         **_call_fields(q, k, v, rules),
         batched=batched,
         masked=mask is not None,
@@ -177,6 +177,7 @@ def attend(
         dropout=dropout_p > 0.0,
         softcap=softcap is not None,
     )
+    plan = policy.attention_plan(asked)
     tiles = None
     if plan.path in ("flash", "tiles"):
         tiles = sparse.tile_plan(L, S, rules, math.prod(q.shape[:-3]), q.device, plan.rows)

@@ -140,29 +140,10 @@ CAPPED_MAX_ROWS = 128
 CAPPED_MIN_ROWS = 16
 
 
-def attention_plan(
-    *,
-    dtype: torch.dtype,
-    device: str,
-    L: int,
-    S: int,
-    causal: bool = False,
-    window: int | None = None,
-    batched: bool = False,
-    masked: bool = False,
-    weights: bool = False,
-    dropout: bool = False,
-    softcap: bool = False,
-    grads: bool = False,
-    eager: bool = False,
-    ready: bool = False,
-) -> AttentionPlan:
-    """Every choice for a checked attention call with more than one query, in one answer (the
-    arguments are the fields of :class:`AttentionCall`)."""
-    call = AttentionCall(
-        dtype, device, L, S, causal, window, batched, masked, weights, dropout, softcap, grads,
-        eager, eager and ready, is_in_torch_dispatch_mode(),
-    )  # fmt: skip
+def attention_plan(call: AttentionCall) -> AttentionPlan:
+    """Every choice for a checked attention call with more than one query, in one answer
+    (``call.dispatch_mode`` is read here, from torch)."""
+    call = dataclasses.replace(call, dispatch_mode=is_in_torch_dispatch_mode())
     path = attention_path(call)
     tiled = path in ("flash", "tiles")  # (only these ask the measured choices)
     return AttentionPlan(
@@ -170,7 +151,7 @@ def attention_plan(
         path,
         capped_kernel(call) if path == "capped" else "chunks",
         tile_kernels(call) if tiled else TileKernels(False),
-        tile_rows(L, window, dtype) if path == "tiles" else None,
+        tile_rows(call.L, call.window, call.dtype) if path == "tiles" else None,
     )
 
 
