@@ -1,6 +1,9 @@
 """The Llama-shaped models of the decoding benchmarks, by name.
 
 Random weights: speed does not depend on their values. ``llama-tiny`` is for smoke runs.
+A benchmark of one of them takes its command line from :func:`model_parser`, its model and
+prompt from :func:`random_lm` and :func:`random_prompt` (seeded, so every run decodes the same
+tokens) and the head of its report from :func:`model_report`.
 """
 
 from __future__ import annotations
