@@ -18,6 +18,7 @@ from attnkit.bench.decoding import (
     read_bandwidth,
     vs_rows,
 )
+from attnkit.bench.decoding.models import model_parser, model_report, random_lm, random_prompt
 from attnkit.bench.decoding.rows import _ReadBandwidth, _targets, _weight_bytes
 from attnkit.bench.peers import to_transformers
 from attnkit.config import TransformerConfig
@@ -192,3 +193,22 @@ def test_decode_rows_give_each_variant_its_share_of_the_bound(
     )
     with pytest.raises(ValueError, match="eager or compile"):
         decode_rows(("tiny",), models=TINY, eager=False, compile=False)
+
+
+def test_a_benchmark_model_its_prompt_and_report_are_the_same_every_time() -> None:
+    a, b = random_lm("llama-tiny"), random_lm("llama-tiny")
+    b_weights = b.state_dict()
+    assert all(torch.equal(w, b_weights[k]) for k, w in a.state_dict().items())
+    prompt = random_prompt(a, 7)
+    assert prompt.shape == (1, 7) and torch.equal(prompt, random_prompt(b, 7))
+    assert int(prompt.max()) < (a.config.vocab_size or 1)
+    report = model_report("k", "llama-tiny", prompt=7, new=3, repeats=2, rows=[], extra=1)
+    assert list(report) == [
+        *("kind", "model", "shape", "prompt", "new_tokens", "repeats", "extra", "rows")
+    ]
+    assert report["shape"] == {"layers": 2, "dim": 64, "vocab": 256}
+
+
+def test_a_benchmark_of_one_model_takes_its_options() -> None:
+    args = model_parser("m", "First line.\nMore.", new=9).parse_args(["--model", "llama-tiny"])
+    assert (args.model, args.new, args.repeats, args.out) == ("llama-tiny", 9, 3, None)

@@ -125,6 +125,15 @@ def test_reports_name_their_machine(tmp_path: Path) -> None:
     assert written["machine"]["torch"] == machine()["torch"]
 
 
+def test_reports_print_a_line_per_row_before_their_notes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = {"rows": [{"x": 1}, {"x": 2}], "notes": ["n"]}
+    write_report(report, tmp_path / "r.json", "r.json", lambda r: f"x = {r['x']}")
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["x = 1", "x = 2", "note: n", f"wrote {tmp_path / 'r.json'}"]
+
+
 def test_committed_pages_are_what_the_committed_json_gives(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
     assert pages.main(["--check"]) == 0

@@ -15,19 +15,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from attnkit.masks import Structure
+from attnkit.masks import Structure, StructureArgs
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from attnkit.masks import StructureArgs
-
-__all__ = ["FlexFn", "compiled_flex", "flex_or_reason", "mask_mod"]
+__all__ = ["FlexArgs", "FlexFn", "compiled_flex", "flex_or_reason", "mask_mod"]
 
 #: ``fn(q, k, v) -> out`` of :func:`compiled_flex`.
 FlexFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 ScoreMod = Callable[..., Tensor]
+
+
+class FlexArgs(StructureArgs, total=False):
+    """The keyword arguments of :func:`compiled_flex`: the mask's ``structure`` and the
+    ``scale`` and ``score_mod`` of the scores."""
+
+    scale: float | None
+    score_mod: ScoreMod | None
 
 
 def mask_mod(structure: Structure, *, batch: int, L: int, S: int) -> MaskMod:
@@ -104,21 +110,17 @@ def compiled_flex(
 
 
 def flex_or_reason(
-    q: Tensor,
-    k: Tensor,
-    *,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    **structure: Unpack[StructureArgs],
+    q: Tensor, k: Tensor, **options: Unpack[FlexArgs]
 ) -> tuple[FlexFn | None, float, str]:
-    """:func:`compiled_flex`, or why it cannot run here (a torch without FlexAttention, no C++
-    toolchain for the compiler, an unsupported backend), for tables that report and go on.
+    """:func:`compiled_flex` with ``options``, or why it cannot run here (a torch without
+    FlexAttention, no C++ toolchain for the compiler, an unsupported backend), for tables that
+    report and go on.
 
     Returns:
         ``(fn, first_call_seconds, "")``, or ``(None, 0.0, reason)``.
     """
     try:
-        fn, first = compiled_flex(q, k, scale=scale, score_mod=score_mod, **structure)
+        fn, first = compiled_flex(q, k, **options)
     except ImportError:
         return None, 0.0, "FlexAttention skipped: not in this torch"
     except Exception as err:  # whatever compilation raises: the table says so

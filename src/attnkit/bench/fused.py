@@ -18,15 +18,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from attnkit import decoding
-from attnkit.bench.decoding.models import DECODE_MODELS
-from attnkit.bench.results import bench_parser, parse_with_threads, write_report
+from attnkit.bench.decoding.models import model_parser, model_report, random_lm, random_prompt
+from attnkit.bench.results import parse_with_threads, write_report
 from attnkit.models import TransformerLM
 
 __all__ = ["KINDS", "main", "measure"]
@@ -63,12 +62,9 @@ def measure(
 ) -> dict[str, Any]:
     """Every kind's fused and blocks' decode rates, ``repeats`` interleaved rounds after a
     warm-up; the rows of the report."""
-    torch.manual_seed(0)
-    config = DECODE_MODELS[name][0]
-    base = decoding.prepare(TransformerLM(config).eval())
+    base = random_lm(name)
     models = {kind: KINDS[kind](base) for kind in kinds}
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, config.vocab_size or 1, (1, prompt_len), generator=g)
+    prompt = random_prompt(base, prompt_len)
     times: dict[tuple[str, bool, int], list[float]] = {}
     tokens: dict[tuple[str, bool], Tensor] = {}
     for round_ in range(repeats + 1):
@@ -100,32 +96,22 @@ def measure(
                 "identical": bool(torch.equal(tokens[kind, False], tokens[kind, True])),
             }
         )
-    return {
-        "kind": "fused",
-        "model": name,
-        "shape": {"layers": config.num_layers, "dim": config.dim, "vocab": config.vocab_size},
-        "prompt": prompt_len,
-        "new_tokens": new,
-        "repeats": repeats,
-        "rows": rows,
-    }
+    return model_report("fused", name, prompt=prompt_len, new=new, repeats=repeats, rows=rows)
+
+
+def _line(r: dict[str, Any]) -> str:
+    """A row as the command prints it."""
+    return (
+        f"{r['kind']}: {r['fused_ms']:.2f} ms/token fused, {r['blocks_ms']:.2f} through the "
+        f"blocks = {r['speedup']:.2f}x, same tokens: {r['identical']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write its report."""
-    parser = bench_parser("attnkit.bench.fused", __doc__)
-    parser.add_argument("--out", type=Path, default=None, help="report path")
-    parser.add_argument("--model", default="llama-135m", choices=sorted(DECODE_MODELS))
-    parser.add_argument("--new", type=int, default=32, help="new tokens per generation")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (medians)")
-    args = parse_with_threads(parser, argv)
+    args = parse_with_threads(model_parser("attnkit.bench.fused", __doc__, new=32), argv)
     report = measure(args.model, new=args.new, repeats=args.repeats)
-    for r in report["rows"]:
-        print(
-            f"{r['kind']}: {r['fused_ms']:.2f} ms/token fused, {r['blocks_ms']:.2f} through the "
-            f"blocks = {r['speedup']:.2f}x, same tokens: {r['identical']}"
-        )
-    write_report(report, args.out, "fused.json")
+    write_report(report, args.out, "fused.json", _line)
     return 0
 
 

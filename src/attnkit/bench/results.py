@@ -13,7 +13,7 @@ import datetime
 import json
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,13 +93,22 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def write_report(report: dict[str, Any], out: Path | None, name: str) -> dict[str, Any]:
-    """Print ``report``'s notes, add the :func:`machine` record (unless it has one) and write it
-    to ``out`` (default ``benchmarks/results/<name>``).
+def write_report(
+    report: dict[str, Any],
+    out: Path | None,
+    name: str,
+    line: Callable[[dict[str, Any]], str] | None = None,
+) -> dict[str, Any]:
+    """Print ``report``'s rows (``line`` of each, where given) and its notes, add the
+    :func:`machine` record (unless it has one) and write it to ``out`` (default
+    ``benchmarks/results/<name>``).
 
     Returns:
         The report as written.
     """
+    if line is not None:
+        for row in report["rows"]:
+            print(line(row))
     for note in report.get("notes", []):
         print(f"note: {note}")
     report = {"machine": machine(), **report} if "machine" not in report else report

@@ -32,15 +32,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from attnkit import decoding
-from attnkit.bench.decoding.models import DECODE_MODELS
-from attnkit.bench.results import bench_parser, parse_with_threads, write_report
+from attnkit.bench.decoding.models import model_parser, model_report, random_lm, random_prompt
+from attnkit.bench.results import parse_with_threads, write_report
 from attnkit.models import TransformerLM
 from attnkit.speculative import SpeculationStats
 
@@ -51,17 +49,6 @@ LOOKUP_TOKENS = 10
 #: Goals of the issue: prompt lookup vs plain and vs transformers' lookup, self-draft vs plain,
 #: failing proposals vs plain.
 GOALS = {"lookup": 2.5, "transformers": 1.5, "draft": 1.5, "fail": 0.95}
-
-
-def _model(name: str) -> TransformerLM:
-    torch.manual_seed(0)
-    config = DECODE_MODELS[name][0]
-    return decoding.prepare(TransformerLM(config).eval())
-
-
-def _prompt(lm: TransformerLM, length: int, seed: int) -> Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, lm.config.vocab_size or 1, (1, length), generator=g)
 
 
 def _runs(
@@ -128,9 +115,9 @@ def measure(
 ) -> dict[str, Any]:
     """Time every run ``repeats`` times, interleaved, after a warm-up round that also builds the
     self-drafts; return the rows of the report."""
-    lm = _model(name)
+    lm = random_lm(name)
     prompt_len = min(prompt_len, lm.max_seq_len - new)
-    prompt = _prompt(lm, prompt_len, seed=0)
+    prompt = random_prompt(lm, prompt_len)
     runs = _runs(lm, prompt, new, peer=peer, drafts=drafts)
     times: dict[str, list[float]] = {k: [] for k in runs}
     outputs: dict[str, Tensor] = {}
@@ -188,17 +175,15 @@ def measure(
             row(f"{draft} self-draft", draft, "plain", GOALS["draft"], identical=same[draft])
         )
     rows.append(row("prompt lookup, drafts fail", "lookup sampled", "plain sampled", GOALS["fail"]))
-    config = DECODE_MODELS[name][0]
-    return {
-        "kind": "speculative",
-        "model": name,
-        "shape": {"layers": config.num_layers, "dim": config.dim, "vocab": config.vocab_size},
-        "prompt": prompt_len,
-        "new_tokens": new,
-        "repeats": repeats,
-        "lookup_tokens": LOOKUP_TOKENS,
-        "rows": rows,
-    }
+    return model_report(
+        "speculative",
+        name,
+        prompt=prompt_len,
+        new=new,
+        repeats=repeats,
+        rows=rows,
+        lookup_tokens=LOOKUP_TOKENS,
+    )
 
 
 def vs_rows(name: str, *, repeats: int, new: int = 24) -> list[dict[str, Any]]:
@@ -223,24 +208,23 @@ def vs_rows(name: str, *, repeats: int, new: int = 24) -> list[dict[str, Any]]:
     ]
 
 
+def _line(r: dict[str, Any]) -> str:
+    """A row as the command prints it."""
+    acc = "" if r["acceptance"] is None else f", {r['acceptance']:.0%} kept"
+    return (
+        f"{r['job']}: {r['tokens_per_s']:.2f} vs {r['baseline_tokens_per_s']:.2f} tok/s "
+        f"({r['baseline']}) = {r['speedup']:.2f}x (goal {r['goal']}x), after the first token "
+        f"{r['decode_speedup']:.2f}x{acc}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write its report."""
-    parser = bench_parser("attnkit.bench.speculative", __doc__)
-    parser.add_argument("--out", type=Path, default=None, help="report path")
-    parser.add_argument("--model", default="llama-135m", choices=sorted(DECODE_MODELS))
-    parser.add_argument("--new", type=int, default=48, help="new tokens per generation")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (medians)")
+    parser = model_parser("attnkit.bench.speculative", __doc__, new=48)
     parser.add_argument("--no-peer", action="store_true", help="leave out transformers")
     args = parse_with_threads(parser, argv)
     report = measure(args.model, new=args.new, repeats=args.repeats, peer=not args.no_peer)
-    for r in report["rows"]:
-        acc = "" if r["acceptance"] is None else f", {r['acceptance']:.0%} kept"
-        print(
-            f"{r['job']}: {r['tokens_per_s']:.2f} vs {r['baseline_tokens_per_s']:.2f} tok/s "
-            f"({r['baseline']}) = {r['speedup']:.2f}x (goal {r['goal']}x), after the first token "
-            f"{r['decode_speedup']:.2f}x{acc}"
-        )
-    write_report(report, args.out, "speculative.json")
+    write_report(report, args.out, "speculative.json", _line)
     return 0
 
 

@@ -41,6 +41,14 @@ def _log_log(ax: Any, xs: list[Any], labels: list[str], xlabel: str, ylabel: str
     ax.minorticks_off()
 
 
+def _table(result: ClaimResult, name: str, x: str) -> tuple[dict[str, Any], list[Any], list[Any]]:
+    """``result.measured``, its table ``name`` (a list of rows) and the rows' column ``x`` (the
+    horizontal axis of the plots drawn from the table)."""
+    m = result.measured
+    rows = m[name]
+    return m, rows, [r[x] for r in rows]
+
+
 def draw_scaled_scores(result: ClaimResult) -> Figure:
     """Claim 1: the std of the scores against d, with and without the scale."""
     rows = result.measured["per_dim"]
@@ -257,9 +265,8 @@ def draw_interpretable(result: ClaimResult) -> Figure:
 
 def draw_softcap(result: ClaimResult) -> Figure:
     """Claim 11: each row's log-weight range and the largest weight against the tokens' gain."""
-    m = result.measured
-    rows, cap, bound = m["per_gain"], m["cap"], m["max_weight_bound"]
-    gains = [r["gain"] for r in rows]
+    m, rows, gains = _table(result, "per_gain", "gain")
+    cap, bound = m["cap"], m["max_weight_bound"]
     fig, (ax1, ax2) = _figure(11.0, 4.3, cols=2)
     ax1.plot(gains, [r["uncapped_range"] for r in rows], "o-", color="#d62728", label="uncapped")
     ax1.plot(gains, [r["capped_range"] for r in rows], "o-", color="#1f77b4", label=f"c = {cap:g}")
@@ -281,9 +288,7 @@ def draw_softcap(result: ClaimResult) -> Figure:
 
 def draw_qk_norm(result: ClaimResult) -> Figure:
     """Claim 12: the scores' within-row std against the tokens' gain, with and without qk-norm."""
-    m = result.measured
-    rows = m["per_gain"]
-    gains = [r["gain"] for r in rows]
+    m, rows, gains = _table(result, "per_gain", "gain")
     fig, (ax,) = _figure(6.4, 4.0)
     plain = [r["plain_std"] for r in rows]
     ax.plot(gains, plain, "o-", color="#d62728", label=f"no qk-norm (slope {m['plain_slope']:.2f})")
@@ -334,9 +339,7 @@ def draw_prefix_lm(result: ClaimResult) -> Figure:
 
 def draw_window_cost(result: ClaimResult) -> Figure:
     """Claim 15: computed blocks against the length, window and causal, on log-log axes."""
-    m = result.measured
-    rows = m["per_length"]
-    ns = [r["n"] for r in rows]
+    m, rows, ns = _table(result, "per_length", "n")
     fig, (ax,) = _figure(6.4, 4.0)
     ax.plot(ns, [r["causal_blocks"] for r in rows], "o-", color="#d62728",
             label=f"causal (slope {m['causal_slope']:.2f})")  # fmt: skip

@@ -1,13 +1,34 @@
 """The Llama-shaped models of the decoding benchmarks, by name.
 
 Random weights: speed does not depend on their values. ``llama-tiny`` is for smoke runs.
+A benchmark of one of them takes its command line from :func:`model_parser`, its model and
+prompt from :func:`random_lm` and :func:`random_prompt` (seeded, so every run decodes the same
+tokens) and the head of its report from :func:`model_report`.
 """
 
 from __future__ import annotations
 
-from attnkit.config import FAMILIES, PRESETS, TransformerConfig
+import argparse
+from pathlib import Path
+from typing import Any
 
-__all__ = ["DECODE_MODELS", "QUANT_MODELS", "llama_config"]
+import torch
+from torch import Tensor
+
+from attnkit import decoding
+from attnkit.bench.results import bench_parser
+from attnkit.config import FAMILIES, PRESETS, TransformerConfig
+from attnkit.models import TransformerLM
+
+__all__ = [
+    "DECODE_MODELS",
+    "QUANT_MODELS",
+    "llama_config",
+    "model_parser",
+    "model_report",
+    "random_lm",
+    "random_prompt",
+]
 
 _LLAMA = FAMILIES["llama"]
 #: name -> (config, prompt length, new tokens); "llama-tiny" is for quick smoke runs.
@@ -50,3 +71,55 @@ def llama_config(name: str) -> TransformerConfig:
     if name not in DECODE_MODELS:
         raise ValueError(f"unknown decode model {name!r}; known: {sorted(DECODE_MODELS)}")
     return DECODE_MODELS[name][0]
+
+
+def random_lm(name: str) -> TransformerLM:
+    """:data:`DECODE_MODELS`' ``name`` with the weights ``torch.manual_seed(0)`` draws, in eval
+    mode and prepared for decoding (:func:`attnkit.decoding.prepare`)."""
+    torch.manual_seed(0)
+    return decoding.prepare(TransformerLM(DECODE_MODELS[name][0]).eval())
+
+
+def random_prompt(lm: TransformerLM, length: int, seed: int = 0) -> Tensor:
+    """A ``(1, length)`` prompt of token ids drawn uniformly from ``lm``'s vocabulary by a
+    generator seeded with ``seed`` (the global seed is left alone)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, lm.config.vocab_size or 1, (1, length), generator=g)
+
+
+def model_report(
+    kind: str,
+    name: str,
+    *,
+    prompt: int,
+    new: int,
+    repeats: int,
+    rows: list[dict[str, Any]],
+    **extra: Any,
+) -> dict[str, Any]:
+    """The report of a benchmark of the model ``name``: ``kind``, ``model``, its ``shape``
+    (layers, dim, vocabulary), ``prompt`` (its length), ``new_tokens``, ``repeats``, then
+    ``extra`` and the ``rows``, in this order (the order of the JSON written)."""
+    config = DECODE_MODELS[name][0]
+    return {
+        "kind": kind,
+        "model": name,
+        "shape": {"layers": config.num_layers, "dim": config.dim, "vocab": config.vocab_size},
+        "prompt": prompt,
+        "new_tokens": new,
+        "repeats": repeats,
+        **extra,
+        "rows": rows,
+    }
+
+
+def model_parser(module: str, doc: str | None, *, new: int) -> argparse.ArgumentParser:
+    """:func:`~attnkit.bench.results.bench_parser` with the options of a benchmark of one model:
+    ``--out`` (the report's path), ``--model`` (default ``llama-135m``), ``--new`` (default
+    ``new``) and ``--repeats`` (default 3)."""
+    parser = bench_parser(module, doc)
+    parser.add_argument("--out", type=Path, default=None, help="report path")
+    parser.add_argument("--model", default="llama-135m", choices=sorted(DECODE_MODELS))
+    parser.add_argument("--new", type=int, default=new, help="new tokens per generation")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (medians)")
+    return parser
