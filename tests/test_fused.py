@@ -18,7 +18,7 @@ import torch
 from torch.testing import assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
-from attnkit import TransformerConfig, TransformerLM, decoding, fused
+from attnkit import TransformerConfig, TransformerLM, decoding, fused, generation
 from attnkit.kernels import build
 from attnkit.quantize import quantize
 from attnkit.quantized.block import set_activations
@@ -204,6 +204,32 @@ def test_greedy_generation_with_fused_steps_matches_the_models_forward(
     got = lm.generate(prompt, 12)
     assert served == [True] * 12  # (the prompt and every step)
     assert torch.equal(got, want)
+
+
+def test_compiled_generation_steps_a_fused_stack_by_its_one_call(
+    served: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compile=True`` on a stack the fused step serves runs that call (no graph is compiled,
+    the same tokens); the policy's ``graph`` option, or a hooked block, leaves it to the graph."""
+    lm = _lm()
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    want = lm.generate(prompt, 6, eos_token_id=[])
+    served.clear()
+    assert lm.fuses_steps()
+    assert torch.equal(lm.generate(prompt, 6, eos_token_id=[], compile=True), want)
+    assert served == [True] * 6 and "_attnkit_step" not in lm.__dict__
+    compiled: list[object] = []  # (the graph's stand-in: the model's forward, uncompiled)
+    monkeypatch.setattr(decoding, "compiled_step", lambda model: compiled.append(model) or model)
+    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP", "graph")
+    served.clear()
+    assert torch.equal(lm.generate(prompt, 6, eos_token_id=[], compile=True), want)
+    assert compiled == [lm] and served == [True]  # (the prompt; steps by cache_position: blocks)
+    monkeypatch.delenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP")
+    handle = lm.blocks[0].register_forward_pre_hook(lambda m, args: None)
+    try:
+        assert not lm.fuses_steps() and not generation._fuses_steps(lm)
+    finally:
+        handle.remove()
 
 
 @pytest.mark.parametrize("weights", ["float", "int4", "window"])

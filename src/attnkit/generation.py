@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from attnkit import decoding, speculative
 from attnkit.cache import KVCache
 from attnkit.config import TransformerConfig
+from attnkit.kernels import policy
 from attnkit.positional import reserved_rotary_tables
 
 if TYPE_CHECKING:
@@ -283,7 +284,9 @@ class GenerateOptions(TypedDict, total=False):
         generator: The ``torch.Generator`` of the sampling (default: torch's global one).
         compile: Run each cached step as one compiled graph of the model's own forward
             (default ``False``; see :func:`attnkit.decoding.compiled_step`); the first call per
-            batch size and length pays the compilation.
+            batch size and length pays the compilation. A model whose stack runs in one kernel
+            call (:mod:`attnkit.fused`) steps through that call instead, where the policy's
+            ``decoding.compiled_step`` says so (its rule; ``graph`` compiles regardless).
         prompt_lookup_num_tokens: Speculative decoding proposing up to this many tokens copied
             from the earlier occurrence of the last n-gram (:class:`attnkit.speculative.
             PromptLookup`); default ``None`` (off).
@@ -568,6 +571,13 @@ def _prefill_runs(
     return torch.cat(last)
 
 
+def _fuses_steps(lm: CausalLM) -> bool:
+    """Whether ``lm``'s compiled steps run as its one-call fused step instead of a graph: the
+    policy prefers that call, and the model says its stack runs in one (``fuses_steps``)."""
+    fuses = getattr(lm, "fuses_steps", None)
+    return callable(fuses) and policy.compiled_step_fuses() and bool(fuses())
+
+
 @torch.no_grad()
 def _decode(
     lm: CausalLM,
@@ -594,6 +604,8 @@ def _decode(
     """
     B, P = ids.shape
     capacity = P + max_new_tokens
+    if compile and use_cache and _fuses_steps(lm):  # (the policy's decoding.compiled_step)
+        compile = False
     if compile:
         # The compiled step has one graph per cache capacity: a power of two (at least 256,
         # within max_seq_len) lets calls of other lengths reuse it instead of recompiling.

@@ -472,6 +472,11 @@ class TransformerLM(_TransformerStack):
             for _ in range(self.num_layers)
         ]
 
+    def fuses_steps(self) -> bool:
+        """Whether this model's cached decoding steps run its stack in one kernel call
+        (:func:`attnkit.fused.plan_of`: a stack the fused step describes, with no hooks)."""
+        return fused.plan_of(self) is not None
+
     def generate(
         self, input_ids: Tensor, max_new_tokens: int, **options: Unpack[GenerateOptions]
     ) -> Tensor:

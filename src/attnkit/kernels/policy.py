@@ -77,6 +77,7 @@ __all__ = [
     "choices",
     "choose",
     "compiled_row_kernel",
+    "compiled_step_fuses",
     "decision",
     "env_var",
     "flash_bf16_products",
@@ -429,18 +430,16 @@ def one_query_kernel(dtype: torch.dtype, device: str, grads: bool) -> bool:
     )
 
 
+_TORCH_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def ring_block_kernel(call: AttentionCall) -> str:
     """The kernel of one block of ring attention (:mod:`attnkit.distributed`): ``"flash"``
     (attnkit's flash kernels, where :func:`flash_kernel` says), ``"torch-flash"`` (torch's CPU
     flash kernel: CPU tensors of a dtype it takes) or ``"explicit"`` (the math, any device)."""
     if flash_kernel(call):
         return "flash"
-    if call.device == "cpu" and call.dtype in (
-        torch.float32,
-        torch.float64,
-        torch.bfloat16,
-        torch.float16,
-    ):
+    if call.device == "cpu" and call.dtype in _TORCH_FLASH_DTYPES:
         return "torch-flash"
     return "explicit"
 
@@ -576,6 +575,15 @@ register(
         "The int4 kernel of quantized linears: attnkit's (packed nibbles, integer dots), or the "
         "float product with the dequantized weight where it cannot run.",
         lambda caps: "attnkit" if build.kernels_available() else "dequantize",
+    )
+)
+register(
+    Choice(
+        "decoding.compiled_step",
+        ("fused", "graph"),
+        "A compiled decoding step of a stack that runs in one kernel call (attnkit.fused): "
+        "that call (the graph's kernels, without its calls between them) or the graph.",
+        lambda caps: "fused",
     )
 )
 for _bits, _rows in ((8, "2"), (4, "4")):
@@ -771,6 +779,11 @@ def block_tile_rows(bits: int) -> int:
     """Weight rows the block kernel of ``bits`` bits (8 or 4) multiplies a pass on this machine
     (one of :data:`attnkit.kernels.block_linear.TILE_ROWS`)."""
     return int(choose(f"block_linear.q{bits}_tile"))
+
+
+def compiled_step_fuses() -> bool:
+    """Whether ``generate(compile=True)`` steps a fused stack by its one call, not a graph."""
+    return choose("decoding.compiled_step") == "fused"
 
 
 def int4_kernel() -> str:
