@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +33,7 @@ from attnkit.interop import gguf
 from attnkit.interop.architectures import architecture
 from attnkit.interop.hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, hf_config_from
 from attnkit.interop.hf_weights import WeightEntry, hf_state_dict, weight_map
-from attnkit.interop.loading import Checkpoint, CheckpointTensor, ModelClass, Replace, load
+from attnkit.interop.loading import Checkpoint, CheckpointTensor, LoadOptions, load
 from attnkit.interop.safetensors_io import (
     SafetensorsEntry,
     SafetensorsFile,
@@ -42,6 +42,9 @@ from attnkit.interop.safetensors_io import (
     read_safetensors_header,
     write_safetensors,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -164,13 +167,7 @@ def read_folder(path: str | Path) -> Checkpoint:
 
 
 def from_pretrained(
-    path: str | Path,
-    *,
-    cls: ModelClass,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    replace: Replace | None = None,
-    dequantize: bool = False,
+    path: str | Path, *, dequantize: bool = False, **options: Unpack[LoadOptions]
 ) -> Any:
     """Load a Hugging Face decoder folder or a ``.gguf`` file into ``cls(config)`` (eval mode).
 
@@ -213,7 +210,7 @@ def from_pretrained(
         native = not dequantize
     else:
         checkpoint = read_folder(path)
-    return load(checkpoint, cls=cls, dtype=dtype, device=device, replace=replace, native=native)
+    return load(checkpoint, native=native, **options)
 
 
 def to_transformers(lm: nn.Module) -> Any:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +29,9 @@ from torch import Tensor, nn
 from attnkit.config import TransformerConfig
 from attnkit.interop.architectures import Architecture, TensorNames
 from attnkit.interop.hf_weights import WeightEntry, weight_map
+
+if TYPE_CHECKING:
+    from typing_extensions import Required, Unpack
 
 # The model class a loader builds: ``cls(config)`` (:class:`attnkit.TransformerLM`, which sits
 # above this package and passes itself in).
@@ -39,6 +42,7 @@ Replace = Callable[[nn.Linear], nn.Module]
 __all__ = [
     "Checkpoint",
     "CheckpointTensor",
+    "LoadOptions",
     "ModelClass",
     "NativeBlocks",
     "ParameterFiller",
@@ -46,6 +50,25 @@ __all__ = [
     "allocate",
     "load",
 ]
+
+
+class LoadOptions(TypedDict, total=False):
+    """How a checkpoint becomes a model: the options of :func:`load` and
+    :func:`attnkit.interop.hf.from_pretrained`.
+
+    Attributes:
+        cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
+        dtype: Parameter dtype (default: torch's default dtype).
+        device: Where the parameters are allocated (default: CPU).
+        replace: Swap each plain ``nn.Linear`` for ``replace(linear)`` as soon as its weight is
+            loaded (see :class:`ParameterFiller`).
+    """
+
+    cls: Required[ModelClass]
+    dtype: torch.dtype | None
+    device: str | torch.device | None
+    replace: Replace | None
+
 
 # Tensors some checkpoints carry that are recomputed buffers, not weights.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -100,28 +123,17 @@ class Checkpoint:
     generation_config: dict[str, Any] = field(default_factory=dict)
 
 
-def load(
-    checkpoint: Checkpoint,
-    *,
-    cls: ModelClass,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    replace: Replace | None = None,
-    native: bool = False,
-) -> Any:
+def load(checkpoint: Checkpoint, *, native: bool = False, **options: Unpack[LoadOptions]) -> Any:
     """``cls(checkpoint.config)`` holding the checkpoint's weights, in eval mode.
 
     Args:
         checkpoint: What a reader found.
-        cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
-        dtype: Parameter dtype (default: torch's default dtype).
-        device: Where the parameters are allocated (default: CPU).
-        replace: Swap each plain ``nn.Linear`` for ``replace(linear)`` as soon as its weight is
-            loaded (see :class:`ParameterFiller`).
         native: Load block-quantized matrices (:attr:`CheckpointTensor.native`) of plain
             linears as :class:`attnkit.quantized.BlockLinear` layers holding their blocks as
             they are, on the CPU (a linear whose parts come in different layouts, or as floats,
             is dequantized). A tied output head gets a block layer of the embedding's blocks.
+        **options: ``cls`` (required), ``dtype``, ``device``, ``replace``: see
+            :class:`LoadOptions`.
 
     Returns:
         The model; ``model.generation_config`` holds the checkpoint's eos/pad/bos ids.
@@ -131,6 +143,8 @@ def load(
         ValueError: For tensor shapes that do not match the config, missing or unexpected
             tensors (naming the file and tensor).
     """
+    cls, dtype, device = options["cls"], options.get("dtype"), options.get("device")
+    replace = options.get("replace")
     native = native and torch.device("cpu" if device is None else device).type == "cpu"
     if native and replace is None:
         replace = _kept
