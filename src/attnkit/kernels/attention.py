@@ -25,17 +25,31 @@ import ctypes
 import functools
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from attnkit.kernels.binding import view as _view
 from attnkit.kernels.build import library, load_library
+from attnkit.kernels.tiles import (
+    FLASH_KEYS,
+    TILE_KEYS,
+    FlashOptions,
+    TileOptions,
+    first_query,
+    tile_options,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "FLASH_PRODUCTS",
     "NON_FINITE",
     "NO_KEY",
+    "FlashOptions",
+    "TileOptions",
     "capped_attention",
     "capped_softmax_",
     "flash_attention",
@@ -243,12 +257,9 @@ def flash_attention(
     k: Tensor,
     v: Tensor,
     *,
-    scale: float,
-    causal: bool = False,
-    window: int | None = None,
-    first: int | None = None,
     blocks: tuple[int, int] = (128, 512),
     products: str = "widened",
+    **options: Unpack[FlashOptions],
 ) -> tuple[Tensor, Tensor]:
     """Attention in FlashAttention's loop on the CPU, with the log-sum-exp the backward needs.
 
@@ -289,8 +300,9 @@ def flash_attention(
         ValueError: For shapes that do not fit, tensors not on the CPU, or a bad argument.
         RuntimeError: Where it cannot run here (:func:`flash_available`).
     """
+    scale, causal, window = tile_options("flash_attention", options, FLASH_KEYS)
     _check_flash("flash_attention", q, k, v, window, _FLASH_DTYPES, products)
-    first = k.shape[2] - q.shape[2] if first is None else first
+    first = first_query(options, q, k)
     sgemm = _flash_sgemm()
     assert sgemm is not None
     out, lse = _forward(
@@ -309,12 +321,9 @@ def flash_attention_backward(
     out: Tensor,
     lse: Tensor,
     *,
-    scale: float,
-    causal: bool = False,
-    window: int | None = None,
-    first: int | None = None,
     blocks: tuple[int, int] = (64, 512),
     into: tuple[Tensor, Tensor, Tensor] | None = None,
+    **options: Unpack[FlashOptions],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`flash_attention` in FlashAttention-2's loop order.
 
@@ -349,7 +358,9 @@ def flash_attention_backward(
         ValueError: For shapes that do not fit, or tensors not on the CPU.
         RuntimeError: Where it cannot run here (:func:`flash_available`).
     """
-    _check_flash("flash_attention_backward", q, k, v, window, _FLASH_DTYPES)
+    name = "flash_attention_backward"
+    scale, causal, window = tile_options(name, options, FLASH_KEYS)
+    _check_flash(name, q, k, v, window, _FLASH_DTYPES)
     B, H, L, E = q.shape
     K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     if grad_out.shape != (B, H, L, Ev) or out.shape != (B, H, L, Ev) or lse.shape != (B, H, L):
@@ -360,7 +371,7 @@ def flash_attention_backward(
         )
     lib, sgemm = library(), _flash_sgemm()
     assert sgemm is not None
-    first = S - L if first is None else first
+    first = first_query(options, q, k)
     dtype = q.dtype
     if into is not None:
         dq, dk, dv = into
@@ -404,13 +415,11 @@ def capped_attention(
     v: Tensor,
     *,
     softcap: float,
-    scale: float,
-    causal: bool = False,
-    window: int | None = None,
     finite: bool = False,
     query_block: int = 64,
     key_block: int = 512,
     products: str = "widened",
+    **options: Unpack[TileOptions],
 ) -> Tensor:
     """Soft-capped attention without gradients, ``softmax(c * tanh(q k^T * scale / c)) v`` over
     the keys each query may attend: :func:`flash_attention`'s loop with the cap applied to each
@@ -450,6 +459,7 @@ def capped_attention(
             f"capped_attention needs a finite softcap > 0 and blocks >= 1, got "
             f"softcap={softcap}, query_block={query_block}, key_block={key_block}"
         )
+    scale, causal, window = tile_options("capped_attention", options, TILE_KEYS)
     _check_flash("capped_attention", q, k, v, window, _FLASH_DTYPES, products)
     sgemm = _flash_sgemm()
     assert sgemm is not None
