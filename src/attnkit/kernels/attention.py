@@ -24,8 +24,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -548,6 +549,33 @@ _NO_MEMORY = 4  # a buffer could not be allocated: nothing was written (csrc/one
 _BAD_INDEX = 8  # a paged key outside its table or the pool: nothing was written
 
 
+def _one_query(
+    name: str,
+    call: Callable[..., int],
+    q: Tensor,
+    K: int,
+    keys: tuple[Any, ...],
+    scale: float,
+    softcap: float | None,
+    out: Tensor,
+) -> int:
+    """The flags of a one-query kernel ``call`` (csrc/one_query.c) writing ``out`` from ``q``
+    ``(B, H, 1, E)`` and ``K`` key/value heads; ``keys``: its arguments that say where the keys,
+    values (and mask) lie.
+
+    Raises:
+        MemoryError: Where the kernel could not allocate its buffers (naming ``name``).
+    """
+    B, H, _, E = q.shape
+    flags = call(
+        q.data_ptr(), B, K, H // K, E, *keys, scale, softcap or 0.0, out.data_ptr(),
+        q.dtype == torch.bfloat16, torch.get_num_threads(),
+    )  # fmt: skip
+    if flags & _NO_MEMORY:
+        raise MemoryError(f"{name} could not allocate its buffers")
+    return flags
+
+
 def one_query_attention(
     q: Tensor,
     k: Tensor,
@@ -635,12 +663,7 @@ def one_query_attention(
     k0, k1, k2, _ = k.stride()
     v0, v1, v2, _ = v.stride()
     m0, _, _, m3 = (0, 0, 0, 0) if mask is None else mask.stride()
-    flags = lib.attnkit_one_query_attention(
-        q.data_ptr(),
-        B,
-        K,
-        H // K,
-        E,
+    keys = (
         k.data_ptr(),
         k0,
         k1,
@@ -654,15 +677,9 @@ def one_query_attention(
         None if mask is None else mask.data_ptr(),
         m0 if mask is not None and mask.shape[0] > 1 else 0,  # (0: one mask row for all)
         m3,
-        scale,
-        softcap or 0.0,
-        out.data_ptr(),
-        dtype == torch.bfloat16,
-        torch.get_num_threads(),
     )
-    if flags & _NO_MEMORY:
-        raise MemoryError(f"one_query_attention could not allocate its buffers ({S} keys)")
-    return out, flags
+    name = "one_query_attention"
+    return out, _one_query(name, lib.attnkit_one_query_attention, q, K, keys, scale, softcap, out)
 
 
 def paged_one_query_attention(
@@ -739,12 +756,7 @@ def paged_one_query_attention(
     out = q.new_empty(B, H, 1, Ev)
     if out.numel() == 0:
         return out, 0
-    flags = lib.attnkit_paged_one_query_attention(
-        q.data_ptr(),
-        B,
-        K,
-        H // K,
-        E,
+    keys = (
         k_pool.data_ptr(),
         k_pool.stride(1),
         k_pool.stride(0),
@@ -757,17 +769,12 @@ def paged_one_query_attention(
         first.data_ptr(),
         count.data_ptr(),
         k_pool.shape[0],
-        scale,
-        softcap or 0.0,
-        out.data_ptr(),
-        dtype == torch.bfloat16,
-        torch.get_num_threads(),
     )
+    call = lib.attnkit_paged_one_query_attention
+    flags = _one_query("paged_one_query_attention", call, q, K, keys, scale, softcap, out)
     if flags & _BAD_INDEX:
         raise ValueError(
             f"paged_one_query_attention: a key outside its rows (first {first.tolist()}, count "
             f"{count.tolist()}, width {rows.shape[1]}) or outside the pool ({k_pool.shape[0]} rows)"
         )
-    if flags & _NO_MEMORY:
-        raise MemoryError("paged_one_query_attention could not allocate its buffers")
     return out, flags
