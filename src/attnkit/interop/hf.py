@@ -33,7 +33,13 @@ from attnkit.interop import gguf
 from attnkit.interop.architectures import architecture
 from attnkit.interop.hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, hf_config_from
 from attnkit.interop.hf_weights import WeightEntry, hf_state_dict, weight_map
-from attnkit.interop.loading import Checkpoint, CheckpointTensor, LoadOptions, load
+from attnkit.interop.loading import (
+    Checkpoint,
+    CheckpointTensor,
+    LoadOptions,
+    check_load_options,
+    load,
+)
 from attnkit.interop.safetensors_io import (
     SafetensorsEntry,
     SafetensorsFile,
@@ -201,8 +207,10 @@ def from_pretrained(
             tensor shapes that do not match the config, missing or unexpected tensors (naming
             the file and tensor, before any allocation where the file's description is at
             fault).
-        TypeError: If ``dtype`` is not a floating torch dtype.
+        TypeError: If ``dtype`` is not a floating torch dtype; without ``cls``, or for an option
+            :class:`attnkit.interop.loading.LoadOptions` does not name.
     """
+    check_load_options("from_pretrained", options)
     path = Path(path)
     native = False
     if path.suffix == ".gguf" and not path.is_dir():

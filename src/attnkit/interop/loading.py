@@ -19,7 +19,7 @@ plus a linear or two, not at the full-precision model's size.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
@@ -48,6 +48,7 @@ __all__ = [
     "ParameterFiller",
     "Replace",
     "allocate",
+    "check_load_options",
     "load",
 ]
 
@@ -68,6 +69,20 @@ class LoadOptions(TypedDict, total=False):
     dtype: torch.dtype | None
     device: str | torch.device | None
     replace: Replace | None
+
+
+def check_load_options(what: str, options: Mapping[str, Any]) -> None:
+    """Raise unless ``options`` (the ``**options`` of ``what``) give ``cls`` and only the other
+    keys of :class:`LoadOptions`.
+
+    Raises:
+        TypeError: Naming what was given and what is taken.
+    """
+    known = LoadOptions.__optional_keys__ | LoadOptions.__required_keys__
+    if not options.keys() <= known or "cls" not in options:
+        raise TypeError(
+            f"{what} takes cls and the options {sorted(known - {'cls'})}, got {sorted(options)}"
+        )
 
 
 # Tensors some checkpoints carry that are recomputed buffers, not weights.
@@ -139,10 +154,12 @@ def load(checkpoint: Checkpoint, *, native: bool = False, **options: Unpack[Load
         The model; ``model.generation_config`` holds the checkpoint's eos/pad/bos ids.
 
     Raises:
-        TypeError: If ``dtype`` is not a floating torch dtype or ``device`` not a device.
+        TypeError: If ``dtype`` is not a floating torch dtype or ``device`` not a device; without
+            ``cls``, or for an option :class:`LoadOptions` does not name.
         ValueError: For tensor shapes that do not match the config, missing or unexpected
             tensors (naming the file and tensor).
     """
+    check_load_options("load", options)
     cls, dtype, device = options["cls"], options.get("dtype"), options.get("device")
     replace = options.get("replace")
     native = native and torch.device("cpu" if device is None else device).type == "cpu"
