@@ -196,7 +196,7 @@ class TransformerLayer(nn.Module):
             ``(out, weights or None)``. The attention options above are then ignored.
 
     Raises:
-        TypeError: For a keyword it does not take.
+        TypeError: For a keyword it does not take, or a ``head_dim`` that is not an int.
         ValueError: For bad sizes or option values.
     """
 
