@@ -418,6 +418,22 @@ def test_layer_keywords_are_checked(make):
         layer(x, positions=None, postions=torch.arange(3))
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda **kw: attnkit.MultiHeadAttention(8, 2, **kw),
+        lambda **kw: attnkit.TransformerLayer(8, 16, 2, **kw),
+        lambda **kw: attnkit.TransformerBlock(8, 16, 2, **kw),
+    ],
+)
+def test_constructor_keywords_are_checked(make):
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['windw'\]"):
+        make(windw=4)
+    layer = make(window=4, num_kv_heads=1, scale=0.5)  # the attention options pass through
+    attention = getattr(layer, "attention", layer)
+    assert (attention.window, attention.num_kv_heads, attention.scale) == (4, 1, 0.5)
+
+
 def test_blog_cross_attention_takes_the_layer_keywords():
     # Decoding one token at a time through a KV cache equals attending with a causal mask.
     torch.manual_seed(0)

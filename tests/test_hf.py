@@ -472,3 +472,7 @@ def test_device_loads_straight_to_the_device(llama_folder: Path, device: Any) ->
         assert torch.equal(p.cpu(), q), name
     with pytest.raises(TypeError, match="device"):
         hf.from_pretrained(llama_folder, cls=TransformerLM, device="warp-drive")
+    with pytest.raises(TypeError, match=r"from_pretrained takes cls .* got \['cls', 'devce'\]"):
+        hf.from_pretrained(llama_folder, cls=TransformerLM, devce="cpu")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="takes cls"):
+        hf.from_pretrained(llama_folder)  # type: ignore[call-arg]

@@ -227,6 +227,18 @@ def test_capped_attention_keeps_non_finite_scores_in_their_row_and_gets_clear_er
         attention.capped_attention(q, k, v, softcap=1.0, scale=1.0, window=0)
 
 
+def test_flash_options_are_checked() -> None:
+    """The options the flash functions take by keyword: an unknown one, or no ``scale``, is a
+    TypeError naming the function (``first`` belongs to the flash pair only)."""
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match="capped_attention takes scale"):
+        attention.capped_attention(q, q, q, softcap=1.0, scale=1.0, first=0)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="flash_attention takes scale"):
+        attention.flash_attention(q, q, q, causal=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="flash_attention_backward takes scale"):
+        attention.flash_attention_backward(q, q, q, q, q, q[..., 0], scale=1.0, cap=2.0)  # type: ignore[call-arg]
+
+
 def _flash_reference(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None, first: int | None
 ) -> tuple[Tensor, Tensor, Tensor]:

@@ -96,6 +96,11 @@ def test_bad_mods_are_named(call, match: str) -> None:
         call()
 
 
+def test_unknown_grid_option_is_named() -> None:
+    with pytest.raises(TypeError, match=r"unknown grid options \['heads'\]"):
+        viz.mask_picture(presets.causal(), 4, heads=1)  # type: ignore[call-arg]
+
+
 def test_plot_masks_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from attnkit.cli import main
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
@@ -32,7 +32,15 @@ from attnkit.variants import FlexVariant
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["Kernel", "LayerOptions", "MultiHeadAttention", "merge_heads", "split_heads"]
+__all__ = [
+    "AttentionOptions",
+    "Kernel",
+    "LayerOptions",
+    "MultiHeadAttention",
+    "check_keywords",
+    "merge_heads",
+    "split_heads",
+]
 
 #: The signature of an attention kernel (:func:`attnkit.functional.attend`):
 #: ``kernel(q, k, v, mask, *, causal, window, scale, dropout_p, return_weights)`` returning
@@ -73,6 +81,43 @@ class LayerOptions(TypedDict, total=False):
     kv_cache: KVCache | AttendingCache | None
     cache_position: Tensor | None
     return_weights: bool
+
+
+class AttentionOptions(TypedDict, total=False):
+    """The options of :class:`MultiHeadAttention` that a block hands its attention as they were
+    given (:class:`attnkit.blocks.TransformerLayer` takes them under the same names); each is
+    ``None`` unless given.
+
+    Attributes:
+        num_kv_heads: Key/value heads ``K`` (grouped-query attention); defaults to ``num_heads``.
+        window: Sliding-window size (see :func:`attnkit.functional.scaled_dot_product_attention`).
+        scale: Score multiplier; defaults to ``1 / sqrt(E)``.
+        softcap: Attention-logit soft-capping ``tanh(s / softcap) * softcap`` (Gemma 2).
+        rotary: Rotary module applied to queries and keys after the head split.
+        score_mod: An attention variant that rewrites the scores (a name, dict or callable).
+        mask_mod: An attention variant that masks keys, combined with ``causal``.
+    """
+
+    num_kv_heads: int | None
+    window: int | None
+    scale: float | None
+    softcap: float | None
+    rotary: nn.Module | None
+    score_mod: Any
+    mask_mod: Any
+
+
+def check_keywords(what: str, options: Mapping[str, Any], known: frozenset[str]) -> None:
+    """Raise unless every key of ``options`` (the ``**options`` of ``what``) is ``known``.
+
+    Raises:
+        TypeError: Naming the unexpected keywords and the known ones.
+    """
+    if not options.keys() <= known:
+        raise TypeError(
+            f"{what} got unexpected keyword arguments {sorted(options.keys() - known)}; it "
+            f"takes {sorted(known)}"
+        )
 
 
 def _check_positive(**sizes: int | None) -> None:
@@ -121,6 +166,7 @@ class MultiHeadAttention(nn.Module):
             ``None``.
 
     Raises:
+        TypeError: For a keyword it does not take.
         ValueError: If sizes are not positive or do not divide.
     """
 
@@ -140,22 +186,20 @@ class MultiHeadAttention(nn.Module):
         head_dim: int | None = None,
         hidden_dim: int | None = None,
         out_dim: int | None = None,
-        num_kv_heads: int | None = None,
         bias: bool = True,
         out_bias: bool | None = None,
         fused_qkv: bool = False,
         dropout: float = 0.0,
         causal: bool = False,
-        window: int | None = None,
-        scale: float | None = None,
-        softcap: float | None = None,
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
-        rotary: nn.Module | None = None,
-        score_mod: Any = None,
-        mask_mod: Any = None,
+        **options: Unpack[AttentionOptions],
     ) -> None:
         super().__init__()
+        check_keywords(type(self).__name__, options, AttentionOptions.__optional_keys__)
+        num_kv_heads, window = options.get("num_kv_heads"), options.get("window")
+        scale, softcap = options.get("scale"), options.get("softcap")
+        score_mod, mask_mod = options.get("score_mod"), options.get("mask_mod")
         if hidden_dim is not None:
             if head_dim is not None:
                 raise ValueError(
@@ -217,7 +261,7 @@ class MultiHeadAttention(nn.Module):
             self.v_proj = nn.Linear(vdim, kv_hidden, bias=bias)
         self.out_proj = nn.Linear(hidden_dim, out_dim, bias=bias if out_bias is None else out_bias)
         self.q_norm, self.k_norm = q_norm, k_norm
-        self.rotary = rotary
+        self.rotary = options.get("rotary")
         self.softcap = softcap
         self.kernel: Kernel = functional.attend
         self.variant: FlexVariant | None = None
@@ -308,12 +352,7 @@ class MultiHeadAttention(nn.Module):
             query ``(B, L, D)``, key ``(B, S, kdim)``, value ``(B, S, vdim)`` ->
             ``(B, L, out_dim)``. Leading dims other than ``B`` also work (``(L, D)`` too).
         """
-        known = LayerOptions.__optional_keys__
-        if not options.keys() <= known:
-            raise TypeError(
-                f"{type(self).__name__}.forward got unexpected keyword arguments "
-                f"{sorted(options.keys() - known)}; it takes {sorted(known)}"
-            )
+        check_keywords(f"{type(self).__name__}.forward", options, LayerOptions.__optional_keys__)
         positions, kv_cache = options.get("positions"), options.get("kv_cache")
         cache_position = options.get("cache_position")
         rotary = self.rotary

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.attention import LayerOptions, MultiHeadAttention
+from attnkit.attention import AttentionOptions, LayerOptions, MultiHeadAttention, check_keywords
 from attnkit.config import TransformerConfig
 
 if TYPE_CHECKING:
@@ -150,11 +150,12 @@ def _fuse_gate_up(module: nn.Module, state_dict: dict[str, Any], prefix: str, *a
             )
 
 
-def _variant_options(score_mod: Any, mask_mod: Any) -> dict[str, Any]:
-    """The attention's ``score_mod`` / ``mask_mod`` keywords, only when given (a custom
-    ``_build_attention`` without them keeps working)."""
-    given = {"score_mod": score_mod, "mask_mod": mask_mod}
-    return {k: v for k, v in given.items() if v is not None}
+def _attention_options(options: AttentionOptions) -> dict[str, Any]:
+    """The :class:`attnkit.attention.AttentionOptions` a block hands ``_build_attention``: the
+    five every attention takes (``None`` where not given), ``score_mod`` / ``mask_mod`` only
+    when given (a custom ``_build_attention`` without them keeps working)."""
+    given = {k: v for k, v in options.items() if v is not None}
+    return dict.fromkeys(("num_kv_heads", "rotary", "window", "scale", "softcap")) | given
 
 
 class TransformerLayer(nn.Module):
@@ -195,6 +196,7 @@ class TransformerLayer(nn.Module):
             ``(out, weights or None)``. The attention options above are then ignored.
 
     Raises:
+        TypeError: For a keyword it does not take, or a ``head_dim`` that is not an int.
         ValueError: For bad sizes or option values.
     """
 
@@ -210,23 +212,18 @@ class TransformerLayer(nn.Module):
         activation: Activation = "relu",
         eps: float = 1e-5,
         dropout: float = 0.0,
-        num_kv_heads: int | None = None,
-        rotary: nn.Module | None = None,
-        window: int | None = None,
         bias: bool = True,
         qkv_bias: bool | None = None,
         out_bias: bool | None = None,
         mlp_bias: bool | None = None,
         head_dim: int | None = None,
         qk_norm: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
         post_norms: bool = False,
-        score_mod: Any = None,
-        mask_mod: Any = None,
         attention: nn.Module | None = None,
+        **options: Unpack[AttentionOptions],
     ) -> None:
         super().__init__()
+        check_keywords(type(self).__name__, options, AttentionOptions.__optional_keys__)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
@@ -237,17 +234,12 @@ class TransformerLayer(nn.Module):
                 num_heads,
                 head_dim=head_dim,
                 causal=causal,
-                num_kv_heads=num_kv_heads,
-                rotary=rotary,
-                window=window,
                 bias=bias if qkv_bias is None else qkv_bias,
                 out_bias=bias if out_bias is None else out_bias,
                 dropout=dropout,
-                scale=scale,
-                softcap=softcap,
                 q_norm=make_norm(norm, head_dim or dim // num_heads, eps=eps) if qk_norm else None,
                 k_norm=make_norm(norm, head_dim or dim // num_heads, eps=eps) if qk_norm else None,
-                **_variant_options(score_mod, mask_mod),
+                **_attention_options(options),
             )
         self.attention = attention
         self.feed_forward = FeedForward(

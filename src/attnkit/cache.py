@@ -20,14 +20,31 @@ attention over what it holds itself, through :mod:`attnkit.functional`.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from attnkit.config import check_sizes
 
-__all__ = ["AttendingCache", "KVCache"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["AttendOptions", "AttendingCache", "KVCache"]
+
+
+class AttendOptions(TypedDict):
+    """What an attention layer tells an :class:`AttendingCache` besides the tensors.
+
+    Attributes:
+        scale: Multiplier of the scores.
+        window: Keys ``window`` or more positions before a query are masked (None: no window).
+        softcap: The scores' soft cap ``c > 0`` (``c * tanh(s / c)``), or None.
+    """
+
+    scale: float
+    window: int | None
+    softcap: float | None
 
 
 @runtime_checkable
@@ -39,16 +56,7 @@ class AttendingCache(Protocol):
     own position, attending only its own keys); the caller passes explicit ``positions``.
     """
 
-    def attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, **options: Unpack[AttendOptions]) -> Tensor:
         """Store ``k``/``v`` and return the attention of ``q`` over the keys it may see.
 
         Shape:

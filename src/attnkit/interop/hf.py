@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +33,13 @@ from attnkit.interop import gguf
 from attnkit.interop.architectures import architecture
 from attnkit.interop.hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, hf_config_from
 from attnkit.interop.hf_weights import WeightEntry, hf_state_dict, weight_map
-from attnkit.interop.loading import Checkpoint, CheckpointTensor, ModelClass, Replace, load
+from attnkit.interop.loading import (
+    Checkpoint,
+    CheckpointTensor,
+    LoadOptions,
+    check_load_options,
+    load,
+)
 from attnkit.interop.safetensors_io import (
     SafetensorsEntry,
     SafetensorsFile,
@@ -42,6 +48,9 @@ from attnkit.interop.safetensors_io import (
     read_safetensors_header,
     write_safetensors,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -164,13 +173,7 @@ def read_folder(path: str | Path) -> Checkpoint:
 
 
 def from_pretrained(
-    path: str | Path,
-    *,
-    cls: ModelClass,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    replace: Replace | None = None,
-    dequantize: bool = False,
+    path: str | Path, *, dequantize: bool = False, **options: Unpack[LoadOptions]
 ) -> Any:
     """Load a Hugging Face decoder folder or a ``.gguf`` file into ``cls(config)`` (eval mode).
 
@@ -204,8 +207,10 @@ def from_pretrained(
             tensor shapes that do not match the config, missing or unexpected tensors (naming
             the file and tensor, before any allocation where the file's description is at
             fault).
-        TypeError: If ``dtype`` is not a floating torch dtype.
+        TypeError: If ``dtype`` is not a floating torch dtype; without ``cls``, or for an option
+            :class:`attnkit.interop.loading.LoadOptions` does not name.
     """
+    check_load_options("from_pretrained", options)
     path = Path(path)
     native = False
     if path.suffix == ".gguf" and not path.is_dir():
@@ -213,7 +218,7 @@ def from_pretrained(
         native = not dequantize
     else:
         checkpoint = read_folder(path)
-    return load(checkpoint, cls=cls, dtype=dtype, device=device, replace=replace, native=native)
+    return load(checkpoint, native=native, **options)
 
 
 def to_transformers(lm: nn.Module) -> Any:

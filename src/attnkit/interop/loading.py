@@ -19,9 +19,9 @@ plus a linear or two, not at the full-precision model's size.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +29,9 @@ from torch import Tensor, nn
 from attnkit.config import TransformerConfig
 from attnkit.interop.architectures import Architecture, TensorNames
 from attnkit.interop.hf_weights import WeightEntry, weight_map
+
+if TYPE_CHECKING:
+    from typing_extensions import Required, Unpack
 
 # The model class a loader builds: ``cls(config)`` (:class:`attnkit.TransformerLM`, which sits
 # above this package and passes itself in).
@@ -39,13 +42,48 @@ Replace = Callable[[nn.Linear], nn.Module]
 __all__ = [
     "Checkpoint",
     "CheckpointTensor",
+    "LoadOptions",
     "ModelClass",
     "NativeBlocks",
     "ParameterFiller",
     "Replace",
     "allocate",
+    "check_load_options",
     "load",
 ]
+
+
+class LoadOptions(TypedDict, total=False):
+    """How a checkpoint becomes a model: the options of :func:`load` and
+    :func:`attnkit.interop.hf.from_pretrained`.
+
+    Attributes:
+        cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
+        dtype: Parameter dtype (default: torch's default dtype).
+        device: Where the parameters are allocated (default: CPU).
+        replace: Swap each plain ``nn.Linear`` for ``replace(linear)`` as soon as its weight is
+            loaded (see :class:`ParameterFiller`).
+    """
+
+    cls: Required[ModelClass]
+    dtype: torch.dtype | None
+    device: str | torch.device | None
+    replace: Replace | None
+
+
+def check_load_options(what: str, options: Mapping[str, Any]) -> None:
+    """Raise unless ``options`` (the ``**options`` of ``what``) give ``cls`` and only the other
+    keys of :class:`LoadOptions`.
+
+    Raises:
+        TypeError: Naming what was given and what is taken.
+    """
+    known = LoadOptions.__optional_keys__ | LoadOptions.__required_keys__
+    if not options.keys() <= known or "cls" not in options:
+        raise TypeError(
+            f"{what} takes cls and the options {sorted(known - {'cls'})}, got {sorted(options)}"
+        )
+
 
 # Tensors some checkpoints carry that are recomputed buffers, not weights.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -100,37 +138,30 @@ class Checkpoint:
     generation_config: dict[str, Any] = field(default_factory=dict)
 
 
-def load(
-    checkpoint: Checkpoint,
-    *,
-    cls: ModelClass,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    replace: Replace | None = None,
-    native: bool = False,
-) -> Any:
+def load(checkpoint: Checkpoint, *, native: bool = False, **options: Unpack[LoadOptions]) -> Any:
     """``cls(checkpoint.config)`` holding the checkpoint's weights, in eval mode.
 
     Args:
         checkpoint: What a reader found.
-        cls: The model class (:class:`attnkit.TransformerLM`), called with the config.
-        dtype: Parameter dtype (default: torch's default dtype).
-        device: Where the parameters are allocated (default: CPU).
-        replace: Swap each plain ``nn.Linear`` for ``replace(linear)`` as soon as its weight is
-            loaded (see :class:`ParameterFiller`).
         native: Load block-quantized matrices (:attr:`CheckpointTensor.native`) of plain
             linears as :class:`attnkit.quantized.BlockLinear` layers holding their blocks as
             they are, on the CPU (a linear whose parts come in different layouts, or as floats,
             is dequantized). A tied output head gets a block layer of the embedding's blocks.
+        **options: ``cls`` (required), ``dtype``, ``device``, ``replace``: see
+            :class:`LoadOptions`.
 
     Returns:
         The model; ``model.generation_config`` holds the checkpoint's eos/pad/bos ids.
 
     Raises:
-        TypeError: If ``dtype`` is not a floating torch dtype or ``device`` not a device.
+        TypeError: If ``dtype`` is not a floating torch dtype or ``device`` not a device; without
+            ``cls``, or for an option :class:`LoadOptions` does not name.
         ValueError: For tensor shapes that do not match the config, missing or unexpected
             tensors (naming the file and tensor).
     """
+    check_load_options("load", options)
+    cls, dtype, device = options["cls"], options.get("dtype"), options.get("device")
+    replace = options.get("replace")
     native = native and torch.device("cpu" if device is None else device).type == "cpu"
     if native and replace is None:
         replace = _kept

@@ -24,18 +24,33 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from attnkit.kernels.binding import view as _view
 from attnkit.kernels.build import library, load_library
+from attnkit.kernels.tiles import (
+    FLASH_KEYS,
+    TILE_KEYS,
+    FlashOptions,
+    TileOptions,
+    first_query,
+    tile_options,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "FLASH_PRODUCTS",
     "NON_FINITE",
     "NO_KEY",
+    "FlashOptions",
+    "TileOptions",
     "capped_attention",
     "capped_softmax_",
     "flash_attention",
@@ -243,12 +258,9 @@ def flash_attention(
     k: Tensor,
     v: Tensor,
     *,
-    scale: float,
-    causal: bool = False,
-    window: int | None = None,
-    first: int | None = None,
     blocks: tuple[int, int] = (128, 512),
     products: str = "widened",
+    **options: Unpack[FlashOptions],
 ) -> tuple[Tensor, Tensor]:
     """Attention in FlashAttention's loop on the CPU, with the log-sum-exp the backward needs.
 
@@ -289,8 +301,9 @@ def flash_attention(
         ValueError: For shapes that do not fit, tensors not on the CPU, or a bad argument.
         RuntimeError: Where it cannot run here (:func:`flash_available`).
     """
+    scale, causal, window = tile_options("flash_attention", options, FLASH_KEYS)
     _check_flash("flash_attention", q, k, v, window, _FLASH_DTYPES, products)
-    first = k.shape[2] - q.shape[2] if first is None else first
+    first = first_query(options, q, k)
     sgemm = _flash_sgemm()
     assert sgemm is not None
     out, lse = _forward(
@@ -309,12 +322,9 @@ def flash_attention_backward(
     out: Tensor,
     lse: Tensor,
     *,
-    scale: float,
-    causal: bool = False,
-    window: int | None = None,
-    first: int | None = None,
     blocks: tuple[int, int] = (64, 512),
     into: tuple[Tensor, Tensor, Tensor] | None = None,
+    **options: Unpack[FlashOptions],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`flash_attention` in FlashAttention-2's loop order.
 
@@ -349,7 +359,9 @@ def flash_attention_backward(
         ValueError: For shapes that do not fit, or tensors not on the CPU.
         RuntimeError: Where it cannot run here (:func:`flash_available`).
     """
-    _check_flash("flash_attention_backward", q, k, v, window, _FLASH_DTYPES)
+    name = "flash_attention_backward"
+    scale, causal, window = tile_options(name, options, FLASH_KEYS)
+    _check_flash(name, q, k, v, window, _FLASH_DTYPES)
     B, H, L, E = q.shape
     K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     if grad_out.shape != (B, H, L, Ev) or out.shape != (B, H, L, Ev) or lse.shape != (B, H, L):
@@ -360,7 +372,7 @@ def flash_attention_backward(
         )
     lib, sgemm = library(), _flash_sgemm()
     assert sgemm is not None
-    first = S - L if first is None else first
+    first = first_query(options, q, k)
     dtype = q.dtype
     if into is not None:
         dq, dk, dv = into
@@ -404,13 +416,11 @@ def capped_attention(
     v: Tensor,
     *,
     softcap: float,
-    scale: float,
-    causal: bool = False,
-    window: int | None = None,
     finite: bool = False,
     query_block: int = 64,
     key_block: int = 512,
     products: str = "widened",
+    **options: Unpack[TileOptions],
 ) -> Tensor:
     """Soft-capped attention without gradients, ``softmax(c * tanh(q k^T * scale / c)) v`` over
     the keys each query may attend: :func:`flash_attention`'s loop with the cap applied to each
@@ -450,6 +460,7 @@ def capped_attention(
             f"capped_attention needs a finite softcap > 0 and blocks >= 1, got "
             f"softcap={softcap}, query_block={query_block}, key_block={key_block}"
         )
+    scale, causal, window = tile_options("capped_attention", options, TILE_KEYS)
     _check_flash("capped_attention", q, k, v, window, _FLASH_DTYPES, products)
     sgemm = _flash_sgemm()
     assert sgemm is not None
@@ -536,6 +547,33 @@ NO_KEY = 1  #: some query may attend no key: its row is zero
 NON_FINITE = 2  #: some output value is NaN or infinite
 _NO_MEMORY = 4  # a buffer could not be allocated: nothing was written (csrc/one_query.c)
 _BAD_INDEX = 8  # a paged key outside its table or the pool: nothing was written
+
+
+def _one_query(
+    name: str,
+    call: Callable[..., int],
+    q: Tensor,
+    K: int,
+    keys: tuple[Any, ...],
+    scale: float,
+    softcap: float | None,
+    out: Tensor,
+) -> int:
+    """The flags of a one-query kernel ``call`` (csrc/one_query.c) writing ``out`` from ``q``
+    ``(B, H, 1, E)`` and ``K`` key/value heads; ``keys``: its arguments that say where the keys,
+    values (and mask) lie.
+
+    Raises:
+        MemoryError: Where the kernel could not allocate its buffers (naming ``name``).
+    """
+    B, H, _, E = q.shape
+    flags = call(
+        q.data_ptr(), B, K, H // K, E, *keys, scale, softcap or 0.0, out.data_ptr(),
+        q.dtype == torch.bfloat16, torch.get_num_threads(),
+    )  # fmt: skip
+    if flags & _NO_MEMORY:
+        raise MemoryError(f"{name} could not allocate its buffers")
+    return flags
 
 
 def one_query_attention(
@@ -625,12 +663,7 @@ def one_query_attention(
     k0, k1, k2, _ = k.stride()
     v0, v1, v2, _ = v.stride()
     m0, _, _, m3 = (0, 0, 0, 0) if mask is None else mask.stride()
-    flags = lib.attnkit_one_query_attention(
-        q.data_ptr(),
-        B,
-        K,
-        H // K,
-        E,
+    keys = (
         k.data_ptr(),
         k0,
         k1,
@@ -644,15 +677,9 @@ def one_query_attention(
         None if mask is None else mask.data_ptr(),
         m0 if mask is not None and mask.shape[0] > 1 else 0,  # (0: one mask row for all)
         m3,
-        scale,
-        softcap or 0.0,
-        out.data_ptr(),
-        dtype == torch.bfloat16,
-        torch.get_num_threads(),
     )
-    if flags & _NO_MEMORY:
-        raise MemoryError(f"one_query_attention could not allocate its buffers ({S} keys)")
-    return out, flags
+    name = "one_query_attention"
+    return out, _one_query(name, lib.attnkit_one_query_attention, q, K, keys, scale, softcap, out)
 
 
 def paged_one_query_attention(
@@ -729,12 +756,7 @@ def paged_one_query_attention(
     out = q.new_empty(B, H, 1, Ev)
     if out.numel() == 0:
         return out, 0
-    flags = lib.attnkit_paged_one_query_attention(
-        q.data_ptr(),
-        B,
-        K,
-        H // K,
-        E,
+    keys = (
         k_pool.data_ptr(),
         k_pool.stride(1),
         k_pool.stride(0),
@@ -747,17 +769,12 @@ def paged_one_query_attention(
         first.data_ptr(),
         count.data_ptr(),
         k_pool.shape[0],
-        scale,
-        softcap or 0.0,
-        out.data_ptr(),
-        dtype == torch.bfloat16,
-        torch.get_num_threads(),
     )
+    call = lib.attnkit_paged_one_query_attention
+    flags = _one_query("paged_one_query_attention", call, q, K, keys, scale, softcap, out)
     if flags & _BAD_INDEX:
         raise ValueError(
             f"paged_one_query_attention: a key outside its rows (first {first.tolist()}, count "
             f"{count.tolist()}, width {rows.shape[1]}) or outside the pool ({k_pool.shape[0]} rows)"
         )
-    if flags & _NO_MEMORY:
-        raise MemoryError("paged_one_query_attention could not allocate its buffers")
     return out, flags

@@ -28,6 +28,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -36,6 +37,11 @@ from attnkit import functional
 from attnkit.config import check_sizes
 from attnkit.kernels import attention as attention_kernels
 from attnkit.kernels import build, policy
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from attnkit.cache import AttendOptions
 
 __all__ = [
     "BlockPool",
@@ -285,16 +291,7 @@ class PagedLayer:
     def __init__(self, cache: PagedKVCache, layer: int) -> None:
         self.cache, self.layer = cache, layer
 
-    def attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, **options: Unpack[AttendOptions]) -> Tensor:
         """Write the new keys/values into their slots, then :func:`paged_attention`.
 
         Shape:
@@ -311,9 +308,7 @@ class PagedLayer:
         k_pool, v_pool = self.cache.storage[self.layer]  # (slots, K, E) each
         k_pool.index_copy_(0, batch.slots, k[0].transpose(0, 1).to(k_pool.dtype))
         v_pool.index_copy_(0, batch.slots, v[0].transpose(0, 1).to(v_pool.dtype))
-        return paged_attention(
-            q, k_pool, v_pool, batch, scale=scale, window=window, softcap=softcap
-        )
+        return paged_attention(q, k_pool, v_pool, batch, **options)
 
     def fused_step(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor] | None:
         """What :mod:`attnkit.fused` needs to run this layer in one call with the others: its

@@ -10,7 +10,7 @@ where it uses tensor operations only) can be drawn.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import numpy as np
 import torch
@@ -21,7 +21,10 @@ from matplotlib.patches import Rectangle
 
 from attnkit.viz._common import new_figure
 
-__all__ = ["bias_values", "block_states", "mask_grid", "mask_picture", "score_bias"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["GridOptions", "bias_values", "block_states", "mask_grid", "mask_picture", "score_bias"]
 
 #: Colours of a key a query may not see / may see.
 MASK_COLOURS = ("#f2f2f2", "#3b75af")
@@ -49,8 +52,21 @@ def _check_lengths(L: int, S: int | None) -> int:
     return S
 
 
+class GridOptions(TypedDict, total=False):
+    """Which batch entry and head a ``mask_mod`` is drawn for (options of :func:`mask_grid` and
+    :func:`mask_picture`).
+
+    Attributes:
+        batch: The batch entry ``b`` (default 0).
+        head: The head ``h`` (default 0).
+    """
+
+    batch: int
+    head: int
+
+
 def mask_grid(
-    mask_mod: Callable[..., Any], L: int, S: int | None = None, *, batch: int = 0, head: int = 0
+    mask_mod: Callable[..., Any], L: int, S: int | None = None, **grid: Unpack[GridOptions]
 ) -> torch.Tensor:
     """``mask_mod`` evaluated on every (query, key) pair of one batch entry and head.
 
@@ -65,9 +81,14 @@ def mask_grid(
         Bool ``(L, S)``: ``True`` where query ``i`` may see key ``j``.
 
     Raises:
+        TypeError: For an option besides ``batch`` and ``head``.
         ValueError: For bad lengths, or a ``mask_mod`` that fails on index tensors or returns
             something that is not a bool tensor broadcastable to ``(L, S)`` (naming it).
     """
+    unknown = sorted(set(grid) - GridOptions.__optional_keys__)
+    if unknown:
+        raise TypeError(f"unknown grid options {unknown}; known: batch, head")
+    batch, head = grid.get("batch", 0), grid.get("head", 0)
     S = _check_lengths(L, S)
     b, _, q, kv = _index(L, S, 1)
     try:
@@ -114,11 +135,10 @@ def mask_picture(
     L: int,
     S: int | None = None,
     *,
-    batch: int = 0,
-    head: int = 0,
     block_size: int | None = None,
     title: str | None = None,
     ax: Axes | None = None,
+    **grid: Unpack[GridOptions],
 ) -> Figure:
     """Which keys each query may see under ``mask_mod``, with its block structure.
 
@@ -141,7 +161,7 @@ def mask_picture(
     Raises:
         ValueError: See :func:`mask_grid` and :func:`block_states`.
     """
-    allowed = mask_grid(mask_mod, L, S, batch=batch, head=head)
+    allowed = mask_grid(mask_mod, L, S, **grid)
     L, S = allowed.shape
     if ax is None:
         cell = min(0.3, 6.0 / max(L, S))

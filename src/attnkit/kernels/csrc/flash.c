@@ -163,23 +163,14 @@ static inline float exp_bf16(const float *src, uint16_t *dst, int64_t n, float s
 
 #define WIDE __attribute__((target("avx512f")))
 
-/* exp8's polynomial for sixteen x <= 0 (or NaN, which stays NaN): the power of two applied by
- * scalef, so that no clamp above is needed; below -87.3 (where exp8 gives 0) the result is
- * exp(-87.3), near float32's smallest normal. */
+/* exp8's polynomial (simd.h's EXP_REDUCED) for sixteen x <= 0 (or NaN, which stays NaN): the
+ * power of two applied by scalef, so that no clamp above is needed; below -87.3 (where exp8
+ * gives 0) the result is exp(-87.3), near float32's smallest normal. */
 WIDE static inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(EXP_REDUCED(_mm512, __m512, x, n), n);
 }
 
 /* exp_bf16 with 512-bit vectors (where the CPU has them; src[j] <= shift, as exp_bf16's

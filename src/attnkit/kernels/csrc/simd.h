@@ -21,24 +21,33 @@ static inline float lanes_max(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-/* exp for eight floats: Cephes' expf polynomial after splitting off 2^n (about 1 ulp). NaN stays
- * NaN (min/max return their second operand when one is NaN); exp(88) is the largest result
- * and anything below exp(-87.3) (near float32's smallest normal) is 0. */
+/* Cephes' expf polynomial: exp(x - n ln 2) for a vector x already clamped and n = round(x /
+ * ln 2), ln 2 split in two so that the reduced argument stays exact; the caller multiplies by
+ * 2^n. V is the intrinsics' prefix (_mm256, _mm512) and T its vector type, so that every width
+ * rounds the same steps alike (a GCC/Clang statement expression). */
+#define EXP_REDUCED(V, T, x, n)                                                     \
+  ({                                                                                \
+    T r_ = V##_fnmadd_ps((n), V##_set1_ps(0.693359375f), (x));                     \
+    r_ = V##_fnmadd_ps((n), V##_set1_ps(-2.12194440e-4f), r_);                      \
+    T p_ = V##_set1_ps(1.9875691500e-4f);                                           \
+    p_ = V##_fmadd_ps(p_, r_, V##_set1_ps(1.3981999507e-3f));                       \
+    p_ = V##_fmadd_ps(p_, r_, V##_set1_ps(8.3334519073e-3f));                       \
+    p_ = V##_fmadd_ps(p_, r_, V##_set1_ps(4.1665795894e-2f));                       \
+    p_ = V##_fmadd_ps(p_, r_, V##_set1_ps(1.6666665459e-1f));                       \
+    p_ = V##_fmadd_ps(p_, r_, V##_set1_ps(5.0000001201e-1f));                       \
+    V##_fmadd_ps(V##_mul_ps(p_, r_), r_, V##_add_ps(r_, V##_set1_ps(1.0f)));        \
+  })
+
+/* exp for eight floats: EXP_REDUCED times 2^n (about 1 ulp). NaN stays NaN (min/max return
+ * their second operand when one is NaN); exp(88) is the largest result and anything below
+ * exp(-87.3) (near float32's smallest normal) is 0. */
 static inline __m256 exp8(__m256 x) {
   const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ); /* (false for NaN) */
   x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
   x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256 p = EXP_REDUCED(_mm256, __m256, x, n);
   const __m256i e =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
