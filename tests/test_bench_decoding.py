@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from attnkit import native
+from attnkit import decoding, native
 from attnkit.bench.decoding import (
     batched_rows,
     decode_rows,
@@ -50,6 +50,9 @@ def test_decode_rows_measure_a_tiny_model() -> None:
     rows = {r["variant"]: r for r in report["rows"]}
     assert set(rows) == {"transformers", "attnkit"}
     assert rows["attnkit"]["same_tokens_as_transformers"] is True
+    config = TINY["tiny"][0]
+    fuses = decoding.prepare(TransformerLM(config).eval()).fuses_steps()
+    assert "fused_steps" not in rows["transformers"] and rows["attnkit"]["fused_steps"] is fuses
     assert rows["transformers"]["vs_transformers"] == 1.0
     for row in rows.values():  # the derived columns follow from the measured seconds
         assert row["tokens_per_s"] == pytest.approx(row["new_tokens"] / row["seconds"])
@@ -84,6 +87,8 @@ def test_vs_rows_compare_with_transformers() -> None:
     assert [r["job"] for r in rows] == ["decode tiny"]
     assert rows[0]["peer"] == "transformers LlamaForCausalLM"
     assert "same tokens: True" in rows[0]["note"] and rows[0]["goal"] is None
+    fuses = decoding.prepare(TransformerLM(TINY["tiny"][0]).eval()).fuses_steps()
+    assert ("steps: the fused one-call step" in rows[0]["note"]) is fuses
     tok_s = float(rows[0]["note"].split(" tok/s")[0].rsplit(" ", 1)[1])
     assert tok_s == pytest.approx(4 / rows[0]["attnkit_s"], rel=0.05)  # 4 new tokens
 

@@ -83,15 +83,16 @@ def _weight_bytes(model: TransformerLM) -> int:
 
 def _runner(
     model: TransformerLM, prompt: Tensor, *, compile: bool = False
-) -> Callable[[int], Tensor]:
+) -> tuple[Callable[[int], Tensor], bool]:
     """Greedy ``generate`` of a copy of ``model`` whose linears :func:`attnkit.decoding.prepare`
-    laid out for one-row products (eager, or for the compiled step)."""
+    laid out for one-row products (eager, or for the compiled step), and whether its steps run
+    the fused one-call step (``compile=True`` too, where the policy's compiled step is it)."""
     prepared = decoding.prepare(copy.deepcopy(model), compiled=compile)
 
     def run(new: int) -> Tensor:
         return prepared.generate(prompt, new, compile=compile)
 
-    return run
+    return run, prepared.fuses_steps()
 
 
 # The targets of the rows: (model, what, row, key, at least).
@@ -150,7 +151,9 @@ def decode_rows(
     Each row has ``model``, ``variant``, ``seconds`` (median end-to-end ``generate``),
     ``tokens_per_s`` (new tokens / seconds), ``step_tokens_per_s`` (decode phase only: the
     median of ``(t(new) - t(1)) / (new - 1)``) and ratios against the transformers row of the
-    same model (``vs_transformers``). Models above :data:`BOUND_PARAMETERS` also get the
+    same model (``vs_transformers``); attnkit's rows say whether their steps ran the fused
+    one-call step (``fused_steps``: ``compile=True`` runs it where the policy's
+    ``decoding.compiled_step`` says so). Models above :data:`BOUND_PARAMETERS` also get the
     read-bandwidth bound: ``weight_bytes`` (what one step of the variant reads), ``of_bound``
     (the step rate times those bytes over the fastest bandwidth probe of the same rounds) and
     ``of_fp32_bound`` (the same with the fp32 weights' bytes).
@@ -184,6 +187,7 @@ def decode_rows(
         model = TransformerLM(config).eval()
         prompt = torch.randint(0, model.embedding.num_embeddings, (1, P))
         runners: dict[str, Callable[[int], Tensor]] = {}
+        fused: dict[str, bool] = {}  # (attnkit's variants: steps by the one-call step)
         try:
             runners["transformers"] = hf_greedy(to_transformers(model), prompt)
         except ImportError:
@@ -196,7 +200,7 @@ def decode_rows(
             weights["attnkit bf16"] = copy.deepcopy(model).to(torch.bfloat16)
         for label, lm in weights.items():
             for kind in kinds:
-                runners[label + kind] = _runner(lm, prompt, compile=bool(kind))
+                runners[label + kind], fused[label + kind] = _runner(lm, prompt, compile=bool(kind))
         # Warm up (and compile), check greedy agreement.
         outputs: dict[str, Tensor] = {}
         compile_s: dict[str, float] = {}
@@ -244,6 +248,8 @@ def decode_rows(
             }
             if variant.endswith("compile"):
                 row["first_call_seconds"] = compile_s[variant]  # includes the compilation
+            if variant in fused:
+                row["fused_steps"] = fused[variant]
             if bandwidth is not None:
                 row["bandwidth_bytes_per_s"] = bandwidth
                 row["fp32_weight_bytes"] = bytes_per_token
@@ -323,7 +329,9 @@ def vs_rows(
                     share += f" (goal {bound_goals[name, variant]:.0%})"
                 bound.append(share)
             notes += bound
-            if row.get("first_call_seconds") is not None:
+            if row.get("fused_steps"):
+                notes.append("steps: the fused one-call step")
+            elif row.get("first_call_seconds") is not None:
                 notes.append(f"first call incl. compile {row['first_call_seconds']:.0f} s")
             if row.get("same_tokens_as_transformers") is not None:
                 notes.append(f"same tokens: {row['same_tokens_as_transformers']}")
