@@ -498,6 +498,40 @@ def test_bf16_causal_candidates_compute_the_causal_forward():
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
+def test_bf16_backward_candidates_compute_the_windows_gradients():
+    choice = policy.choices()["attention.bf16_backward"]
+    caps = capabilities()
+    assert choice.rule(caps) == ("torch" if caps.bf16_dot else "flash")
+    assert choice.rule(dataclasses.replace(caps, flags=caps.flags | {"avx512_bf16"})) == "torch"
+    calls = choice.candidates()
+    g = torch.Generator().manual_seed(0)  # (the candidates' inputs)
+    q, k, v, grad = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(4))
+    wide = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference_attention(*wide, loop_mask(1024, 1024, causal=True, window=256))
+    want = torch.autograd.grad(ref, wide, grad.double())
+    assert set(calls) == {"torch", "flash"} if attention_kernels.flash_available() else {"torch"}
+    for call in calls.values():
+        for got, expected in zip(call(), want, strict=True):
+            torch.testing.assert_close(got.double(), expected, atol=6e-2, rtol=6e-2)
+
+
+@pytest.mark.parametrize("option", ["flash", "torch"])
+def test_bf16_gradients_and_documents_take_the_policys_kernel(monkeypatch, option):
+    # With gradients the bf16_backward choice decides; documents without a window are causal
+    # prefixes and follow bf16_causal, not the windows' choice.
+    if not attention_kernels.flash_available():
+        pytest.skip(f"attnkit's flash kernel does not run here: {build.kernels_unavailable()}")
+    monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_BACKWARD", option)
+    monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_CAUSAL", option)
+    monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_STRUCTURED", "flash")
+    q = torch.randn(1, 2, 64, 16, dtype=torch.bfloat16)
+    wants = q.clone().requires_grad_()
+    assert policy.flash_kernel(call_of(wants, window=32)) is (option == "flash")
+    documents = dataclasses.replace(call_of(q), batched=True)
+    assert policy.flash_kernel(documents) is (option == "flash")
+    assert policy.flash_kernel(call_of(q, window=32))  # (windows ask bf16_structured)
+
+
 def test_bf16_structured_rule_and_candidates():
     choice = policy.choices()["attention.bf16_structured"]
     caps = capabilities()

@@ -192,14 +192,23 @@ def tiled_attention(
     return out.squeeze(0) if squeeze else out
 
 
-def window_tiles(q: Tensor, k: Tensor, v: Tensor, *, rows: int, window: int) -> Tensor:
-    """A causal sliding-window forward on torch's flash kernel in tiles of ``rows`` queries
-    (finite inputs ``(B, H, L, E)``, no gradients): what the policy times against attnkit's
-    flash kernel (:func:`attnkit.kernels.policy.bf16_structured`)."""
+def window_tiles(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    rows: int | None,
+    window: int,
+    kernels: policy.TileKernels | None = None,
+) -> Tensor:
+    """A causal sliding-window attention in tiles of ``rows`` queries (None: the default
+    tiling) on ``kernels`` (default torch's flash kernel on every tile), finite inputs
+    ``(B, H, L, E)``, with autograd: what the policy times for its bf16 choices
+    (:func:`attnkit.kernels.policy.bf16_structured`, ``attention.bf16_backward``)."""
     B, _, L, E = q.shape
     plan = tile_plan(L, k.shape[2], Structure(causal=True, window=window), B, q.device, rows)
-    torch_tiles = policy.TileKernels(flash=False)
-    return attend_runs(q, k, v, plan.runs, scale=E**-0.5, dropout_p=0.0, kernels=torch_tiles)
+    kernels = policy.TileKernels(flash=False) if kernels is None else kernels
+    return attend_runs(q, k, v, plan.runs, scale=E**-0.5, dropout_p=0.0, kernels=kernels)
 
 
 policy.provide_attention_kernel("tiles", window_tiles)

@@ -34,6 +34,7 @@ from attnkit.kernels.tuning import (
     choices,
     choose,
     decision,
+    declare,
     env_var,
     on_reset,
     register,
@@ -191,9 +192,9 @@ def flash_kernel(call: AttentionCall) -> bool:
     torch's flash kernel: where they may run (:attr:`AttentionCall.eager` and
     :attr:`AttentionCall.ready`), in float32 always (they skip finer blocks of a causal or
     windowed structure than torch's kernel), in bfloat16 by the measured choices
-    ``attention.bf16_causal`` (plain causal) and :func:`bf16_structured` (windows, documents):
-    which kernel multiplies bf16 faster depends on the CPU's bf16 units, and a band skips more
-    work than a whole causal prefix."""
+    ``attention.bf16_backward`` (with gradients), ``attention.bf16_causal`` (causal prefixes,
+    plain or per document) and :func:`bf16_structured` (windows): which kernel multiplies bf16
+    faster depends on the CPU's bf16 units, and a band skips more work than a causal prefix."""
     if not (call.eager and call.ready):
         return False
     if call.dtype == torch.float32:
@@ -201,8 +202,8 @@ def flash_kernel(call: AttentionCall) -> bool:
     if call.dtype != torch.bfloat16:
         return False
     if call.grads:
-        return not torch_low_precision(torch.bfloat16, backward=True)
-    if call.window is None and not call.batched:  # (whole causal prefixes: no band to skip)
+        return choose("attention.bf16_backward") == "flash"
+    if call.window is None:  # (whole causal prefixes, or one per document: no band to skip)
         return choose("attention.bf16_causal") == "flash"
     return bf16_structured(call.window)[0] == "flash"
 
@@ -276,16 +277,14 @@ def tile_rows(L: int, window: int | None, dtype: torch.dtype = torch.float32) ->
     return max(1, min(rows, L))
 
 
-register(
-    Choice(
-        "attention.bf16_structured",
-        ("flash", "tiles-64", "tiles-128", "tiles-256"),
-        "A bfloat16 causal/sliding-window forward: attnkit's flash kernel (bf16 widened to "
-        "float32 blocks) or torch's flash kernel on tiles of that many queries (bf16 products "
-        "where the CPU has bf16 units). Which wins depends on those units and on the tile size.",
-        lambda caps: "tiles-64" if caps.matrix_tiles else "flash",
-        timing.bf16_structured,
-    )
+declare(
+    "attention.bf16_structured",
+    ("flash", "tiles-64", "tiles-128", "tiles-256"),
+    "A bfloat16 causal/sliding-window forward: attnkit's flash kernel (bf16 widened to "
+    "float32 blocks) or torch's flash kernel on tiles of that many queries (bf16 products "
+    "where the CPU has bf16 units). Which wins depends on those units and on the tile size.",
+    lambda caps: "tiles-64" if caps.matrix_tiles else "flash",
+    timing.bf16_structured,
 )
 
 
@@ -300,31 +299,36 @@ def bf16_structured(window: int | None = None) -> tuple[str, int]:
     return "tiles", int(option.split("-")[1])
 
 
-register(
-    Choice(
-        "attention.bf16_causal",
-        ("flash", "torch"),
-        "A bfloat16 causal forward without a window: attnkit's flash kernel or torch's fused "
-        "kernel. A whole causal prefix leaves attnkit's finer blocks little to skip, so which "
-        "wins depends on how each multiplies bf16 on this CPU.",
-        lambda caps: "torch" if caps.matrix_tiles else "flash",
-        timing.bf16_causal,
-    )
+declare(
+    "attention.bf16_backward",
+    ("flash", "torch"),
+    "A bfloat16 causal/window attention with a backward: attnkit's flash kernels (blocks "
+    "widened to float32) or torch's bf16 flash kernel in tiles; which wins depends on the "
+    "CPU's bf16 units and on the work each skips.",
+    lambda caps: "torch" if caps.bf16_dot else "flash",
+    timing.bf16_backward,
 )
-register(
-    Choice(
-        "attention.flash_bf16_products",
-        ("bf16", "widened"),
-        "A bf16 flash forward's tile products: bf16 operands with float32 sums (MKL's bf16 GEMM), "
-        "or widened to float32 for sgemm, which wins where the CPU has no bf16 dot products (it "
-        "would only emulate them); whether MKL's bf16 GEMM pays on small tiles also depends on "
-        "the CPU's vendor, so it is measured on a causal prefill's shape.",
-        lambda caps: (
-            "bf16" if caps.bf16_dot and attention.flash_bf16_products_available() else "widened"
-        ),
-        timing.flash_bf16_products,
-        margin=1.05,
-    )
+declare(
+    "attention.bf16_causal",
+    ("flash", "torch"),
+    "A bfloat16 causal forward without a window: attnkit's flash kernel or torch's fused "
+    "kernel. A whole causal prefix leaves attnkit's finer blocks little to skip, so which "
+    "wins depends on how each multiplies bf16 on this CPU.",
+    lambda caps: "torch" if caps.matrix_tiles else "flash",
+    timing.bf16_causal,
+)
+declare(
+    "attention.flash_bf16_products",
+    ("bf16", "widened"),
+    "A bf16 flash forward's tile products: bf16 operands with float32 sums (MKL's bf16 GEMM), "
+    "or widened to float32 for sgemm, which wins where the CPU has no bf16 dot products (it "
+    "would only emulate them); whether MKL's bf16 GEMM pays on small tiles also depends on "
+    "the CPU's vendor, so it is measured on a causal prefill's shape.",
+    lambda caps: (
+        "bf16" if caps.bf16_dot and attention.flash_bf16_products_available() else "widened"
+    ),
+    timing.flash_bf16_products,
+    margin=1.05,
 )
 
 
@@ -473,141 +477,117 @@ def _compiled_row_choice(dtype: torch.dtype) -> str:
     return f"linear.compiled_row.{str(dtype).removeprefix('torch.')}"
 
 
-register(
-    Choice(
-        "linear.float_dots",
-        ("wide", "narrow"),
-        "attnkit's float products: eight rows share each weight vector with the wide dots (where "
-        "the CPU has 512-bit vectors), two with the narrow ones.",
-        lambda caps: "wide" if caps.wide_vectors else "narrow",
-    )
+declare(
+    "linear.float_dots",
+    ("wide", "narrow"),
+    "attnkit's float products: eight rows share each weight vector with the wide dots (where "
+    "the CPU has 512-bit vectors), two with the narrow ones.",
+    lambda caps: "wide" if caps.wide_vectors else "narrow",
 )
-register(
-    Choice(
-        "linear.int8_dots",
-        ("wide", "narrow"),
-        "attnkit's int8 and int4 products: the wide integer dots take twice the codes per "
-        "instruction, with the same bits, where the CPU has them.",
-        lambda caps: "wide" if caps.int8_dot else "narrow",
-    )
+declare(
+    "linear.int8_dots",
+    ("wide", "narrow"),
+    "attnkit's int8 and int4 products: the wide integer dots take twice the codes per "
+    "instruction, with the same bits, where the CPU has them.",
+    lambda caps: "wide" if caps.int8_dot else "narrow",
 )
-register(
-    Choice(
-        "linear.fp32_row",
-        ("stream", "transposed"),
-        "An eager float32 product of one row, and of the few rows a speculative round verifies "
-        "(the weight's layout serves both): attnkit's stream over the row-major weight, or "
-        "F.linear (MKL) over a column-major one; which reads a weight faster depends on the CPU.",
-        lambda caps: "transposed" if caps.matrix_tiles else "stream",
-        timing.fp32_row,
-        margin=1.05,
-    )
+declare(
+    "linear.fp32_row",
+    ("stream", "transposed"),
+    "An eager float32 product of one row, and of the few rows a speculative round verifies "
+    "(the weight's layout serves both): attnkit's stream over the row-major weight, or "
+    "F.linear (MKL) over a column-major one; which reads a weight faster depends on the CPU.",
+    lambda caps: "transposed" if caps.matrix_tiles else "stream",
+    timing.fp32_row,
+    margin=1.05,
 )
 for _dtype, _rule in ((torch.float32, False), (torch.bfloat16, True)):
-    register(
-        Choice(
-            _compiled_row_choice(_dtype),
-            ("kernel", "reduction"),
-            f"A compiled step's product of one {_dtype} row: attnkit's kernel as an op, or "
-            "inductor's streaming reduction (no op call). A rule, not a measurement: timed "
-            "alone, the reduction wins, while inside a whole compiled step the wide dots' "
-            "kernel serves a bf16 row better (inductor fuses the reduction with its "
-            "neighbours differently); `timing.compiled_row` times the pair for study.",
-            (lambda caps: "kernel" if caps.wide_vectors else "reduction")
-            if _rule
-            else (lambda caps: "reduction"),
-        )
+    declare(
+        _compiled_row_choice(_dtype),
+        ("kernel", "reduction"),
+        f"A compiled step's product of one {_dtype} row: attnkit's kernel as an op, or "
+        "inductor's streaming reduction (no op call). A rule, not a measurement: timed "
+        "alone, the reduction wins, while inside a whole compiled step the wide dots' "
+        "kernel serves a bf16 row better (inductor fuses the reduction with its "
+        "neighbours differently); `timing.compiled_row` times the pair for study.",
+        (lambda caps: "kernel" if caps.wide_vectors else "reduction")
+        if _rule
+        else (lambda caps: "reduction"),
     )
-register(
-    Choice(
-        "linear.fp32_prompt",
-        ("mkl", "onednn"),
-        "A prompt's float32 GEMM (eager, no gradients): F.linear's MKL, or oneDNN's GEMM, which "
-        "some CPUs run much faster (MKL takes a narrower path on them).",
-        lambda caps: "mkl",
-        timing.fp32_prompt,
-        margin=1.15,
-    )
+declare(
+    "linear.fp32_prompt",
+    ("mkl", "onednn"),
+    "A prompt's float32 GEMM (eager, no gradients): F.linear's MKL, or oneDNN's GEMM, which "
+    "some CPUs run much faster (MKL takes a narrower path on them).",
+    lambda caps: "mkl",
+    timing.fp32_prompt,
+    margin=1.15,
 )
-register(
-    Choice(
-        "linear.fp32_batch",
-        ("gemm", "stream"),
-        "An eager float32 product of as many rows as a full continuous batch decodes: the "
-        "prompts' blocked GEMM, or attnkit's stream (each weight row dotted with every row while "
-        "it is in cache); where one overtakes the other depends on the CPU's vectors and cores.",
-        lambda caps: "gemm" if caps.matrix_tiles else "stream",
-        lambda: timing.fp32_batch(PROMPT_ROWS, onednn=choose("linear.fp32_prompt") == "onednn"),
-        margin=1.05,
-    )
+declare(
+    "linear.fp32_batch",
+    ("gemm", "stream"),
+    "An eager float32 product of as many rows as a full continuous batch decodes: the "
+    "prompts' blocked GEMM, or attnkit's stream (each weight row dotted with every row while "
+    "it is in cache); where one overtakes the other depends on the CPU's vectors and cores.",
+    lambda caps: "gemm" if caps.matrix_tiles else "stream",
+    lambda: timing.fp32_batch(PROMPT_ROWS, onednn=choose("linear.fp32_prompt") == "onednn"),
+    margin=1.05,
 )
-register(
-    Choice(
-        "linear.bf16_prompt",
-        ("bf16", "upcast"),
-        "A prompt's bf16 GEMM: as it is, or in float32 and rounded back, which wins where the "
-        "CPU has no bf16 dot products (torch emulates them).",
-        lambda caps: "bf16" if caps.bf16_dot else "upcast",
-        timing.bf16_prompt,
-    )
+declare(
+    "linear.bf16_prompt",
+    ("bf16", "upcast"),
+    "A prompt's bf16 GEMM: as it is, or in float32 and rounded back, which wins where the "
+    "CPU has no bf16 dot products (torch emulates them).",
+    lambda caps: "bf16" if caps.bf16_dot else "upcast",
+    timing.bf16_prompt,
 )
-register(
-    Choice(
-        "linear.int8",
-        INT8_KERNELS[:3],
-        "The int8 kernel of quantized linears: attnkit's (streams the codes), fbgemm's dynamic "
-        "linear, or torch's int8pack product (bf16 activations).",
-        lambda caps: (
-            "attnkit"
-            if build.kernels_available()
-            else "int8pack"
-            if caps.matrix_tiles or not linear.fbgemm_engine()
-            else "fbgemm"
-        ),
-        lambda: timing.int8(int8pack_takes),
-        margin=1.1,
-    )
+declare(
+    "linear.int8",
+    INT8_KERNELS[:3],
+    "The int8 kernel of quantized linears: attnkit's (streams the codes), fbgemm's dynamic "
+    "linear, or torch's int8pack product (bf16 activations).",
+    lambda caps: (
+        "attnkit"
+        if build.kernels_available()
+        else "int8pack"
+        if caps.matrix_tiles or not linear.fbgemm_engine()
+        else "fbgemm"
+    ),
+    lambda: timing.int8(int8pack_takes),
+    margin=1.1,
 )
-register(
-    Choice(
-        "linear.int4",
-        ("attnkit", "dequantize"),
-        "The int4 kernel of quantized linears: attnkit's (packed nibbles, integer dots), or the "
-        "float product with the dequantized weight where it cannot run.",
-        lambda caps: "attnkit" if build.kernels_available() else "dequantize",
-    )
+declare(
+    "linear.int4",
+    ("attnkit", "dequantize"),
+    "The int4 kernel of quantized linears: attnkit's (packed nibbles, integer dots), or the "
+    "float product with the dequantized weight where it cannot run.",
+    lambda caps: "attnkit" if build.kernels_available() else "dequantize",
 )
-register(
-    Choice(
-        "decoding.compiled_step",
-        ("fused", "graph"),
-        "A compiled decoding step of a stack that runs in one kernel call (attnkit.fused): "
-        "that call (the graph's kernels, without its calls between them) or the graph.",
-        lambda caps: "fused",
-    )
+declare(
+    "decoding.compiled_step",
+    ("fused", "graph"),
+    "A compiled decoding step of a stack that runs in one kernel call (attnkit.fused): "
+    "that call (the graph's kernels, without its calls between them) or the graph.",
+    lambda caps: "fused",
 )
 for _bits, _rows in ((8, "2"), (4, "4")):
-    register(
-        Choice(
-            f"block_linear.q{_bits}_tile",
-            tuple(str(t) for t in block_linear.TILE_ROWS),
-            f"Weight rows the {_bits}-bit block kernel (GGUF's q{_bits} layouts) multiplies a "
-            "pass: more reuse each loaded block of activations, fewer read fewer streams of "
-            "codes at once, which some memory systems serve faster.",
-            lambda caps, _rows=_rows: _rows,  # type: ignore[misc]
-            functools.partial(timing.block_tiles, _bits),
-            margin=1.03,
-        )
+    declare(
+        f"block_linear.q{_bits}_tile",
+        tuple(str(t) for t in block_linear.TILE_ROWS),
+        f"Weight rows the {_bits}-bit block kernel (GGUF's q{_bits} layouts) multiplies a "
+        "pass: more reuse each loaded block of activations, fewer read fewer streams of "
+        "codes at once, which some memory systems serve faster.",
+        lambda caps, _rows=_rows: _rows,  # type: ignore[misc]
+        functools.partial(timing.block_tiles, _bits),
+        margin=1.03,
     )
-register(
-    Choice(
-        "rows.norm_row",
-        ("torch", "kernel"),
-        "An eager RMSNorm of one float32 row (a decoding step): three torch calls, or attnkit's "
-        "row kernel, whose call can cost more than the row.",
-        lambda caps: "torch",
-        timing.norm_row,
-    )
+declare(
+    "rows.norm_row",
+    ("torch", "kernel"),
+    "An eager RMSNorm of one float32 row (a decoding step): three torch calls, or attnkit's "
+    "row kernel, whose call can cost more than the row.",
+    lambda caps: "torch",
+    timing.norm_row,
 )
 
 

@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.kernels import attention, block_linear, build, linear, rows
+from attnkit.kernels.plans import TileKernels
 
 __all__ = [
+    "bf16_backward",
     "bf16_causal",
     "bf16_prompt",
     "bf16_structured",
@@ -256,6 +258,31 @@ def flash_bf16_products() -> dict[str, Callable[[], Any]]:
         usable = tuple(p for p in usable if p != "bf16")
     forward = functools.partial(attention.flash_attention, q, k, v, scale=0.125, causal=True)
     return {p: functools.partial(forward, products=p) for p in usable}
+
+
+def bf16_backward() -> dict[str, Callable[[], Any]]:
+    """A bfloat16 sliding-window forward and backward (window 256 over 1024 queries, 4 heads of
+    64): attnkit's flash kernels (where they run) and torch's flash kernel in tiles of 64
+    queries."""
+    tiles = _ATTENTION_KERNELS.get("tiles")
+    if tiles is None:  # (not measured, nor cached, before attnkit.sparse is imported)
+        raise LookupError("the attention kernels are not imported: import attnkit.functional")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
+    grad = torch.randn(1, 4, 1024, 64, generator=g).bfloat16()
+
+    def forward_backward(kernels: TileKernels, rows: int | None) -> tuple[torch.Tensor, ...]:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = tiles(*leaves, rows=rows, window=256, kernels=kernels)
+        return torch.autograd.grad(out, leaves, grad)  # (the gradients of q, k and v)
+
+    calls: dict[str, Callable[[], Any]] = {
+        "torch": functools.partial(forward_backward, TileKernels(False), 64)
+    }
+    if attention.flash_available():
+        flash = TileKernels(True, widen=True, flash_wide=True)
+        calls["flash"] = functools.partial(forward_backward, flash, None)
+    return calls
 
 
 def bf16_causal() -> dict[str, Callable[[], Any]]:

@@ -39,6 +39,7 @@ __all__ = [
     "choices",
     "choose",
     "decision",
+    "declare",
     "env_var",
     "on_reset",
     "register",
@@ -110,6 +111,19 @@ def register(choice: Choice) -> Choice:
         raise ValueError(f"kernel choice {choice.name!r} has no options")
     _CHOICES[choice.name] = choice
     return choice
+
+
+def declare(
+    name: str,
+    options: tuple[str, ...],
+    doc: str,
+    rule: Callable[[Capabilities], str],
+    candidates: Callable[[], Mapping[str, Callable[[], Any]]] | None = None,
+    *,
+    margin: float = 1.0,
+) -> Choice:
+    """:func:`register` the :class:`Choice` of these fields."""
+    return register(Choice(name, options, doc, rule, candidates, margin))
 
 
 def choices() -> dict[str, Choice]:
