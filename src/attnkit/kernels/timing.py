@@ -272,9 +272,11 @@ def bf16_backward() -> dict[str, Callable[[], Any]]:
     grad = torch.randn(1, 4, 1024, 64, generator=g).bfloat16()
 
     def forward_backward(kernels: TileKernels, rows: int | None) -> tuple[torch.Tensor, ...]:
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = tiles(*leaves, rows=rows, window=256, kernels=kernels)
-        return torch.autograd.grad(out, leaves, grad)  # (the gradients of q, k and v)
+        # (gradients flow even where the choice is first asked under no_grad or inference mode)
+        with torch.inference_mode(False), torch.enable_grad():
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = tiles(*leaves, rows=rows, window=256, kernels=kernels)
+            return torch.autograd.grad(out, leaves, grad.clone())  # (those of q, k and v)
 
     calls: dict[str, Callable[[], Any]] = {
         "torch": functools.partial(forward_backward, TileKernels(False), 64)
