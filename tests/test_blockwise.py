@@ -466,7 +466,7 @@ def test_bf16_forward_takes_the_policys_kernel(monkeypatch, option):
     rows = 64 if option == "flash" else int(option.split("-")[1])
     assert policy.tile_rows(4096, 256, torch.bfloat16) == rows
     wants = q.clone().requires_grad_()  # gradients: the measured attention.bf16_backward
-    assert attnkit_flash(wants) is (policy.choose("attention.bf16_backward") == "flash")
+    assert attnkit_flash(wants) is (policy.choose("attention.bf16_backward") != "torch")
     assert attnkit_flash(q.float())
 
 
@@ -509,7 +509,12 @@ def test_bf16_backward_candidates_compute_the_windows_gradients():
     wide = [t.double().requires_grad_() for t in (q, k, v)]
     ref, _ = reference_attention(*wide, loop_mask(1024, 1024, causal=True, window=256))
     want = torch.autograd.grad(ref, wide, grad.double())
-    assert set(calls) == {"torch", "flash"} if attention_kernels.flash_available() else {"torch"}
+    expected = {"torch"}
+    if attention_kernels.flash_available():
+        expected.add("flash")
+    if attention_kernels.flash_bf16_products_available():
+        expected.add("flash-bf16")
+    assert set(calls) == expected
     for call in calls.values():
         with torch.no_grad():  # (as the timings run them)
             grads = call()
@@ -517,20 +522,25 @@ def test_bf16_backward_candidates_compute_the_windows_gradients():
             torch.testing.assert_close(got.double(), expected, atol=6e-2, rtol=6e-2)
 
 
-@pytest.mark.parametrize("option", ["flash", "torch"])
+@pytest.mark.parametrize("option", ["flash", "flash-bf16", "torch"])
 def test_bf16_gradients_and_documents_take_the_policys_kernel(monkeypatch, option):
     # With gradients the bf16_backward choice decides; documents without a window are causal
     # prefixes and follow bf16_causal, not the windows' choice.
     if not attention_kernels.flash_available():
         pytest.skip(f"attnkit's flash kernel does not run here: {build.kernels_unavailable()}")
     monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_BACKWARD", option)
-    monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_CAUSAL", option)
+    monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_CAUSAL", option.split("-")[0])
     monkeypatch.setenv("ATTNKIT_KERNEL_ATTENTION_BF16_STRUCTURED", "flash")
     q = torch.randn(1, 2, 64, 16, dtype=torch.bfloat16)
     wants = q.clone().requires_grad_()
-    assert policy.flash_kernel(call_of(wants, window=32)) is (option == "flash")
+    flash = option != "torch"
+    windowed = call_of(wants, window=32)
+    assert policy.flash_kernel(windowed) is flash
+    # (the forward with gradients and its backward multiply as the choice says)
+    products = "bf16" if option == "flash-bf16" else "widened"
+    assert not flash or policy.tile_kernels(windowed).products == products
     documents = dataclasses.replace(call_of(q), batched=True)
-    assert policy.flash_kernel(documents) is (option == "flash")
+    assert policy.flash_kernel(documents) is flash
     assert policy.flash_kernel(call_of(q, window=32))  # (windows ask bf16_structured)
 
 

@@ -392,6 +392,61 @@ def test_flash_attention_bf16_follows_float64(
 
 
 @needs_capped
+@pytest.mark.parametrize("products", attention.FLASH_PRODUCTS)
+@pytest.mark.parametrize(
+    ("L", "S", "causal", "window", "first"),
+    [
+        (37, 37, True, None, 0),  # blocks and tiles with tails
+        (45, 20, True, None, None),  # the first queries attend no key: zero gradients
+        (130, 150, True, 40, 20),  # a causal window: key blocks skipped on both sides
+        (70, 70, False, None, None),
+    ],
+)
+def test_flash_backward_bf16_follows_float64(
+    products: str, L: int, S: int, causal: bool, window: int | None, first: int | None
+) -> None:
+    # Either product: float32 sums; with bf16 products the probabilities and score gradients
+    # are rounded to bf16 for theirs. The gradients come back in bf16: bf16's tolerance of the
+    # float64 gradients, relative to each one's largest element.
+    q, k, v, _, _, rows = _bf16_case(L, S, 24, 20, causal, window, first, L + S)
+    grad_out = torch.randn(2, 4, L, 20, generator=torch.Generator().manual_seed(L)).bfloat16()
+    wide = [t.double().requires_grad_() for t in (q, k, v)]
+    want = _flash_reference(*wide, causal, window, first)[0]
+    grads = torch.autograd.grad((want * grad_out.double()).sum(), wide)
+    options = {"scale": 0.3, "causal": causal, "window": window, "first": first}
+    for blocks in ((8, 16), (64, 512)):
+        out, lse = attention.flash_attention(q, k, v, blocks=blocks, products=products, **options)
+        got = attention.flash_attention_backward(
+            grad_out, q, k, v, out, lse, blocks=blocks, products=products, **options
+        )
+        for name, g, w in zip("qkv", got, grads, strict=True):
+            assert g.dtype == torch.bfloat16
+            assert_close(g.double(), w, atol=1e-2 * w.abs().max().item(), rtol=2e-2, msg=name)
+        if not rows.all():
+            assert torch.equal(got[0][:, :, ~rows], torch.zeros_like(got[0][:, :, ~rows]))
+
+
+@needs_capped
+def test_flash_backward_bf16_products_are_another_path() -> None:
+    # Where they run, the backward's bf16 products round the probabilities and score gradients
+    # (the widened path does not): the gradients differ, each within bf16's tolerance.
+    if not attention.flash_bf16_products_available():
+        pytest.skip("no bf16 GEMM linked here")
+    q, k, v, _, _, _ = _bf16_case(300, 300, 64, 64, True, None, None, 9)
+    grad_out = torch.randn(2, 4, 300, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    out, lse = attention.flash_attention(q, k, v, scale=0.3, causal=True)
+    bf16, widened = (
+        attention.flash_attention_backward(
+            grad_out, q, k, v, out, lse, scale=0.3, causal=True, products=products
+        )
+        for products in ("bf16", "widened")
+    )
+    for a, b in zip(bf16, widened, strict=True):
+        assert not torch.equal(a, b)
+        assert_close(a.double(), b.double(), atol=1e-2 * b.abs().max().item(), rtol=2e-2)
+
+
+@needs_capped
 def test_flash_attention_bf16_products_are_another_path() -> None:
     # Where they run, bf16 products round the probabilities (the widened path does not): some
     # outputs differ from the widened ones, within bf16's tolerance of float64.

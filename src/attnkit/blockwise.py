@@ -273,7 +273,7 @@ def attend_runs(
         )
         return out.to(q.dtype)
     if dropout_p == 0.0 and Ev == E and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
-        flashed: Tensor = _FlashRuns.apply(q, k, v, runs, scale, kernels.flash)
+        flashed: Tensor = _FlashRuns.apply(q, k, v, runs, scale, kernels)
         return flashed
     return _sdpa_runs(q, k, v, runs, scale=scale, dropout_p=dropout_p)
 
@@ -283,13 +283,20 @@ def attend_runs(
 
 
 def _run_forward(
-    r: TileRun, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, flash: bool
+    r: TileRun,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    kernels: policy.TileKernels,
 ) -> tuple[Tensor, Tensor, bool]:
-    """One run's ``(out, lse, attnkit's kernel ran)``: attnkit's flash kernel for a run without
-    an additive mask (square causal tiles or whole spans) where ``flash``, else torch's."""
-    if mask is None and flash:
+    """One run's ``(out, lse, attnkit's kernel ran)``: attnkit's flash kernel (with
+    ``kernels.products``) for a run without an additive mask (square causal tiles or whole
+    spans) where ``kernels.flash``, else torch's."""
+    if mask is None and kernels.flash:
         o, lse = attention_kernels.flash_attention(
-            *_views(r, q, k, v), scale=scale, causal=r.causal, first=0
+            *_views(r, q, k, v), scale=scale, causal=r.causal, first=0, products=kernels.products
         )
         return o, lse, True
     o, lse = _flash(*_views(r, q, k, v), 0.0, r.causal, attn_mask=mask, scale=scale)
@@ -307,13 +314,16 @@ def _run_backward(
     mask: Tensor | None,
     scale: float,
     attnkit_kernel: bool,
+    products: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One run's ``(dq, dk, dv)`` from the kernel that ran its forward (``attnkit_kernel``, as
-    :func:`_run_forward` said); ``grad_out`` and ``o`` are the run's query tiles."""
+    :func:`_run_forward` said, with the forward's ``products``); ``grad_out`` and ``o`` are the
+    run's query tiles."""
     if attnkit_kernel:
         return attention_kernels.flash_attention_backward(
-            grad_out, *_views(r, q, k, v), o, lse, scale=scale, causal=r.causal, first=0
-        )
+            grad_out, *_views(r, q, k, v), o, lse, scale=scale, causal=r.causal, first=0,
+            products=products,
+        )  # fmt: skip
     gq, gk, gv = _flash_backward(
         grad_out, *_views(r, q, k, v), o, lse, 0.0, r.causal, attn_mask=mask, scale=scale
     )
@@ -334,8 +344,8 @@ def attend_positional(
     :func:`~attnkit.kernels.policy.flash_kernel` says).
 
     The kernels take the rules themselves (a block of queries computes only the keys it may
-    reach), so the sequence needs no tiles. ``products`` says how a bf16 forward multiplies its
-    tiles (:func:`attnkit.kernels.policy.flash_bf16_products`).
+    reach), so the sequence needs no tiles. ``products`` says how bf16 tiles are multiplied,
+    forward and backward (:func:`attnkit.kernels.policy.tile_kernels`).
 
     Shape:
         q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
@@ -353,6 +363,7 @@ class _PositionalFlash(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, structure: Structure, scale: float, products: str
     ) -> Tensor:
         ctx.options = {"scale": scale, "causal": structure.causal, "window": structure.window}
+        ctx.products = products
         out, lse = attention_kernels.flash_attention(q, k, v, products=products, **ctx.options)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -361,7 +372,7 @@ class _PositionalFlash(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = attention_kernels.flash_attention_backward(
-            grad_out, q, k, v, out, lse, **ctx.options
+            grad_out, q, k, v, out, lse, products=ctx.products, **ctx.options
         )
         return dq, dk, dv, None, None, None
 
@@ -378,15 +389,21 @@ class _FlashRuns(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, runs: list[TileRun], scale: float, flash: bool
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        runs: list[TileRun],
+        scale: float,
+        kernels: policy.TileKernels,
     ) -> Tensor:
         B, H, L, _ = q.shape
         S, Ev = k.shape[2], v.shape[3]
-        ctx.runs, ctx.scale = runs, scale
+        ctx.runs, ctx.scale, ctx.products = runs, scale, kernels.products
         if len(runs) == 1 and runs[0].empty is None and _in_order(runs[0], B, L, rows=True):
             r = runs[0]
             mask = _kernel_mask(r, q.dtype)
-            o, lse, own = _run_forward(r, q, k, v, mask, scale, flash)
+            o, lse, own = _run_forward(r, q, k, v, mask, scale, kernels)
             ctx.natives = [own]
             out = _whole(o, B, L)
             ctx.save_for_backward(q, k, v, out)
@@ -399,7 +416,7 @@ class _FlashRuns(torch.autograd.Function):
         masks, outs, lses, natives = [], [], [], []
         for r in runs:
             mask = _kernel_mask(r, q.dtype)
-            o, lse, own = _run_forward(r, q, k, v, mask, scale, flash)
+            o, lse, own = _run_forward(r, q, k, v, mask, scale, kernels)
             # o (count, H, rows, Ev), lse (count, H, rows)
             if r.empty is not None:
                 o = o.masked_fill(r.empty, 0.0)
@@ -431,6 +448,7 @@ class _FlashRuns(torch.autograd.Function):
                 ctx.masks[0],
                 ctx.scale,
                 ctx.natives[0],
+                ctx.products,
             )
             dq = _whole(gq, B, L)
             if ctx.keys_in_order:
@@ -450,7 +468,7 @@ class _FlashRuns(torch.autograd.Function):
         runs = zip(ctx.runs, ctx.masks, ctx.outs, ctx.lses, ctx.natives, strict=True)
         for r, mask, o, lse, own in runs:
             gq, gk, gv = _run_backward(
-                r, _q_view(grad_out, r), q, k, v, o, lse, mask, ctx.scale, own
+                r, _q_view(grad_out, r), q, k, v, o, lse, mask, ctx.scale, own, ctx.products
             )
             _q_view(dq, r).copy_(gq)
             _add_spans(dk, gk, r)

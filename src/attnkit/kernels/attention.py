@@ -324,6 +324,7 @@ def flash_attention_backward(
     *,
     blocks: tuple[int, int] = (64, 512),
     into: tuple[Tensor, Tensor, Tensor] | None = None,
+    products: str = "widened",
     **options: Unpack[FlashOptions],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`flash_attention` in FlashAttention-2's loop order.
@@ -332,7 +333,10 @@ def flash_attention_backward(
     ``blocks[1]`` keys, every block of ``blocks[0]`` queries that reaches it recomputes its
     scores (only as wide as its reach), takes the probabilities from ``lse`` and makes the five
     products of the backward; the key and value gradients of the block accumulate in cache and
-    are written once, the query gradients accumulate over the key blocks.
+    are written once, the query gradients accumulate over the key blocks. With bf16 inputs and
+    ``products="bf16"`` the five products take bf16 operands with float32 sums, the
+    probabilities and score gradients rounded to bf16 for theirs (as FlashAttention-2 does on
+    GPUs); ``"widened"`` multiplies float32 copies.
 
     Args:
         grad_out: The gradient of ``out``, ``(B, H, L, Ev)``.
@@ -349,6 +353,7 @@ def flash_attention_backward(
         into: float32 ``(dq, dk, dv)`` to add the gradients to (views are fine, with contiguous
             rows), instead of new tensors: ring attention sums its blocks' gradients without a
             buffer per block.
+        products: How bf16 tiles are multiplied, as in :func:`flash_attention`.
 
     Returns:
         ``(dq, dk, dv)`` in ``q``'s dtype (accumulated in float32), laid out
@@ -361,7 +366,7 @@ def flash_attention_backward(
     """
     name = "flash_attention_backward"
     scale, causal, window = tile_options(name, options, FLASH_KEYS)
-    _check_flash(name, q, k, v, window, _FLASH_DTYPES)
+    _check_flash(name, q, k, v, window, _FLASH_DTYPES, products)
     B, H, L, E = q.shape
     K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     if grad_out.shape != (B, H, L, Ev) or out.shape != (B, H, L, Ev) or lse.shape != (B, H, L):
@@ -401,7 +406,7 @@ def flash_attention_backward(
     failed = lib.attnkit_flash_backward(
         _view(q), _view(k), _view(v), _view(out), _view(grad_out), lse.data_ptr(), H * L, L,
         _view(dq), _view(dk), _view(dv), dims, first, int(causal), window or 0, scale, *blocks,
-        dtype == torch.bfloat16, into is not None, sgemm, threads,
+        dtype == torch.bfloat16, into is not None, sgemm, _gemm_bf16_for(q, products), threads,
     )  # fmt: skip
     if failed:
         raise MemoryError(f"the flash backward could not allocate its buffers ({threads} threads)")

@@ -138,7 +138,7 @@ def declare(lib: ctypes.CDLL) -> None:
     call = lib.attnkit_flash_backward
     call.argtypes = [View, View, View, View, View, pointer, int64, int64, View, View, View]
     call.argtypes += [pointer, int64, flag, int64, floats, int64, int64, flag, flag, pointer]
-    call.argtypes += [flag]
+    call.argtypes += [pointer, flag]
     call.restype = flag
     call = lib.attnkit_one_query_attention
     call.argtypes = [pointer, *[int64] * 4, pointer, *[int64] * 3, pointer, *[int64] * 5]

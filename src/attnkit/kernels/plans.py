@@ -68,7 +68,7 @@ class TileKernels:
         widen: bfloat16/float16 inputs are computed on float32 copies and the result rounded
             (unless every run takes attnkit's kernel, which widens blocks itself).
         flash_wide: ``flash`` for those float32 copies.
-        products: How attnkit's bf16 flash forward multiplies its tiles without gradients
+        products: How attnkit's bf16 flash kernels multiply their tiles, forward and backward
             (the ``products`` argument of :func:`attnkit.kernels.attention.flash_attention`).
     """
 

@@ -67,6 +67,7 @@ __all__ = [
     "TileKernels",
     "attention_path",
     "attention_plan",
+    "bf16_backward_products",
     "bf16_prompt_upcast",
     "bf16_structured",
     "block_kernel_rows",
@@ -202,7 +203,7 @@ def flash_kernel(call: AttentionCall) -> bool:
     if call.dtype != torch.bfloat16:
         return False
     if call.grads:
-        return choose("attention.bf16_backward") == "flash"
+        return choose("attention.bf16_backward") != "torch"
     if call.window is None:  # (whole causal prefixes, or one per document: no band to skip)
         return choose("attention.bf16_causal") == "flash"
     return bf16_structured(call.window)[0] == "flash"
@@ -231,14 +232,15 @@ def _torch_has_amx_fp16() -> bool:
 def tile_kernels(call: AttentionCall) -> TileKernels:
     """The kernels of the block-sparse tiles for ``call``: :func:`flash_kernel`, float32 copies
     for half precision where :func:`torch_low_precision` says torch's kernel should not take it,
-    and the bf16 flash forward's tile products (:func:`flash_bf16_products`)."""
+    and how attnkit's flash kernels multiply bf16 tiles: :func:`flash_bf16_products` for a
+    forward alone, ``attention.bf16_backward`` with gradients (forward and backward alike)."""
     low = call.dtype in (torch.bfloat16, torch.float16)
     widen = low and not torch_low_precision(call.dtype, backward=call.grads)
     wide = dataclasses.replace(call, dtype=torch.float32)
     flash = flash_kernel(call)
-    # (The backward recomputes its tiles widened: bf16 products serve forwards without gradients.)
-    bf16 = flash and call.dtype == torch.bfloat16 and not call.grads
-    products = flash_bf16_products() if bf16 else "widened"
+    products = "widened"
+    if flash and call.dtype == torch.bfloat16:
+        products = bf16_backward_products() if call.grads else flash_bf16_products()
     return TileKernels(flash, widen, widen and flash_kernel(wide), products)
 
 
@@ -301,13 +303,22 @@ def bf16_structured(window: int | None = None) -> tuple[str, int]:
 
 declare(
     "attention.bf16_backward",
-    ("flash", "torch"),
-    "A bfloat16 causal/window attention with a backward: attnkit's flash kernels (blocks "
-    "widened to float32) or torch's bf16 flash kernel in tiles; which wins depends on the "
-    "CPU's bf16 units and on the work each skips.",
+    ("flash", "flash-bf16", "torch"),
+    "A bfloat16 causal/window attention with a backward: attnkit's flash kernels with blocks "
+    "widened to float32 (flash) or with bf16 products and float32 sums (flash-bf16, where "
+    "torch links MKL's bf16 GEMM), or torch's bf16 flash kernel in tiles; which wins depends "
+    "on the CPU's bf16 units and on the work each skips.",
     lambda caps: "torch" if caps.bf16_dot else "flash",
     timing.bf16_backward,
 )
+
+
+def bf16_backward_products() -> str:
+    """How attnkit's flash kernels multiply bf16 tiles when a backward follows (choice
+    ``attention.bf16_backward``): ``"bf16"`` for ``flash-bf16``, else ``"widened"``."""
+    return "bf16" if choose("attention.bf16_backward") == "flash-bf16" else "widened"
+
+
 declare(
     "attention.bf16_causal",
     ("flash", "torch"),

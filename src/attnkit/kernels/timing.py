@@ -262,8 +262,8 @@ def flash_bf16_products() -> dict[str, Callable[[], Any]]:
 
 def bf16_backward() -> dict[str, Callable[[], Any]]:
     """A bfloat16 sliding-window forward and backward (window 256 over 1024 queries, 4 heads of
-    64): attnkit's flash kernels (where they run) and torch's flash kernel in tiles of 64
-    queries."""
+    64): attnkit's flash kernels (where they run; widened, and with bf16 products where torch
+    links MKL's bf16 GEMM) and torch's flash kernel in tiles of 64 queries."""
     tiles = _ATTENTION_KERNELS.get("tiles")
     if tiles is None:  # (not measured, nor cached, before attnkit.sparse is imported)
         raise LookupError("the attention kernels are not imported: import attnkit.functional")
@@ -284,6 +284,9 @@ def bf16_backward() -> dict[str, Callable[[], Any]]:
     if attention.flash_available():
         flash = TileKernels(True, widen=True, flash_wide=True)
         calls["flash"] = functools.partial(forward_backward, flash, None)
+    if attention.flash_bf16_products_available():
+        products = TileKernels(True, widen=True, flash_wide=True, products="bf16")
+        calls["flash-bf16"] = functools.partial(forward_backward, products, None)
     return calls
 
 

@@ -135,6 +135,15 @@ static inline __m256i round16(__m256 a, __m256 b) {
   return _mm256_permute4x64_epi64(_mm256_packus_epi32(hx, hy), 0xD8);
 }
 
+/* dst[j] = src[j] rounded to nearest even bf16, for n values. */
+static inline void round_row(const float *src, uint16_t *dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256((__m256i *)(dst + j),
+                        round16(_mm256_loadu_ps(src + j), _mm256_loadu_ps(src + j + 8)));
+  for (; j < n; j++) dst[j] = float_to_bf16(src[j]);
+}
+
 /* exp_bf16's elements from j on, one at a time: added to sum, which is returned. */
 static inline float exp_bf16_tail(const float *src, uint16_t *dst, int64_t j, int64_t n,
                                   float shift, float sum) {
@@ -363,8 +372,11 @@ static void zero_rows(float *t, int64_t rows, int64_t dim, int64_t stride) {
 }
 
 /* The gradients of one key/value head (kv) of item c and its G query heads: inputs float32 or
- * bf16 (`bf16`, widened block by block into qf, kf, vf, df), gradients float32. */
-static void backward_head(sgemm_fn sgemm, view q, view k, view v, view out, view dout,
+ * bf16 (`bf16`, widened block by block into qf, kf, vf, df), gradients float32. With `gb` (bf16
+ * only) nothing is widened: the five products take the bf16 inputs themselves, and the
+ * probabilities and score gradients rounded to bf16 (pb, dsb), with float32 sums. */
+static void backward_head(sgemm_fn sgemm, gemm_bf16_fn gb, uint16_t *pb, uint16_t *dsb, view q,
+                          view k, view v, view out, view dout,
                           const float *lse, int64_t lse_item, int64_t lse_head, view dq, view dk,
                           view dv, int64_t c, int64_t kv, int64_t G, int64_t L, int64_t S,
                           int64_t E, int64_t Ev, int64_t first, int causal, int64_t window,
@@ -387,11 +399,11 @@ static void backward_head(sgemm_fn sgemm, view q, view k, view v, view out, view
   }
   for (int64_t j0 = 0; j0 < S; j0 += kb) {
     const int64_t j1 = j0 + kb < S ? j0 + kb : S;
-    int64_t ldk, ldv, ldq, ldd;
-    const float *ks = as_float(at(k, c, kv, size) + j0 * k.row * size, j1 - j0, E, k.row, bf16,
-                               kf, &ldk);
-    const float *vs = as_float(at(v, c, kv, size) + j0 * v.row * size, j1 - j0, Ev, v.row, bf16,
-                               vf, &ldv);
+    int64_t ldk = k.row, ldv = v.row, ldq = q.row, ldd = dout.row;
+    const char *kh = at(k, c, kv, size) + j0 * k.row * size;
+    const char *vh = at(v, c, kv, size) + j0 * v.row * size;
+    const float *ks = gb ? NULL : as_float(kh, j1 - j0, E, k.row, bf16, kf, &ldk);
+    const float *vs = gb ? NULL : as_float(vh, j1 - j0, Ev, v.row, bf16, vf, &ldv);
     /* the block's key/value gradients start from zero here and reach dk/dv once, after every
      * query block: small partial sums, one rounding against the running total */
     memset(dkb, 0, (size_t)((j1 - j0) * E) * sizeof(float));
@@ -407,15 +419,24 @@ static void backward_head(sgemm_fn sgemm, view q, view k, view v, view out, view
         reach(p0 + r - 1, causal, window, j0, j1, &a, &hi);
         if (hi <= lo) continue; /* the block reaches none of these keys */
         const int64_t w = hi - lo;
-        const float *kl = ks + (lo - j0) * ldk, *vl = vs + (lo - j0) * ldv;
-        const float *qs = as_float(at(q, c, h, size) + i0 * q.row * size, r, E, q.row, bf16, qf,
-                                   &ldq);
-        const float *ds = as_float(at(dout, c, h, size) + i0 * dout.row * size, r, Ev, dout.row,
-                                   bf16, df, &ldd);
-        /* p (r x w) = scale q k^T, then exp(. - lse) over each query's reach */
-        sgemm("T", "N", &w, &r, &E, &scale, kl, &ldk, qs, &ldq, &zero, p, &w);
-        /* dp (r x w) = dO v^T */
-        sgemm("T", "N", &w, &r, &Ev, &one, vl, &ldv, ds, &ldd, &zero, dp, &w);
+        const char *qh = at(q, c, h, size) + i0 * q.row * size;
+        const char *dh = at(dout, c, h, size) + i0 * dout.row * size;
+        const uint16_t *kbl = (const uint16_t *)kh + (lo - j0) * k.row;
+        const uint16_t *vbl = (const uint16_t *)vh + (lo - j0) * v.row;
+        const float *kl = gb ? NULL : ks + (lo - j0) * ldk, *vl = gb ? NULL : vs + (lo - j0) * ldv;
+        const float *qs = gb ? NULL : as_float(qh, r, E, q.row, bf16, qf, &ldq);
+        const float *ds = gb ? NULL : as_float(dh, r, Ev, dout.row, bf16, df, &ldd);
+        /* p (r x w) = scale q k^T, then exp(. - lse) over each query's reach;
+         * dp (r x w) = dO v^T */
+        if (gb) {
+          gb(ROW_MAJOR, NO_TRANS, TRANS, r, w, E, scale, (const uint16_t *)qh, q.row, kbl, k.row,
+             zero, p, w);
+          gb(ROW_MAJOR, NO_TRANS, TRANS, r, w, Ev, one, (const uint16_t *)dh, dout.row, vbl,
+             v.row, zero, dp, w);
+        } else {
+          sgemm("T", "N", &w, &r, &E, &scale, kl, &ldk, qs, &ldq, &zero, p, &w);
+          sgemm("T", "N", &w, &r, &Ev, &one, vl, &ldv, ds, &ldd, &zero, dp, &w);
+        }
         for (int64_t i = 0; i < r; i++) {
           float *pi = p + i * w, *dpi = dp + i * w;
           reach(p0 + i, causal, window, lo, hi, &a, &b);
@@ -436,6 +457,18 @@ static void backward_head(sgemm_fn sgemm, view q, view k, view v, view out, view
             _mm256_storeu_ps(dpi + j, _mm256_mul_ps(_mm256_loadu_ps(pi + j), x));
           }
           for (; j < w; j++) dpi[j] = pi[j] * (dpi[j] - di);
+        }
+        if (gb) {
+          round_row(p, pb, r * w);
+          round_row(dp, dsb, r * w);
+          /* dv (w x Ev) += p^T dO; dk (w x E) += scale ds^T q; dq (r x E) += scale ds k */
+          gb(ROW_MAJOR, TRANS, NO_TRANS, w, Ev, r, one, pb, w, (const uint16_t *)dh, dout.row,
+             one, dvb + (lo - j0) * Ev, ldvb);
+          gb(ROW_MAJOR, TRANS, NO_TRANS, w, E, r, scale, dsb, w, (const uint16_t *)qh, q.row, one,
+             dkb + (lo - j0) * E, ldkb);
+          gb(ROW_MAJOR, NO_TRANS, NO_TRANS, r, E, w, scale, dsb, w, kbl, k.row, one,
+             dqh + i0 * dq.row, dq.row);
+          continue;
         }
         /* dv (w x Ev) += p^T dO: column-major Ev x w = dO^T (Ev x r) p (r x w) */
         sgemm("N", "T", &Ev, &w, &r, &one, ds, &ldd, p, &w, &one, dvb + (lo - j0) * Ev, &ldvb);
@@ -463,13 +496,15 @@ int attnkit_flash_backward(view q, view k, view v, view out, view dout, const fl
                            int64_t lse_item, int64_t lse_head, view dq, view dk, view dv,
                            const int64_t *dims, int64_t first, int causal, int64_t window,
                            float scale, int64_t qb, int64_t kb, int bf16, int accumulate,
-                           void *sgemm, int threads) {
+                           void *sgemm, void *gemm_bf16, int threads) {
   const int64_t count = dims[0], H = dims[1], K = dims[2], L = dims[3], S = dims[4];
   const int64_t E = dims[5], Ev = dims[6], G = H / K, tasks = count * K;
+  const gemm_bf16_fn gb = bf16 ? (gemm_bf16_fn)gemm_bf16 : NULL;
   threads = threads_for(tasks, threads);
-  /* floats a thread works in: p, dp, D, a key block's gradients; bf16's float32 copies of q,
-   * dO, k, v blocks */
-  const int64_t each = 2 * qb * kb + G * L + kb * (E + Ev) + (bf16 ? (qb + kb) * (E + Ev) : 0);
+  /* floats a thread works in: p, dp, D, a key block's gradients; then bf16's float32 copies of
+   * q, dO, k, v blocks, or with gb the bf16 p and ds (two halves of a float each) */
+  const int64_t copies = gb ? qb * kb : (bf16 ? (qb + kb) * (E + Ev) : 0);
+  const int64_t each = 2 * qb * kb + G * L + kb * (E + Ev) + copies;
   float *work = malloc((size_t)(threads * each) * sizeof(float));
   if (!work) return 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
@@ -477,8 +512,9 @@ int attnkit_flash_backward(view q, view k, view v, view out, view dout, const fl
     float *mine = work + this_thread() * each;
     float *dp = mine + qb * kb, *D = dp + qb * kb, *dkb = D + G * L, *dvb = dkb + kb * E;
     float *qf = dvb + kb * Ev, *df = qf + qb * E, *kf = df + qb * Ev, *vf = kf + kb * E;
-    backward_head((sgemm_fn)sgemm, q, k, v, out, dout, lse, lse_item, lse_head, dq, dk, dv,
-                  t / K, t % K, G, L, S, E, Ev, first, causal, window, scale, qb, kb, bf16,
+    uint16_t *pb = (uint16_t *)(dvb + kb * Ev), *dsb = pb + qb * kb;
+    backward_head((sgemm_fn)sgemm, gb, pb, dsb, q, k, v, out, dout, lse, lse_item, lse_head, dq,
+                  dk, dv, t / K, t % K, G, L, S, E, Ev, first, causal, window, scale, qb, kb, bf16,
                   accumulate, mine, dp, D, qf, kf, vf, df, dkb, dvb);
   }
   free(work);
