@@ -269,8 +269,8 @@ def test_bf16_forward_error_within_twice_torchs_fused_kernel(kw):
 
 def test_bf16_forward_of_equal_documents_is_one_kernel_call():
     # Equal causal documents are one kernel call: bit for bit attnkit's kernel on the bf16
-    # inputs (its float32 result rounded) where the rule picks it (a forward alone: every CPU
-    # without AMX), else torch's bf16 causal SDPA per document.
+    # inputs (its float32 result rounded, its products the measured choice) where the rule picks
+    # it (a forward alone: every CPU without AMX), else torch's bf16 causal SDPA per document.
     q, k, v = (t.detach().bfloat16() for t in qkv(1, 4, 4, 256, 256, E=32, layout="blhe"))
     seg = (torch.arange(256) // 64).view(1, 256)
     with torch.no_grad():
@@ -281,7 +281,10 @@ def test_bf16_forward_of_equal_documents_is_one_kernel_call():
         else:
             per_doc = [
                 attention_kernels.flash_attention(
-                    *(t.contiguous() for t in doc), scale=32**-0.5, causal=True
+                    *(t.contiguous() for t in doc),
+                    scale=32**-0.5,
+                    causal=True,
+                    products=policy.flash_bf16_products(),
                 )[0]
                 for doc in docs
             ]
