@@ -504,8 +504,17 @@ def test_bf16_causal_candidates_compute_the_causal_forward():
 def test_bf16_backward_candidates_compute_the_windows_gradients():
     choice = policy.choices()["attention.bf16_backward"]
     caps = capabilities()
-    assert choice.rule(caps) == ("torch" if caps.bf16_dot else "flash")
-    assert choice.rule(dataclasses.replace(caps, flags=caps.flags | {"avx512_bf16"})) == "torch"
+    # Before a measurement it follows the forward's products: torch's kernel where MKL's bf16
+    # GEMM leads, attnkit's flash kernels on their own bf16 products, else by the bf16 units.
+    forward = policy.choices()["attention.flash_bf16_products"].rule(caps)
+    fallback = "torch" if caps.bf16_dot else "flash"
+    want = {"bf16": "torch", "bf16-attnkit": "flash-bf16-attnkit"}.get(forward, fallback)
+    assert choice.rule(caps) == want
+    # With matrix tiles: torch's kernel, unless MKL's bf16 GEMM is missing and attnkit's runs.
+    usable = attention_kernels.flash_products()
+    tiles = dataclasses.replace(caps, flags=caps.flags | {"amx_tile"})
+    own = "bf16" not in usable and caps.bf16_pairs and "bf16-attnkit" in usable
+    assert choice.rule(tiles) == ("flash-bf16-attnkit" if own else "torch")
     calls = choice.candidates()
     g = torch.Generator().manual_seed(0)  # (the candidates' inputs)
     q, k, v, grad = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(4))
@@ -515,8 +524,7 @@ def test_bf16_backward_candidates_compute_the_windows_gradients():
     expected = {"torch"}
     if attention_kernels.flash_available():
         expected.add("flash")
-    if attention_kernels.flash_bf16_products_available():
-        expected.add("flash-bf16")
+    expected |= {f"flash-{p}" for p in attention_kernels.flash_products() if p != "widened"}
     assert set(calls) == expected
     for call in calls.values():
         with torch.no_grad():  # (as the timings run them)
@@ -525,7 +533,7 @@ def test_bf16_backward_candidates_compute_the_windows_gradients():
             torch.testing.assert_close(got.double(), expected, atol=6e-2, rtol=6e-2)
 
 
-@pytest.mark.parametrize("option", ["flash", "flash-bf16", "torch"])
+@pytest.mark.parametrize("option", ["flash", "flash-bf16", "flash-bf16-attnkit", "torch"])
 def test_bf16_gradients_and_documents_take_the_policys_kernel(monkeypatch, option):
     # With gradients the bf16_backward choice decides; documents without a window are causal
     # prefixes and follow bf16_causal, not the windows' choice.
@@ -540,7 +548,7 @@ def test_bf16_gradients_and_documents_take_the_policys_kernel(monkeypatch, optio
     windowed = call_of(wants, window=32)
     assert policy.flash_kernel(windowed) is flash
     # (the forward with gradients and its backward multiply as the choice says)
-    products = "bf16" if option == "flash-bf16" else "widened"
+    products = {"flash-bf16": "bf16", "flash-bf16-attnkit": "bf16-attnkit"}.get(option, "widened")
     assert not flash or policy.tile_kernels(windowed).products == products
     documents = dataclasses.replace(call_of(q), batched=True)
     assert policy.flash_kernel(documents) is flash

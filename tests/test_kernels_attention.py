@@ -4,6 +4,10 @@ errors."""
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import Tensor
@@ -427,11 +431,12 @@ def test_flash_backward_bf16_follows_float64(
 
 
 @needs_capped
-def test_flash_backward_bf16_products_are_another_path() -> None:
+@pytest.mark.parametrize("bf16_products", ["bf16", "bf16-attnkit"])
+def test_flash_backward_bf16_products_are_another_path(bf16_products: str) -> None:
     # Where they run, the backward's bf16 products round the probabilities and score gradients
     # (the widened path does not): the gradients differ, each within bf16's tolerance.
-    if not attention.flash_bf16_products_available():
-        pytest.skip("no bf16 GEMM linked here")
+    if bf16_products not in attention.flash_products():
+        pytest.skip(f"products={bf16_products!r} do not run here")
     q, k, v, _, _, _ = _bf16_case(300, 300, 64, 64, True, None, None, 9)
     grad_out = torch.randn(2, 4, 300, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     out, lse = attention.flash_attention(q, k, v, scale=0.3, causal=True)
@@ -439,7 +444,7 @@ def test_flash_backward_bf16_products_are_another_path() -> None:
         attention.flash_attention_backward(
             grad_out, q, k, v, out, lse, scale=0.3, causal=True, products=products
         )
-        for products in ("bf16", "widened")
+        for products in (bf16_products, "widened")
     )
     for a, b in zip(bf16, widened, strict=True):
         assert not torch.equal(a, b)
@@ -447,13 +452,14 @@ def test_flash_backward_bf16_products_are_another_path() -> None:
 
 
 @needs_capped
-def test_flash_attention_bf16_products_are_another_path() -> None:
+@pytest.mark.parametrize("products", ["bf16", "bf16-attnkit"])
+def test_flash_attention_bf16_products_are_another_path(products: str) -> None:
     # Where they run, bf16 products round the probabilities (the widened path does not): some
     # outputs differ from the widened ones, within bf16's tolerance of float64.
-    if not attention.flash_bf16_products_available():
-        pytest.skip("no bf16 GEMM linked here")
+    if products not in attention.flash_products():
+        pytest.skip(f"products={products!r} do not run here")
     q, k, v, want, _, _ = _bf16_case(300, 300, 64, 64, True, None, None, 7)
-    bf16 = attention.flash_attention(q, k, v, scale=0.3, causal=True, products="bf16")[0]
+    bf16 = attention.flash_attention(q, k, v, scale=0.3, causal=True, products=products)[0]
     widened = attention.flash_attention(q, k, v, scale=0.3, causal=True, products="widened")[0]
     assert not torch.equal(bf16, widened)
     assert_close(bf16.double(), want, atol=8e-3, rtol=8e-3)
@@ -467,7 +473,7 @@ def test_flash_attention_bf16_products_are_another_path() -> None:
             torch.set_num_threads(threads)
             outs.append(
                 attention.capped_attention(
-                    q, k, v, softcap=2.0, scale=0.3, causal=True, products="bf16"
+                    q, k, v, softcap=2.0, scale=0.3, causal=True, products=products
                 )
             )
     finally:
@@ -497,12 +503,81 @@ def test_flash_bf16_products_fall_back_where_the_gemm_is_missing(
         )
         assert torch.equal(out, widened)  # the widened path, bit for bit
         choice = policy.choices()["attention.flash_bf16_products"]
-        assert choice.rule(policy.capabilities()) == "widened"
-        assert set(choice.candidates()) == {"widened"}  # type: ignore[misc]
+        assert choice.rule(policy.capabilities()) != "bf16"
+        candidates = set(choice.candidates())  # type: ignore[misc]
+        assert candidates == set(attention.flash_products()) and "bf16" not in candidates
     finally:
         monkeypatch.undo()
         attention._flash_gemm_bf16.cache_clear()
     assert_close(widened.double(), want, atol=8e-3, rtol=8e-3)
+
+
+@needs_capped
+def test_attnkits_bf16_products_fall_back_where_the_cpu_lacks_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from attnkit.kernels import policy
+
+    q, k, v, _, _, _ = _bf16_case(70, 90, 16, 12, True, 30, None, 12)
+    widened, _ = attention.flash_attention(q, k, v, scale=0.3, causal=True, window=30)
+    caps = dataclasses.replace(policy.capabilities(), flags=frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(attention, "capabilities", lambda: caps)
+    attention._own_gemm_bf16.cache_clear()
+    try:
+        assert "bf16-attnkit" not in attention.flash_products()
+        out, _ = attention.flash_attention(
+            q, k, v, scale=0.3, causal=True, window=30, products="bf16-attnkit"
+        )
+        assert torch.equal(out, widened)  # the widened path, bit for bit
+    finally:
+        monkeypatch.undo()
+        attention._own_gemm_bf16.cache_clear()
+
+
+def _own_gemm() -> Callable[..., None]:
+    """attnkit's bf16 GEMM (csrc/bf16_gemm.c) as a ctypes function, or a skip where the CPU lacks
+    its instructions."""
+    address = attention._own_gemm_bf16()
+    if address is None:
+        pytest.skip("no bf16 pair dot products here")
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    kind = ctypes.CFUNCTYPE(
+        None, i64, i64, i64, i64, i64, i64, f32, ptr, i64, ptr, i64, f32, ptr, i64
+    )
+    return kind(address)
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 1, 1), (7, 33, 5), (6, 32, 2), (13, 70, 63), (128, 96, 64), (5, 17, 0)]
+)
+def test_attnkits_bf16_gemm_follows_float64(
+    trans_a: bool, trans_b: bool, m: int, n: int, k: int
+) -> None:
+    # C = alpha op(A) op(B) + beta C in row-major storage with padded rows, every transpose,
+    # sizes off the register blocks and an odd or empty k: float32 sums of exact bf16 products,
+    # so within float32 rounding of the float64 product; the padding columns stay untouched.
+    gemm = _own_gemm()
+    gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    a = torch.randn(*((k, m) if trans_a else (m, k)), generator=gen).bfloat16()
+    b = torch.randn(*((n, k) if trans_b else (k, n)), generator=gen).bfloat16()
+    a = torch.nn.functional.pad(a, (0, 3))  # (leading dimensions wider than the rows)
+    b = torch.nn.functional.pad(b, (0, 5))
+    op_a = (a[:, :m].T if trans_a else a[:, :k]).double()
+    op_b = (b[:, :k].T if trans_b else b[:, :n]).double()
+    for alpha, beta in ((1.0, 0.0), (0.125, 1.0), (2.0, -0.5)):
+        c = torch.randn(m, n + 2, generator=gen)
+        if beta == 0.0:
+            c[:, :n] = torch.nan  # (beta 0 never reads C)
+        before = c.clone()
+        want = alpha * op_a @ op_b + (beta * before[:, :n].double() if beta else 0.0)
+        gemm(
+            101, 112 if trans_a else 111, 112 if trans_b else 111, m, n, k, alpha,
+            a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), beta, c.data_ptr(), c.stride(0),
+        )  # fmt: skip
+        assert_close(c[:, :n].double(), want, atol=1e-5 * max(k, 1), rtol=1e-5)
+        assert torch.equal(c[:, n:], before[:, n:])
 
 
 def test_flash_bf16_products_choice_rule_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -512,8 +587,16 @@ def test_flash_bf16_products_choice_rule_and_override(monkeypatch: pytest.Monkey
     choice = policy.choices()[name]
     caps = policy.capabilities()
     assert choice.doc and set(choice.options) == set(attention.FLASH_PRODUCTS)
-    usable = caps.bf16_dot and attention.flash_bf16_products_available()
-    assert choice.rule(caps) == ("bf16" if usable else "widened")
+    # Before a measurement: MKL's on matrix tiles, attnkit's on pair dot products, MKL's on other
+    # bf16 units, else widened; each only where it runs here.
+    usable = attention.flash_products()
+    if caps.matrix_tiles and "bf16" in usable:
+        want = "bf16"
+    elif caps.bf16_pairs and "bf16-attnkit" in usable:
+        want = "bf16-attnkit"
+    else:
+        want = "bf16" if caps.bf16_dot and "bf16" in usable else "widened"
+    assert choice.rule(caps) == want
     for option in choice.options:
         monkeypatch.setenv(policy.env_var(name), option)
         assert policy.flash_bf16_products() == option

@@ -2,10 +2,10 @@
 decoding step's one-query attention.
 
 * :func:`flash_attention` and :func:`flash_attention_backward` (``csrc/flash.c``,
-  FlashAttention-2's order): tiles of scores from the BLAS ``sgemm`` torch links (or, for a bf16
-  forward with ``products="bf16"``, MKL's bf16 GEMM with float32 sums), folded into an
-  online softmax while they sit in cache, each block of queries computing only the keys its
-  causal/window rules let it reach (torch's CPU kernel computes whole blocks);
+  FlashAttention-2's order): tiles of scores from the BLAS ``sgemm`` torch links (or, for bf16
+  inputs, MKL's bf16 GEMM or attnkit's own, ``csrc/bf16_gemm.c``, with float32 sums), folded
+  into an online softmax while they sit in cache, each block of queries computing only the keys
+  its causal/window rules let it reach (torch's CPU kernel computes whole blocks);
   :func:`capped_attention` is the forward with Gemma 2's soft cap, which torch's fused kernels
   cannot apply.
 * :func:`capped_softmax_` (``csrc/capped_softmax.c``): the cap, the causal/window masks and the
@@ -33,6 +33,7 @@ from torch import Tensor
 
 from attnkit.kernels.binding import view as _view
 from attnkit.kernels.build import library, load_library
+from attnkit.kernels.probe import capabilities
 from attnkit.kernels.tiles import (
     FLASH_KEYS,
     TILE_KEYS,
@@ -57,6 +58,7 @@ __all__ = [
     "flash_attention_backward",
     "flash_available",
     "flash_bf16_products_available",
+    "flash_products",
     "one_query_attention",
     "paged_one_query_attention",
 ]
@@ -81,11 +83,12 @@ def _sgemm_address() -> int | None:
 
 
 #: Input dtypes of the flash kernels (bfloat16 widened to float32 block by block, or multiplied
-#: in bf16 by the forward's ``products="bf16"``).
+#: in bf16 as ``products`` says).
 _FLASH_DTYPES = (torch.float32, torch.bfloat16)
-#: How a bf16 forward multiplies its tiles: ``"widened"`` (float32 copies for ``sgemm``) or
-#: ``"bf16"`` (MKL's ``cblas_gemm_bf16bf16f32``, bf16 operands and float32 sums).
-FLASH_PRODUCTS = ("widened", "bf16")
+#: How the flash kernels multiply bf16 tiles: ``"widened"`` (float32 copies for ``sgemm``),
+#: ``"bf16"`` (MKL's ``cblas_gemm_bf16bf16f32``) or ``"bf16-attnkit"`` (``csrc/bf16_gemm.c``,
+#: on the CPU's bf16 pair dot products); both bf16 ones take bf16 operands with float32 sums.
+FLASH_PRODUCTS = ("widened", "bf16", "bf16-attnkit")
 #: The bf16 GEMM's name in torch's library (looked up by :func:`_gemm_bf16_address`).
 _GEMM_BF16 = "cblas_gemm_bf16bf16f32"
 
@@ -116,13 +119,20 @@ def _gemm_bf16_address(name: str = _GEMM_BF16) -> int | None:
 
 @functools.cache
 def _flash_gemm_bf16() -> int | None:
-    """``cblas_gemm_bf16bf16f32``'s address for the bf16 forward, once a small call through it
-    (GQA, causal, a window, several tiles) matches the float64 softmax at bf16's precision
-    (which also proves its calling convention), or None."""
-    sgemm = _flash_sgemm()
+    """``cblas_gemm_bf16bf16f32``'s address where torch links it and a small forward through it
+    passes :func:`_bf16_forward_matches`, or None."""
     address = _gemm_bf16_address()
-    if sgemm is None or address is None:
+    if _flash_sgemm() is None or address is None:
         return None
+    return address if _bf16_forward_matches(address) else None
+
+
+def _bf16_forward_matches(address: int) -> bool:
+    """Whether a small bf16 forward through the GEMM at ``address`` (GQA, causal, a window,
+    several tiles) matches the float64 softmax at bf16's precision (which also proves its
+    calling convention)."""
+    sgemm = _flash_sgemm()
+    assert sgemm is not None
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, n, 37, 24, generator=g).bfloat16() for n in (4, 2, 2))
     got, _ = _forward(q, k, v, 0.2, 0.0, True, 9, 0, True, (8, 16), sgemm, 1, False, address)
@@ -131,7 +141,7 @@ def _flash_gemm_bf16() -> int | None:
     allowed = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 9)
     scores = (q64 @ k64.transpose(-1, -2) * 0.2).masked_fill(~allowed, -math.inf)
     want = torch.softmax(scores, dim=-1) @ v64
-    return address if torch.allclose(got.double(), want, atol=2e-2, rtol=2e-2) else None
+    return torch.allclose(got.double(), want, atol=2e-2, rtol=2e-2)
 
 
 def flash_bf16_products_available() -> bool:
@@ -139,6 +149,25 @@ def flash_bf16_products_available() -> bool:
     tiles in bf16 (``products="bf16"``): the kernels run here and torch links MKL's
     ``cblas_gemm_bf16bf16f32`` (checked by a small call)."""
     return _flash_gemm_bf16() is not None
+
+
+@functools.cache
+def _own_gemm_bf16() -> int | None:
+    """``csrc/bf16_gemm.c``'s address, where the CPU has bf16 pair dot products and a small
+    call through it matches the float64 softmax at bf16's precision, or None."""
+    lib = load_library()[0]
+    if lib is None or not capabilities().bf16_pairs or _flash_sgemm() is None:
+        return None
+    address = ctypes.cast(lib.attnkit_gemm_bf16, ctypes.c_void_p).value
+    return address if address and _bf16_forward_matches(address) else None
+
+
+def flash_products() -> tuple[str, ...]:
+    """The :data:`FLASH_PRODUCTS` that run here as asked (the others fall back to
+    ``"widened"``)."""
+    usable = {"widened": True, "bf16": flash_bf16_products_available()}
+    usable["bf16-attnkit"] = _own_gemm_bf16() is not None
+    return tuple(p for p in FLASH_PRODUCTS if usable[p])
 
 
 @functools.cache
@@ -207,11 +236,11 @@ def _check_flash(
 
 
 def _gemm_bf16_for(q: Tensor, products: str) -> int | None:
-    """The bf16 GEMM a forward on ``q`` runs with (``products="bf16"`` on bf16 inputs, where
-    :func:`flash_bf16_products_available`), else None: the widened products."""
-    if products != "bf16" or q.dtype != torch.bfloat16:
+    """The bf16 GEMM the kernels run with on ``q`` (``products`` other than ``"widened"`` on
+    bf16 inputs, where it runs: see :func:`flash_products`), else None: the widened products."""
+    if products == "widened" or q.dtype != torch.bfloat16:
         return None
-    return _flash_gemm_bf16()
+    return _flash_gemm_bf16() if products == "bf16" else _own_gemm_bf16()
 
 
 def _forward(
@@ -284,12 +313,13 @@ def flash_attention(
         window: Keys ``window`` or more positions away are masked (None: no window).
         first: Key position of the first query.
         blocks: Queries per block and most keys per tile.
-        products: How bf16 tiles are multiplied: ``"widened"`` (float32 copies, ``sgemm``) or
-            ``"bf16"`` (MKL's bf16 GEMM with float32 sums; the scores and the softmax stay
-            float32, the probabilities are rounded to bf16 for the product with the values);
-            ``"bf16"`` falls back to ``"widened"`` where :func:`flash_bf16_products_available`
-            is False. Which one pays is the policy's choice
-            (:func:`attnkit.kernels.policy.flash_bf16_products`). Float32 inputs ignore it.
+        products: How bf16 tiles are multiplied: ``"widened"`` (float32 copies, ``sgemm``),
+            ``"bf16"`` (MKL's bf16 GEMM) or ``"bf16-attnkit"`` (attnkit's), both with float32
+            sums (the scores and the softmax stay float32, the probabilities are rounded to
+            bf16 for the product with the values); either bf16 one falls back to
+            ``"widened"`` where it does not run here (:func:`flash_products`). Which one pays
+            is the policy's choice (:func:`attnkit.kernels.policy.flash_bf16_products`).
+            Float32 inputs ignore it.
 
     Returns:
         ``(out, lse)``: ``out`` ``(B, H, L, Ev)`` in ``q``'s dtype (laid out ``(B, L, H, Ev)``
@@ -334,7 +364,7 @@ def flash_attention_backward(
     scores (only as wide as its reach), takes the probabilities from ``lse`` and makes the five
     products of the backward; the key and value gradients of the block accumulate in cache and
     are written once, the query gradients accumulate over the key blocks. With bf16 inputs and
-    ``products="bf16"`` the five products take bf16 operands with float32 sums, the
+    bf16 ``products`` the five products take bf16 operands with float32 sums, the
     probabilities and score gradients rounded to bf16 for theirs (as FlashAttention-2 does on
     GPUs); ``"widened"`` multiplies float32 copies.
 

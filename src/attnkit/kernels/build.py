@@ -62,6 +62,7 @@ _SOURCES = tuple(
         "capped_softmax.c",
         "one_query.c",
         "flash.c",
+        "bf16_gemm.c",
         "rows.c",
         "step.c",
     )

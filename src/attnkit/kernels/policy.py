@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from attnkit.kernels import attention, block_linear, build, linear, timing
 from attnkit.kernels.plans import AttentionCall, AttentionPlan, LinearPlan, TileKernels
-from attnkit.kernels.probe import capabilities
+from attnkit.kernels.probe import Capabilities, capabilities
 from attnkit.kernels.timing import provide_attention_kernel
 from attnkit.kernels.tuning import (
     Choice,
@@ -290,6 +290,18 @@ declare(
 )
 
 
+def _flash_products_rule(caps: Capabilities) -> str:
+    """The tile products a bf16 flash forward takes before (or without) a measurement: MKL's on
+    matrix tiles, else attnkit's on pair dot products, else MKL's on other bf16 units, else
+    widened (each only where it runs here)."""
+    usable = attention.flash_products()
+    if caps.matrix_tiles and "bf16" in usable:
+        return "bf16"
+    if caps.bf16_pairs and "bf16-attnkit" in usable:
+        return "bf16-attnkit"
+    return "bf16" if caps.bf16_dot and "bf16" in usable else "widened"
+
+
 def bf16_structured(window: int | None = None) -> tuple[str, int]:
     """``(kernel, rows)`` for a bfloat16 causal/window forward: ``"flash"`` (attnkit's) or
     ``"tiles"`` (torch's kernel in tiles of ``rows`` queries), from the measured
@@ -301,22 +313,33 @@ def bf16_structured(window: int | None = None) -> tuple[str, int]:
     return "tiles", int(option.split("-")[1])
 
 
+#: The flash kernels' bf16 backward options and the tile products each runs with.
+_BACKWARD_PRODUCTS = {
+    "flash": "widened",
+    "flash-bf16": "bf16",
+    "flash-bf16-attnkit": "bf16-attnkit",
+}
+
 declare(
     "attention.bf16_backward",
-    ("flash", "flash-bf16", "torch"),
+    (*_BACKWARD_PRODUCTS, "torch"),
     "A bfloat16 causal/window attention with a backward: attnkit's flash kernels with blocks "
-    "widened to float32 (flash) or with bf16 products and float32 sums (flash-bf16, where "
-    "torch links MKL's bf16 GEMM), or torch's bf16 flash kernel in tiles; which wins depends "
-    "on the CPU's bf16 units and on the work each skips.",
-    lambda caps: "torch" if caps.bf16_dot else "flash",
+    "widened to float32 (flash) or with bf16 products and float32 sums (flash-bf16 on MKL's "
+    "bf16 GEMM, where torch links it; flash-bf16-attnkit on attnkit's, where the CPU has bf16 "
+    "pair dot products), or torch's bf16 flash kernel in tiles; which wins depends on the "
+    "CPU's bf16 units and on the work each skips.",
+    lambda caps: {"bf16": "torch", "bf16-attnkit": "flash-bf16-attnkit"}.get(
+        _flash_products_rule(caps), "torch" if caps.bf16_dot else "flash"
+    ),
     timing.bf16_backward,
 )
 
 
 def bf16_backward_products() -> str:
     """How attnkit's flash kernels multiply bf16 tiles when a backward follows (choice
-    ``attention.bf16_backward``): ``"bf16"`` for ``flash-bf16``, else ``"widened"``."""
-    return "bf16" if choose("attention.bf16_backward") == "flash-bf16" else "widened"
+    ``attention.bf16_backward``): the products of its flash option, ``"widened"`` for
+    ``torch``."""
+    return _BACKWARD_PRODUCTS.get(choose("attention.bf16_backward"), "widened")
 
 
 declare(
@@ -330,14 +353,13 @@ declare(
 )
 declare(
     "attention.flash_bf16_products",
-    ("bf16", "widened"),
-    "A bf16 flash forward's tile products: bf16 operands with float32 sums (MKL's bf16 GEMM), "
-    "or widened to float32 for sgemm, which wins where the CPU has no bf16 dot products (it "
-    "would only emulate them); whether MKL's bf16 GEMM pays on small tiles also depends on "
-    "the CPU's vendor, so it is measured on a causal prefill's shape.",
-    lambda caps: (
-        "bf16" if caps.bf16_dot and attention.flash_bf16_products_available() else "widened"
-    ),
+    ("bf16", "bf16-attnkit", "widened"),
+    "A bf16 flash forward's tile products: bf16 operands with float32 sums (MKL's bf16 GEMM, "
+    "or attnkit's on the CPU's bf16 pair dot products), or widened to float32 for sgemm, which "
+    "wins where the CPU has no bf16 dot products (they would only be emulated); whether MKL's "
+    "bf16 GEMM pays on small tiles also depends on the CPU's vendor, so it is measured on a "
+    "causal prefill's shape.",
+    _flash_products_rule,
     timing.flash_bf16_products,
     margin=1.05,
 )

@@ -151,6 +151,12 @@ class Capabilities:
         return "avx512_bf16" in self.flags or self.matrix_tiles
 
     @property
+    def bf16_pairs(self) -> bool:
+        """Whether the CPU has 512-bit bf16 pair dot products (AVX512-BF16 with AVX512-BW), which
+        ``csrc/bf16_gemm.c`` runs on."""
+        return "avx512_bf16" in self.flags and "avx512bw" in self.flags
+
+    @property
     def int8_dot(self) -> bool:
         """Whether the CPU has 512-bit int8 dot products (AVX512-VNNI) for the int8/int4 kernels."""
         return "avx512_vnni" in self.flags and self.wide_vectors
@@ -181,6 +187,7 @@ class Capabilities:
             "simd kernels (AVX2+FMA)": self.simd,
             "wide vectors (AVX512 F/BW/VL)": self.wide_vectors,
             "bf16 dot products (AVX512-BF16 or AMX)": self.bf16_dot,
+            "bf16 pair dot products (AVX512-BF16)": self.bf16_pairs,
             "int8 dot products (AVX512-VNNI)": self.int8_dot,
             "matrix tiles (AMX)": self.matrix_tiles,
             "oneDNN": self.mkldnn,

@@ -253,17 +253,15 @@ def flash_bf16_products() -> dict[str, Callable[[], Any]]:
         return {}
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
-    usable: tuple[str, ...] = attention.FLASH_PRODUCTS
-    if not attention.flash_bf16_products_available():
-        usable = tuple(p for p in usable if p != "bf16")
+    usable = attention.flash_products()
     forward = functools.partial(attention.flash_attention, q, k, v, scale=0.125, causal=True)
     return {p: functools.partial(forward, products=p) for p in usable}
 
 
 def bf16_backward() -> dict[str, Callable[[], Any]]:
     """A bfloat16 sliding-window forward and backward (window 256 over 1024 queries, 4 heads of
-    64): attnkit's flash kernels (where they run; widened, and with bf16 products where torch
-    links MKL's bf16 GEMM) and torch's flash kernel in tiles of 64 queries."""
+    64): attnkit's flash kernels (where they run; widened, and with each bf16 product that runs
+    here) and torch's flash kernel in tiles of 64 queries."""
     tiles = _ATTENTION_KERNELS.get("tiles")
     if tiles is None:  # (not measured, nor cached, before attnkit.sparse is imported)
         raise LookupError("the attention kernels are not imported: import attnkit.functional")
@@ -284,9 +282,10 @@ def bf16_backward() -> dict[str, Callable[[], Any]]:
     if attention.flash_available():
         flash = TileKernels(True, widen=True, flash_wide=True)
         calls["flash"] = functools.partial(forward_backward, flash, None)
-    if attention.flash_bf16_products_available():
-        products = TileKernels(True, widen=True, flash_wide=True, products="bf16")
-        calls["flash-bf16"] = functools.partial(forward_backward, products, None)
+    for products in attention.flash_products():
+        if products != "widened":
+            kernels = TileKernels(True, widen=True, flash_wide=True, products=products)
+            calls[f"flash-{products}"] = functools.partial(forward_backward, kernels, None)
     return calls
 
 

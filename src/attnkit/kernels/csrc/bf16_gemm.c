@@ -1,0 +1,163 @@
+/* A bf16 GEMM with float32 sums for the flash kernels' tiles, on the CPU's bf16 pair dot
+ * products (one instruction multiplies 16 pairs of bf16 and adds each pair's sum to a float32
+ * lane). It has the calling convention of MKL's cblas_gemm_bf16bf16f32 (row-major only), so
+ * csrc/flash.c takes either through one function pointer, and the policy times both: MKL's
+ * runs its best code only on some vendors' CPUs.
+ *
+ * C (m x n, float32) = alpha op(A) op(B) + beta C, op(A) m x k and op(B) k x n in bf16. Both
+ * operands are first packed into thread-local scratch: op(A) as rows of k/2 pairs (each pair
+ * one 32-bit word, broadcast to all lanes), op(B) as k/2 rows of n pairs (the pair of rows
+ * 2p and 2p+1 interleaved column by column), zero-padded to whole register blocks. A block of
+ * MR rows and NR columns then keeps its 2 MR accumulators in registers over the whole of k.
+ * Called by one thread on its own tiles; threads never share scratch.
+ *
+ * The caller (attnkit.kernels.attention) only passes this function's address where the CPU has
+ * the instructions; compiled for every CPU, it runs on none that lacks them.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+enum { MR = 6, NR = 32 };
+
+#define BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+static __thread uint32_t *scratch;
+static __thread size_t scratch_words;
+
+/* At least `words` 32-bit words of this thread's scratch, or NULL. */
+static uint32_t *workspace(size_t words) {
+  if (words > scratch_words) {
+    size_t bytes = (words * sizeof(uint32_t) + 63) / 64 * 64;
+    uint32_t *grown = aligned_alloc(64, bytes);
+    if (!grown) return NULL;
+    free(scratch);
+    scratch = grown;
+    scratch_words = bytes / sizeof(uint32_t);
+  }
+  return scratch;
+}
+
+/* op(X)[r][c] of a row-major X with leading dimension ld. */
+static inline uint16_t at(const uint16_t *x, int64_t ld, int trans, int64_t r, int64_t c) {
+  return trans ? x[c * ld + r] : x[r * ld + c];
+}
+
+/* op(A) (m x k) into `mp` rows of `kp` pairs, rows and the odd last pair zero-padded. */
+static void pack_a(const uint16_t *a, int64_t lda, int trans, int64_t m, int64_t k, int64_t mp,
+                   int64_t kp, uint32_t *out) {
+  uint16_t *dst = (uint16_t *)out;
+  memset(out, 0, (size_t)(mp * kp) * sizeof(uint32_t));
+  for (int64_t i = 0; i < m; i++) {
+    uint16_t *row = dst + i * kp * 2;
+    if (!trans) {
+      memcpy(row, a + i * lda, (size_t)k * sizeof(uint16_t));
+    } else {
+      for (int64_t c = 0; c < k; c++) row[c] = a[c * lda + i];
+    }
+  }
+}
+
+/* op(B) (k x n) into `kp` rows of `np` pairs: word (p, j) holds op(B)[2p][j] in its low half
+ * and op(B)[2p+1][j] in its high half (zero past k or n). */
+BF16_DOT static void pack_b(const uint16_t *b, int64_t ldb, int trans, int64_t k, int64_t n,
+                            int64_t kp, int64_t np, uint32_t *out) {
+  memset(out, 0, (size_t)(kp * np) * sizeof(uint32_t));
+  if (trans) {  // op(B)[c][j] = b[j][c]: row j of b holds its pairs back to back
+    for (int64_t j = 0; j < n; j++) {
+      const uint16_t *row = b + j * ldb;
+      for (int64_t p = 0; p < k / 2; p++) {
+        uint32_t pair;
+        memcpy(&pair, row + 2 * p, sizeof pair);
+        out[p * np + j] = pair;
+      }
+      if (k % 2) out[(kp - 1) * np + j] = row[k - 1];
+    }
+    return;
+  }
+  // op(B) = b: interleave rows 2p and 2p+1, 32 columns at a time
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                       8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t p = 0; p < kp; p++) {
+    const uint16_t *r0 = b + 2 * p * ldb;
+    const uint16_t *r1 = 2 * p + 1 < k ? r0 + ldb : NULL;
+    uint32_t *dst = out + p * np;
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+      __m512i x0 = _mm512_loadu_si512(r0 + j);
+      __m512i x1 = r1 ? _mm512_loadu_si512(r1 + j) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + j, _mm512_permutex2var_epi16(x0, low, x1));
+      _mm512_storeu_si512(dst + j + 16, _mm512_permutex2var_epi16(x0, high, x1));
+    }
+    for (; j < n; j++) dst[j] = r0[j] | (uint32_t)(r1 ? r1[j] : 0) << 16;
+  }
+}
+
+/* Rows [0, rows) and columns [0, cols) of C from one MR x NR block of packed A and B. */
+BF16_DOT static void block(int64_t kp, const uint32_t *a, const uint32_t *b, int64_t np, float *c,
+                           int64_t ldc, int64_t rows, int64_t cols, float alpha, float beta) {
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; p++) {
+    __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * np);
+    __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * np + 16);
+    for (int r = 0; r < MR; r++) {
+      __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r * kp + p]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  for (int r = 0; r < MR && r < rows; r++) {
+    for (int h = 0; h < 2; h++) {
+      int64_t left = cols - 16 * h;
+      if (left <= 0) break;
+      __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+      float *dst = c + r * ldc + 16 * h;
+      __m512 y = _mm512_mul_ps(va, acc[r][h]);
+      if (beta != 0.0f) y = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m, dst), y);
+      _mm512_mask_storeu_ps(dst, m, y);
+    }
+  }
+}
+
+/* The same product without scratch, one sum at a time (where scratch cannot be had). */
+static void unpacked(int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
+                     const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb, float beta,
+                     float *c, int64_t ldc) {
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++) {
+      float sum = 0.0f;
+      for (int64_t x = 0; x < k; x++) {
+        uint32_t u = (uint32_t)at(a, lda, ta, i, x) << 16, w = (uint32_t)at(b, ldb, tb, x, j) << 16;
+        float fa, fb;
+        memcpy(&fa, &u, sizeof fa);
+        memcpy(&fb, &w, sizeof fb);
+        sum += fa * fb;
+      }
+      c[i * ldc + j] = alpha * sum + (beta != 0.0f ? beta * c[i * ldc + j] : 0.0f);
+    }
+}
+
+BF16_DOT void attnkit_gemm_bf16(int64_t layout, int64_t transa, int64_t transb, int64_t m,
+                                int64_t n, int64_t k, float alpha, const uint16_t *a,
+                                int64_t lda, const uint16_t *b, int64_t ldb, float beta, float *c,
+                                int64_t ldc) {
+  if (layout != ROW_MAJOR || m <= 0 || n <= 0) return;
+  const int ta = transa == TRANS, tb = transb == TRANS;
+  const int64_t kp = (k + 1) / 2, mp = (m + MR - 1) / MR * MR, np = (n + NR - 1) / NR * NR;
+  uint32_t *work = workspace((size_t)(mp * kp + kp * np));
+  if (!work) {
+    unpacked(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  uint32_t *pa = work, *pb = work + mp * kp;
+  pack_a(a, lda, ta, m, k, mp, kp, pa);
+  pack_b(b, ldb, tb, k, n, kp, np, pb);
+  for (int64_t j = 0; j < n; j += NR)  // (one panel of B stays in cache over every row block)
+    for (int64_t i = 0; i < m; i += MR)
+      block(kp, pa + i * kp, pb + j, np, c + i * ldc + j, ldc, m - i, n - j, alpha, beta);
+}
