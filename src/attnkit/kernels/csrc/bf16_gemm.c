@@ -5,10 +5,11 @@
  * runs its best code only on some vendors' CPUs.
  *
  * C (m x n, float32) = alpha op(A) op(B) + beta C, op(A) m x k and op(B) k x n in bf16. Both
- * operands are first packed into thread-local scratch: op(A) as rows of k/2 pairs (each pair
- * one 32-bit word, broadcast to all lanes), op(B) as k/2 rows of n pairs (the pair of rows
- * 2p and 2p+1 interleaved column by column), zero-padded to whole register blocks. A block of
- * MR rows and NR columns then keeps its 2 MR accumulators in registers over the whole of k.
+ * operands are first packed into thread-local scratch as k/2 rows of pairs, one 32-bit word
+ * each: op(B)'s rows 2p and 2p+1 interleaved column by column, op(A)'s columns 2p and 2p+1
+ * likewise (each of its words is broadcast to all lanes), zero-padded to whole register blocks.
+ * A block of MR rows and NR columns then keeps its 2 MR accumulators in registers over the
+ * whole of k.
  * Called by one thread on its own tiles; threads never share scratch.
  *
  * The caller (attnkit.kernels.attention) only passes this function's address where the CPU has
@@ -45,45 +46,17 @@ static inline uint16_t at(const uint16_t *x, int64_t ld, int trans, int64_t r, i
   return trans ? x[c * ld + r] : x[r * ld + c];
 }
 
-/* op(A) (m x k) into `mp` rows of `kp` pairs, rows and the odd last pair zero-padded. */
-static void pack_a(const uint16_t *a, int64_t lda, int trans, int64_t m, int64_t k, int64_t mp,
-                   int64_t kp, uint32_t *out) {
-  uint16_t *dst = (uint16_t *)out;
-  memset(out, 0, (size_t)(mp * kp) * sizeof(uint32_t));
-  for (int64_t i = 0; i < m; i++) {
-    uint16_t *row = dst + i * kp * 2;
-    if (!trans) {
-      memcpy(row, a + i * lda, (size_t)k * sizeof(uint16_t));
-    } else {
-      for (int64_t c = 0; c < k; c++) row[c] = a[c * lda + i];
-    }
-  }
-}
-
-/* op(B) (k x n) into `kp` rows of `np` pairs: word (p, j) holds op(B)[2p][j] in its low half
- * and op(B)[2p+1][j] in its high half (zero past k or n). */
-BF16_DOT static void pack_b(const uint16_t *b, int64_t ldb, int trans, int64_t k, int64_t n,
-                            int64_t kp, int64_t np, uint32_t *out) {
-  memset(out, 0, (size_t)(kp * np) * sizeof(uint32_t));
-  if (trans) {  // op(B)[c][j] = b[j][c]: row j of b holds its pairs back to back
-    for (int64_t j = 0; j < n; j++) {
-      const uint16_t *row = b + j * ldb;
-      for (int64_t p = 0; p < k / 2; p++) {
-        uint32_t pair;
-        memcpy(&pair, row + 2 * p, sizeof pair);
-        out[p * np + j] = pair;
-      }
-      if (k % 2) out[(kp - 1) * np + j] = row[k - 1];
-    }
-    return;
-  }
-  // op(B) = b: interleave rows 2p and 2p+1, 32 columns at a time
+/* Packs a k x n operand held as rows of x (leading dimension ld): word (p, j) of `out` (kp rows
+ * of np words) holds element (2p, j) in its low half and (2p+1, j) in its high half, zero past
+ * k or n. Rows 2p and 2p+1 are interleaved 32 columns at a time. */
+BF16_DOT static void interleave(const uint16_t *x, int64_t ld, int64_t k, int64_t n, int64_t kp,
+                                int64_t np, uint32_t *out) {
   const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
                                        8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   for (int64_t p = 0; p < kp; p++) {
-    const uint16_t *r0 = b + 2 * p * ldb;
-    const uint16_t *r1 = 2 * p + 1 < k ? r0 + ldb : NULL;
+    const uint16_t *r0 = x + 2 * p * ld;
+    const uint16_t *r1 = 2 * p + 1 < k ? r0 + ld : NULL;
     uint32_t *dst = out + p * np;
     int64_t j = 0;
     for (; j + 32 <= n; j += 32) {
@@ -93,19 +66,63 @@ BF16_DOT static void pack_b(const uint16_t *b, int64_t ldb, int trans, int64_t k
       _mm512_storeu_si512(dst + j + 16, _mm512_permutex2var_epi16(x0, high, x1));
     }
     for (; j < n; j++) dst[j] = r0[j] | (uint32_t)(r1 ? r1[j] : 0) << 16;
+    for (; j < np; j++) dst[j] = 0;
   }
 }
 
-/* Rows [0, rows) and columns [0, cols) of C from one MR x NR block of packed A and B. */
-BF16_DOT static void block(int64_t kp, const uint32_t *a, const uint32_t *b, int64_t np, float *c,
-                           int64_t ldc, int64_t rows, int64_t cols, float alpha, float beta) {
+/* Packs the same k x n operand held as columns of x (element (c, j) at x[j * ld + c]), whose
+ * pairs already lie side by side in memory: word (p, j) is gathered, 16 columns at a time. */
+BF16_DOT static void transpose_pairs(const uint16_t *x, int64_t ld, int64_t k, int64_t n,
+                                     int64_t kp, int64_t np, uint32_t *out) {
+  const int64_t whole = k / 2;  // pairs read as one word (an odd last one is read alone)
+  const int gathers = ld < (INT64_C(1) << 26);  // (16 columns' offsets fit 32-bit indices)
+  const __m512i lanes = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(gathers ? (int)ld : 0));
+  int64_t j = 0;
+  for (; gathers && j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+    const uint16_t *base = x + j * ld;
+    for (int64_t p = 0; p < whole; p++) {
+      __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, lanes, base + 2 * p, 2);
+      _mm512_mask_storeu_epi32(out + p * np + j, m, w);
+    }
+  }
+  for (; j < n; j++)
+    for (int64_t p = 0; p < whole; p++) memcpy(out + p * np + j, x + j * ld + 2 * p, 4);
+  for (int64_t p = whole; p < kp; p++)  // the odd last element of each column
+    for (int64_t c = 0; c < n; c++) out[p * np + c] = x[c * ld + k - 1];
+  for (int64_t p = 0; p < kp; p++)
+    for (int64_t c = n; c < np; c++) out[p * np + c] = 0;
+}
+
+/* Copies the m rows of x (k elements each, leading dimension ld) into `mp` rows of `kp` words,
+ * where their pairs already lie side by side (zero past k or m). */
+static void copy_rows(const uint16_t *x, int64_t ld, int64_t k, int64_t m, int64_t kp,
+                      int64_t mp, uint32_t *out) {
+  for (int64_t i = 0; i < mp; i++) {
+    uint32_t *row = out + i * kp;
+    row[kp - 1] = 0;  // (the high half of an odd last pair)
+    if (i < m)
+      memcpy(row, x + i * ld, (size_t)k * sizeof(uint16_t));
+    else
+      memset(row, 0, (size_t)kp * sizeof(uint32_t));
+  }
+}
+
+/* Rows [0, rows) and columns [0, cols) of C from one MR x NR block: A's word (r, p) at
+ * a[r * si + p * sp], B's NR words of pair row p at b + p * np. */
+BF16_DOT static void block(int64_t kp, const uint32_t *a, int64_t si, int64_t sp,
+                           const uint32_t *b, int64_t np, float *c, int64_t ldc, int64_t rows,
+                           int64_t cols, float alpha, float beta) {
   __m512 acc[MR][2];
   for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < kp; p++) {
     __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * np);
     __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * np + 16);
+    const uint32_t *ap = a + p * sp;
     for (int r = 0; r < MR; r++) {
-      __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r * kp + p]);
+      __m512bh ar = (__m512bh)_mm512_set1_epi32((int)ap[r * si]);
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
     }
@@ -155,9 +172,18 @@ BF16_DOT void attnkit_gemm_bf16(int64_t layout, int64_t transa, int64_t transb, 
     return;
   }
   uint32_t *pa = work, *pb = work + mp * kp;
-  pack_a(a, lda, ta, m, k, mp, kp, pa);
-  pack_b(b, ldb, tb, k, n, kp, np, pb);
+  // op(A): its rows as they are (pairs side by side), or, transposed, interleaved into pair rows
+  // (p-major); op(B): pair rows, interleaved from B's rows or gathered from its transposed ones
+  const int64_t si = ta ? 1 : kp, sp = ta ? mp : 1;
+  if (ta)
+    interleave(a, lda, k, m, kp, mp, pa);
+  else
+    copy_rows(a, lda, k, m, kp, mp, pa);
+  if (tb)
+    transpose_pairs(b, ldb, k, n, kp, np, pb);
+  else
+    interleave(b, ldb, k, n, kp, np, pb);
   for (int64_t j = 0; j < n; j += NR)  // (one panel of B stays in cache over every row block)
     for (int64_t i = 0; i < m; i += MR)
-      block(kp, pa + i * kp, pb + j, np, c + i * ldc + j, ldc, m - i, n - j, alpha, beta);
+      block(kp, pa + i * si, si, sp, pb + j, np, c + i * ldc + j, ldc, m - i, n - j, alpha, beta);
 }
