@@ -82,6 +82,23 @@ def test_pages_carry_every_table_with_its_machine(tmp_path: Path) -> None:
     assert "- Three passes: 0.9x (Old CPU)." in got["tried.md"]
 
 
+def test_bf16_gains_table_divides_each_gain_by_torchs(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    rows = [
+        {"impl": "torch causal SDPA", "mode": "fwd", "fp32_s": 0.2, "bf16_s": 0.1, "speedup": 2.0,
+         "bf16_max_err": 0.01, "speedup_vs_torch": 1.0},
+        {"impl": "attnkit window", "mode": "fwd", "fp32_s": 0.03, "bf16_s": 0.01, "speedup": 3.0,
+         "bf16_max_err": 0.02, "speedup_vs_torch": 1.5},
+    ]  # fmt: skip
+    config = {"n": 64, "kernels": {"attention.bf16_backward": "flash"}}
+    report = {"machine": MACHINE, "config": config, "rows": rows}
+    (folder / "structured_bf16.json").write_text(json.dumps(report))
+    structured = pages.render_pages(folder)["structured.md"]
+    assert "## What bf16 gains over fp32" in structured
+    assert "| attnkit window | fwd | 30.0 | 10.0 | 3.00x | 1.50x | 2.0e-02 |" in structured
+    assert "N=64" in structured and "bf16_backward flash" in structured
+
+
 def test_readme_table_picks_one_figure_per_headline(tmp_path: Path) -> None:
     tables, _ = pages.load_tables(_folder(tmp_path))
     headlines = (

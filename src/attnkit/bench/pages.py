@@ -393,6 +393,30 @@ def _flex_tables(report: dict[str, Any], source: str) -> list[Table]:
                          context)  # fmt: skip
 
 
+def _structured_bf16_tables(report: dict[str, Any], source: str) -> list[Table]:
+    """``python -m attnkit.bench.structured --bf16``: what bf16 gains over fp32, attnkit's
+    structured attention against torch's causal SDPA."""
+    cells = [
+        [r["impl"], r["mode"], _ms(r["fp32_s"]), _ms(r["bf16_s"]), _x(r["speedup"]),
+         _x(r.get("speedup_vs_torch")), f"{r['bf16_max_err']:.1e}"]
+        for r in report["rows"]
+    ]  # fmt: skip
+    c = report.get("config", {})
+    kernels = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in c.get("kernels", {}).items())
+    context = (
+        f"`python -m attnkit.bench.structured --bf16`: N={c.get('n', '?')}, "
+        f"{c.get('heads', '?')} heads of {c.get('head_dim', '?')}, window {c.get('window', '?')}, "
+        f"{c.get('documents', '?')} documents, batch 1; each implementation in fp32 and bf16 side "
+        f"by side, medians of {c.get('repeats', '?')} rounds; bf16 x = fp32 time / bf16 time, "
+        "x torch's = that gain over torch's causal SDPA's; error: bf16's largest deviation from "
+        f"float64 at N={c.get('error_n', '?')}. The policy's choices: {kernels or '-'}."
+    )
+    return _report_table(report, source, "structured-bf16", "structured",
+                         "What bf16 gains over fp32: structured attention and torch's causal SDPA",
+                         ["implementation", "mode", "fp32 ms", "bf16 ms", "bf16 x",
+                          "x torch's gain", "bf16 error"], cells, context)  # fmt: skip
+
+
 def _fused_tables(report: dict[str, Any], source: str) -> list[Table]:
     """``python -m attnkit.bench.fused``: the one-call decoding step against the blocks."""
     cells = [
@@ -428,6 +452,7 @@ _ADAPTERS: dict[str, Callable[[dict[str, Any], str], list[Table]]] = {
     "quantization-layouts.json": _layout_tables,
     "speculative.json": _speculative_tables,
     "serving-engine.json": _serving_engine_tables,
+    "structured_bf16.json": _structured_bf16_tables,
 }
 
 

@@ -44,9 +44,17 @@ from torch import Tensor
 
 from attnkit.bench.results import parse_with_threads, write_report
 from attnkit.functional import block_sparse_attention
+from attnkit.kernels.tuning import choose
 from attnkit.sparse import structured_mask
 
 Fn = Callable[[Tensor, Tensor, Tensor], Tensor]
+#: The policy's choices a bf16 structured call follows (recorded in the --bf16 report).
+_BF16_CHOICES = (
+    "attention.bf16_structured",
+    "attention.bf16_causal",
+    "attention.bf16_backward",
+    "attention.flash_bf16_products",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [None if r == "auto" else int(r) for r in a.rows.split(",")]
     results: list[dict[str, Any]] = []
     if a.bf16:
-        _write(a.json, "structured_bf16.json", _bf16(a))
+        rows_bf16 = _bf16(a)
+        config = {"n": a.n, "heads": a.heads, "head_dim": a.dim, "window": a.window,
+                  "documents": a.docs, "repeats": a.repeats, "error_n": a.error_n,
+                  "kernels": {name: choose(name) for name in _BF16_CHOICES}}  # fmt: skip
+        write_report({"config": config, "rows": rows_bf16}, a.json, "structured_bf16.json")
         return 0
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, N={a.n}, "
           f"H={a.heads}, E={a.dim}; median of {a.repeats} interleaved rounds")  # fmt: skip
