@@ -158,6 +158,8 @@ def _own_gemm_bf16() -> int | None:
     lib = load_library()[0]
     if lib is None or not capabilities().bf16_pairs or _flash_sgemm() is None:
         return None
+    if not lib.attnkit_bf16_gemm_native():  # (a compiler without the instructions)
+        return None
     address = ctypes.cast(lib.attnkit_gemm_bf16, ctypes.c_void_p).value
     return address if address and _bf16_forward_matches(address) else None
 

@@ -135,6 +135,9 @@ def declare(lib: ctypes.CDLL) -> None:
     call.argtypes = [View] * 4 + [pointer, int64, int64, pointer, int64, flag, int64]
     call.argtypes += [floats, floats, flag, int64, int64, flag, pointer, pointer, flag]
     call.restype = flag
+    call = lib.attnkit_bf16_gemm_native
+    call.argtypes = []
+    call.restype = flag
     call = lib.attnkit_flash_backward
     call.argtypes = [View, View, View, View, View, pointer, int64, int64, View, View, View]
     call.argtypes += [pointer, int64, flag, int64, floats, int64, int64, flag, flag, pointer]

@@ -13,7 +13,8 @@
  * Called by one thread on its own tiles; threads never share scratch.
  *
  * The caller (attnkit.kernels.attention) only passes this function's address where the CPU has
- * the instructions; compiled for every CPU, it runs on none that lacks them.
+ * the instructions and attnkit_bf16_gemm_native() says the build has them; compiled for every
+ * CPU, the packed product runs on none that lacks them.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -23,6 +24,39 @@
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 enum { MR = 6, NR = 32 };
 
+/* Compilers that know the bf16 dot product instructions (older ones build only the plain loop,
+ * and attnkit_bf16_gemm_native() says so). */
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10)
+#define BF16_DOT_BUILT 1
+#else
+#define BF16_DOT_BUILT 0
+#endif
+
+/* op(X)[r][c] of a row-major X with leading dimension ld. */
+static inline uint16_t at(const uint16_t *x, int64_t ld, int trans, int64_t r, int64_t c) {
+  return trans ? x[c * ld + r] : x[r * ld + c];
+}
+
+/* The same product one sum at a time, without scratch (where none can be had, or the compiler
+ * lacks the instructions). */
+static void unpacked(int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
+                     const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb, float beta,
+                     float *c, int64_t ldc) {
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++) {
+      float sum = 0.0f;
+      for (int64_t x = 0; x < k; x++) {
+        uint32_t u = (uint32_t)at(a, lda, ta, i, x) << 16, w = (uint32_t)at(b, ldb, tb, x, j) << 16;
+        float fa, fb;
+        memcpy(&fa, &u, sizeof fa);
+        memcpy(&fb, &w, sizeof fb);
+        sum += fa * fb;
+      }
+      c[i * ldc + j] = alpha * sum + (beta != 0.0f ? beta * c[i * ldc + j] : 0.0f);
+    }
+}
+
+#if BF16_DOT_BUILT
 #define BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 static __thread uint32_t *scratch;
@@ -39,11 +73,6 @@ static uint32_t *workspace(size_t words) {
     scratch_words = bytes / sizeof(uint32_t);
   }
   return scratch;
-}
-
-/* op(X)[r][c] of a row-major X with leading dimension ld. */
-static inline uint16_t at(const uint16_t *x, int64_t ld, int trans, int64_t r, int64_t c) {
-  return trans ? x[c * ld + r] : x[r * ld + c];
 }
 
 /* Packs a k x n operand held as rows of x (leading dimension ld): word (p, j) of `out` (kp rows
@@ -141,36 +170,13 @@ BF16_DOT static void block(int64_t kp, const uint32_t *a, int64_t si, int64_t sp
   }
 }
 
-/* The same product without scratch, one sum at a time (where scratch cannot be had). */
-static void unpacked(int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
-                     const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb, float beta,
-                     float *c, int64_t ldc) {
-  for (int64_t i = 0; i < m; i++)
-    for (int64_t j = 0; j < n; j++) {
-      float sum = 0.0f;
-      for (int64_t x = 0; x < k; x++) {
-        uint32_t u = (uint32_t)at(a, lda, ta, i, x) << 16, w = (uint32_t)at(b, ldb, tb, x, j) << 16;
-        float fa, fb;
-        memcpy(&fa, &u, sizeof fa);
-        memcpy(&fb, &w, sizeof fb);
-        sum += fa * fb;
-      }
-      c[i * ldc + j] = alpha * sum + (beta != 0.0f ? beta * c[i * ldc + j] : 0.0f);
-    }
-}
-
-BF16_DOT void attnkit_gemm_bf16(int64_t layout, int64_t transa, int64_t transb, int64_t m,
-                                int64_t n, int64_t k, float alpha, const uint16_t *a,
-                                int64_t lda, const uint16_t *b, int64_t ldb, float beta, float *c,
-                                int64_t ldc) {
-  if (layout != ROW_MAJOR || m <= 0 || n <= 0) return;
-  const int ta = transa == TRANS, tb = transb == TRANS;
+/* The product through packed scratch: 1, or 0 where the scratch cannot be had. */
+BF16_DOT static int packed(int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
+                           const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb,
+                           float beta, float *c, int64_t ldc) {
   const int64_t kp = (k + 1) / 2, mp = (m + MR - 1) / MR * MR, np = (n + NR - 1) / NR * NR;
   uint32_t *work = workspace((size_t)(mp * kp + kp * np));
-  if (!work) {
-    unpacked(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    return;
-  }
+  if (!work) return 0;
   uint32_t *pa = work, *pb = work + mp * kp;
   // op(A): its rows as they are (pairs side by side), or, transposed, interleaved into pair rows
   // (p-major); op(B): pair rows, interleaved from B's rows or gathered from its transposed ones
@@ -186,4 +192,20 @@ BF16_DOT void attnkit_gemm_bf16(int64_t layout, int64_t transa, int64_t transb, 
   for (int64_t j = 0; j < n; j += NR)  // (one panel of B stays in cache over every row block)
     for (int64_t i = 0; i < m; i += MR)
       block(kp, pa + i * si, si, sp, pb + j, np, c + i * ldc + j, ldc, m - i, n - j, alpha, beta);
+  return 1;
+}
+#endif
+
+/* Whether the packed product on bf16 dot products was built (else only the plain loop runs). */
+int attnkit_bf16_gemm_native(void) { return BF16_DOT_BUILT; }
+
+void attnkit_gemm_bf16(int64_t layout, int64_t transa, int64_t transb, int64_t m, int64_t n,
+                       int64_t k, float alpha, const uint16_t *a, int64_t lda, const uint16_t *b,
+                       int64_t ldb, float beta, float *c, int64_t ldc) {
+  if (layout != ROW_MAJOR || m <= 0 || n <= 0) return;
+  const int ta = transa == TRANS, tb = transb == TRANS;
+#if BF16_DOT_BUILT
+  if (packed(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
+#endif
+  unpacked(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
