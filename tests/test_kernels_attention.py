@@ -430,13 +430,18 @@ def test_flash_backward_bf16_follows_float64(
             assert torch.equal(got[0][:, :, ~rows], torch.zeros_like(got[0][:, :, ~rows]))
 
 
+@pytest.fixture(params=["bf16", "bf16-attnkit"])
+def bf16_products(request: pytest.FixtureRequest) -> str:
+    """Each bf16 tile product of the flash kernels (skipped where it does not run here)."""
+    if request.param not in attention.flash_products():
+        pytest.skip(f"products={request.param!r} do not run here")
+    return str(request.param)
+
+
 @needs_capped
-@pytest.mark.parametrize("bf16_products", ["bf16", "bf16-attnkit"])
 def test_flash_backward_bf16_products_are_another_path(bf16_products: str) -> None:
     # Where they run, the backward's bf16 products round the probabilities and score gradients
     # (the widened path does not): the gradients differ, each within bf16's tolerance.
-    if bf16_products not in attention.flash_products():
-        pytest.skip(f"products={bf16_products!r} do not run here")
     q, k, v, _, _, _ = _bf16_case(300, 300, 64, 64, True, None, None, 9)
     grad_out = torch.randn(2, 4, 300, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     out, lse = attention.flash_attention(q, k, v, scale=0.3, causal=True)
@@ -452,12 +457,10 @@ def test_flash_backward_bf16_products_are_another_path(bf16_products: str) -> No
 
 
 @needs_capped
-@pytest.mark.parametrize("products", ["bf16", "bf16-attnkit"])
-def test_flash_attention_bf16_products_are_another_path(products: str) -> None:
+def test_flash_attention_bf16_products_are_another_path(bf16_products: str) -> None:
     # Where they run, bf16 products round the probabilities (the widened path does not): some
     # outputs differ from the widened ones, within bf16's tolerance of float64.
-    if products not in attention.flash_products():
-        pytest.skip(f"products={products!r} do not run here")
+    products = bf16_products
     q, k, v, want, _, _ = _bf16_case(300, 300, 64, 64, True, None, None, 7)
     bf16 = attention.flash_attention(q, k, v, scale=0.3, causal=True, products=products)[0]
     widened = attention.flash_attention(q, k, v, scale=0.3, causal=True, products="widened")[0]
@@ -487,51 +490,38 @@ def test_flash_attention_bf16_products_are_another_path(products: str) -> None:
 
 
 @needs_capped
-def test_flash_bf16_products_fall_back_where_the_gemm_is_missing(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("products", ["bf16", "bf16-attnkit"])
+def test_flash_bf16_products_fall_back_where_they_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, products: str
 ) -> None:
+    # MKL's products where torch links no bf16 GEMM, attnkit's on a CPU without bf16 pair dot
+    # products: the widened path, bit for bit, and the policy neither picks nor times them.
     from attnkit.kernels import policy
 
     q, k, v, want, _, _ = _bf16_case(70, 90, 16, 12, True, 30, None, 11)
     widened, _ = attention.flash_attention(q, k, v, scale=0.3, causal=True, window=30)
-    monkeypatch.setattr(attention, "_gemm_bf16_address", lambda name="": None)
+    if products == "bf16":
+        monkeypatch.setattr(attention, "_gemm_bf16_address", lambda name="": None)
+    else:
+        caps = dataclasses.replace(policy.capabilities(), flags=frozenset({"avx2", "fma"}))
+        monkeypatch.setattr(attention, "capabilities", lambda: caps)
     attention._flash_gemm_bf16.cache_clear()
+    attention._own_gemm_bf16.cache_clear()
     try:
-        assert not attention.flash_bf16_products_available()
+        assert products not in attention.flash_products()
         out, _ = attention.flash_attention(
-            q, k, v, scale=0.3, causal=True, window=30, products="bf16"
+            q, k, v, scale=0.3, causal=True, window=30, products=products
         )
         assert torch.equal(out, widened)  # the widened path, bit for bit
         choice = policy.choices()["attention.flash_bf16_products"]
-        assert choice.rule(policy.capabilities()) != "bf16"
+        assert choice.rule(policy.capabilities()) != products
         candidates = set(choice.candidates())  # type: ignore[misc]
-        assert candidates == set(attention.flash_products()) and "bf16" not in candidates
+        assert candidates == set(attention.flash_products()) and products not in candidates
     finally:
         monkeypatch.undo()
         attention._flash_gemm_bf16.cache_clear()
-    assert_close(widened.double(), want, atol=8e-3, rtol=8e-3)
-
-
-@needs_capped
-def test_attnkits_bf16_products_fall_back_where_the_cpu_lacks_them(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from attnkit.kernels import policy
-
-    q, k, v, _, _, _ = _bf16_case(70, 90, 16, 12, True, 30, None, 12)
-    widened, _ = attention.flash_attention(q, k, v, scale=0.3, causal=True, window=30)
-    caps = dataclasses.replace(policy.capabilities(), flags=frozenset({"avx2", "fma"}))
-    monkeypatch.setattr(attention, "capabilities", lambda: caps)
-    attention._own_gemm_bf16.cache_clear()
-    try:
-        assert "bf16-attnkit" not in attention.flash_products()
-        out, _ = attention.flash_attention(
-            q, k, v, scale=0.3, causal=True, window=30, products="bf16-attnkit"
-        )
-        assert torch.equal(out, widened)  # the widened path, bit for bit
-    finally:
-        monkeypatch.undo()
         attention._own_gemm_bf16.cache_clear()
+    assert_close(widened.double(), want, atol=8e-3, rtol=8e-3)
 
 
 def _own_gemm() -> Callable[..., None]:
