@@ -131,7 +131,7 @@ static void copy_rows(const uint16_t *x, int64_t ld, int64_t k, int64_t m, int64
                       int64_t mp, uint32_t *out) {
   for (int64_t i = 0; i < mp; i++) {
     uint32_t *row = out + i * kp;
-    row[kp - 1] = 0;  // (the high half of an odd last pair)
+    if (kp > 0) row[kp - 1] = 0;  // (the high half of an odd last pair)
     if (i < m)
       memcpy(row, x + i * ld, (size_t)k * sizeof(uint16_t));
     else
