@@ -167,8 +167,11 @@ def _own_gemm_bf16() -> int | None:
 def flash_products() -> tuple[str, ...]:
     """The :data:`FLASH_PRODUCTS` that run here as asked (the others fall back to
     ``"widened"``)."""
-    usable = {"widened": True, "bf16": flash_bf16_products_available()}
-    usable["bf16-attnkit"] = _own_gemm_bf16() is not None
+    usable = {
+        "widened": True,
+        "bf16": flash_bf16_products_available(),
+        "bf16-attnkit": _own_gemm_bf16() is not None,
+    }
     return tuple(p for p in FLASH_PRODUCTS if usable[p])
 
 
