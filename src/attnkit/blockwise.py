@@ -639,4 +639,13 @@ def _timed_flash(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
     return attention_kernels.flash_attention(*args, products=policy.flash_bf16_products(), **kwargs)
 
 
+def _timed_positional(q: Tensor, k: Tensor, v: Tensor, *, window: int, products: str) -> Tensor:
+    """A causal window on attnkit's flash kernels with autograd (:func:`attend_positional`, what
+    such a call runs where the policy picks them), as the policy times it for bf16 attention
+    with gradients."""
+    structure = Structure(causal=True, window=window)
+    return attend_positional(q, k, v, structure, scale=q.shape[-1] ** -0.5, products=products)
+
+
 policy.provide_attention_kernel("flash", _timed_flash)
+policy.provide_attention_kernel("positional", _timed_positional)

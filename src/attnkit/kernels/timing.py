@@ -260,32 +260,31 @@ def flash_bf16_products() -> dict[str, Callable[[], Any]]:
 
 def bf16_backward() -> dict[str, Callable[[], Any]]:
     """A bfloat16 sliding-window forward and backward (window 256 over 1024 queries, 4 heads of
-    64): attnkit's flash kernels (where they run; widened, and with each bf16 product that runs
-    here) and torch's flash kernel in tiles of 64 queries."""
-    tiles = _ATTENTION_KERNELS.get("tiles")
-    if tiles is None:  # (not measured, nor cached, before attnkit.sparse is imported)
+    64): attnkit's flash kernels as a causal window call runs them (where they run; widened, and
+    with each bf16 product that runs here) and torch's flash kernel in tiles of 64 queries."""
+    tiles, positional = _ATTENTION_KERNELS.get("tiles"), _ATTENTION_KERNELS.get("positional")
+    if tiles is None or positional is None:  # (not measured, nor cached, before attnkit.sparse)
         raise LookupError("the attention kernels are not imported: import attnkit.functional")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
     grad = torch.randn(1, 4, 1024, 64, generator=g).bfloat16()
 
-    def forward_backward(kernels: TileKernels, rows: int | None) -> tuple[torch.Tensor, ...]:
+    def forward_backward(attend: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
         # (gradients flow even where the choice is first asked under no_grad or inference mode)
         with torch.inference_mode(False), torch.enable_grad():
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = tiles(*leaves, rows=rows, window=256, kernels=kernels)
+            out = attend(*leaves)
             return torch.autograd.grad(out, leaves, grad.clone())  # (those of q, k and v)
 
+    torch_tiles = functools.partial(tiles, rows=64, window=256, kernels=TileKernels(False))
     calls: dict[str, Callable[[], Any]] = {
-        "torch": functools.partial(forward_backward, TileKernels(False), 64)
+        "torch": functools.partial(forward_backward, torch_tiles)
     }
     if attention.flash_available():
-        flash = TileKernels(True, widen=True, flash_wide=True)
-        calls["flash"] = functools.partial(forward_backward, flash, None)
-    for products in attention.flash_products():
-        if products != "widened":
-            kernels = TileKernels(True, widen=True, flash_wide=True, products=products)
-            calls[f"flash-{products}"] = functools.partial(forward_backward, kernels, None)
+        for products in attention.flash_products():
+            name = "flash" if products == "widened" else f"flash-{products}"
+            flash = functools.partial(positional, window=256, products=products)
+            calls[name] = functools.partial(forward_backward, flash)
     return calls
 
 
