@@ -313,16 +313,9 @@ def bf16_structured(window: int | None = None) -> tuple[str, int]:
     return "tiles", int(option.split("-")[1])
 
 
-#: The flash kernels' bf16 backward options and the tile products each runs with.
-_BACKWARD_PRODUCTS = {
-    "flash": "widened",
-    "flash-bf16": "bf16",
-    "flash-bf16-attnkit": "bf16-attnkit",
-}
-
 declare(
     "attention.bf16_backward",
-    (*_BACKWARD_PRODUCTS, "torch"),
+    (*timing.FLASH_BACKWARD_PRODUCTS, "torch"),
     "A bfloat16 causal/window attention with a backward: attnkit's flash kernels with blocks "
     "widened to float32 (flash) or with bf16 products and float32 sums (flash-bf16 on MKL's "
     "bf16 GEMM, where torch links it; flash-bf16-attnkit on attnkit's, where the CPU has bf16 "
@@ -339,7 +332,7 @@ def bf16_backward_products() -> str:
     """How attnkit's flash kernels multiply bf16 tiles when a backward follows (choice
     ``attention.bf16_backward``): the products of its flash option, ``"widened"`` for
     ``torch``."""
-    return _BACKWARD_PRODUCTS.get(choose("attention.bf16_backward"), "widened")
+    return timing.FLASH_BACKWARD_PRODUCTS.get(choose("attention.bf16_backward"), "widened")
 
 
 declare(

@@ -17,6 +17,7 @@ from attnkit.kernels import attention, block_linear, build, linear, rows
 from attnkit.kernels.plans import TileKernels
 
 __all__ = [
+    "FLASH_BACKWARD_PRODUCTS",
     "bf16_backward",
     "bf16_causal",
     "bf16_prompt",
@@ -258,6 +259,15 @@ def flash_bf16_products() -> dict[str, Callable[[], Any]]:
     return {p: functools.partial(forward, products=p) for p in usable}
 
 
+#: ``attention.bf16_backward``'s options on attnkit's flash kernels and the tile products each
+#: runs with (its other option, ``"torch"``, is torch's kernel in tiles).
+FLASH_BACKWARD_PRODUCTS = {
+    "flash": "widened",
+    "flash-bf16": "bf16",
+    "flash-bf16-attnkit": "bf16-attnkit",
+}
+
+
 def bf16_backward() -> dict[str, Callable[[], Any]]:
     """A bfloat16 sliding-window forward and backward (window 256 over 1024 queries, 4 heads of
     64): attnkit's flash kernels as a causal window call runs them (where they run; widened, and
@@ -281,10 +291,11 @@ def bf16_backward() -> dict[str, Callable[[], Any]]:
         "torch": functools.partial(forward_backward, torch_tiles)
     }
     if attention.flash_available():
-        for products in attention.flash_products():
-            name = "flash" if products == "widened" else f"flash-{products}"
-            flash = functools.partial(positional, window=256, products=products)
-            calls[name] = functools.partial(forward_backward, flash)
+        usable = attention.flash_products()
+        for name, products in FLASH_BACKWARD_PRODUCTS.items():
+            if products in usable:
+                flash = functools.partial(positional, window=256, products=products)
+                calls[name] = functools.partial(forward_backward, flash)
     return calls
 
 
