@@ -507,7 +507,9 @@ def test_cache_position_needs_caches() -> None:
 def test_compiled_step_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """Also where generate's steps after the first check only the differentiating guards: the
     module swap of prepare between two calls is caught by the next call's first step."""
-    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP", "graph")  # (the graph itself)
+    monkeypatch.setenv(
+        "ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "graph"
+    )  # (the graph itself)
     skipped: list[int] = []
     real = decoding.differentiating_guards_only
 

@@ -211,6 +211,7 @@ def test_compiled_generation_steps_a_fused_stack_by_its_one_call(
 ) -> None:
     """``compile=True`` on a stack the fused step serves runs that call (no graph is compiled,
     the same tokens); the policy's ``graph`` option, or a hooked block, leaves it to the graph."""
+    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "fused")
     lm = _lm()
     prompt = torch.randint(0, VOCAB, (1, 5))
     want = lm.generate(prompt, 6, eos_token_id=[])
@@ -220,16 +221,64 @@ def test_compiled_generation_steps_a_fused_stack_by_its_one_call(
     assert served == [True] * 6 and "_attnkit_step" not in lm.__dict__
     compiled: list[object] = []  # (the graph's stand-in: the model's forward, uncompiled)
     monkeypatch.setattr(decoding, "compiled_step", lambda model: compiled.append(model) or model)
-    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP", "graph")
+    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "graph")
     served.clear()
     assert torch.equal(lm.generate(prompt, 6, eos_token_id=[], compile=True), want)
     assert compiled == [lm] and served == [True]  # (the prompt; steps by cache_position: blocks)
-    monkeypatch.delenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP")
+    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "fused")
     handle = lm.blocks[0].register_forward_pre_hook(lambda m, args: None)
     try:
         assert not lm.fuses_steps() and not generation._fuses_steps(lm)
     finally:
         handle.remove()
+
+
+def test_a_bf16_stack_asks_the_bf16_choice(
+    served: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled-step choice is the one of the activations' dtype: a bf16 stack follows
+    ``decoding.compiled_step.bfloat16``, not the float32 one."""
+    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "fused")
+    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_BFLOAT16", "graph")
+    assert generation._fuses_steps(_lm()) and not generation._fuses_steps(_lm("bf16"))
+    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "graph")
+    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_BFLOAT16", "fused")
+    assert not generation._fuses_steps(_lm()) and generation._fuses_steps(_lm("bf16"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_timed_steps_are_one_step_by_the_call_and_by_the_graph(
+    dtype: torch.dtype, served: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The candidates the policy times for ``decoding.compiled_step.<dtype>`` (a small stack
+    here): the fused call serves its step, the graph does not, and both give the logits of the
+    uncached forward at the same position; repeated calls give the same logits (each writes the
+    same slot) and the global random state is untouched."""
+    from attnkit import models
+    from attnkit.kernels import timing
+
+    config = TransformerConfig(VOCAB, 64, 2, 4, max_seq_len=32, **LLAMA_OPTIONS)  # type: ignore[arg-type]
+    monkeypatch.setattr(models, "_TIMED_STACK", config)
+    monkeypatch.setattr(models, "_TIMED_PROMPT", 12)
+    state = torch.get_rng_state()
+    calls = timing.compiled_step(dtype)
+    assert torch.equal(torch.get_rng_state(), state) and set(calls) == {"fused", "graph"}
+    served.clear()
+    by_call = calls["fused"]()
+    assert served == [True]
+    by_graph = calls["graph"]()
+    assert served == [True]  # (the graph ran no fused step)
+    assert torch.equal(calls["fused"](), by_call) and torch.equal(calls["graph"](), by_graph)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        lm = decoding.prepare(TransformerLM(config).to(dtype).eval(), compiled=True)
+    ids = torch.cat([torch.arange(12)[None], torch.tensor([[11]])], 1)
+    with torch.no_grad():
+        want = lm(ids)[:, -1:].float()
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4  # (bf16: each op rounds where it runs)
+    assert_close(by_call.float(), want, atol=tol, rtol=tol)
+    assert_close(by_graph.float(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("weights", ["float", "int4", "window"])

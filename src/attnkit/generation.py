@@ -286,7 +286,8 @@ class GenerateOptions(TypedDict, total=False):
             (default ``False``; see :func:`attnkit.decoding.compiled_step`); the first call per
             batch size and length pays the compilation. A model whose stack runs in one kernel
             call (:mod:`attnkit.fused`) steps through that call instead, where the policy's
-            ``decoding.compiled_step`` says so (its rule; ``graph`` compiles regardless).
+            ``decoding.compiled_step.<dtype>`` says so (measured once per machine on a small
+            stack; ``graph`` compiles regardless).
         prompt_lookup_num_tokens: Speculative decoding proposing up to this many tokens copied
             from the earlier occurrence of the last n-gram (:class:`attnkit.speculative.
             PromptLookup`); default ``None`` (off).
@@ -573,9 +574,14 @@ def _prefill_runs(
 
 def _fuses_steps(lm: CausalLM) -> bool:
     """Whether ``lm``'s compiled steps run as its one-call fused step instead of a graph: the
-    policy prefers that call, and the model says its stack runs in one (``fuses_steps``)."""
+    model says its stack runs in one (``fuses_steps``), and the policy prefers that call for
+    its activations' dtype (the embedding's)."""
     fuses = getattr(lm, "fuses_steps", None)
-    return callable(fuses) and policy.compiled_step_fuses() and bool(fuses())
+    if not callable(fuses) or not fuses():
+        return False
+    table = getattr(getattr(lm, "embedding", None), "weight", None)
+    dtype = table.dtype if isinstance(table, Tensor) else torch.float32
+    return policy.compiled_step_fuses(dtype)
 
 
 @torch.no_grad()
@@ -604,7 +610,7 @@ def _decode(
     """
     B, P = ids.shape
     capacity = P + max_new_tokens
-    if compile and use_cache and _fuses_steps(lm):  # (the policy's decoding.compiled_step)
+    if compile and use_cache and _fuses_steps(lm):  # (the policy's decoding.compiled_step.*)
         compile = False
     if compile:
         # The compiled step has one graph per cache capacity: a power of two (at least 256,

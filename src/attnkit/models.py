@@ -22,6 +22,7 @@ Hugging Face decoder folders (:mod:`attnkit.interop.hf`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
@@ -41,6 +42,7 @@ from attnkit.cache import AttendingCache, KVCache
 from attnkit.config import FAMILIES, TransformerConfig
 from attnkit.generation import GenerateOptions
 from attnkit.interop import hf
+from attnkit.kernels import policy
 from attnkit.masks import attention_mask_from_padding
 from attnkit.positional import (
     LearnedPositionalEmbedding,
@@ -613,3 +615,61 @@ class TransformerLM(_TransformerStack):
             ValueError: Naming the option without a counterpart in Llama/Mistral/Qwen2/GPT-2.
         """
         return hf.save_pretrained(self, path, max_shard_size=max_shard_size)
+
+
+#: The stack whose decoding step the policy times for ``decoding.compiled_step.<dtype>``: four
+#: layers of a small Llama checkpoint's shape (D576, 9 query and 3 key/value heads of 64, SwiGLU
+#: 1536), a prompt of :data:`_TIMED_PROMPT` tokens cached.
+_TIMED_STACK = TransformerConfig(
+    4096, 576, 4, 9, num_kv_heads=3, ffn_dim=1536, max_seq_len=256, **FAMILIES["llama"]
+)
+_TIMED_PROMPT = 128
+
+
+def _timed_steps(dtype: torch.dtype) -> dict[str, Any]:
+    """One cached decoding step of :data:`_TIMED_STACK` in ``dtype`` by its fused call
+    (``"fused"``) and by its compiled graph (``"graph"``, compiled here), each call writing the
+    same slot and returning its logits (the candidates of the policy's
+    ``decoding.compiled_step.<dtype>``; none where the stack does not fuse here). The global
+    random state is left as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        lm = decoding.prepare(TransformerLM(_TIMED_STACK).to(dtype).eval(), compiled=True)
+    if not lm.fuses_steps():
+        return {}
+    P = _TIMED_PROMPT
+    prompt = torch.arange(P)[None] % lm.embedding.num_embeddings
+    token, position = prompt[:, -1:], torch.tensor([[P]])
+
+    def filled() -> list[KVCache]:
+        caches = lm.make_kv_caches(1, P + 1)
+        with torch.inference_mode():
+            lm(prompt, None, kv_caches=caches, logits_to_keep=1)
+        return caches
+
+    by_call, by_graph, graph = filled(), filled(), decoding.compiled_step(lm)
+    slot = torch.tensor([P])
+
+    def fused_step() -> Tensor:
+        for cache in by_call:
+            cache.length = P
+        with torch.inference_mode():
+            return lm(token, None, positions=position, kv_caches=by_call, logits_to_keep=1)
+
+    def graph_step(*, guards: bool = False) -> Tensor:
+        checks = contextlib.nullcontext() if guards else decoding.differentiating_guards_only()
+        with torch.no_grad(), checks:
+            return graph(
+                token,
+                None,
+                positions=position,
+                kv_caches=by_graph,
+                cache_position=slot,
+                logits_to_keep=1,
+            )
+
+    graph_step(guards=True)  # (compiles; the timed calls then check only the guards generate does)
+    return {"fused": fused_step, "graph": graph_step}
+
+
+policy.provide_decoding_steps(_timed_steps)

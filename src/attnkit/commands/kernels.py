@@ -30,12 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+#: Prefixes of the choices the command does not measure unasked: compiled decoding's, whose
+#: timings compile graphs (a small model's step, for ``decoding.compiled_step.*``).
+LAZY = ("linear.compiled_row.", "decoding.compiled_step.")
+
+
 def report(*, retune: bool = False) -> dict[str, Any]:
     """This machine's kernels and choices as a JSON-ready dict (see the module's docstring).
 
     Builds the kernels and the ops where they were not built yet; measures the measured choices
-    that are neither measured nor cached, except the compiled-row ones (those are measured when
-    compiled decoding first runs, or with ``retune``).
+    that are neither measured nor cached, except those of compiled decoding (:data:`LAZY`: they
+    are measured when compiled decoding first runs, or with ``retune``).
     """
     from attnkit.kernels import build, policy, probe
 
@@ -46,8 +51,7 @@ def report(*, retune: bool = False) -> dict[str, Any]:
         policy.retune()
     choices = []
     for name, choice in policy.choices().items():
-        lazy = name.startswith("linear.compiled_row.")
-        made = policy.decision(name, measure=not lazy)
+        made = policy.decision(name, measure=not name.startswith(LAZY))
         choices.append(
             {
                 "name": name,

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from attnkit.kernels import attention, block_linear, build, linear, timing
 from attnkit.kernels.plans import AttentionCall, AttentionPlan, LinearPlan, TileKernels
 from attnkit.kernels.probe import Capabilities, capabilities
-from attnkit.kernels.timing import provide_attention_kernel
+from attnkit.kernels.timing import provide_attention_kernel, provide_decoding_steps
 from attnkit.kernels.tuning import (
     Choice,
     Decision,
@@ -97,6 +97,7 @@ __all__ = [
     "norm_row_kernel",
     "one_query_kernel",
     "provide_attention_kernel",
+    "provide_decoding_steps",
     "register",
     "reset",
     "retune",
@@ -499,6 +500,10 @@ INT8_KERNELS = ("attnkit", "fbgemm", "int8pack", "dequantize")
 INT8_KERNEL_ALIASES = {"avx2": "attnkit"}
 
 
+def _compiled_step_choice(dtype: torch.dtype) -> str:
+    return f"decoding.compiled_step.{str(dtype).removeprefix('torch.')}"
+
+
 def _compiled_row_choice(dtype: torch.dtype) -> str:
     return f"linear.compiled_row.{str(dtype).removeprefix('torch.')}"
 
@@ -589,13 +594,18 @@ declare(
     "float product with the dequantized weight where it cannot run.",
     lambda caps: "attnkit" if build.kernels_available() else "dequantize",
 )
-declare(
-    "decoding.compiled_step",
-    ("fused", "graph"),
-    "A compiled decoding step of a stack that runs in one kernel call (attnkit.fused): "
-    "that call (the graph's kernels, without its calls between them) or the graph.",
-    lambda caps: "fused",
-)
+for _dtype in (torch.float32, torch.bfloat16):
+    declare(
+        _compiled_step_choice(_dtype),
+        ("fused", "graph"),
+        f"A compiled decoding step of a {str(_dtype).removeprefix('torch.')} stack that runs "
+        "in one kernel call (attnkit.fused): that call (attnkit's kernels back to back, no "
+        "compile) or the compiled graph (inductor's reductions for the rows where the policy "
+        "chose them, which some CPUs read faster); the faster step wins, as the caller asked "
+        "for compiling.",
+        lambda caps: "fused",
+        functools.partial(timing.compiled_step, _dtype),
+    )
 for _bits, _rows in ((8, "2"), (4, "4")):
     declare(
         f"block_linear.q{_bits}_tile",
@@ -787,9 +797,12 @@ def block_tile_rows(bits: int) -> int:
     return int(choose(f"block_linear.q{bits}_tile"))
 
 
-def compiled_step_fuses() -> bool:
-    """Whether ``generate(compile=True)`` steps a fused stack by its one call, not a graph."""
-    return choose("decoding.compiled_step") == "fused"
+def compiled_step_fuses(dtype: torch.dtype) -> bool:
+    """Whether ``generate(compile=True)`` steps a fused stack of ``dtype`` activations by its
+    one call, not a graph (float32 and bf16; other dtypes do not fuse)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return choose(_compiled_step_choice(dtype)) == "fused"
 
 
 def int4_kernel() -> str:

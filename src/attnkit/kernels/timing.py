@@ -24,12 +24,14 @@ __all__ = [
     "bf16_structured",
     "block_tiles",
     "compiled_row",
+    "compiled_step",
     "flash_bf16_products",
     "fp32_prompt",
     "fp32_row",
     "int8",
     "norm_row",
     "provide_attention_kernel",
+    "provide_decoding_steps",
 ]
 
 
@@ -228,6 +230,25 @@ def provide_attention_kernel(name: str, kernel: Callable[..., Any]) -> None:
     signature of :func:`attnkit.native.flash_attention`; ``"tiles"``: a causal window forward on
     torch's flash kernel in tiles, :func:`attnkit.sparse.window_tiles`)."""
     _ATTENTION_KERNELS[name] = kernel
+
+
+_DECODING_STEPS: list[Callable[[torch.dtype], dict[str, Callable[[], Any]]]] = []
+
+
+def provide_decoding_steps(steps: Callable[[torch.dtype], dict[str, Callable[[], Any]]]) -> None:
+    """Hand the policy the decoding steps to time for ``decoding.compiled_step.<dtype>``:
+    ``steps(dtype)`` returns a small model's step by its fused call (``"fused"``) and by its
+    compiled graph (``"graph"``); the models sit above this package, so they hand it over at
+    import."""
+    _DECODING_STEPS[:] = [steps]
+
+
+def compiled_step(dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+    """A small model's decoding step of ``dtype`` by its fused call and by its compiled graph
+    (see :func:`provide_decoding_steps`)."""
+    if not _DECODING_STEPS:  # (not measured, nor cached, before attnkit.models is imported)
+        raise LookupError("the models are not imported: import attnkit.models")
+    return _DECODING_STEPS[0](dtype)
 
 
 def bf16_structured() -> dict[str, Callable[[], Any]]:

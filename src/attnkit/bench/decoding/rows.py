@@ -153,7 +153,7 @@ def decode_rows(
     median of ``(t(new) - t(1)) / (new - 1)``) and ratios against the transformers row of the
     same model (``vs_transformers``); attnkit's rows say whether their steps ran the fused
     one-call step (``fused_steps``: ``compile=True`` runs it where the policy's
-    ``decoding.compiled_step`` says so). Models above :data:`BOUND_PARAMETERS` also get the
+    ``decoding.compiled_step.<dtype>`` says so). Models above :data:`BOUND_PARAMETERS` also get the
     read-bandwidth bound: ``weight_bytes`` (what one step of the variant reads), ``of_bound``
     (the step rate times those bytes over the fastest bandwidth probe of the same rounds) and
     ``of_fp32_bound`` (the same with the fp32 weights' bytes).
