@@ -228,33 +228,38 @@ def test_compiled_generation_steps_a_fused_stack_by_its_one_call(
     monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "fused")
     handle = lm.blocks[0].register_forward_pre_hook(lambda m, args: None)
     try:
-        assert not lm.fuses_steps() and not generation._fuses_steps(lm)
+        assert not lm.fuses_steps() and not generation.compiled_steps_fuse(lm)
     finally:
         handle.remove()
 
 
-def test_a_bf16_stack_asks_the_bf16_choice(
-    served: list[bool], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("graph", ["FLOAT32", "BFLOAT16", "FLOAT32_BATCH", "BFLOAT16_BATCH"])
+def test_compiled_steps_ask_the_choice_of_their_dtype_and_batch(
+    graph: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The compiled-step choice is the one of the activations' dtype: a bf16 stack follows
-    ``decoding.compiled_step.bfloat16``, not the float32 one."""
-    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "fused")
-    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_BFLOAT16", "graph")
-    assert generation._fuses_steps(_lm()) and not generation._fuses_steps(_lm("bf16"))
-    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "graph")
-    monkeypatch.setenv("ATTNKIT_KERNEL_DECODING_COMPILED_STEP_BFLOAT16", "fused")
-    assert not generation._fuses_steps(_lm()) and generation._fuses_steps(_lm("bf16"))
+    """``compile=True`` asks ``decoding.compiled_step.<dtype>`` for one sequence and
+    ``...<dtype>_batch`` for several: with only one of the four set to ``graph``, only its
+    steps leave the fused call."""
+    for name in ("FLOAT32", "BFLOAT16", "FLOAT32_BATCH", "BFLOAT16_BATCH"):
+        option = "graph" if name == graph else "fused"
+        monkeypatch.setenv(f"ATTNKIT_KERNEL_DECODING_COMPILED_STEP_{name}", option)
+    for weights, dtype in (("float", "FLOAT32"), ("bf16", "BFLOAT16")):
+        lm = _lm(weights)
+        for batch, suffix in ((1, ""), (2, "_BATCH")):
+            assert generation.compiled_steps_fuse(lm, batch) is (dtype + suffix != graph)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "batch"), [(torch.float32, 1), (torch.bfloat16, 1), (torch.float32, 3)]
+)
 def test_the_timed_steps_are_one_step_by_the_call_and_by_the_graph(
-    dtype: torch.dtype, served: list[bool], monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, batch: int, served: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The candidates the policy times for ``decoding.compiled_step.<dtype>`` (a small stack
-    here): the fused call serves its step, the graph does not, and both give the logits of the
-    uncached forward at the same position; repeated calls give the same logits (each writes the
-    same slot) and the global random state is untouched."""
+    """The candidates the policy times for ``decoding.compiled_step.*`` (a small stack here; a
+    batch left-padded): the fused call serves its step, the graph does not, and both give the
+    logits of the uncached forward at the same position; repeated calls give the same logits
+    (each writes the same slot) and the global random state is untouched."""
     from attnkit import models
     from attnkit.kernels import timing
 
@@ -262,7 +267,7 @@ def test_the_timed_steps_are_one_step_by_the_call_and_by_the_graph(
     monkeypatch.setattr(models, "_TIMED_STACK", config)
     monkeypatch.setattr(models, "_TIMED_PROMPT", 12)
     state = torch.get_rng_state()
-    calls = timing.compiled_step(dtype)
+    calls = timing.compiled_step(dtype, batch)
     assert torch.equal(torch.get_rng_state(), state) and set(calls) == {"fused", "graph"}
     served.clear()
     by_call = calls["fused"]()
@@ -273,9 +278,12 @@ def test_the_timed_steps_are_one_step_by_the_call_and_by_the_graph(
     with torch.random.fork_rng():
         torch.manual_seed(0)
         lm = decoding.prepare(TransformerLM(config).to(dtype).eval(), compiled=True)
-    ids = torch.cat([torch.arange(12)[None], torch.tensor([[11]])], 1)
+    ids = torch.arange(batch * 12).reshape(batch, 12) % VOCAB
+    ids = torch.cat([ids, ids[:, -1:]], 1)
+    real = torch.arange(13)[None] >= (torch.arange(batch) * 12 // (2 * batch))[:, None]
     with torch.no_grad():
-        want = lm(ids)[:, -1:].float()
+        want = lm(ids, real, positions=generation.positions_from_mask(real))[:, -1:].float()
+    assert by_call.shape == want.shape == (batch, 1, VOCAB)
     tol = 5e-2 if dtype == torch.bfloat16 else 1e-4  # (bf16: each op rounds where it runs)
     assert_close(by_call.float(), want, atol=tol, rtol=tol)
     assert_close(by_graph.float(), want, atol=tol, rtol=tol)

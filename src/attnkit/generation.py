@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CausalLM",
     "GenerationOptions",
+    "compiled_steps_fuse",
     "generate",
     "positions_from_mask",
     "process_logits",
@@ -572,16 +573,17 @@ def _prefill_runs(
     return torch.cat(last)
 
 
-def _fuses_steps(lm: CausalLM) -> bool:
-    """Whether ``lm``'s compiled steps run as its one-call fused step instead of a graph: the
+def compiled_steps_fuse(lm: CausalLM, batch: int = 1) -> bool:
+    """Whether ``generate(lm, ..., compile=True)`` steps by ``lm``'s one-call fused step instead
+    of a compiled graph (deciding the policy's choice, measured at its first use): the
     model says its stack runs in one (``fuses_steps``), and the policy prefers that call for
-    its activations' dtype (the embedding's)."""
+    its activations' dtype (the embedding's) and ``batch`` sequences."""
     fuses = getattr(lm, "fuses_steps", None)
     if not callable(fuses) or not fuses():
         return False
     table = getattr(getattr(lm, "embedding", None), "weight", None)
     dtype = table.dtype if isinstance(table, Tensor) else torch.float32
-    return policy.compiled_step_fuses(dtype)
+    return policy.compiled_step_fuses(dtype, batch)
 
 
 @torch.no_grad()
@@ -610,7 +612,9 @@ def _decode(
     """
     B, P = ids.shape
     capacity = P + max_new_tokens
-    if compile and use_cache and _fuses_steps(lm):  # (the policy's decoding.compiled_step.*)
+    if (
+        compile and use_cache and compiled_steps_fuse(lm, B)
+    ):  # (the policy's decoding.compiled_step.*)
         compile = False
     if compile:
         # The compiled step has one graph per cache capacity: a power of two (at least 256,

@@ -22,7 +22,6 @@ Hugging Face decoder folders (:mod:`attnkit.interop.hf`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import warnings
@@ -617,58 +616,81 @@ class TransformerLM(_TransformerStack):
         return hf.save_pretrained(self, path, max_shard_size=max_shard_size)
 
 
-#: The stack whose decoding step the policy times for ``decoding.compiled_step.<dtype>``: four
-#: layers of a small Llama checkpoint's shape (D576, 9 query and 3 key/value heads of 64, SwiGLU
-#: 1536), a prompt of :data:`_TIMED_PROMPT` tokens cached.
+#: The stack whose decoding step the policy times for ``decoding.compiled_step.*``: four layers
+#: of a small Llama checkpoint's shape (D576, 9 query and 3 key/value heads of 64, SwiGLU 1536),
+#: prompts of up to :data:`_TIMED_PROMPT` tokens cached in ``max_seq_len`` slots.
 _TIMED_STACK = TransformerConfig(
     4096, 576, 4, 9, num_kv_heads=3, ffn_dim=1536, max_seq_len=256, **FAMILIES["llama"]
 )
 _TIMED_PROMPT = 128
 
 
-def _timed_steps(dtype: torch.dtype) -> dict[str, Any]:
-    """One cached decoding step of :data:`_TIMED_STACK` in ``dtype`` by its fused call
-    (``"fused"``) and by its compiled graph (``"graph"``, compiled here), each call writing the
-    same slot and returning its logits (the candidates of the policy's
-    ``decoding.compiled_step.<dtype>``; none where the stack does not fuse here). The global
-    random state is left as it was."""
+def _timed_steps(dtype: torch.dtype, batch: int) -> dict[str, Any]:
+    """One cached decoding step of :data:`_TIMED_STACK` in ``dtype`` for ``batch`` sequences
+    (more than one: left-padded prompts of unequal lengths) by its fused call (``"fused"``) and
+    by its compiled graph (``"graph"``, compiled here), as ``generate`` runs them; each call
+    writes the same slot and returns its logits. These are the candidates of the policy's
+    ``decoding.compiled_step.*`` (none where the stack does not fuse here). The global random
+    state is left as it was."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
         lm = decoding.prepare(TransformerLM(_TIMED_STACK).to(dtype).eval(), compiled=True)
     if not lm.fuses_steps():
         return {}
-    P = _TIMED_PROMPT
-    prompt = torch.arange(P)[None] % lm.embedding.num_embeddings
-    token, position = prompt[:, -1:], torch.tensor([[P]])
+    P, capacity = _TIMED_PROMPT, _TIMED_STACK.max_seq_len
+    ids = torch.arange(batch * P).reshape(batch, P) % lm.embedding.num_embeddings
+    real = torch.arange(P)[None] >= (torch.arange(batch) * P // (2 * batch))[:, None]
+    padded = batch > 1
+    mask = torch.ones(batch, capacity, dtype=torch.bool)  # (generate's: every slot past the end)
+    mask[:, :P] = real
+    positions = generation.positions_from_mask(real)
+    token, position = ids[:, -1:], positions[:, -1:] + 1
 
     def filled() -> list[KVCache]:
-        caches = lm.make_kv_caches(1, P + 1)
+        caches = lm.make_kv_caches(batch, capacity)
         with torch.inference_mode():
-            lm(prompt, None, kv_caches=caches, logits_to_keep=1)
+            lm(ids, real if padded else None, positions=positions, kv_caches=caches)
         return caches
 
+    # (generate's compiled steps: every slot attended with a mask, and rotary tables reserved
+    # for them, so that no step's positions grow the tables)
     by_call, by_graph, graph = filled(), filled(), decoding.compiled_step(lm)
+    for module in lm.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reserve(capacity)
     slot = torch.tensor([P])
 
     def fused_step() -> Tensor:
         for cache in by_call:
             cache.length = P
+        step_mask = mask[:, : P + 1] if padded else None
         with torch.inference_mode():
-            return lm(token, None, positions=position, kv_caches=by_call, logits_to_keep=1)
+            return lm(token, step_mask, positions=position, kv_caches=by_call, logits_to_keep=1)
 
-    def graph_step(*, guards: bool = False) -> Tensor:
-        checks = contextlib.nullcontext() if guards else decoding.differentiating_guards_only()
-        with torch.no_grad(), checks:
-            return graph(
-                token,
-                None,
-                positions=position,
-                kv_caches=by_graph,
-                cache_position=slot,
-                logits_to_keep=1,
-            )
+    def graph_call() -> Tensor:
+        return graph(
+            token,
+            mask if padded else None,
+            positions=position,
+            kv_caches=by_graph,
+            cache_position=slot,
+            logits_to_keep=1,
+        )
 
-    graph_step(guards=True)  # (compiles; the timed calls then check only the guards generate does)
+    skip = [True]  # (whether the calls check only the guards that tell graphs apart)
+
+    def graph_step() -> Tensor:
+        with torch.no_grad():
+            if skip[0]:
+                try:
+                    with decoding.differentiating_guards_only():
+                        return graph_call()
+                except RuntimeError:  # (dynamo asked to recompile: check every guard from now)
+                    skip[0] = False
+            return graph_call()
+
+    with torch.no_grad():
+        graph_call()  # (compiles, checking every guard, as generate's first compiled step does)
     return {"fused": fused_step, "graph": graph_step}
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import threading
 
 import torch
@@ -48,6 +49,7 @@ __all__ = [
     "CAPPED_CHUNK_SCORES",
     "CAPPED_MAX_ROWS",
     "CAPPED_MIN_ROWS",
+    "COMPILED_STEP_BATCH",
     "FLASH_MIN_SCORES",
     "FLEX_CHUNK_SCORES",
     "INT8_KERNELS",
@@ -500,8 +502,12 @@ INT8_KERNELS = ("attnkit", "fbgemm", "int8pack", "dequantize")
 INT8_KERNEL_ALIASES = {"avx2": "attnkit"}
 
 
-def _compiled_step_choice(dtype: torch.dtype) -> str:
-    return f"decoding.compiled_step.{str(dtype).removeprefix('torch.')}"
+#: Sequences of the left-padded batch whose step ``decoding.compiled_step.*_batch`` times.
+COMPILED_STEP_BATCH = 4
+
+
+def _compiled_step_choice(dtype: torch.dtype, batch: bool) -> str:
+    return f"decoding.compiled_step.{str(dtype).removeprefix('torch.')}{'_batch' if batch else ''}"
 
 
 def _compiled_row_choice(dtype: torch.dtype) -> str:
@@ -594,17 +600,18 @@ declare(
     "float product with the dequantized weight where it cannot run.",
     lambda caps: "attnkit" if build.kernels_available() else "dequantize",
 )
-for _dtype in (torch.float32, torch.bfloat16):
+for _dtype, _batch in itertools.product((torch.float32, torch.bfloat16), (False, True)):
     declare(
-        _compiled_step_choice(_dtype),
+        _compiled_step_choice(_dtype, _batch),
         ("fused", "graph"),
-        f"A compiled decoding step of a {str(_dtype).removeprefix('torch.')} stack that runs "
-        "in one kernel call (attnkit.fused): that call (attnkit's kernels back to back, no "
-        "compile) or the compiled graph (inductor's reductions for the rows where the policy "
-        "chose them, which some CPUs read faster); the faster step wins, as the caller asked "
-        "for compiling.",
+        f"A compiled decoding step of {'a left-padded batch' if _batch else 'one sequence'} "
+        f"through a {str(_dtype).removeprefix('torch.')} stack that runs in one kernel call "
+        "(attnkit.fused): that call (attnkit's kernels back to back, no compile) or the compiled "
+        "graph (inductor's reductions for the rows where the policy chose them, which some CPUs "
+        "read faster; a batch's padding attended with a mask); the faster step wins, as the "
+        "caller asked for compiling.",
         lambda caps: "fused",
-        functools.partial(timing.compiled_step, _dtype),
+        functools.partial(timing.compiled_step, _dtype, COMPILED_STEP_BATCH if _batch else 1),
     )
 for _bits, _rows in ((8, "2"), (4, "4")):
     declare(
@@ -797,12 +804,13 @@ def block_tile_rows(bits: int) -> int:
     return int(choose(f"block_linear.q{bits}_tile"))
 
 
-def compiled_step_fuses(dtype: torch.dtype) -> bool:
+def compiled_step_fuses(dtype: torch.dtype, batch: int = 1) -> bool:
     """Whether ``generate(compile=True)`` steps a fused stack of ``dtype`` activations by its
-    one call, not a graph (float32 and bf16; other dtypes do not fuse)."""
+    one call, not a graph, for ``batch`` sequences (float32 and bf16; other dtypes do not
+    fuse)."""
     if dtype not in (torch.float32, torch.bfloat16):
         return False
-    return choose(_compiled_step_choice(dtype)) == "fused"
+    return choose(_compiled_step_choice(dtype, batch > 1)) == "fused"
 
 
 def int4_kernel() -> str:

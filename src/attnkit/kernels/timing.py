@@ -232,23 +232,25 @@ def provide_attention_kernel(name: str, kernel: Callable[..., Any]) -> None:
     _ATTENTION_KERNELS[name] = kernel
 
 
-_DECODING_STEPS: list[Callable[[torch.dtype], dict[str, Callable[[], Any]]]] = []
+_DECODING_STEPS: list[Callable[[torch.dtype, int], dict[str, Callable[[], Any]]]] = []
 
 
-def provide_decoding_steps(steps: Callable[[torch.dtype], dict[str, Callable[[], Any]]]) -> None:
-    """Hand the policy the decoding steps to time for ``decoding.compiled_step.<dtype>``:
-    ``steps(dtype)`` returns a small model's step by its fused call (``"fused"``) and by its
-    compiled graph (``"graph"``); the models sit above this package, so they hand it over at
-    import."""
+def provide_decoding_steps(
+    steps: Callable[[torch.dtype, int], dict[str, Callable[[], Any]]],
+) -> None:
+    """Hand the policy the decoding steps to time for ``decoding.compiled_step.*``:
+    ``steps(dtype, batch)`` returns a small model's step of ``batch`` sequences by its fused call
+    (``"fused"``) and by its compiled graph (``"graph"``); the models sit above this package, so
+    they hand it over at import."""
     _DECODING_STEPS[:] = [steps]
 
 
-def compiled_step(dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
-    """A small model's decoding step of ``dtype`` by its fused call and by its compiled graph
-    (see :func:`provide_decoding_steps`)."""
+def compiled_step(dtype: torch.dtype, batch: int = 1) -> dict[str, Callable[[], Any]]:
+    """A small model's decoding step of ``dtype`` for ``batch`` sequences by its fused call and
+    by its compiled graph (see :func:`provide_decoding_steps`)."""
     if not _DECODING_STEPS:  # (not measured, nor cached, before attnkit.models is imported)
         raise LookupError("the models are not imported: import attnkit.models")
-    return _DECODING_STEPS[0](dtype)
+    return _DECODING_STEPS[0](dtype, batch)
 
 
 def bf16_structured() -> dict[str, Callable[[], Any]]:

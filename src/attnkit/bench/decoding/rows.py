@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit import decoding
+from attnkit import decoding, generation
 from attnkit.bench.decoding.models import DECODE_MODELS
 from attnkit.bench.peers import hf_greedy, to_transformers
 from attnkit.config import TransformerConfig
@@ -92,7 +92,8 @@ def _runner(
     def run(new: int) -> Tensor:
         return prepared.generate(prompt, new, compile=compile)
 
-    return run, prepared.fuses_steps()
+    fused = generation.compiled_steps_fuse(prepared) if compile else prepared.fuses_steps()
+    return run, fused
 
 
 # The targets of the rows: (model, what, row, key, at least).
