@@ -507,9 +507,8 @@ def test_cache_position_needs_caches() -> None:
 def test_compiled_step_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """Also where generate's steps after the first check only the differentiating guards: the
     module swap of prepare between two calls is caught by the next call's first step."""
-    monkeypatch.setenv(
-        "ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "graph"
-    )  # (the graph itself)
+    for name in ("FLOAT32", "FLOAT32_BATCH"):  # (the graph itself)
+        monkeypatch.setenv(f"ATTNKIT_KERNEL_DECODING_COMPILED_STEP_{name}", "graph")
     skipped: list[int] = []
     real = decoding.differentiating_guards_only
 

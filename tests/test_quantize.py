@@ -524,9 +524,8 @@ def test_generate_on_a_quantized_model_is_its_greedy_loop(mode: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["default", "int8pack"])
 def test_compiled_int8_steps_agree_with_eager(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(
-        "ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "graph"
-    )  # (the graph itself)
+    for name in ("FLOAT32", "FLOAT32_BATCH"):  # (the graph itself)
+        monkeypatch.setenv(f"ATTNKIT_KERNEL_DECODING_COMPILED_STEP_{name}", "graph")
     lm = quantize(_lm(), "int8", int8_kernel=kernel)  # type: ignore[arg-type]
     prompt = torch.randint(0, 96, (1, 6))
     eager = lm.generate(prompt, 8, eos_token_id=[])

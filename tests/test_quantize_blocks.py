@@ -181,9 +181,8 @@ def test_int8_activations_equal_the_rounded_activations_product(layout: str, row
 def test_compiled_generation_runs_the_block_layers_as_eager_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(
-        "ATTNKIT_KERNEL_DECODING_COMPILED_STEP_FLOAT32", "graph"
-    )  # (the graph itself)
+    for name in ("FLOAT32", "FLOAT32_BATCH"):  # (the graph itself)
+        monkeypatch.setenv(f"ATTNKIT_KERNEL_DECODING_COMPILED_STEP_{name}", "graph")
     from attnkit.config import FAMILIES, TransformerConfig
     from attnkit.models import TransformerLM
 

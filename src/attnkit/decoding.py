@@ -38,6 +38,7 @@ __all__ = [
     "Layout",
     "PreparedLinear",
     "PreparedRMSNorm",
+    "compile_for_steps",
     "compiled_step",
     "differentiating_guards_only",
     "layout_for",
@@ -394,7 +395,7 @@ def prepare(model: ModuleT, *, compiled: bool = False, batch: int = 1) -> Module
 
 
 def compiled_step(model: Any) -> Callable[..., Any]:
-    """The model's forward compiled for one-token steps (``fullgraph``, static shapes).
+    """The model's forward compiled for one-token steps (:func:`compile_for_steps`).
 
     Call it as ``step(input_ids, mask, positions=..., kv_caches=..., cache_position=...,
     logits_to_keep=1)``: the caches' storage is static and ``cache_position`` a tensor, so the
@@ -403,18 +404,27 @@ def compiled_step(model: Any) -> Callable[..., Any]:
     """
     step = model.__dict__.get("_attnkit_step")
     if step is None:
-        # Decided (and built) before the trace, which reads the answers: the policy's linear
-        # plan, with its compiled-row choices, and the kernels the graph's ops call, with
-        # their C++ implementations.
-        policy.linear_plan(compiled=True)
-        build.load_ops()
-        # Without inductor's checks of every input's size and strides at each call (one Python
-        # call per weight): dynamo's guards check the same before a call, the first step of
-        # each generate call included.
-        options: dict[str, Any] = {"size_asserts": False}
-        step = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
+        step = compile_for_steps(model.forward)
         model.__dict__["_attnkit_step"] = step
     return step
+
+
+def compile_for_steps(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a model's forward, or a function calling one) compiled as decoding steps are:
+    ``fullgraph``, static shapes, after deciding what the trace reads.
+
+    Decided (and built) before the trace, which reads the answers: the policy's linear plan,
+    with its compiled-row choices, and the kernels the graph's ops call, with their C++
+    implementations. Without inductor's checks of every input's size and strides at each call
+    (one Python call per weight): dynamo's guards check the same before a call, the first step
+    of each generate call included. torch keeps at most a few graphs per code object in a
+    process (``torch._dynamo.config.recompile_limit``), so a function that is not a model's
+    forward keeps its graphs apart from those of the models.
+    """
+    policy.linear_plan(compiled=True)
+    build.load_ops()
+    options: dict[str, Any] = {"size_asserts": False}
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
 
 @contextlib.contextmanager

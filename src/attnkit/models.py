@@ -654,7 +654,10 @@ def _timed_steps(dtype: torch.dtype, batch: int) -> dict[str, Any]:
 
     # (generate's compiled steps: every slot attended with a mask, and rotary tables reserved
     # for them, so that no step's positions grow the tables)
-    by_call, by_graph, graph = filled(), filled(), decoding.compiled_step(lm)
+    def step(*args: Any, **kwargs: Any) -> Any:  # (its own code object: compile_for_steps)
+        return lm.forward(*args, **kwargs)
+
+    by_call, by_graph, graph = filled(), filled(), decoding.compile_for_steps(step)
     for module in lm.modules():
         if isinstance(module, RotaryEmbedding):
             module.reserve(capacity)
