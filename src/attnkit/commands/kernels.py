@@ -123,8 +123,12 @@ def format_report(data: dict[str, Any]) -> str:
     lines.append(f"cache     {data['tune_file']}")
     lines.append("")
     lines.append("choices (option, source; override with the variable shown)")
+    names = max((len(choice["name"]) for choice in data["choices"]), default=0)
+    options = max((len(choice["option"]) for choice in data["choices"]), default=0)
     for choice in data["choices"]:
-        lines.append(f"  {choice['name']:30} {choice['option']:11} {choice['source']}")
+        lines.append(
+            f"  {choice['name']:{names}}  {choice['option']:{options}}  {choice['source']}"
+        )
         lines.append(f"      options: {' | '.join(choice['options'])}; {choice['env']}=...")
         if choice["seconds"]:
             lines.append(f"      timed: {_seconds(choice['seconds'])}")
