@@ -612,9 +612,7 @@ def _decode(
     """
     B, P = ids.shape
     capacity = P + max_new_tokens
-    if (
-        compile and use_cache and compiled_steps_fuse(lm, B)
-    ):  # (the policy's decoding.compiled_step.*)
+    if compile and use_cache and compiled_steps_fuse(lm, B):
         compile = False
     if compile:
         # The compiled step has one graph per cache capacity: a power of two (at least 256,

@@ -652,28 +652,28 @@ def _timed_steps(dtype: torch.dtype, batch: int) -> dict[str, Any]:
             lm(ids, real if padded else None, positions=positions, kv_caches=caches)
         return caches
 
-    # (generate's compiled steps: every slot attended with a mask, and rotary tables reserved
-    # for them, so that no step's positions grow the tables)
     def step(*args: Any, **kwargs: Any) -> Any:  # (its own code object: compile_for_steps)
         return lm.forward(*args, **kwargs)
 
     by_call, by_graph, graph = filled(), filled(), decoding.compile_for_steps(step)
+    # (generate's compiled steps: every slot attended with a mask, and rotary tables reserved
+    # for them, so that no step's positions grow the tables)
     for module in lm.modules():
         if isinstance(module, RotaryEmbedding):
             module.reserve(capacity)
     slot = torch.tensor([P])
+    call_mask, graph_mask = (mask[:, : P + 1], mask) if padded else (None, None)
 
     def fused_step() -> Tensor:
         for cache in by_call:
             cache.length = P
-        step_mask = mask[:, : P + 1] if padded else None
         with torch.inference_mode():
-            return lm(token, step_mask, positions=position, kv_caches=by_call, logits_to_keep=1)
+            return lm(token, call_mask, positions=position, kv_caches=by_call, logits_to_keep=1)
 
     def graph_call() -> Tensor:
         return graph(
             token,
-            mask if padded else None,
+            graph_mask,
             positions=position,
             kv_caches=by_graph,
             cache_position=slot,
