@@ -36,7 +36,7 @@ def _plan(monkeypatch: pytest.MonkeyPatch, **fields: Any) -> policy.LinearPlan:
     are; ``fields`` change it."""
     base = policy.LinearPlan(kernels=build.kernels_available(), with_compiled=True)
     plan = dataclasses.replace(base, **fields)
-    monkeypatch.setattr(policy, "_PLAN", plan)
+    monkeypatch.setattr(policy.linear, "_PLAN", plan)
     return plan
 
 
@@ -462,14 +462,14 @@ def test_a_compiled_bf16_row_runs_the_kernel_as_the_policy_says(
 def test_a_compiled_graph_never_traces_the_kernels_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiling before anything asked the policy gives F.linear's graph (no build or
     measurement inside the trace, no graph break); the next eager call asks."""
-    monkeypatch.setattr(policy, "_PLAN", None)
+    monkeypatch.setattr(policy.linear, "_PLAN", None)
     x, w = torch.randn(2, 1, 40).bfloat16(), torch.randn(24, 40).bfloat16()
     with torch.no_grad():
         got = torch.compile(decoding.linear, fullgraph=True)(x, w)
-    assert policy._PLAN is None
+    assert policy.linear._PLAN is None
     assert_close(got, torch.nn.functional.linear(x, w), atol=0, rtol=0)
     decoding.linear(x, w)
-    assert policy._PLAN is not None
+    assert policy.linear._PLAN is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -615,5 +615,5 @@ def test_float32_prompts_run_onednn_where_the_policy_measured_it_faster(
     assert not decoding._onednn_prompt(x[:, :1], w, b)  # a decoding step: the stream kernel's
     assert not decoding._onednn_prompt(x.bfloat16(), w.bfloat16(), None)
     assert not decoding._onednn_prompt(x.requires_grad_(), w, b)
-    monkeypatch.setattr(policy, "_PLAN", None)
+    monkeypatch.setattr(policy.linear, "_PLAN", None)
     assert policy.fp32_prompt_onednn() is (policy.choose("linear.fp32_prompt") == "onednn")

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.testing import assert_close
 
-from attnkit.kernels import attention, build
+from attnkit.kernels import attention, build, one_query, policy, probe
 
 needs_kernel = pytest.mark.skipif(
     not build.kernels_available(), reason=f"no attnkit kernels: {build.kernels_unavailable()}"
@@ -496,14 +496,13 @@ def test_flash_bf16_products_fall_back_where_they_cannot_run(
 ) -> None:
     # MKL's products where torch links no bf16 GEMM, attnkit's on a CPU without bf16 pair dot
     # products: the widened path, bit for bit, and the policy neither picks nor times them.
-    from attnkit.kernels import policy
 
     q, k, v, want, _, _ = _bf16_case(70, 90, 16, 12, True, 30, None, 11)
     widened, _ = attention.flash_attention(q, k, v, scale=0.3, causal=True, window=30)
     if products == "bf16":
         monkeypatch.setattr(attention, "_gemm_bf16_address", lambda name="": None)
     else:
-        caps = dataclasses.replace(policy.capabilities(), flags=frozenset({"avx2", "fma"}))
+        caps = dataclasses.replace(probe.capabilities(), flags=frozenset({"avx2", "fma"}))
         monkeypatch.setattr(attention, "capabilities", lambda: caps)
     attention._flash_gemm_bf16.cache_clear()
     attention._own_gemm_bf16.cache_clear()
@@ -514,7 +513,7 @@ def test_flash_bf16_products_fall_back_where_they_cannot_run(
         )
         assert torch.equal(out, widened)  # the widened path, bit for bit
         choice = policy.choices()["attention.flash_bf16_products"]
-        assert choice.rule(policy.capabilities()) != products
+        assert choice.rule(probe.capabilities()) != products
         candidates = set(choice.candidates())  # type: ignore[misc]
         assert candidates == set(attention.flash_products()) and products not in candidates
     finally:
@@ -571,11 +570,10 @@ def test_attnkits_bf16_gemm_follows_float64(
 
 
 def test_flash_bf16_products_choice_rule_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    from attnkit.kernels import policy
 
     name = "attention.flash_bf16_products"
     choice = policy.choices()[name]
-    caps = policy.capabilities()
+    caps = probe.capabilities()
     assert choice.doc and set(choice.options) == set(attention.FLASH_PRODUCTS)
     # Before a measurement: MKL's on matrix tiles, attnkit's on pair dot products, MKL's on other
     # bf16 units, else widened; each only where it runs here.
@@ -663,7 +661,7 @@ def test_one_query_attention_follows_float64(dtype, B, H, K, S, E, Ev) -> None:
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     for mask in (None, padded, padded[:1]):
         for cap in (None, 2.0):  # (and soft-capped scores, Gemma 2's)
-            out, flags = attention.one_query_attention(q, k, v, mask, E**-0.5, softcap=cap)
+            out, flags = one_query.one_query_attention(q, k, v, mask, E**-0.5, softcap=cap)
             assert flags == 0 and out.dtype == dtype and out.shape == (B, H, 1, Ev)
             assert_close(out.double(), _one_query_reference(q, k, v, mask, cap), **tol)
     if S > 1:  # not vacuous: the cap changes the output beyond the tolerance
@@ -681,25 +679,25 @@ def test_one_query_attention_flags_empty_and_non_finite_rows() -> None:
     k, v = (torch.randn(2, 2, 10, 8, generator=gen) for _ in range(2))  # two key/value heads
     mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
     mask[1] = False  # the second sequence may attend nothing: zero rows
-    out, flags = attention.one_query_attention(q, k, v, mask, 8**-0.5)
-    assert flags == attention.NO_KEY and torch.equal(out[1], torch.zeros(4, 1, 8))
+    out, flags = one_query.one_query_attention(q, k, v, mask, 8**-0.5)
+    assert flags == one_query.NO_KEY and torch.equal(out[1], torch.zeros(4, 1, 8))
     assert_close(out[0].double(), _one_query_reference(q, k, v, mask)[0], atol=1e-5, rtol=1e-5)
     # A NaN key the mask leaves out is never read; one it allows makes its head's rows NaN.
     mask[1] = True
     mask[:, ..., 3] = False
     k[0, 1, 3, 0] = torch.nan
-    out, flags = attention.one_query_attention(q, k, v, mask, 8**-0.5)
+    out, flags = one_query.one_query_attention(q, k, v, mask, 8**-0.5)
     assert flags == 0 and torch.isfinite(out).all()
     k[0, 1, 4, 0] = torch.nan
-    out, flags = attention.one_query_attention(q, k, v, mask, 8**-0.5)
-    assert flags == attention.NON_FINITE
+    out, flags = one_query.one_query_attention(q, k, v, mask, 8**-0.5)
+    assert flags == one_query.NON_FINITE
     assert torch.isnan(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
     assert torch.isfinite(out[1]).all()
     # With a cap an infinite score is flagged too (capped it would look finite).
     k[0, 1, 4, 0] = 0.0
     k[1, 0, 2, 0] = -torch.inf
-    out, flags = attention.one_query_attention(q, k, v, mask, 8**-0.5, softcap=3.0)
-    assert flags == attention.NON_FINITE
+    out, flags = one_query.one_query_attention(q, k, v, mask, 8**-0.5, softcap=3.0)
+    assert flags == one_query.NON_FINITE
     assert torch.isnan(out[1, :2]).all() and torch.isfinite(out[0]).all()
 
 
@@ -710,17 +708,17 @@ def test_one_query_attention_ignores_threads_and_gets_clear_errors() -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = attention.one_query_attention(q, k, v, None, 0.125)[0]
+        one = one_query.one_query_attention(q, k, v, None, 0.125)[0]
         torch.set_num_threads(2)
-        two = attention.one_query_attention(q, k, v, None, 0.125)[0]
+        two = one_query.one_query_attention(q, k, v, None, 0.125)[0]
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
     with pytest.raises(TypeError, match="bfloat16 or all float32"):
-        attention.one_query_attention(q.double(), k, v, None, 1.0)
+        one_query.one_query_attention(q.double(), k, v, None, 1.0)
     with pytest.raises(TypeError, match="bool mask"):
-        attention.one_query_attention(q, k, v, torch.zeros(4, 1, 1, 700), 1.0)
+        one_query.one_query_attention(q, k, v, torch.zeros(4, 1, 1, 700), 1.0)
     with pytest.raises(ValueError, match="H % K == 0"):
-        attention.one_query_attention(q[:, :3], k, v, None, 1.0)
+        one_query.one_query_attention(q[:, :3], k, v, None, 1.0)
     with pytest.raises(ValueError, match="mask"):
-        attention.one_query_attention(q, k, v, torch.ones(4, 1, 1, 5, dtype=torch.bool), 1.0)
+        one_query.one_query_attention(q, k, v, torch.ones(4, 1, 1, 5, dtype=torch.bool), 1.0)

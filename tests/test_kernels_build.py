@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnkit.kernels import attention, build, linear, probe
+from attnkit.kernels import build, linear, one_query, probe
 
 needs_kernel = pytest.mark.skipif(
     not build.kernels_available(), reason=f"no attnkit kernels: {build.kernels_unavailable()}"
@@ -113,7 +113,7 @@ def _op_cases() -> list[tuple[str, tuple[object, ...], object]]:
         (
             "one_query_attention",
             (q, k, v, mask, 0.2),
-            attention.one_query_attention(q, k, v, mask, 0.2)[0],
+            one_query.one_query_attention(q, k, v, mask, 0.2)[0],
         ),
     ]
     for dtype in (torch.float32, torch.bfloat16):

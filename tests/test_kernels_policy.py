@@ -16,7 +16,7 @@ import pytest
 
 from attnkit import cli
 from attnkit.commands import kernels as command
-from attnkit.kernels import build, policy, tuning
+from attnkit.kernels import build, policy, probe, tuning
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ def test_the_rule_answers_where_a_candidate_fails_or_while_compiling(
 
 
 def test_every_linear_choice_is_named_documented_and_its_rule_an_option() -> None:
-    caps = policy.capabilities()
+    caps = probe.capabilities()
     names = set(policy.choices())
     for name in (
         "linear.float_dots",

@@ -19,7 +19,7 @@ from attnkit import quantize as quantize_module
 from attnkit.config import TransformerConfig
 from attnkit.decoding import PreparedLinear, prepare
 from attnkit.kernels import linear as kernels_linear
-from attnkit.kernels import policy
+from attnkit.kernels import policy, probe
 from attnkit.models import TransformerLM
 from attnkit.quantize import (
     INT8_KERNELS,
@@ -196,10 +196,10 @@ def test_a_named_kernel_that_cannot_run_a_shape_falls_back_to_the_default_rule(
 
 def _tiles(monkeypatch: pytest.MonkeyPatch, tiles: bool) -> None:
     """The policy sees this CPU with (or without) matrix tiles."""
-    real = policy.capabilities()
+    real = probe.capabilities()
     caps = SimpleNamespace(**{n: getattr(real, n) for n in ("key", "cpu", "cores", "flags")})
     caps.torch_version, caps.matrix_tiles = real.torch_version, tiles
-    monkeypatch.setattr(policy, "capabilities", lambda: caps)
+    monkeypatch.setattr(policy.linear, "capabilities", lambda: caps)
 
 
 def test_default_kernel_is_the_policys_choice_where_it_runs_the_shape(

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from attnkit.cache import AttendingCache
-from attnkit.kernels.attention import paged_one_query_attention
 from attnkit.kernels.build import kernels_available
+from attnkit.kernels.one_query import paged_one_query_attention
 from attnkit.serving import paged
 from attnkit.serving.paged import (
     BlockPool,

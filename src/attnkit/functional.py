@@ -47,6 +47,7 @@ from attnkit import softcap as capped
 from attnkit import sparse
 from attnkit.kernels import attention as attention_kernels
 from attnkit.kernels import build, policy
+from attnkit.kernels import one_query as one_query_kernels
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -340,7 +341,7 @@ def one_query(
     if policy.one_query_kernel(q.dtype, q.device.type, grads) and build.kernels_available():
         # attnkit's kernel: a query with no key, or a non-finite output, is flagged, and the
         # general path recomputes the step with its rules.
-        out, flags = attention_kernels.one_query_attention(q, k, v, mask, scale, softcap=softcap)
+        out, flags = one_query_kernels.one_query_attention(q, k, v, mask, scale, softcap=softcap)
         return None if flags else out
     if softcap is not None:
         if mask is not None or grads or q.dtype not in (torch.float32, torch.float64):

@@ -2,23 +2,21 @@
 
 The kernels live in :mod:`attnkit.kernels` (building and loading in
 :mod:`attnkit.kernels.build`, one module per family: :mod:`attnkit.kernels.attention`,
-:mod:`attnkit.kernels.linear`, :mod:`attnkit.kernels.rows`, the ops in
-:mod:`attnkit.kernels.ops`), and the choice of kernel in :mod:`attnkit.kernels.policy`. This
-module keeps the names code has imported from ``attnkit.native``.
+:mod:`attnkit.kernels.one_query`, :mod:`attnkit.kernels.linear`, :mod:`attnkit.kernels.rows`,
+the ops in :mod:`attnkit.kernels.ops`), and the choice of kernel in
+:mod:`attnkit.kernels.policy`. This module keeps the names code has imported from
+``attnkit.native``.
 """
 
 from __future__ import annotations
 
 from attnkit import kernels as _kernels  # noqa: F401  (registers the ops)
 from attnkit.kernels.attention import (
-    NO_KEY,
-    NON_FINITE,
     capped_attention,
     capped_softmax_,
     flash_attention,
     flash_attention_backward,
     flash_available,
-    one_query_attention,
 )
 from attnkit.kernels.build import (
     eager_cpu,
@@ -43,6 +41,7 @@ from attnkit.kernels.linear import (
     unpack_int4,
     unpack_int4_scales,
 )
+from attnkit.kernels.one_query import NO_KEY, NON_FINITE, one_query_attention
 from attnkit.kernels.probe import capabilities
 from attnkit.kernels.rows import rms_norm, rotate
 

@@ -4,7 +4,7 @@
   :mod:`attnkit.kernels.linear`'s products;
 * ``attnkit::block_dot_linear``: :mod:`attnkit.kernels.block_linear`'s product;
 * ``attnkit::int8_fbgemm_linear``: fbgemm's product over a layer's prepacked weight (by handle);
-* ``attnkit::one_query_attention``: :func:`attnkit.kernels.attention.one_query_attention`.
+* ``attnkit::one_query_attention``: :func:`attnkit.kernels.one_query.one_query_attention`.
 
 Each is defined here with its fake (shape) function and a Python implementation, registered
 through torch.library's plain registration rather than ``torch.library.custom_op``, whose Python
@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.kernels.attention import one_query_attention
 from attnkit.kernels.block_linear import block_dot_linear
 from attnkit.kernels.linear import (
     fbgemm_linear,
@@ -27,6 +26,7 @@ from attnkit.kernels.linear import (
     int4_dot_linear,
     int8_dot_linear,
 )
+from attnkit.kernels.one_query import one_query_attention
 
 __all__: list[str] = []
 

@@ -35,8 +35,8 @@ from torch import Tensor
 
 from attnkit import functional
 from attnkit.config import check_sizes
-from attnkit.kernels import attention as attention_kernels
 from attnkit.kernels import build, policy
+from attnkit.kernels import one_query as one_query_kernels
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -212,7 +212,7 @@ def paged_attention(
     """Causal attention of a packed batch, each sequence over its own keys in the pool.
 
     The one-token sequences attend together as one decoding step, reading their keys in place
-    through the block tables (:func:`attnkit.kernels.attention.paged_one_query_attention`, or
+    through the block tables (:func:`attnkit.kernels.one_query.paged_one_query_attention`, or
     gathered and masked where that kernel does not run); each chunk gathers its keys and attends
     them causally through :func:`attnkit.functional.attend`.
 
@@ -271,7 +271,7 @@ def _one_token_attention(
     grads = torch.is_grad_enabled() and (q.requires_grad or k_pool.requires_grad)
     if policy.one_query_kernel(q.dtype, q.device.type, grads) and build.kernels_available():
         rows, first, count = batch.single_spans(window)
-        o, flags = attention_kernels.paged_one_query_attention(
+        o, flags = one_query_kernels.paged_one_query_attention(
             qs, k_pool, v_pool, rows, first, count, scale, softcap=softcap
         )
         if not flags:
