@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -454,3 +455,74 @@ def test_causal_diagonal_tiles_without_grouping(mask: Any) -> None:
     got = torch.autograd.grad(out, [q, k, v], g)
     for a, b in zip(got, torch.autograd.grad(want, [q, k, v], g), strict=True):
         assert _rel(a, b) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("mask", "L", "S", "K"),
+    [(P.causal(), 150, 150, 2), (P.sliding_window(40), 130, 130, H), (None, 60, 90, 2),
+     (P.causal(), 50, 110, H)],
+)  # fmt: skip
+def test_alibi_runs_in_the_flash_kernels_with_its_gradients(
+    monkeypatch: pytest.MonkeyPatch, mask: Any, L: int, S: int, K: int, dtype: torch.dtype
+) -> None:
+    """ALiBi over no mask, a causal one or a causal window: one call of attnkit's flash kernel
+    with the slopes (no bias tensor, no tiles), FlexAttention's top-left indices kept; output,
+    log-sum-exp and gradients equal the float64 math."""
+    from attnkit.kernels import attention as attention_kernels
+
+    calls: list[bool] = []
+    real = attention_kernels.flash_attention
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("alibi_slopes") is not None)
+        return real(*args, **kwargs)
+
+    q, k, v = (t.to(dtype).requires_grad_() for t in _inputs(L, S, K=K))
+    bm = None if mask is None else create_block_mask(mask, B, H, L, S, BLOCK_SIZE=32)
+    g = torch.randn(B, H, L, 16).to(dtype)
+    flex_attention(q, k, v, P.alibi(H), bm, enable_gqa=K != H)  # (decides measured choices)
+    monkeypatch.setattr(attention_kernels, "flash_attention", spy)
+    out = flex_attention(q, k, v, P.alibi(H), bm, enable_gqa=K != H)
+    assert calls == [True]
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = _explicit(*wide, P.alibi(H), mask)
+    got = torch.autograd.grad(out, [q, k, v], g)
+    grads = torch.autograd.grad(want, wide, g.double())
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=0)
+    for a, b in zip(got, grads, strict=True):
+        assert _rel(a.double(), b) <= tol
+    with torch.no_grad():
+        _, lse = flex_attention(q, k, v, P.alibi(H), bm, enable_gqa=K != H, return_lse=True)
+    ref = _explicit_lse(*wide, P.alibi(H), mask)
+    torch.testing.assert_close(lse.double(), ref, atol=2e-5, rtol=0)
+    assert len(calls) == 2
+
+
+def _explicit_lse(q: Tensor, k: Tensor, v: Tensor, score_mod: Any, mask_mod: Any) -> Tensor:
+    """The log-sum-exp of :func:`_explicit`'s modified, masked scores."""
+    L, S = q.shape[-2], k.shape[-2]
+    G = q.shape[1] // k.shape[1]
+    s = q.detach() @ k.detach().repeat_interleave(G, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    qi, kv = torch.arange(L).view(1, 1, -1, 1), torch.arange(S).view(1, 1, 1, -1)
+    s = score_mod(s, None, torch.arange(q.shape[1]).view(1, -1, 1, 1), qi, kv)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(None, None, qi, kv), -math.inf)
+    return torch.logsumexp(s, -1)
+
+
+def test_alibi_keeps_the_tiles_where_the_policy_says() -> None:
+    """The policy's ALiBi rule: attnkit's flash kernels only for plain calls they may run."""
+    from attnkit.kernels import policy
+
+    call = policy.AttentionCall(torch.float32, "cpu", 64, 64, causal=True, eager=True, ready=True)
+    assert policy.alibi_kernel(call) == "widened"
+    for field in ("batched", "masked", "weights", "dropout", "softcap"):
+        assert policy.alibi_kernel(dataclasses.replace(call, **{field: True})) is None
+    for changed in ({"eager": False}, {"ready": False}, {"dtype": torch.float64}):
+        assert policy.alibi_kernel(dataclasses.replace(call, **changed)) is None
+    bf16 = dataclasses.replace(call, dtype=torch.bfloat16)
+    assert policy.alibi_kernel(bf16) == policy.flash_bf16_products()
+    grads = dataclasses.replace(bf16, grads=True)
+    assert policy.alibi_kernel(grads) == policy.bf16_backward_products()

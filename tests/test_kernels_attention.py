@@ -244,11 +244,18 @@ def test_flash_options_are_checked() -> None:
 
 
 def _flash_reference(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None, first: int | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    window: int | None,
+    first: int | None,
+    slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The float64 attention (scale 0.3, two query heads per key/value head) of ``q, k, v`` under
-    the causal/window rules with queries at ``first`` (None: aligned to the keys' end): the
-    output, the masked scores and which pairs may attend."""
+    the causal/window rules with queries at ``first`` (None: aligned to the keys' end), with
+    ALiBi's ``slopes`` times the key's offset from the query added to the scores: the output,
+    the masked scores and which pairs may attend."""
     L, S = q.shape[-2], k.shape[-2]
     at = torch.arange(L)[:, None] + (S - L if first is None else first)
     j = torch.arange(S)[None, :]
@@ -258,7 +265,10 @@ def _flash_reference(
     if window is not None:
         ok &= (at - j).abs() < window
     kk, vv = (t.double().repeat_interleave(2, 1) for t in (k, v))
-    scores = (q.double() @ kk.transpose(-1, -2) * 0.3).masked_fill(~ok, -torch.inf)
+    scores = q.double() @ kk.transpose(-1, -2) * 0.3
+    if slopes is not None:
+        scores = scores + slopes.double().view(1, -1, 1, 1) * (j - at)
+    scores = scores.masked_fill(~ok, -torch.inf)
     want = torch.softmax(scores, -1).nan_to_num(nan=0.0) @ vv
     return want, scores, ok
 
@@ -300,6 +310,80 @@ def test_flash_attention_and_its_backward_follow_float64(
     if not rows.all():  # rows without keys: exact zeros
         assert torch.equal(out[:, :, ~rows], torch.zeros_like(out[:, :, ~rows]))
         assert torch.equal(got[0][:, :, ~rows], torch.zeros_like(got[0][:, :, ~rows]))
+
+
+@needs_capped
+@pytest.mark.parametrize(
+    ("dtype", "products"),
+    [(torch.float32, "widened")] + [(torch.bfloat16, p) for p in attention.FLASH_PRODUCTS],
+)
+@pytest.mark.parametrize(
+    ("L", "S", "causal", "window", "first"),
+    [
+        (37, 37, True, None, 0),
+        (20, 45, True, None, None),
+        (50, 60, True, 6, 10),
+        (33, 41, False, None, 0),
+    ],
+)
+def test_flash_alibi_slopes_follow_float64(
+    dtype: torch.dtype,
+    products: str,
+    L: int,
+    S: int,
+    causal: bool,
+    window: int | None,
+    first: int | None,
+) -> None:
+    """ALiBi's bias, ``slope * (j - p)`` per query head, added in the kernel: the output, the
+    log-sum-exp and the three gradients follow the float64 math with the bias in the scores
+    (bf16: its tolerance, the gradients relative to each one's largest element)."""
+    gen = torch.Generator().manual_seed(L + S)
+    q = (2 * torch.randn(2, 4, L, 16, generator=gen)).to(dtype).requires_grad_()
+    k = (2 * torch.randn(2, 2, S, 16, generator=gen)).to(dtype).requires_grad_()
+    v = torch.randn(2, 2, S, 12, generator=gen).to(dtype).requires_grad_()
+    grad_out = torch.randn(2, 4, L, 12, generator=gen).to(dtype)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 1.0])
+    want, scores, ok = _flash_reference(q, k, v, causal, window, first, slopes)
+    grads = torch.autograd.grad((want * grad_out.double()).sum(), (q, k, v))
+    rows = ok.any(-1)
+    bf16 = dtype == torch.bfloat16
+    tol = {"atol": 3e-2, "rtol": 2e-2} if bf16 else {"atol": 2e-5, "rtol": 2e-5}
+    options = {"scale": 0.3, "causal": causal, "window": window, "first": first}
+    options["products"] = products
+    with torch.no_grad():
+        out, lse = attention.flash_attention(
+            q, k, v, blocks=(8, 16), alibi_slopes=slopes, **options
+        )
+        got = attention.flash_attention_backward(
+            grad_out, q, k, v, out, lse, blocks=(8, 16), alibi_slopes=slopes, **options
+        )
+        plain, _ = attention.flash_attention(q, k, v, blocks=(8, 16), **options)
+    assert_close(out.double(), want, **tol)
+    assert_close(lse[..., rows].double(), torch.logsumexp(scores, -1)[..., rows], **tol)
+    for name, g, w in zip("qkv", got, grads, strict=True):
+        atol = 1e-2 * w.abs().max().item() if bf16 else tol["atol"]
+        assert_close(g.double(), w.double(), atol=atol, rtol=tol["rtol"], msg=name)
+    assert (out - plain).abs().max() > 0.1  # (the bias moved the answer)
+
+
+@needs_capped
+def test_flash_alibi_slopes_are_checked() -> None:
+    q = torch.randn(1, 2, 4, 8)
+    for slopes, error, match in [
+        (
+            torch.ones(3),
+            ValueError,
+            r"alibi_slopes of shape \(2,\) \(one per query head\), got \(3,\)",
+        ),
+        (torch.tensor([1.0, float("nan")]), ValueError, "finite alibi_slopes"),
+        (torch.ones(2, dtype=torch.int64), TypeError, "alibi_slopes as a float tensor"),
+        ([0.5, 0.25], TypeError, "alibi_slopes as a float tensor"),
+    ]:
+        with pytest.raises(error, match=match):
+            attention.flash_attention(q, q, q, scale=1.0, alibi_slopes=slopes)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="capped_attention takes scale"):
+        attention.capped_attention(q, q, q, softcap=1.0, scale=1.0, alibi_slopes=torch.ones(2))  # type: ignore[call-arg]
 
 
 @needs_capped

@@ -55,6 +55,7 @@ from torch import Tensor
 
 from attnkit.kernels import attention as attention_kernels
 from attnkit.kernels import policy
+from attnkit.kernels.tiles import FlashOptions
 from attnkit.masks import Span, Structure, offset_mask
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "attend_positional",
     "attend_runs",
     "plan_runs",
+    "positional_flash",
 ]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -350,8 +352,22 @@ def attend_positional(
     Shape:
         q ``(B, H, L, E)``, k ``(B, K, S, E)``, v ``(B, K, S, Ev)`` -> ``(B, H, L, Ev)``.
     """
-    out: Tensor = _PositionalFlash.apply(q, k, v, structure, scale, products)
-    return out
+    options: FlashOptions = {
+        "scale": scale,
+        "causal": structure.causal,
+        "window": structure.window,
+    }
+    return positional_flash(q, k, v, options, products)[0]
+
+
+def positional_flash(
+    q: Tensor, k: Tensor, v: Tensor, options: FlashOptions, products: str = "widened"
+) -> tuple[Tensor, Tensor]:
+    """:func:`attnkit.kernels.attention.flash_attention` with ``options`` (its keyword options:
+    the structure, where the queries sit, ALiBi's slopes) and its backward, as one autograd
+    call: ``(out, lse)``, the log-sum-exp without a gradient."""
+    out, lse = _PositionalFlash.apply(q, k, v, options, products)
+    return out, lse
 
 
 class _PositionalFlash(torch.autograd.Function):
@@ -360,21 +376,24 @@ class _PositionalFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, structure: Structure, scale: float, products: str
-    ) -> Tensor:
-        ctx.options = {"scale": scale, "causal": structure.causal, "window": structure.window}
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, options: FlashOptions, products: str
+    ) -> tuple[Tensor, Tensor]:
+        ctx.options = options
         ctx.products = products
-        out, lse = attention_kernels.flash_attention(q, k, v, products=products, **ctx.options)
+        out, lse = attention_kernels.flash_attention(q, k, v, products=products, **options)
         ctx.save_for_backward(q, k, v, out, lse)
-        return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = attention_kernels.flash_attention_backward(
             grad_out, q, k, v, out, lse, products=ctx.products, **ctx.options
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None
 
 
 class _FlashRuns(torch.autograd.Function):

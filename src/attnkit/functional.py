@@ -171,7 +171,7 @@ def attend(
             return out, None
     rules, mask, batched = _checked(structure, q, k, mask)
     asked = policy.AttentionCall(
-        **_call_fields(q, k, v, rules),
+        **call_fields(q, k, v, rules),
         batched=batched,
         masked=mask is not None,
         weights=return_weights,
@@ -222,7 +222,7 @@ def _grads(q: Tensor, k: Tensor, v: Tensor) -> bool:  # (will gradients flow fro
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _call_fields(q: Tensor, k: Tensor, v: Tensor, rules: M.Structure) -> dict[str, Any]:
+def call_fields(q: Tensor, k: Tensor, v: Tensor, rules: M.Structure) -> dict[str, Any]:
     """The fields of :class:`~attnkit.kernels.plans.AttentionCall` that every checked call
     reads alike: the inputs' dtype, device and lengths, the structure's causality and window,
     whether gradients flow, and where attnkit's kernels may run."""
@@ -406,7 +406,7 @@ def block_sparse_attention(
     B = math.prod(q.shape[:-3])
     rules, _ = M.checked(structure, L, S, batch=B, mask=None, dtype=q.dtype)
     call = policy.AttentionCall(
-        **_call_fields(q, k, v, rules), batched=rules.batched, dropout=dropout_p > 0.0
+        **call_fields(q, k, v, rules), batched=rules.batched, dropout=dropout_p > 0.0
     )
     kernels = policy.tile_kernels(call)
     rows = block_size or policy.tile_rows(L, rules.window, q.dtype)

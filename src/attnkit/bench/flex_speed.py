@@ -14,7 +14,8 @@ faster), every pair timed in one process, interleaved round by round:
 * ``flex window first call``: building the block mask and the first call, against the
   compiled peer's first call (block mask, compilation and one run);
 * ``flex alibi+causal fwd``: the ALiBi score modification on a causal block mask (attnkit's
-  tiled kernel) against compiled FlexAttention with the same ``score_mod``;
+  flash kernel with the slopes, where the policy's ``alibi_kernel`` says) against compiled
+  FlexAttention with the same ``score_mod``;
 * ``flex window fwd+bwd``: forward and backward of the window against
   ``torch.nn.functional.scaled_dot_product_attention`` with a dense bool mask.
 

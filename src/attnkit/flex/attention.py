@@ -8,6 +8,9 @@ A call goes down once:
   :mod:`attnkit.flex.presets` and their ``and_masks``: causal, sliding window, documents,
   padding, soft-cap) go to :func:`attnkit.functional.scaled_dot_product_attention`, whose
   kernels have their own fast forward and backward;
+* ALiBi (:func:`attnkit.flex.presets.alibi`) over no mask, a causal one or a causal window goes
+  to attnkit's flash kernels with the slopes added in the kernel, where the policy says
+  (:func:`attnkit.kernels.policy.alibi_kernel`);
 * everything else runs :mod:`attnkit.flex.tiles`: full key blocks with no mask work, partial
   ones with ``mask_mod`` on their index tile, empty ones skipped, ``score_mod`` on score tiles,
   and a flash-style backward that also gives the gradients of tensors the ``score_mod``
@@ -30,9 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit import functional
+from attnkit import blockwise, functional
 from attnkit.flex import tiles
 from attnkit.flex.blockmask import BlockMask, index_tensors, mod_name, probe_mask_mod
+from attnkit.kernels import policy
+from attnkit.kernels.plans import AttentionCall
+from attnkit.kernels.tiles import FlashOptions
+from attnkit.masks import Structure
 
 __all__ = ["ScoreMod", "captured_tensors", "flex_attention"]
 
@@ -100,6 +107,10 @@ def flex_attention(
     options = None if return_lse else structured_options(block_mask, score_mod, B, L, S)
     if options is not None:
         return functional.scaled_dot_product_attention(query, key, value, scale=scale, **options)
+    alibi = _alibi_flash(query, key, value, score_mod, block_mask, scale, return_lse)
+    if alibi is not None:
+        out, lse = blockwise.positional_flash(query, key, value, *alibi)
+        return (out, lse) if return_lse else out
 
     dtype = query.dtype
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -256,6 +267,41 @@ def _once(fn: Any, tile: tuple[Any, ...], probe: Callable[[], None]) -> None:
     if tile not in seen:
         probe()
         seen.add(tile)
+
+
+def _alibi_flash(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    score_mod: ScoreMod | None,
+    block_mask: BlockMask | None,
+    scale: float,
+    return_lse: bool,
+) -> tuple[FlashOptions, str] | None:
+    """The options and products of attnkit's flash kernels for an ALiBi call over no mask, a
+    causal one or a causal window (the slopes added in the kernel, queries and keys indexed
+    from 0 as FlexAttention indexes them), or None where the policy leaves it to the tiles."""
+    if getattr(score_mod, "kind", None) != "alibi":
+        return None
+    mask = {} if block_mask is None else getattr(block_mask.mask_mod, "structure", None)
+    if mask is None or not set(mask) <= {"causal", "window"}:
+        return None
+    rules = Structure(causal=bool(mask.get("causal", False)), window=mask.get("window"))
+    call = AttentionCall(**functional.call_fields(q, k, v, rules))
+    if return_lse and call.grads:
+        return None  # (the flash kernels' log-sum-exp carries no gradient; the tiles' does)
+    products = policy.alibi_kernel(call)
+    if products is None:
+        return None
+    slopes = _mods(score_mod, block_mask, q.shape[1]).slopes
+    options: FlashOptions = {
+        "scale": scale,
+        "causal": rules.causal,
+        "window": rules.window,
+        "first": 0,
+        "alibi_slopes": slopes,
+    }
+    return options, products
 
 
 def _mods(score_mod: ScoreMod | None, block_mask: BlockMask | None, H: int) -> tiles.Mods:

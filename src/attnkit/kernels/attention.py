@@ -33,6 +33,7 @@ from attnkit.kernels.tiles import (
     TILE_KEYS,
     FlashOptions,
     TileOptions,
+    alibi_slopes,
     first_query,
     tile_options,
 )
@@ -250,10 +251,12 @@ def _forward(
     threads: int,
     with_lse: bool,
     gemm_bf16: int | None = None,
+    slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """csrc/flash.c's forward on checked inputs: ``(out, lse or None)``, ``out`` laid out
     ``(B, L, H, Ev)`` in memory (as torch's flash kernel lays out its output). ``gemm_bf16``:
-    the bf16 GEMM a bf16 call multiplies its tiles with, or None (widened for ``sgemm``)."""
+    the bf16 GEMM a bf16 call multiplies its tiles with, or None (widened for ``sgemm``);
+    ``slopes``: checked ALiBi slopes (:func:`~attnkit.kernels.tiles.alibi_slopes`), or None."""
     lib = library()
     B, H, L, _ = q.shape
     K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
@@ -266,8 +269,9 @@ def _forward(
     failed = lib.attnkit_flash_forward(
         _view(q), _view(k), _view(v), _view(out),
         None if lse is None else lse.data_ptr(), H * L, L,
-        dims, first, int(causal), window or 0, scale, cap, int(finite), *blocks,
-        q.dtype == torch.bfloat16, sgemm, gemm_bf16, threads,
+        dims, first, int(causal), window or 0, scale, cap, int(finite),
+        None if slopes is None else slopes.data_ptr(), *blocks, q.dtype == torch.bfloat16, sgemm,
+        gemm_bf16, threads,
     )  # fmt: skip
     if failed:
         raise MemoryError(f"the flash forward could not allocate its buffers ({threads} threads)")
@@ -304,6 +308,9 @@ def flash_attention(
         causal: Keys after a query are masked.
         window: Keys ``window`` or more positions away are masked (None: no window).
         first: Key position of the first query.
+        alibi_slopes: ALiBi's slope of each query head ``(H,)``: query head ``h``'s scaled
+            score of key ``j`` at position ``p`` gets ``alibi_slopes[h] * (j - p)`` added, in
+            the kernel (no bias tensor).
         blocks: Queries per block and most keys per tile.
         products: How bf16 tiles are multiplied: ``"widened"`` (float32 copies, ``sgemm``),
             ``"bf16"`` (MKL's bf16 GEMM) or ``"bf16-attnkit"`` (attnkit's), both with float32
@@ -316,7 +323,7 @@ def flash_attention(
     Returns:
         ``(out, lse)``: ``out`` ``(B, H, L, Ev)`` in ``q``'s dtype (laid out ``(B, L, H, Ev)``
         in memory), ``lse`` ``(B, H, L)`` float32, the log-sum-exp of each query's scaled
-        scores.
+        (and biased) scores.
 
     Raises:
         TypeError: For other or mixed dtypes.
@@ -326,11 +333,12 @@ def flash_attention(
     scale, causal, window = tile_options("flash_attention", options, FLASH_KEYS)
     _check_flash("flash_attention", q, k, v, window, _FLASH_DTYPES, products)
     first = first_query(options, q, k)
+    slopes = alibi_slopes("flash_attention", options, q.shape[1])
     sgemm = _flash_sgemm()
     assert sgemm is not None
     out, lse = _forward(
         q, k, v, scale, 0.0, causal, window, first, True, blocks, sgemm, torch.get_num_threads(),
-        True, _gemm_bf16_for(q, products),
+        True, _gemm_bf16_for(q, products), slopes,
     )  # fmt: skip
     assert lse is not None
     return out, lse
@@ -371,6 +379,7 @@ def flash_attention_backward(
         causal: Keys after a query are masked.
         window: Keys ``window`` or more positions away are masked (None: no window).
         first: Key position of the first query (default ``S - L``).
+        alibi_slopes: ALiBi's slopes, as given to :func:`flash_attention`.
         blocks: Queries per block and keys per block.
         into: float32 ``(dq, dk, dv)`` to add the gradients to (views are fine, with contiguous
             rows), instead of new tensors: ring attention sums its blocks' gradients without a
@@ -400,6 +409,7 @@ def flash_attention_backward(
     lib, sgemm = library(), _flash_sgemm()
     assert sgemm is not None
     first = first_query(options, q, k)
+    slopes = alibi_slopes(name, options, H)
     dtype = q.dtype
     if into is not None:
         dq, dk, dv = into
@@ -427,8 +437,9 @@ def flash_attention_backward(
     threads = torch.get_num_threads()
     failed = lib.attnkit_flash_backward(
         _view(q), _view(k), _view(v), _view(out), _view(grad_out), lse.data_ptr(), H * L, L,
-        _view(dq), _view(dk), _view(dv), dims, first, int(causal), window or 0, scale, *blocks,
-        dtype == torch.bfloat16, into is not None, sgemm, _gemm_bf16_for(q, products), threads,
+        _view(dq), _view(dk), _view(dv), dims, first, int(causal), window or 0, scale,
+        None if slopes is None else slopes.data_ptr(), *blocks, dtype == torch.bfloat16,
+        into is not None, sgemm, _gemm_bf16_for(q, products), threads,
     )  # fmt: skip
     if failed:
         raise MemoryError(f"the flash backward could not allocate its buffers ({threads} threads)")

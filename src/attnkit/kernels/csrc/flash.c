@@ -22,6 +22,11 @@
  * Soft cap (cap > 0, forward only): the scores are c tanh(s / c), computed as 2c sigmoid(2 s / c)
  * (softmax ignores the shift by c); see capped_softmax.c.
  *
+ * ALiBi (slopes not NULL, no cap): query head h's scaled score of key j at query position p gets
+ * slopes[h] * (j - p) added, computed in the tile over the keys the query reaches, before its
+ * maximum is taken (forward) or its probabilities recomputed (backward); the bias needs no
+ * gradient, so the backward's products are unchanged.
+ *
  * dtypes: float32, or bf16. A bf16 forward given MKL's cblas_gemm_bf16bf16f32 multiplies bf16
  * tiles with float32 sums (CPUs with bf16 dot products or matrix tiles run them at bf16's speed):
  * the scores come out float32, the online softmax stays float32, and the probabilities are
@@ -90,6 +95,19 @@ static inline const float *as_float(const char *src, int64_t rows, int64_t dim, 
   }
   *ld = dim > 0 ? dim : 1;
   return buf;
+}
+
+/* row[x] += slope * (d0 + x) for n values: ALiBi's bias of keys d0, d0 + 1, ... positions from
+ * the query (offsets as floats are exact below 2^24). */
+static inline void add_offsets(float *row, int64_t n, float slope, int64_t d0) {
+  const __m256 s = _mm256_set1_ps(slope), eight = _mm256_set1_ps(8.f);
+  __m256 d = _mm256_add_ps(_mm256_set1_ps((float)d0), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
+  int64_t x = 0;
+  for (; x + 8 <= n; x += 8) {
+    _mm256_storeu_ps(row + x, _mm256_fmadd_ps(s, d, _mm256_loadu_ps(row + x)));
+    d = _mm256_add_ps(d, eight);
+  }
+  for (; x < n; x++) row[x] += slope * (float)(d0 + x);
 }
 
 static inline int threads_for(int64_t tasks, int threads) {
@@ -207,14 +225,14 @@ typedef float (*exp_bf16_fn)(const float *src, uint16_t *dst, int64_t n, float s
  * rows ldk/ldv apart; queries and output float32, or bf16 (`bf16`: the queries widened into qf,
  * the output rounded to nearest even). With `gb` (bf16 only) the keys and values are the bf16
  * rows themselves, the queries are not widened, and both products run through gb, the
- * probabilities rounded into pb by expb. */
+ * probabilities rounded into pb by expb. A nonzero `slope` adds ALiBi's bias to the scores. */
 static void forward_block(sgemm_fn sgemm, gemm_bf16_fn gb, exp_bf16_fn expb, uint16_t *pb,
                           const char *q, int64_t q_row, const float *k, int64_t ldk,
                           const float *v, int64_t ldv, char *out, int64_t out_row, float *lse,
                           int64_t r, int64_t S, int64_t E, int64_t Ev, int64_t p0,
                           int causal, int64_t window, float scale, float cap, int finite,
-                          int64_t kb, int bf16, float *tile, float *acc, float *top, float *sum,
-                          float *qf) {
+                          float slope, int64_t kb, int bf16, float *tile, float *acc, float *top,
+                          float *sum, float *qf) {
   int64_t lo, hi, a, b, ldq;
   reach(p0, causal, window, 0, S, &lo, &b);         /* the first query's reach starts the span */
   reach(p0 + r - 1, causal, window, 0, S, &a, &hi); /* the last one's ends it */
@@ -248,6 +266,7 @@ static void forward_block(sgemm_fn sgemm, gemm_bf16_fn gb, exp_bf16_fn expb, uin
         memset(row, 0, (size_t)(a - j0) * sizeof(float));
         memset(row + (b - j0), 0, (size_t)(j1 - b) * sizeof(float));
       }
+      if (slope != 0.f) add_offsets(row + (a - j0), b - a, slope, a - (p0 + i));
       const float m = cap > 0.f ? capped_row(row + (a - j0), b - a, cap, finite)
                                 : row_max(row + (a - j0), b - a);
       if (m > top[i]) { /* a new maximum: rescale what was summed under the old one */
@@ -311,12 +330,14 @@ static void widen_span(const char *k, int64_t k_row, const char *v, int64_t v_ro
 
 /* dims: count, H, K, L, S, E, Ev. q, k, v, out as views, all float32 or all bf16 (`bf16`);
  * lse (count, H, L) float32 with strides lse_item, lse_head (rows contiguous), or NULL.
+ * slopes: ALiBi's slope of each query head (H floats), or NULL.
  * gemm_bf16: cblas_gemm_bf16bf16f32 for a bf16 call's products, or NULL (widened for sgemm).
  * Returns 0, or 1 where a buffer could not be allocated (nothing written). */
 int attnkit_flash_forward(view q, view k, view v, view out, float *lse, int64_t lse_item,
                           int64_t lse_head, const int64_t *dims, int64_t first, int causal,
-                          int64_t window, float scale, float cap, int finite, int64_t qb,
-                          int64_t kb, int bf16, void *sgemm, void *gemm_bf16, int threads) {
+                          int64_t window, float scale, float cap, int finite,
+                          const float *slopes, int64_t qb, int64_t kb, int bf16, void *sgemm,
+                          void *gemm_bf16, int threads) {
   const int64_t count = dims[0], H = dims[1], K = dims[2], L = dims[3], S = dims[4];
   const int64_t E = dims[5], Ev = dims[6], G = H / K, size = bf16 ? 2 : 4;
   const gemm_bf16_fn gb = bf16 ? (gemm_bf16_fn)gemm_bf16 : NULL;
@@ -360,7 +381,8 @@ int attnkit_flash_forward(view q, view k, view v, view out, float *lse, int64_t 
                     at(q, c, h, size) + i0 * q.row * size, q.row, ks, ldk, vs, ldv,
                     at(out, c, h, size) + i0 * out.row * size, out.row,
                     lse ? lse + c * lse_item + h * lse_head + i0 : NULL, r, S, E, Ev, first + i0,
-                    causal, window, scale, cap, finite, kb, bf16, mine, acc, top, sum, qf);
+                    causal, window, scale, cap, finite, slopes ? slopes[h] : 0.f, kb, bf16, mine,
+                    acc, top, sum, qf);
     }
   }
   free(work);
@@ -374,13 +396,15 @@ static void zero_rows(float *t, int64_t rows, int64_t dim, int64_t stride) {
 /* The gradients of one key/value head (kv) of item c and its G query heads: inputs float32 or
  * bf16 (`bf16`, widened block by block into qf, kf, vf, df), gradients float32. With `gb` (bf16
  * only) nothing is widened: the five products take the bf16 inputs themselves, and the
- * probabilities and score gradients rounded to bf16 (pb, dsb), with float32 sums. */
+ * probabilities and score gradients rounded to bf16 (pb, dsb), with float32 sums. slopes: ALiBi's
+ * slope of each query head, or NULL. */
 static void backward_head(sgemm_fn sgemm, gemm_bf16_fn gb, uint16_t *pb, uint16_t *dsb, view q,
                           view k, view v, view out, view dout,
                           const float *lse, int64_t lse_item, int64_t lse_head, view dq, view dk,
                           view dv, int64_t c, int64_t kv, int64_t G, int64_t L, int64_t S,
                           int64_t E, int64_t Ev, int64_t first, int causal, int64_t window,
-                          float scale, int64_t qb, int64_t kb, int bf16, int accumulate,
+                          float scale, const float *slopes, int64_t qb, int64_t kb, int bf16,
+                          int accumulate,
                           float *p, float *dp, float *D, float *qf, float *kf, float *vf,
                           float *df, float *dkb, float *dvb) {
   const float one = 1.f, zero = 0.f;
@@ -411,6 +435,7 @@ static void backward_head(sgemm_fn sgemm, gemm_bf16_fn gb, uint16_t *pb, uint16_
     for (int64_t g = 0; g < G; g++) {
       const int64_t h = kv * G + g;
       const float *lh = lse + c * lse_item + h * lse_head;
+      const float slope = slopes ? slopes[h] : 0.f;
       float *dqh = (float *)at(dq, c, h, 4);
       for (int64_t i0 = 0; i0 < L; i0 += qb) {
         const int64_t r = i0 + qb < L ? qb : L - i0, p0 = first + i0;
@@ -447,6 +472,7 @@ static void backward_head(sgemm_fn sgemm, gemm_bf16_fn gb, uint16_t *pb, uint16_
           }
           memset(pi, 0, (size_t)(a - lo) * sizeof(float));
           memset(pi + (b - lo), 0, (size_t)(hi - b) * sizeof(float));
+          if (slope != 0.f) add_offsets(pi + (a - lo), b - a, slope, a - (p0 + i));
           exp_shifted(pi + (a - lo), b - a, lh[i0 + i]);
           /* ds = p (dp - D_i), in dp's place (zero where p is) */
           const float di = D[g * L + i0 + i];
@@ -487,7 +513,7 @@ static void backward_head(sgemm_fn sgemm, gemm_bf16_fn gb, uint16_t *pb, uint16_
   }
 }
 
-/* dims as attnkit_flash_forward's; inputs (q, k, v, out, dout) all float32 or all bf16;
+/* dims and slopes as attnkit_flash_forward's; inputs (q, k, v, out, dout) all float32 or all bf16;
  * lse as the forward wrote it (the log-sum-exp of the scaled scores), or any merged one (ring
  * attention's blocks). Writes dq, dk, dv (float32, every row of every head), or with
  * `accumulate` adds to them. Returns 0, or 1 where a buffer could not be allocated (nothing
@@ -495,8 +521,8 @@ static void backward_head(sgemm_fn sgemm, gemm_bf16_fn gb, uint16_t *pb, uint16_
 int attnkit_flash_backward(view q, view k, view v, view out, view dout, const float *lse,
                            int64_t lse_item, int64_t lse_head, view dq, view dk, view dv,
                            const int64_t *dims, int64_t first, int causal, int64_t window,
-                           float scale, int64_t qb, int64_t kb, int bf16, int accumulate,
-                           void *sgemm, void *gemm_bf16, int threads) {
+                           float scale, const float *slopes, int64_t qb, int64_t kb, int bf16,
+                           int accumulate, void *sgemm, void *gemm_bf16, int threads) {
   const int64_t count = dims[0], H = dims[1], K = dims[2], L = dims[3], S = dims[4];
   const int64_t E = dims[5], Ev = dims[6], G = H / K, tasks = count * K;
   const gemm_bf16_fn gb = bf16 ? (gemm_bf16_fn)gemm_bf16 : NULL;
@@ -514,8 +540,8 @@ int attnkit_flash_backward(view q, view k, view v, view out, view dout, const fl
     float *qf = dvb + kb * Ev, *df = qf + qb * E, *kf = df + qb * Ev, *vf = kf + kb * E;
     uint16_t *pb = (uint16_t *)(dvb + kb * Ev), *dsb = pb + qb * kb;
     backward_head((sgemm_fn)sgemm, gb, pb, dsb, q, k, v, out, dout, lse, lse_item, lse_head, dq,
-                  dk, dv, t / K, t % K, G, L, S, E, Ev, first, causal, window, scale, qb, kb, bf16,
-                  accumulate, mine, dp, D, qf, kf, vf, df, dkb, dvb);
+                  dk, dv, t / K, t % K, G, L, S, E, Ev, first, causal, window, scale, slopes, qb,
+                  kb, bf16, accumulate, mine, dp, D, qf, kf, vf, df, dkb, dvb);
   }
   free(work);
   return 0;

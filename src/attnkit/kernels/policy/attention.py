@@ -30,6 +30,7 @@ __all__ = [
     "SPARSE_LONG_MAX_DENSITY",
     "SPARSE_MAX_DENSITY",
     "SPARSE_MIN_KEYS",
+    "alibi_kernel",
     "attention_path",
     "attention_plan",
     "bf16_backward_products",
@@ -375,6 +376,25 @@ def flex_chunk_keys(heads: int, rows: int) -> int:
     (batch times query heads): as many as keep the tile within :data:`FLEX_CHUNK_SCORES`
     scores (at least one key block)."""
     return max(1, FLEX_CHUNK_SCORES // max(1, heads * rows))
+
+
+def alibi_kernel(call: AttentionCall) -> str | None:
+    """How attnkit's flash kernels multiply the tiles of an ALiBi call (the ``products`` of
+    :func:`attnkit.kernels.attention.flash_attention`), or None where they should not compute
+    it. ALiBi is :mod:`attnkit.flex`'s ``alibi`` score modification over no mask, a causal one
+    or a causal window: the flash kernels add each score's bias as they compute the tile, where
+    the alternative (the flex tiles on torch's flash kernel) reads a bias tensor as an additive
+    mask and computes whole blocks. They take it where they may run (:attr:`AttentionCall.eager`
+    and :attr:`AttentionCall.ready`), in float32, or in bfloat16 with the products the measured
+    choices pick (``attention.bf16_backward`` with gradients, ``attention.flash_bf16_products``
+    without), and with no other mask, documents, weights, dropout or soft cap."""
+    if call.batched or call.masked or call.weights or call.dropout or call.softcap:
+        return None
+    if not (call.eager and call.ready) or call.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if call.dtype == torch.float32:
+        return "widened"
+    return bf16_backward_products() if call.grads else flash_bf16_products()
 
 
 def one_query_kernel(dtype: torch.dtype, device: str, grads: bool) -> bool:
