@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
@@ -331,6 +332,18 @@ def _wait(requests: list[Any]) -> None:
         req.wait()
 
 
+@dataclass(frozen=True)
+class _RingCall:
+    """What a ring attention call does besides its tensors: causal masking, the scale, the
+    process group, how the sequence is laid out over the ranks, and the keys per piece."""
+
+    causal: bool
+    scale: float
+    group: Any
+    layout: str
+    chunk: int
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention; the blocks travel in pieces of ``chunk`` keys.
 
@@ -343,25 +356,10 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool,
-        scale: float,
-        group: Any,
-        layout: str,
-        chunk: int,
-    ) -> Tensor:
-        ring = _Ring(group)
-        ctx.causal, ctx.scale, ctx.group, ctx.layout, ctx.chunk = (
-            causal,
-            scale,
-            group,
-            layout,
-            chunk,
-        )
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, call: _RingCall) -> Tensor:  # type: ignore[override]
+        ctx.call = call
+        ring = _Ring(call.group)
+        causal, scale, layout, chunk = call.causal, call.scale, call.layout, call.chunk
         if ring.world == 1:  # plain attention on the local sequence
             out, lse = _block_forward(q, k, v, causal, scale)
             ctx.save_for_backward(q, k, v, out, lse)
@@ -401,12 +399,13 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        ring = _Ring(ctx.group)
-        none = (None,) * 5
+        call: _RingCall = ctx.call
+        ring = _Ring(call.group)
+        none = (None,)
         acc = torch.promote_types(q.dtype, torch.float32)
         if ring.world == 1:
             dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-            _block_backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, (dq, dk, dv))
+            _block_backward(grad_out, q, k, v, out, lse, call.causal, call.scale, (dq, dk, dv))
             return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *none)
         L, S = q.shape[2], k.shape[2]
         grad_out = grad_out.contiguous()
@@ -414,7 +413,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.empty(k.shape, dtype=acc, device=q.device)
         dv = torch.empty(v.shape, dtype=acc, device=q.device)
-        bounds = _bounds(S, ctx.chunk)
+        bounds = _bounds(S, call.chunk)
         widest = max(b - a for a, b in itertools.pairwise(bounds))
         pieces, grads = _Pieces([k, v], widest), _Pieces([k, v], widest, acc)
         for j in range(len(bounds) - 1):
@@ -434,11 +433,11 @@ class _RingAttention(torch.autograd.Function):
                 grad_requests = ring.receive(incoming)
                 src = (ring.rank - step) % ring.world
                 for rows, keys, is_causal in _calls(
-                    ring.rank, src, ctx.causal, ctx.layout, L, S, a, b, 2 * ctx.chunk
+                    ring.rank, src, call.causal, call.layout, L, S, a, b, 2 * call.chunk
                 ):
                     _block_backward(
                         grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                        out[:, :, rows], lse[:, :, rows], is_causal, ctx.scale,
+                        out[:, :, rows], lse[:, :, rows], is_causal, call.scale,
                         (dq[:, :, rows], dkv[0][:, :, keys], dkv[1][:, :, keys]),
                     )  # fmt: skip
                 # On to the next holder of this piece; after the last step, to its owner.
@@ -516,7 +515,9 @@ def ring_attention(
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    result: Tensor = _RingAttention.apply(q, k, v, causal, float(scale), group, layout, chunk)
+    result: Tensor = _RingAttention.apply(
+        q, k, v, _RingCall(causal, float(scale), group, layout, chunk)
+    )
     return result
 
 

@@ -151,9 +151,10 @@ def compiled_row(dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
 
 def fp32_prompt() -> dict[str, Callable[[], Any]]:
     """A prompt's float32 GEMM through ``F.linear`` (MKL) and through oneDNN's
-    ``mkldnn._linear_pointwise`` (the kernel inductor's CPU linears call)."""
+    ``mkldnn._linear_pointwise`` (the kernel inductor's CPU linears call), on a small model's
+    shape (a prompt of 256 tokens through a 576 -> 1536 projection)."""
     gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(128, 768, generator=gen), torch.randn(1024, 768, generator=gen)
+    x, w = torch.randn(256, 576, generator=gen), torch.randn(1536, 576, generator=gen)
     calls: dict[str, Callable[[], Any]] = {"mkl": lambda: F.linear(x, w)}
     op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
     if op is not None and torch.backends.mkldnn.is_available():

@@ -121,7 +121,7 @@ declare(
     "some CPUs run much faster (MKL takes a narrower path on them).",
     lambda caps: "mkl",
     timing.fp32_prompt,
-    margin=1.15,
+    margin=1.05,
 )
 declare(
     "linear.fp32_batch",
