@@ -17,7 +17,10 @@ faster), every pair timed in one process, interleaved round by round:
   flash kernel with the slopes, where the policy's ``alibi_kernel`` says) against compiled
   FlexAttention with the same ``score_mod``;
 * ``flex window fwd+bwd``: forward and backward of the window against
-  ``torch.nn.functional.scaled_dot_product_attention`` with a dense bool mask.
+  ``torch.nn.functional.scaled_dot_product_attention`` with a dense bool mask;
+* ``flex alibi+causal fwd+bwd``: forward and backward of the ALiBi row against
+  ``scaled_dot_product_attention`` with a dense additive mask holding the biases (compiled
+  FlexAttention has no CPU backward).
 
 :func:`flex_rows` returns the rows as dicts with the fields of
 :class:`attnkit.bench.vs.VsRow`.
@@ -26,6 +29,7 @@ faster), every pair timed in one process, interleaved round by round:
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -143,6 +147,7 @@ def flex_rows(job: FlexSpeedJob) -> list[dict[str, Any]]:
     rows = _window_rows(job)
     rows.append(_alibi_row(job))
     rows.append(_backward_row(job))
+    rows.append(_alibi_backward_row(job))
     return rows
 
 
@@ -221,18 +226,8 @@ def _alibi_row(job: FlexSpeedJob) -> dict[str, Any]:
 def _backward_row(job: FlexSpeedJob) -> dict[str, Any]:
     n, w = job.seq_len, job.window
     q, k, v = _inputs(n, job, grad=True)
-    g = torch.randn(1, job.heads, n, job.head_dim)
     block_mask = create_block_mask(P.sliding_window(w), None, None, n, n)
     dense = structured_mask(n, n, causal=True, window=w)  # (L, S) bool, True = may attend
-
-    def step(fn: Callable[[], Tensor]) -> Callable[[], None]:
-        def run() -> None:
-            out = fn()
-            torch.autograd.backward(out, g)
-            for t in (q, k, v):
-                t.grad = None
-
-        return run
 
     def ours() -> Tensor:
         return flex_attention(q, k, v, block_mask=block_mask)  # type: ignore[return-value]
@@ -240,15 +235,61 @@ def _backward_row(job: FlexSpeedJob) -> dict[str, Any]:
     def theirs() -> Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
 
-    grads = []
-    for fn in (ours, theirs):
-        out = fn()
-        grads.append(torch.autograd.grad(out, (q, k, v), g))
-    diff = max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))
-    samples = time_interleaved({"ours": step(ours), "theirs": step(theirs)}, repeats=job.repeats)
+    ours_s, theirs_s, diff = _grad_race(ours, theirs, (q, k, v), job.repeats)
     note = f"N={n}, window {w}, {job.heads} heads x {job.head_dim}; max grad diff {diff:.1e}"
-    return _row("flex window fwd+bwd", DENSE, _median(samples["ours"]),
-                _median(samples["theirs"]), note, 12.0, job)  # fmt: skip
+    return _row("flex window fwd+bwd", DENSE, ours_s, theirs_s, note, 12.0, job)
+
+
+def _alibi_backward_row(job: FlexSpeedJob) -> dict[str, Any]:
+    n = job.alibi_len
+    q, k, v = _inputs(n, job, grad=True)
+    alibi = P.alibi(job.heads)
+    block_mask = create_block_mask(P.causal(), None, None, n, n)
+    i = torch.arange(n)
+    bias = P.alibi_slopes(job.heads).view(-1, 1, 1) * (i[None, :] - i[:, None])  # (H, L, S)
+    dense = bias.masked_fill(i[None, :] > i[:, None], -math.inf).unsqueeze(0)
+
+    def ours() -> Tensor:
+        return flex_attention(q, k, v, alibi, block_mask)  # type: ignore[return-value]
+
+    def theirs() -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
+    ours_s, theirs_s, diff = _grad_race(ours, theirs, (q, k, v), job.repeats)
+    note = (
+        f"N={n}, ALiBi + causal, {job.heads} heads x {job.head_dim}; the peer's mask holds the "
+        f"biases; max grad diff {diff:.1e}"
+    )
+    return _row("flex alibi+causal fwd+bwd", DENSE, ours_s, theirs_s, note, 1.0, job)
+
+
+def _grad_race(
+    ours: Callable[[], Tensor],
+    theirs: Callable[[], Tensor],
+    inputs: tuple[Tensor, Tensor, Tensor],
+    repeats: int,
+) -> tuple[float, float, float]:
+    """Time the forward and backward of ``ours`` against ``theirs`` (the same gradient of the
+    output), interleaved round by round.
+
+    Returns:
+        ``(ours median seconds, theirs median seconds, largest input-gradient difference)``.
+    """
+    q = inputs[0]
+    g = torch.randn(q.shape[0], q.shape[1], q.shape[2], inputs[2].shape[-1])
+
+    def step(fn: Callable[[], Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            torch.autograd.backward(fn(), g)
+            for t in inputs:
+                t.grad = None
+
+        return run
+
+    grads = [torch.autograd.grad(fn(), inputs, g) for fn in (ours, theirs)]
+    diff = max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))
+    samples = time_interleaved({"ours": step(ours), "theirs": step(theirs)}, repeats=repeats)
+    return _median(samples["ours"]), _median(samples["theirs"]), diff
 
 
 def main(argv: list[str] | None = None) -> int:
