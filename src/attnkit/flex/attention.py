@@ -152,9 +152,7 @@ def structured_options(
 ) -> dict[str, Any] | None:
     """The options of :func:`attnkit.functional.scaled_dot_product_attention` that compute this
     call (its structured kernels), or None where they cannot say the mask or modification."""
-    mask: dict[str, Any] | None = {}
-    if block_mask is not None:
-        mask = getattr(block_mask.mask_mod, "structure", None)
+    mask = _mask_structure(block_mask)
     if mask is None:
         return None
     options = dict(mask)
@@ -173,6 +171,15 @@ def structured_options(
     if lengths is not None and (lengths.shape[0] != B or bool((lengths > S).any())):
         return None
     return options
+
+
+def _mask_structure(block_mask: BlockMask | None) -> dict[str, Any] | None:
+    """The structured options ``block_mask``'s ``mask_mod`` says (``{}`` for no mask), or None
+    where it says none (a mask of the user's own)."""
+    if block_mask is None:
+        return {}
+    structure: dict[str, Any] | None = getattr(block_mask.mask_mod, "structure", None)
+    return structure
 
 
 def captured_tensors(fn: Any) -> list[Tensor]:
@@ -283,7 +290,7 @@ def _alibi_flash(
     from 0 as FlexAttention indexes them), or None where the policy leaves it to the tiles."""
     if getattr(score_mod, "kind", None) != "alibi":
         return None
-    mask = {} if block_mask is None else getattr(block_mask.mask_mod, "structure", None)
+    mask = _mask_structure(block_mask)
     if mask is None or not set(mask) <= {"causal", "window"}:
         return None
     rules = Structure(causal=bool(mask.get("causal", False)), window=mask.get("window"))
